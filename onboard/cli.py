@@ -1,0 +1,90 @@
+"""The `onboard` command. Exit codes: 0 ok, 2 bad input (one line on stderr), 3 gaps remain."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from onboard.errors import OnboardError
+
+EXIT_BAD_INPUT = 2
+EXIT_GAPS = 3
+
+
+def _inspect(args) -> int:
+    from onboard.gap import analyze
+    from onboard.manifest import read_manifest
+    from onboard.recognize import recognize
+    from onboard.render import gap_markdown, print_gap_report
+
+    manifest = read_manifest(args.model_dir)
+    report = analyze(recognize(manifest), manifest, args.gpu_mem_gib, args.lora_rank, args.seq_len)
+    if args.json:
+        sys.stdout.write(report.model_dump_json(indent=2) + "\n")
+    elif args.markdown:
+        sys.stdout.write(gap_markdown(report))
+    else:
+        print_gap_report(report)
+    return EXIT_GAPS if report.summary["gaps_remain"] else 0
+
+
+def _example_model(args) -> int:
+    from onboard.example_models import write_example_model
+
+    out = write_example_model(args.family, Path(args.out), args.layers, args.shards, args.seed)
+    print(f"wrote {args.family} example to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="onboard", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="gap report of a released model folder (writes nothing)")
+    p.add_argument("model_dir")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="the GapReport as JSON")
+    fmt.add_argument("--markdown", action="store_true", help="the GapReport as Markdown")
+    p.add_argument("--gpu-mem-gib", type=_positive_float, default=80.0)
+    p.add_argument("--lora-rank", type=_positive_int, default=16)
+    p.add_argument("--seq-len", type=_positive_int, default=4096)
+    p.set_defaults(run=_inspect)
+    p = sub.add_parser("example-model", help="write a tiny random-weight release of a real family")
+    p.add_argument("family")
+    p.add_argument("--out", required=True)
+    p.add_argument("--layers", type=_positive_int, default=None, help="text layers (default: the family's pattern)")
+    p.add_argument("--shards", type=_positive_int, default=1, help="split into about this many safetensors shards")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=_example_model)
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except OnboardError as err:
+        print(f"onboard: error: {err.one_line()}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+def run() -> None:
+    """Console-script entry point."""
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""GapReport: each component of a ModelSpec against the operator registry, the weight check, the memory budget."""
+from __future__ import annotations
+
+import re
+from typing import Literal, Optional
+
+from pydantic import BaseModel
+
+from onboard.errors import OnboardError
+from onboard.manifest import Manifest
+from onboard.memory import MemoryBudget, budget
+from onboard.meta_check import MetaCheck, meta_check
+from onboard.spec import ModelSpec, Unrecognized
+from onboard.weight_layout import expected_tensors
+from runtime.registry import OPS, ops_for_layer
+
+Status = Literal["covered", "variant", "generated", "fallback", "missing"]
+# Families transformers can run: their own modules are the slow fallback for anything we lack.
+REFERENCE_FAMILIES = {"qwen3_next", "qwen3_5_moe", "kimi_linear", "deepseek_v32", "deepseek_v3", "qwen3_moe",
+                      "mixtral", "olmoe", "gpt_oss", "ernie4_5_moe", "minimax", "glm4_moe"}
+
+
+class OpGap(BaseModel):
+    op: str
+    covers: str
+    status: Status
+    layers: list[int]
+    runtime_op: Optional[str]
+    kernel: Optional[str]
+    reference_op: str
+    detail: str = ""
+
+
+class ShapeMismatch(BaseModel):
+    name: str
+    expected: list[int]
+    actual: list[int]
+
+
+class WeightCheck(BaseModel):
+    shapes_checked: bool  # False when only the index is present (no headers to read shapes from)
+    expected: int
+    present: int
+    missing: list[str]
+    unexpected: list[str]
+    shape_mismatches: list[ShapeMismatch]
+
+
+class GapReport(BaseModel):
+    model: dict
+    ops: list[OpGap]
+    weights: WeightCheck
+    memory: MemoryBudget
+    meta_check: Optional[MetaCheck]  # transformers' own model on the meta device, when it knows the family
+    unrecognized: list[Unrecognized]
+    summary: dict
+
+
+def _pattern(name: str) -> str:
+    return re.sub(r"\.\d+\.", ".N.", re.sub(r"\.\d+\.", ".N.", name))
+
+
+def op_gaps(spec: ModelSpec) -> list[OpGap]:
+    found: dict[tuple[str, str], set[int]] = {}
+    params_of: dict[tuple[str, str], dict] = {}
+    for layer in spec.layers:
+        attention, ffn = layer.attention.model_dump(), layer.ffn.model_dump()
+        for name, params in [("rms_norm", spec.norm.model_dump())] + ops_for_layer(attention, ffn):
+            support = OPS[name].supports(params)
+            found.setdefault((name, support), set()).add(layer.index)
+            params_of[(name, support)] = params
+    return [_op_gap(name, support, sorted(layers), spec.family) for (name, support), layers in sorted(found.items())]
+
+
+def _op_gap(name: str, support: str, layers: list[int], family: str) -> OpGap:
+    op = OPS[name]
+    has_runtime = op.resolve("fallback") is not None
+    if support != "unsupported" and has_runtime:
+        status = "covered" if support == "exact" else "variant"
+        detail = "" if support == "exact" else "supported through a less exercised parameter path"
+    elif family in REFERENCE_FAMILIES:
+        status, detail = "fallback", "runs through the model's own transformers module (slow)"
+    else:
+        status, detail = "missing", "no runtime op and no reference implementation to fall back on"
+    return OpGap(op=name, covers=op.covers, status=status, layers=layers,
+                 runtime_op=op.fallback if status in ("covered", "variant") else None,
+                 kernel=op.kernel if status in ("covered", "variant") and op.resolve("kernel") else None,
+                 reference_op=op.reference, detail=detail)
+
+
+def check_weights(spec: ModelSpec, manifest: Manifest) -> WeightCheck:
+    """Expected tensors vs the release. A shape that contradicts the config is bad input (exit 2)."""
+    expected = expected_tensors(spec)
+    vision_prefix = spec.naming.vision_prefix or "\0"
+    present = {n: t for n, t in manifest.tensors.items() if not n.startswith(vision_prefix)}
+    mismatches = [ShapeMismatch(name=n, expected=list(shape), actual=list(present[n].shape))
+                  for n, shape in expected.items()
+                  if n in present and present[n].shape is not None and tuple(present[n].shape) != shape]
+    if mismatches:
+        first = mismatches[0]
+        raise OnboardError(manifest.root / (present[first.name].file or ""), first.name,
+                           f"shape {tuple(first.actual)} contradicts config.json, which implies {tuple(first.expected)}"
+                           f" ({len(mismatches)} tensor(s) disagree)")
+    return WeightCheck(shapes_checked=manifest.shards_present, expected=len(expected), present=len(present),
+                       missing=sorted(n for n in expected if n not in present),
+                       unexpected=sorted(n for n in present if n not in expected), shape_mismatches=[])
+
+
+def unexpected_as_unrecognized(unexpected: list[str]) -> list[Unrecognized]:
+    patterns: dict[str, int] = {}
+    for name in unexpected:
+        patterns[_pattern(name)] = patterns.get(_pattern(name), 0) + 1
+    return [Unrecognized(source=f"weights:{p}", item=p, detail=f"{n} tensor(s) no recognized component uses")
+            for p, n in sorted(patterns.items())]
+
+
+def analyze(spec: ModelSpec, manifest: Manifest, gpu_mem_gib: float = 80.0, lora_rank: int = 16,
+            seq_len: int = 4096) -> GapReport:
+    ops = op_gaps(spec)
+    weights = check_weights(spec, manifest)
+    counts = {s: sum(1 for o in ops if o.status == s) for s in ("covered", "variant", "generated", "fallback", "missing")}
+    gaps = counts["missing"] > 0 or bool(weights.missing)
+    meta = meta_check(spec, manifest) if spec.family in REFERENCE_FAMILIES else None
+    return GapReport(model=model_summary(spec, manifest), ops=ops, weights=weights,
+                     memory=budget(spec, gpu_mem_gib, lora_rank, seq_len), meta_check=meta,
+                     unrecognized=list(spec.unrecognized) + unexpected_as_unrecognized(weights.unexpected),
+                     summary={"ops": counts, "gaps_remain": gaps,
+                              "meta_check_agrees": meta.agrees if meta else None})
+
+
+def model_summary(spec: ModelSpec, manifest: Manifest) -> dict:
+    kinds: dict[str, list[int]] = {}
+    for layer, kind in zip(spec.layers, spec.layer_kinds()):
+        kinds.setdefault(kind, []).append(layer.index)
+    moe = [layer.ffn for layer in spec.layers if layer.ffn.kind == "moe"]
+    first = moe[0] if moe else None
+    return {
+        "source": str(manifest.root), "family": spec.family, "architecture": spec.architecture,
+        "num_layers": spec.num_layers, "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size,
+        "layer_kinds": {k: len(v) for k, v in kinds.items()}, "layers_by_kind": kinds,
+        "attention_kinds": _attention_counts(spec),
+        "num_experts": first.num_experts if first else 0, "top_k": first.top_k if first else 0,
+        "num_shared_experts": first.num_shared_experts if first else 0,
+        "moe_layers": len(moe), "vision": spec.vision.model_dump() if spec.vision else None,
+        "params_total": spec.params.total, "params_active": spec.params.active,
+        "manifest_params": manifest.total_params, "params": spec.params.model_dump(), "spec_hash": spec.spec_hash(),
+    }
+
+
+def _attention_counts(spec: ModelSpec) -> dict[str, int]:
+    """Linear vs softmax-style counts: gated_delta/kda/lightning are linear; MLA with an indexer is sparse."""
+    counts = {"linear": 0, "sparse": 0, "full": 0, "sliding": 0}
+    for layer in spec.layers:
+        a = layer.attention
+        if a.kind in ("gated_delta", "kda", "lightning"):
+            counts["linear"] += 1
+        elif a.kind == "mla" and a.indexer is not None:
+            counts["sparse"] += 1
+        elif a.kind == "softmax" and a.sliding_window:
+            counts["sliding"] += 1
+        else:
+            counts["full"] += 1
+    return counts

@@ -1,0 +1,101 @@
+"""Memory budget of LoRA fine-tuning a ModelSpec, and the smallest GPU count that holds it.
+
+Estimates, per the usual accounting: frozen base weights in the release dtype, sharded over every
+GPU (FSDP x EP); LoRA parameters, gradients and AdamW moments in fp32 (16 bytes per parameter);
+activations per token per GPU; and the attention state a sequence carries.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+from pydantic import BaseModel
+
+from onboard.spec import ModelSpec, MoEFFN
+from onboard.weight_layout import attention_tensors
+
+GIB = 1 << 30
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+# Released projection names LoRA targets by default: attention in/out projections of every kind.
+DEFAULT_LORA_TARGETS = (r"(^|\.)(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|"
+                        r"in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|out_proj|qkv_proj)\.weight$")
+# Headroom for the CUDA context, allocator fragmentation and NCCL buffers.
+USABLE_FRACTION = 0.9
+WORKSPACE_GIB = 4.0
+
+
+class MemoryBudget(BaseModel):
+    dtype_bytes: int
+    weights_gib: float
+    lora_rank: int
+    lora_params: int
+    lora_states_gib: float  # params + grads + AdamW moments, fp32
+    activation_bytes_per_token: int  # no recompute: everything backward needs, all layers
+    activation_bytes_per_token_recompute: int  # layer inputs kept, one layer rebuilt at a time
+    state_bytes_per_token: int  # softmax/MLA KV and DSA indexer keys, all layers
+    recurrent_state_bytes_per_sequence: int  # linear-attention states, all layers, fp32
+    seq_len: int
+    gpu_mem_gib: float
+    per_gpu_activations_gib: float  # recompute on, one sequence of seq_len
+    min_gpus: int
+
+
+def lora_params(spec: ModelSpec, rank: int, targets: str = DEFAULT_LORA_TARGETS) -> int:
+    rx = re.compile(targets)
+    total = 0
+    for layer in spec.layers:
+        for name, shape in attention_tensors(layer.attention, spec.hidden_size, spec.naming).items():
+            if len(shape) == 2 and rx.search(name):
+                total += rank * (shape[0] + shape[1])
+    return total
+
+
+def _layer_activation_bytes(spec: ModelSpec, layer, b: int) -> int:
+    """Per token: what autograd keeps for one layer (inputs of every matmul, norms, gates)."""
+    d = spec.hidden_size
+    attn_widths = sum(s[0] for s in attention_tensors(layer.attention, d, spec.naming).values() if len(s) == 2)
+    per_token = 4 * d + 2 * attn_widths  # norms in/out, projections' inputs and outputs
+    ffn = layer.ffn
+    if isinstance(ffn, MoEFFN):
+        per_token += ffn.top_k * (d + 3 * ffn.expert_intermediate_size) + ffn.num_experts // 8
+        per_token += 3 * ffn.shared_intermediate_size
+    else:
+        per_token += 3 * ffn.intermediate_size
+    return per_token * b
+
+
+def _state_bytes(spec: ModelSpec, b: int) -> tuple[int, int]:
+    per_token, per_sequence = 0, 0
+    for layer in spec.layers:
+        a = layer.attention
+        if a.kind == "softmax":
+            per_token += 2 * a.num_kv_heads * a.head_dim * b
+        elif a.kind == "mla":
+            per_token += (a.kv_lora_rank + a.qk_rope_head_dim) * b
+            per_token += a.indexer.head_dim * b if a.indexer else 0
+        elif a.kind == "gated_delta":
+            per_sequence += a.num_v_heads * a.head_k_dim * a.head_v_dim * 4
+        elif a.kind in ("kda", "lightning"):
+            per_sequence += a.num_heads * a.head_dim * a.head_dim * 4
+    return per_token, per_sequence
+
+
+def budget(spec: ModelSpec, gpu_mem_gib: float = 80.0, lora_rank: int = 16, seq_len: int = 4096) -> MemoryBudget:
+    b = DTYPE_BYTES.get(spec.dtype, 2)
+    weights = (spec.params.total + spec.params.buffers) * b
+    n_lora = lora_params(spec, lora_rank)
+    lora_states = 16 * n_lora
+    no_recompute = sum(_layer_activation_bytes(spec, layer, b) for layer in spec.layers)
+    one_layer = max((_layer_activation_bytes(spec, layer, b) for layer in spec.layers), default=0)
+    recompute = spec.num_layers * spec.hidden_size * b + one_layer
+    per_token_state, per_sequence_state = _state_bytes(spec, b)
+    # logits in fp32 for the loss dominate short models: vocab x 4 bytes per token, twice (fwd + grad)
+    activations = seq_len * (recompute + per_token_state + 8 * spec.vocab_size) + per_sequence_state
+    capacity = gpu_mem_gib * GIB * USABLE_FRACTION - activations - WORKSPACE_GIB * GIB
+    min_gpus = math.ceil((weights + lora_states) / capacity) if capacity > 0 else -1
+    return MemoryBudget(
+        dtype_bytes=b, weights_gib=weights / GIB, lora_rank=lora_rank, lora_params=n_lora,
+        lora_states_gib=lora_states / GIB, activation_bytes_per_token=no_recompute,
+        activation_bytes_per_token_recompute=recompute, state_bytes_per_token=per_token_state,
+        recurrent_state_bytes_per_sequence=per_sequence_state, seq_len=seq_len, gpu_mem_gib=gpu_mem_gib,
+        per_gpu_activations_gib=activations / GIB, min_gpus=max(min_gpus, 1) if min_gpus > 0 else -1)

@@ -1,0 +1,91 @@
+"""How a release names its tensors: detected from the weight names, then used to list expected tensors."""
+from __future__ import annotations
+
+import re
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict
+
+LAYER_RE = re.compile(r"^(?P<prefix>.*?)layers\.(?P<index>\d+)\.(?P<rest>.+)$")
+
+
+class WeightNaming(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prefix: str  # text decoder prefix, e.g. "model." or "model.language_model."
+    softmax_module: str = "self_attn"
+    linear_module: str = "self_attn"  # Qwen3-Next names its gated delta net "linear_attn"
+    ffn_module: str = "mlp"
+    expert_style: Literal["gate_up_down", "w1_w3_w2", "fused_gate_up"] = "gate_up_down"
+    router_module: str = "gate"
+    correction_bias: Optional[str] = None  # path under the FFN module
+    shared_module: str = "shared_experts"
+    kda_gate_prefix: str = ""  # the seed release nests A_log/dt_bias/f_a/f_b under "forget_gate."
+    vision_prefix: Optional[str] = None
+
+
+def layer_suffixes(names) -> dict[int, set[str]]:
+    """Tensor names -> {layer index: {name after 'layers.N.'}} (text layers only)."""
+    by_layer: dict[int, set[str]] = {}
+    for name in names:
+        m = LAYER_RE.match(name)
+        if m and "visual" not in m["prefix"] and "vision" not in m["prefix"]:
+            by_layer.setdefault(int(m["index"]), set()).add(m["rest"])
+    return by_layer
+
+
+def detect_prefix(names) -> str:
+    counts: dict[str, int] = {}
+    for name in names:
+        m = LAYER_RE.match(name)
+        if m and "visual" not in m["prefix"] and "vision" not in m["prefix"]:
+            counts[m["prefix"]] = counts.get(m["prefix"], 0) + 1
+    return max(counts, key=counts.get) if counts else "model."
+
+
+def _first_component_with(suffixes, leaf_pattern: str) -> Optional[str]:
+    pattern = re.compile(rf"^([a-z_]+)\.{leaf_pattern}")
+    for s in sorted(suffixes):
+        m = pattern.match(s)
+        if m:
+            return m.group(1)
+    return None
+
+
+def detect_naming(names) -> WeightNaming:
+    """Detect module names and layouts from the full list of tensor names."""
+    names = list(names)
+    all_suffixes = set().union(*layer_suffixes(names).values()) if names else set()
+    kw: dict = {"prefix": detect_prefix(names)}
+    softmax = _first_component_with(all_suffixes, r"(q_proj|q_a_proj|qkv_proj)\.weight")
+    linear = _first_component_with(all_suffixes, r"(in_proj_qkvz|in_proj_qkv|f_a_proj|forget_gate|qkv_proj)")
+    ffn = _first_component_with(all_suffixes, r"(experts|gate\.weight|router\.weight|down_proj\.weight)")
+    if softmax:
+        kw["softmax_module"] = softmax
+    if linear:
+        kw["linear_module"] = linear
+    if ffn:
+        kw["ffn_module"] = ffn
+    kw.update(_detect_moe_naming(all_suffixes))
+    if any(".forget_gate.f_a_proj" in s for s in all_suffixes):
+        kw["kda_gate_prefix"] = "forget_gate."
+    vision = sorted({n.split("blocks.")[0] for n in names if ("visual." in n or "vision" in n) and "blocks." in n})
+    kw["vision_prefix"] = vision[0] if vision else None
+    return WeightNaming(**kw)
+
+
+def _detect_moe_naming(suffixes: set[str]) -> dict:
+    kw: dict = {}
+    if any(re.search(r"\.experts\.\d+\.w1\.weight$", s) for s in suffixes):
+        kw["expert_style"] = "w1_w3_w2"
+    elif any(s.endswith(".experts.gate_up_proj") for s in suffixes):
+        kw["expert_style"] = "fused_gate_up"
+    if any(re.search(r"\.router\.weight$", s) for s in suffixes):
+        kw["router_module"] = "router"
+    for s in suffixes:
+        m = re.search(r"^[a-z_]+\.((?:gate|moe_statics)\.e_score_correction_bias)$", s)
+        if m:
+            kw["correction_bias"] = m.group(1)
+    if any(re.search(r"\.shared_expert\.", s) for s in suffixes):
+        kw["shared_module"] = "shared_expert"
+    return kw

@@ -1,0 +1,308 @@
+"""Manifest -> ModelSpec: recognition from config keys and weight names.
+
+Config keys say the widths; weight names say which modules exist (biases, norms, gates, layouts).
+Family knowledge is limited to what a config cannot express (e.g. Qwen3-Next's (1 + w) norms);
+everything else comes from keys any release of the same design would use, so an unknown family
+(the seed-2.8t example) is recognized from keys and names alone. What is not understood is kept in
+`unrecognized`.
+"""
+from __future__ import annotations
+
+import re
+
+from onboard.config_view import ConfigView
+from onboard.errors import OnboardError
+from onboard.manifest import Manifest
+from onboard.naming import WeightNaming, detect_naming, layer_suffixes
+from onboard.spec import (DenseFFN, DSAIndexer, GatedDeltaAttention, KDAAttention, LayerSpec, LightningAttention,
+                          MLAAttention, ModelSpec, MoEFFN, NormSpec, RopeSpec, RouterSpec, SoftmaxAttention,
+                          Unrecognized)
+from onboard import param_count, recognize_vision
+
+# Families whose RMSNorm applies (1 + w): not expressed in their configs.
+ONE_PLUS_W_NORM_FAMILIES = {"qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"}
+# Families whose softmax attention has a sigmoid output gate folded into q_proj.
+GATED_ATTENTION_FAMILIES = {"qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"}
+# Families whose MLA runs without rotary embedding (NoPE).
+NOPE_MLA_FAMILIES = {"kimi_linear"}
+
+LAYER_KIND_ALIASES = {
+    "full_attention": "full", "attention": "full", "global_attention": "full",
+    "sliding_attention": "sliding", "local_attention": "sliding",
+    "linear_attention": "linear",
+    "sparse_attention": "sparse", "indexed_attention": "sparse",
+}
+
+
+class Recognizer:
+    def __init__(self, manifest: Manifest):
+        self.manifest = manifest
+        config_path = str(manifest.root / "config.json")
+        has_text = manifest.text_config is not manifest.config
+        self.top = ConfigView(manifest.config, config_path, "")
+        # one view when the text settings sit at the top level, so each key is judged once
+        self.cfg = ConfigView(manifest.text_config, config_path, self._text_key()) if has_text else self.top
+        if has_text:
+            self.top.used.add(self._text_key())
+        self.family = str(manifest.config.get("model_type", "unknown"))
+        self.names = list(manifest.tensors)
+        self.naming: WeightNaming = detect_naming(self.names)
+        self.suffixes = layer_suffixes(self.names)
+        self.unrecognized: list[Unrecognized] = []
+
+    def _text_key(self) -> str:
+        for key in ("text_config", "language_config", "llm_config"):
+            if key in self.manifest.config:
+                return key
+        return "text_config"
+
+    def run(self) -> ModelSpec:
+        hidden = self.cfg.positive_int("hidden_size", "d_model", "n_embd")
+        num_layers = self.cfg.positive_int("num_hidden_layers", "num_layers", "n_layer")
+        kinds = self.layer_kinds(num_layers)
+        moe_layers = self.moe_layer_flags(num_layers)
+        if all(moe_layers):
+            self.cfg.mark_used("intermediate_size")  # the dense width, unused when every layer is MoE
+        layers = [LayerSpec(index=i, attention=self.attention(i, kinds[i]), ffn=self.ffn(i, moe_layers[i]))
+                  for i in range(num_layers)]
+        vision = recognize_vision.recognize(self.manifest, self.top, self.naming)
+        tie = bool(self.cfg.get("tie_word_embeddings", default=self.top.get("tie_word_embeddings", default=False)))
+        fields = dict(family=self.family, architecture=self._architecture(), hidden_size=hidden,
+                      vocab_size=self.cfg.positive_int("vocab_size"), num_layers=num_layers, layers=layers,
+                      norm=self.norm(), tie_word_embeddings=tie, naming=self.naming, vision=vision,
+                      dtype=str(self.manifest.config.get("torch_dtype") or self.manifest.config.get("dtype") or "bfloat16"))
+        counts = param_count.count(ModelSpec.model_construct(**fields, params=None), vision)
+        self.collect_unrecognized()
+        return ModelSpec(**fields, params=counts, unrecognized=self.unrecognized)
+
+    def _architecture(self) -> str:
+        archs = self.manifest.config.get("architectures") or ["unknown"]
+        return str(archs[0])
+
+    # ---- layer pattern
+    def layer_kinds(self, num_layers: int) -> list[str]:
+        types = self.cfg.get("layer_types", default=None)
+        if types is None and self.cfg.has("attn_type_list"):
+            types = ["full_attention" if t else "linear_attention" for t in self.cfg.get("attn_type_list")]
+        if types is None:
+            return ["full"] * num_layers
+        if not isinstance(types, list) or len(types) != num_layers:
+            raise OnboardError(self.cfg.path, self.cfg._dotted("layer_types"),
+                               f"expected a list of {num_layers} layer types, got {types!r:.80}")
+        kinds = []
+        for i, t in enumerate(types):
+            if t not in LAYER_KIND_ALIASES:
+                raise OnboardError(self.cfg.path, self.cfg._dotted(f"layer_types[{i}]"), f"unknown layer type {t!r}")
+            kinds.append(LAYER_KIND_ALIASES[t])
+        return kinds
+
+    # ---- attention
+    def attention(self, index: int, kind: str):
+        if kind == "linear":
+            return self.linear_attention(index)
+        if self.cfg.has("kv_lora_rank") and self._layer_has(index, r"(kv_a_proj_with_mqa)"):
+            return self.mla(sparse=(kind == "sparse"))
+        if kind == "sparse":
+            raise OnboardError(self.cfg.path, self.cfg._dotted("layer_types"),
+                               f"layer {index} is sparse attention but the release has no MLA weights for it")
+        return self.softmax(index, window=(kind == "sliding"))
+
+    def _layer_has(self, index: int, pattern: str) -> bool:
+        rx = re.compile(pattern)
+        return any(rx.search(s) for s in self.suffixes.get(index, ()))
+
+    def _shape(self, index: int, suffix_pattern: str):
+        rx = re.compile(suffix_pattern)
+        prefix = f"{self.naming.prefix}layers.{index}."
+        for s in self.suffixes.get(index, ()):
+            if rx.search(s):
+                info = self.manifest.tensors.get(prefix + s)
+                return info.shape if info else None
+        return None
+
+    def head_dim(self) -> int:
+        heads = self.cfg.positive_int("num_attention_heads", "n_head")
+        return self.cfg.positive_int("head_dim", default=None) or self.cfg.positive_int("hidden_size") // heads
+
+    def rope(self, rotary_base_dim: int, interleaved: bool = False) -> RopeSpec:
+        params = dict(self.cfg.get("rope_parameters", default=None) or {})
+        legacy = self.cfg.get("rope_scaling", default=None) or {}
+        theta = params.pop("rope_theta", None) or self.cfg.number("rope_theta", default=10000.0)
+        factor = params.pop("partial_rotary_factor", None) or self.cfg.number("partial_rotary_factor", default=1.0)
+        mrope_section = params.pop("mrope_section", None)
+        mrope_interleaved = bool(params.pop("mrope_interleaved", False))
+        scaling = {**legacy, **params}
+        if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            scaling = None
+        return RopeSpec(theta=float(theta), rotary_dim=int(rotary_base_dim * factor), interleaved=interleaved,
+                        scaling=scaling, mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
+
+    def softmax(self, index: int, window: bool) -> SoftmaxAttention:
+        heads = self.cfg.positive_int("num_attention_heads", "n_head")
+        kv_heads = self.cfg.positive_int("num_key_value_heads", default=heads)
+        head_dim = self.head_dim()
+        # biases and qk-norm are read off the weights, which are the facts
+        self.cfg.mark_used("attention_bias", "use_bias", "use_qk_norm")
+        q_shape = self._shape(index, r"\.q_proj\.weight$")
+        gated = q_shape[0] == 2 * heads * head_dim if q_shape else self.family in GATED_ATTENTION_FAMILIES
+        qn_shape = self._shape(index, r"\.q_norm\.weight$")
+        qk_norm = "none"
+        if self._layer_has(index, r"\.q_norm\.weight$"):
+            qk_norm = "full" if (qn_shape and qn_shape[0] == heads * head_dim and heads > 1) else "head"
+        sliding = self.cfg.positive_int("sliding_window", default=None) if window else None
+        if window and sliding is None:
+            raise OnboardError(self.cfg.path, self.cfg._dotted("sliding_window"), "sliding layers need a window size")
+        return SoftmaxAttention(
+            num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rope=self.rope(head_dim),
+            qkv_bias=self._layer_has(index, r"\.q_proj\.bias$"), o_bias=self._layer_has(index, r"\.o_proj\.bias$"),
+            qk_norm=qk_norm, sliding_window=sliding, sinks=self._layer_has(index, r"\.sinks$"), output_gate=gated)
+
+    def mla(self, sparse: bool) -> MLAAttention:
+        rope_dim = self.cfg.positive_int("qk_rope_head_dim")
+        indexer = None
+        if sparse:
+            indexer = DSAIndexer(num_heads=self.cfg.positive_int("index_n_heads"),
+                                 head_dim=self.cfg.positive_int("index_head_dim"),
+                                 topk=self.cfg.positive_int("index_topk"))
+        qk = self.cfg.positive_int("qk_head_dim", default=None)
+        if qk is not None and qk != self.cfg.positive_int("qk_nope_head_dim") + rope_dim:
+            raise OnboardError(self.cfg.path, self.cfg._dotted("qk_head_dim"),
+                               f"expected qk_nope_head_dim + qk_rope_head_dim, got {qk}")
+        # MLA has one latent kv; head_dim / kv heads keys are the unabsorbed view's bookkeeping
+        self.cfg.mark_used("head_dim", "num_key_value_heads", "attention_bias", "mlp_bias")
+        nope = self.family in NOPE_MLA_FAMILIES
+        interleaved = bool(self.cfg.get("rope_interleave", default=self.family in ("deepseek_v3", "deepseek_v32")))
+        return MLAAttention(
+            num_heads=self.cfg.positive_int("num_attention_heads"),
+            q_lora_rank=self.cfg.positive_int("q_lora_rank", default=None),
+            kv_lora_rank=self.cfg.positive_int("kv_lora_rank"),
+            qk_nope_head_dim=self.cfg.positive_int("qk_nope_head_dim"), qk_rope_head_dim=rope_dim,
+            v_head_dim=self.cfg.positive_int("v_head_dim"),
+            rope=None if nope else self.rope(rope_dim, interleaved=interleaved), indexer=indexer)
+
+    def linear_attention(self, index: int):
+        lin = ConfigView(self.cfg.get("linear_attn_config", default=None) or {}, self.cfg.path,
+                         self.cfg._dotted("linear_attn_config"))
+        kernel = lin.get("kernel", default=None)
+        if kernel == "kda" or self.family == "kimi_linear" or self._layer_has(index, r"f_a_proj"):
+            return self._kda(index, lin)
+        if self.family == "minimax" or self._layer_has(index, r"\.slope_rate$|\.qkv_proj\.weight$"):
+            heads = self.cfg.positive_int("num_attention_heads")
+            return LightningAttention(num_heads=heads, head_dim=self.head_dim(),
+                                      block_size=self.cfg.positive_int("block_size", default=256))
+        if self.cfg.has("linear_num_value_heads") or self._layer_has(index, r"in_proj_qkv"):
+            return self._gated_delta(index)
+        raise OnboardError(self.cfg.path, self.cfg._dotted("layer_types"),
+                           f"layer {index} is linear attention of a kind not recognized from keys or weights")
+
+    def _kda(self, index: int, lin: ConfigView) -> KDAAttention:
+        heads = lin.positive_int("num_heads", default=None) or self.cfg.positive_int("linear_num_heads", "num_attention_heads")
+        head_dim = lin.positive_int("head_dim", default=None) or self.cfg.positive_int("linear_head_dim", "head_dim")
+        conv = lin.positive_int("short_conv_kernel_size", default=None) or self.cfg.positive_int("linear_conv_kernel_dim", default=4)
+        self._mark_used(lin)
+        return KDAAttention(num_heads=heads, head_dim=head_dim, conv_kernel_size=conv,
+                            separate_convs=self._layer_has(index, r"\.q_conv1d\.weight$"))
+
+    def _gated_delta(self, index: int) -> GatedDeltaAttention:
+        fused = "qkvz_ba" if self._layer_has(index, r"in_proj_qkvz") else "qkv_z_b_a"
+        return GatedDeltaAttention(
+            num_k_heads=self.cfg.positive_int("linear_num_key_heads"),
+            num_v_heads=self.cfg.positive_int("linear_num_value_heads"),
+            head_k_dim=self.cfg.positive_int("linear_key_head_dim"),
+            head_v_dim=self.cfg.positive_int("linear_value_head_dim"),
+            conv_kernel_size=self.cfg.positive_int("linear_conv_kernel_dim", default=4), fused_projections=fused)
+
+    def _mark_used(self, view: ConfigView) -> None:
+        for key in view.unused():
+            self.unrecognized.append(Unrecognized(source=f"config.json:{key}", item=key, detail="linear attention key"))
+
+    # ---- FFN
+    def moe_layer_flags(self, num_layers: int) -> list[bool]:
+        if self.cfg.get("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts", default=0) in (0, None):
+            return [False] * num_layers
+        mlp_types = self.cfg.get("mlp_layer_types", default=None)
+        if mlp_types is not None:
+            self.cfg.mark_used("first_k_dense_replace")
+            return [t == "sparse" for t in mlp_types]
+        if self.cfg.has("moe_layer_start_index"):
+            start = self.cfg.positive_int("moe_layer_start_index", allow_zero=True)
+            end = self.cfg.positive_int("moe_layer_end_index", default=num_layers - 1, allow_zero=True)
+            every = self.cfg.positive_int("moe_layer_interval", default=1)
+            return [start <= i <= end and (i + 1) % every == 0 for i in range(num_layers)]
+        first_dense = self.cfg.positive_int("first_k_dense_replace", default=0, allow_zero=True)
+        step = self.cfg.positive_int("decoder_sparse_step", "moe_layer_freq", default=1)
+        dense_only = set(self.cfg.get("mlp_only_layers", default=[]) or [])
+        return [i >= first_dense and (i + 1) % step == 0 and i not in dense_only for i in range(num_layers)]
+
+    def ffn(self, index: int, is_moe: bool):
+        if not is_moe:
+            width = self.cfg.positive_int("intermediate_size", "ffn_hidden_size")
+            return DenseFFN(intermediate_size=width, activation=str(self.cfg.get("hidden_act", default="silu")),
+                            bias=self._layer_has(index, r"mlp\.up_proj\.bias$"))
+        return self.moe(index)
+
+    def moe(self, index: int) -> MoEFFN:
+        experts = self.cfg.positive_int("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+        top_k = self.cfg.positive_int("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk")
+        width = self.cfg.positive_int("moe_intermediate_size", "expert_intermediate_size", default=None) \
+            or self.cfg.positive_int("intermediate_size")
+        shared = self.cfg.positive_int("n_shared_experts", "num_shared_experts", "moe_num_shared_experts",
+                                       default=0, allow_zero=True)
+        shared_width = self.cfg.positive_int("shared_expert_intermediate_size", default=0, allow_zero=True)
+        has_shared = self._layer_has(index, r"shared_experts?\.up_proj")
+        if has_shared and not shared:
+            shared = 1
+        if shared and not shared_width:
+            shared_width = width * shared
+        limit = self.cfg.get("swiglu_limit", default=None)
+        return MoEFFN(
+            num_experts=experts, top_k=top_k, expert_intermediate_size=width, router=self.router(index),
+            num_shared_experts=shared if has_shared else 0, shared_intermediate_size=shared_width if has_shared else 0,
+            shared_expert_gate=self._layer_has(index, r"shared_expert_gate\.weight$"),
+            activation=str(self.cfg.get("hidden_act", default="silu")),
+            expert_bias=self._layer_has(index, r"experts\.(gate_up_proj_bias|\d+\.up_proj\.bias)"),
+            swiglu_limit=float(limit) if limit is not None else None,
+            swiglu_alpha=float(self.cfg.get("swiglu_alpha", default=1.702)) if limit is not None else None,
+            interleaved_gate_up=limit is not None and self.naming.expert_style == "fused_gate_up")
+
+    def router(self, index: int) -> RouterSpec:
+        scoring = self.cfg.get("scoring_func", default=None)
+        correction = self._layer_has(index, r"e_score_correction_bias$")
+        if scoring is None:
+            # DeepSeek-style releases (bias-corrected, group-limited) score with sigmoid without saying so
+            sigmoid_style = correction and (self.cfg.has("n_group", "num_expert_group", "routed_scaling_factor"))
+            scoring = "sigmoid" if sigmoid_style else "softmax"
+        self.cfg.get("topk_method", default=None)
+        topk_first = self.family in ("mixtral", "minimax", "gpt_oss")
+        norm_default = topk_first or self.family in ("qwen3_5_moe", "qwen3_5_moe_text") or self.cfg.has("moe_norm_min")
+        norm = bool(self.cfg.get("norm_topk_prob", "moe_renormalize", default=norm_default))
+        return RouterSpec(
+            scoring=scoring, norm_topk_prob=norm,
+            routed_scaling_factor=self.cfg.number("routed_scaling_factor", default=1.0),
+            correction_bias=correction,
+            num_groups=self.cfg.positive_int("n_group", "num_expert_group", default=1),
+            topk_groups=self.cfg.positive_int("topk_group", default=1),
+            topk_before_softmax=topk_first, bias=self._layer_has(index, r"router\.bias$"),
+            norm_min=self.cfg.number("moe_norm_min", default=0.0) or None)
+
+    def norm(self) -> NormSpec:
+        eps = self.cfg.number("rms_norm_eps", "layer_norm_epsilon", "norm_eps", default=1e-6)
+        return NormSpec(kind="rms_1p" if self.family in ONE_PLUS_W_NORM_FAMILIES else "rms", eps=eps)
+
+    # ---- what was not understood
+    def collect_unrecognized(self) -> None:
+        for view in {id(v): v for v in (self.cfg, self.top)}.values():
+            for key in view.unused():
+                if key.startswith("vision_config") or key == "vision_config":
+                    continue
+                self.unrecognized.append(Unrecognized(source=f"config.json:{key}", item=key,
+                                                      detail="config key not used by recognition"))
+        auto_map = self.manifest.config.get("auto_map") or {}
+        for role, target in auto_map.items():
+            self.unrecognized.append(Unrecognized(source="config.json:auto_map", item=f"{role}={target}",
+                                                  detail="custom module class; recognized from keys and weight names instead"))
+
+
+def recognize(manifest: Manifest) -> ModelSpec:
+    """The normalized architecture; unknown weights land in unrecognized via the gap weight check."""
+    return Recognizer(manifest).run()

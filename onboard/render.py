@@ -1,0 +1,52 @@
+"""Render reports: Markdown through the Jinja templates, the terminal through rich."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import jinja2
+from rich.console import Console
+from rich.table import Table
+
+from onboard.gap import GapReport
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+STATUS_STYLE = {"covered": "green", "variant": "yellow", "generated": "cyan", "fallback": "magenta", "missing": "red"}
+
+
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=False,
+                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+
+
+def gap_markdown(report: GapReport) -> str:
+    data = report.model_dump()
+    return _env().get_template("gap_report.md.j2").render(r=data, m=data["model"], mem=data["memory"])
+
+
+def print_gap_report(report: GapReport, console: Console | None = None) -> None:
+    console = console or Console()
+    m, mem = report.model, report.memory
+    console.print(f"[bold]{m['architecture']}[/] ({m['family']}): {m['num_layers']} layers "
+                  + ", ".join(f"{n} x {k}" for k, n in m["layer_kinds"].items()))
+    console.print(f"params {m['params_total']:.4g} total, {m['params_active']:.4g} active; experts "
+                  f"{m['num_experts']} routed top-{m['top_k']}, {m['num_shared_experts']} shared; "
+                  f"vision: {'yes' if m['vision'] else 'no'}")
+    table = Table(title="operators")
+    for column in ("op", "covers", "status", "layers", "runtime op", "kernel"):
+        table.add_column(column)
+    for o in report.ops:
+        style = STATUS_STYLE[o.status]
+        table.add_row(o.op, o.covers, f"[{style}]{o.status}[/]", str(len(o.layers)), o.runtime_op or "-", o.kernel or "-")
+    console.print(table)
+    w = report.weights
+    console.print(f"weights: {w.present} present / {w.expected} expected, {len(w.missing)} missing, "
+                  f"{len(w.unexpected)} unexpected, shapes {'checked' if w.shapes_checked else 'not checked (index only)'}")
+    console.print(f"memory: weights {mem.weights_gib:.1f} GiB, LoRA r{mem.lora_rank} {mem.lora_params:,} params, "
+                  f"activations/GPU {mem.per_gpu_activations_gib:.2f} GiB at seq {mem.seq_len}; "
+                  f"min GPUs ({mem.gpu_mem_gib:g} GiB): {mem.min_gpus}")
+    if report.meta_check:
+        c = report.meta_check
+        verdict = "[green]agrees[/]" if c.agrees else f"[red]disagrees[/] {c.layer_disagreements[:3]}"
+        console.print(f"transformers {c.model_class} on meta: {c.params:,} params, {verdict}")
+    for u in report.unrecognized:
+        console.print(f"[yellow]unrecognized[/] {u.item} ({u.source}) {u.detail}")

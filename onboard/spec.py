@@ -1,0 +1,206 @@
+"""ModelSpec: the normalized architecture of a release, as recognized from config keys and weight names.
+
+Everything downstream (gap report, planning, runtime assembly, alignment) reads this and never the
+raw config. Widths are in elements; parameter counts in parameters (not bytes).
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from onboard.naming import WeightNaming
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RopeSpec(_Spec):
+    theta: float
+    rotary_dim: int  # channels of each head that rotate (partial rotary keeps the rest)
+    interleaved: bool = False  # DeepSeek/GLM-style pairwise (0,1),(2,3) rotation
+    scaling: Optional[dict] = None  # transformers rope_parameters minus theta/partial factor
+    mrope_section: Optional[list[int]] = None  # multimodal rope (t, h, w) sections, in rotary pairs
+    mrope_interleaved: bool = False
+
+
+class SoftmaxAttention(_Spec):
+    kind: Literal["softmax"] = "softmax"
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope: Optional[RopeSpec]
+    qkv_bias: bool = False
+    o_bias: bool = False
+    # "head": RMSNorm over head_dim (Qwen3); "full": over all heads' width (OLMoE)
+    qk_norm: Literal["none", "head", "full"] = "none"
+    sliding_window: Optional[int] = None
+    sinks: bool = False  # gpt-oss learned per-head sink logit
+    output_gate: bool = False  # Qwen3-Next: q_proj also emits a sigmoid gate for the output
+    scale: Optional[float] = None  # None: head_dim ** -0.5
+
+
+class DSAIndexer(_Spec):
+    num_heads: int
+    head_dim: int
+    topk: int
+
+
+class MLAAttention(_Spec):
+    kind: Literal["mla"] = "mla"
+    num_heads: int
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope: Optional[RopeSpec]
+    indexer: Optional[DSAIndexer] = None  # DeepSeek sparse attention on top of MLA
+    scale: Optional[float] = None
+
+
+class GatedDeltaAttention(_Spec):
+    """Qwen3-Next style gated delta net: scalar decay per value head, fused in-projections."""
+    kind: Literal["gated_delta"] = "gated_delta"
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel_size: int
+    fused_projections: Literal["qkvz_ba", "qkv_z_b_a"]  # Qwen3-Next vs Qwen3.5 tensor layout
+
+
+class KDAAttention(_Spec):
+    """Kimi delta attention: per-channel decay through a low-rank forget gate."""
+    kind: Literal["kda"] = "kda"
+    num_heads: int
+    head_dim: int
+    conv_kernel_size: int
+    separate_convs: bool = True  # q/k/v_conv1d (Kimi Linear) vs one fused conv1d
+
+
+class LightningAttention(_Spec):
+    """MiniMax lightning attention: linear attention with a fixed per-head exponential decay."""
+    kind: Literal["lightning"] = "lightning"
+    num_heads: int
+    head_dim: int
+    block_size: int
+
+
+Attention = Annotated[
+    Union[SoftmaxAttention, MLAAttention, GatedDeltaAttention, KDAAttention, LightningAttention],
+    Field(discriminator="kind"),
+]
+
+
+class DenseFFN(_Spec):
+    kind: Literal["dense"] = "dense"
+    intermediate_size: int
+    activation: str = "silu"
+    bias: bool = False
+
+
+class RouterSpec(_Spec):
+    scoring: Literal["softmax", "sigmoid"]
+    norm_topk_prob: bool
+    routed_scaling_factor: float = 1.0
+    correction_bias: bool = False  # bias steering selection only (DeepSeek noaux_tc, Ernie)
+    num_groups: int = 1
+    topk_groups: int = 1
+    topk_before_softmax: bool = False  # Mixtral / gpt-oss: softmax over the chosen k logits
+    bias: bool = False  # router linear has a bias (gpt-oss)
+    norm_min: Optional[float] = None  # Ernie: clamp on the renormalization denominator
+
+
+class MoEFFN(_Spec):
+    kind: Literal["moe"] = "moe"
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    router: RouterSpec
+    num_shared_experts: int = 0
+    shared_intermediate_size: int = 0  # total width of the shared expert MLP
+    shared_expert_gate: bool = False  # Qwen: sigmoid(x . w) scales the shared expert
+    activation: str = "silu"
+    expert_bias: bool = False
+    swiglu_limit: Optional[float] = None  # gpt-oss clamp
+    swiglu_alpha: Optional[float] = None
+    interleaved_gate_up: bool = False
+
+
+FFN = Annotated[Union[DenseFFN, MoEFFN], Field(discriminator="kind")]
+
+
+class NormSpec(_Spec):
+    kind: Literal["rms", "rms_1p", "layer"]  # rms_1p: weight stored as w, applied as (1 + w)
+    eps: float
+
+
+class LayerSpec(_Spec):
+    index: int
+    attention: Attention
+    ffn: FFN
+
+
+class VisionSpec(_Spec):
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    patch_size: int
+    out_hidden_size: int
+    num_params: int
+
+
+class Unrecognized(_Spec):
+    source: str  # "config.json:text_config.foo", "weights:model.layers.N.mlp.foo", "auto_map:..."
+    item: str
+    detail: str = ""
+
+
+class ParamCounts(_Spec):
+    total: int
+    active: int  # per token: everything but the routed experts, plus top_k of them per MoE layer
+    embedding: int
+    attention: int
+    ffn_dense: int
+    experts_routed: int
+    experts_shared: int
+    router: int
+    norms: int
+    vision: int
+    buffers: int = 0  # non-parameter tensors the release stores (MiniMax decay tables)
+
+
+class ModelSpec(_Spec):
+    family: str  # config model_type
+    architecture: str
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    layers: list[LayerSpec]
+    norm: NormSpec
+    tie_word_embeddings: bool
+    naming: WeightNaming  # how the release names its tensors
+    vision: Optional[VisionSpec] = None
+    dtype: str = "bfloat16"
+    params: ParamCounts
+    unrecognized: list[Unrecognized] = []
+
+    def layer_kinds(self) -> list[str]:
+        return [layer_kind_name(layer) for layer in self.layers]
+
+    def spec_hash(self) -> str:
+        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+
+
+def layer_kind_name(layer: LayerSpec) -> str:
+    """A short label: 'gated_delta+moe', 'mla_dsa+dense', ..."""
+    attn = layer.attention.kind
+    if attn == "mla" and layer.attention.indexer is not None:
+        attn = "mla_dsa"
+    if attn == "softmax" and layer.attention.sliding_window:
+        attn = "softmax_window"
+    return f"{attn}+{layer.ffn.kind}"

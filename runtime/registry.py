@@ -1,0 +1,133 @@
+"""The operator registry: one table of op families read by gap analysis, alignment tier 0 and the runtime.
+
+Each family names its fp64 reference op, its torch fallback and (where one exists) its fused kernel
+as "module:function" strings, so reading the table imports nothing heavy. `supports` says whether
+the family computes a component with given parameters exactly, as a variant (same op, a parameter
+path exercised less), or not at all. Parameters are the plain dicts of the ModelSpec (the runtime
+does not import `onboard`).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional
+
+Support = Literal["exact", "variant", "unsupported"]
+
+ROPE_TYPES = {"default", "linear", "yarn", "llama3", "dynamic"}
+
+
+@dataclass(frozen=True)
+class OpFamily:
+    name: str
+    covers: str  # the spec component it computes, e.g. "attention:gated_delta"
+    reference: str
+    fallback: str
+    kernel: Optional[str]
+    supports: Callable[[dict], Support]
+
+    def resolve(self, which: Literal["reference", "fallback", "kernel"]):
+        """Import and return the implementation; None when that module or function does not exist."""
+        target = getattr(self, which)
+        if target is None:
+            return None
+        module_name, fn_name = target.split(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError:
+            return None
+        return getattr(module, fn_name, None)
+
+
+def _always(params: dict) -> Support:
+    return "exact"
+
+
+def _norm(params: dict) -> Support:
+    return "exact" if params.get("kind") in ("rms", "rms_1p") else "unsupported"
+
+
+def _rope(params: dict) -> Support:
+    scaling = params.get("scaling") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        return "unsupported"
+    return "variant" if rope_type == "dynamic" else "exact"
+
+
+def _softmax(params: dict) -> Support:
+    return "exact"
+
+
+def _mla(params: dict) -> Support:
+    return "exact" if params.get("indexer") is None else "unsupported"
+
+
+def _dsa(params: dict) -> Support:
+    return "exact" if params.get("indexer") is not None else "unsupported"
+
+
+def _router(params: dict) -> Support:
+    router = params["router"]
+    if router["scoring"] not in ("softmax", "sigmoid"):
+        return "unsupported"
+    return "exact"
+
+
+def _experts(params: dict) -> Support:
+    return "exact" if params.get("activation", "silu") == "silu" else "variant"
+
+
+OPS: dict[str, OpFamily] = {op.name: op for op in [
+    OpFamily("rms_norm", "norm", "reference_ops.norms:rms_norm", "runtime.ops.norms:rms_norm", None, _norm),
+    OpFamily("gated_rms_norm", "attention:linear_output_norm", "reference_ops.norms:gated_rms_norm",
+             "runtime.ops.norms:gated_rms_norm", None, _always),
+    OpFamily("rope", "rope", "reference_ops.rope:apply_rope", "runtime.ops.rope:apply_rope", None, _rope),
+    OpFamily("softmax_attention", "attention:softmax", "reference_ops.attention:softmax_attention",
+             "runtime.ops.attention:softmax_attention", None, _softmax),
+    OpFamily("mla_attention", "attention:mla", "reference_ops.mla:mla_attention", "runtime.ops.mla:mla_attention",
+             None, _mla),
+    OpFamily("dsa_indexer", "attention:mla_dsa", "reference_ops.dsa:indexer_scores", "runtime.ops.dsa:indexer_scores",
+             "runtime.kernels.sparse_attention:indexer_topk", _dsa),
+    OpFamily("sparse_attention", "attention:mla_dsa", "reference_ops.dsa:sparse_attention",
+             "runtime.ops.dsa:sparse_attention", "runtime.kernels.sparse_attention:sparse_attention", _dsa),
+    OpFamily("causal_conv1d", "attention:short_conv", "reference_ops.conv:causal_conv1d",
+             "runtime.ops.conv:causal_conv1d", None, _always),
+    OpFamily("gated_delta_rule", "attention:gated_delta", "reference_ops.gated_delta:gated_delta_rule",
+             "runtime.ops.gated_delta:gated_delta_rule", "runtime.kernels.gated_delta:gated_delta_rule", _always),
+    OpFamily("kda", "attention:kda", "reference_ops.kda:kda", "runtime.ops.gated_delta:kda",
+             "runtime.kernels.gated_delta:kda", _always),
+    OpFamily("lightning_attention", "attention:lightning", "reference_ops.lightning:lightning_attention",
+             "runtime.ops.lightning:lightning_attention", None, _always),
+    OpFamily("moe_router", "ffn:moe", "reference_ops.moe:route", "runtime.ops.moe:route", "runtime.kernels.moe:route",
+             _router),
+    OpFamily("moe_experts", "ffn:moe", "reference_ops.moe:swiglu_experts", "runtime.ops.moe:swiglu_experts",
+             "runtime.kernels.moe:swiglu_experts", _experts),
+    OpFamily("swiglu_mlp", "ffn:dense", "reference_ops.moe:swiglu_mlp", "runtime.ops.moe:swiglu_mlp", None, _always),
+]}
+
+
+def ops_for_layer(attention: dict, ffn: dict) -> list[tuple[str, dict]]:
+    """The op families one decoder layer uses, each with the parameters its predicate judges."""
+    kind = attention["kind"]
+    used: list[tuple[str, dict]] = []
+    if kind == "softmax":
+        used.append(("softmax_attention", attention))
+    elif kind == "mla":
+        used += [("dsa_indexer", attention), ("sparse_attention", attention)] if attention.get("indexer") \
+            else [("mla_attention", attention)]
+    elif kind == "gated_delta":
+        used += [("causal_conv1d", attention), ("gated_delta_rule", attention), ("gated_rms_norm", attention)]
+    elif kind == "kda":
+        used += [("causal_conv1d", attention), ("kda", attention), ("gated_rms_norm", attention)]
+    elif kind == "lightning":
+        used.append(("lightning_attention", attention))
+    if attention.get("rope"):
+        used.append(("rope", attention["rope"]))
+    if ffn["kind"] == "moe":
+        used += [("moe_router", ffn), ("moe_experts", ffn)]
+        if ffn.get("num_shared_experts"):
+            used.append(("swiglu_mlp", ffn))
+    else:
+        used.append(("swiglu_mlp", ffn))
+    return used

@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny released-model folders of real families, written once per test session."""
+from __future__ import annotations
+
+import lzma
+import shutil
+from pathlib import Path
+
+import pytest
+
+from onboard.example_models import write_example_model
+
+SEED_DIR = Path(__file__).resolve().parents[2] / "shared" / "examples" / "seed-2.8t"
+# A copy of the seed example (index xz-compressed) for machines without ../shared.
+SEED_COPY = Path(__file__).resolve().parent / "data" / "seed-2.8t"
+
+
+@pytest.fixture(scope="session")
+def example_release(tmp_path_factory):
+    """family -> folder written by transformers' save_pretrained (2 shards, bf16), cached per session."""
+    cache: dict[str, Path] = {}
+
+    def make(family: str) -> Path:
+        if family not in cache:
+            out = tmp_path_factory.mktemp("releases") / family
+            cache[family] = write_example_model(family, out, num_shards=2)
+        return cache[family]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def seed_dir(tmp_path_factory) -> Path:
+    """The 2.81T-parameter example: config and weight index only, no tensor data."""
+    if SEED_DIR.exists():
+        return SEED_DIR
+    out = tmp_path_factory.mktemp("seed-2.8t")
+    shutil.copy(SEED_COPY / "config.json", out / "config.json")
+    with lzma.open(SEED_COPY / "model.safetensors.index.json.xz") as src:
+        (out / "model.safetensors.index.json").write_bytes(src.read())
+    return out
+

@@ -1,0 +1,71 @@
+"""The `onboard` command as a user runs it: real subprocesses, exit codes, one-line errors."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+
+def onboard(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "onboard.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_example_model_then_inspect(tmp_path):
+    out = tmp_path / "demo-model"
+    made = onboard("example-model", "qwen3_next", "--out", str(out), "--shards", "3")
+    assert made.returncode == 0, made.stderr
+    assert (out / "model.safetensors.index.json").exists()
+    assert len(list(out.glob("*.safetensors"))) >= 3
+    shown = onboard("inspect", str(out))
+    assert shown.returncode == 0, shown.stderr
+    assert "gated_delta" in shown.stdout and "covered" in shown.stdout
+    md = onboard("inspect", str(out), "--markdown")
+    assert md.stdout.startswith("# Gap report: Qwen3NextForCausalLM")
+
+
+def _assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert result.stdout == ""
+
+
+def test_unknown_family_is_bad_input(tmp_path):
+    _assert_one_line_error(onboard("example-model", "llama_moe_9000", "--out", str(tmp_path / "x")), "FAMILY")
+    assert not (tmp_path / "x").exists()
+
+
+def test_tensors_contradicting_the_config(example_release, tmp_path):
+    release = tmp_path / "release"
+    shutil.copytree(example_release("qwen3_moe"), release)
+    config = json.loads((release / "config.json").read_text())
+    config["moe_intermediate_size"] = 48
+    (release / "config.json").write_text(json.dumps(config))
+    _assert_one_line_error(onboard("inspect", str(release), "--json"), "experts.0", "contradicts config.json")
+
+
+def test_missing_experts_are_a_gap_not_a_crash(example_release, tmp_path):
+    """Index only (planning before download): an expert absent from the index is a gap, exit 3."""
+    release = tmp_path / "release"
+    release.mkdir()
+    source = example_release("mixtral")
+    shutil.copy(source / "config.json", release / "config.json")
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if ".experts.3." not in k}
+    (release / "model.safetensors.index.json").write_text(json.dumps(index))
+    result = onboard("inspect", str(release), "--json")
+    assert result.returncode == 3, result.stderr
+    report = json.loads(result.stdout)
+    assert report["summary"]["gaps_remain"] and not report["weights"]["shapes_checked"]
+    assert sorted(report["weights"]["missing"])[0] == "model.layers.0.block_sparse_moe.experts.3.w1.weight"
+
+
+@pytest.mark.parametrize("args", [["inspect", "/nonexistent/model"], ["inspect", "."]], ids=["no-folder", "no-config"])
+def test_missing_release(args):
+    result = onboard(*args)
+    _assert_one_line_error(result, "config.json")

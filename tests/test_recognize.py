@@ -1,0 +1,144 @@
+"""`onboard inspect --json` on every family's tiny release, checked against transformers' own model.
+
+The expected values come from a meta-device build of the transformers class (module classes,
+expert modules, router top-k, parameter count), not from our recognizer.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from onboard.cli import main
+from onboard.example_models import FAMILIES, example_config, model_class
+
+# transformers attention module class -> the kind our spec must report
+ATTENTION_KIND_OF_CLASS = {
+    "Qwen3NextGatedDeltaNet": "gated_delta", "Qwen3_5MoeGatedDeltaNet": "gated_delta",
+    "KimiLinearDeltaAttention": "kda", "KimiLinearAttention": "mla", "MiniMaxLightningAttention": "lightning",
+    "DeepseekV32Attention": "mla_dsa", "DeepseekV3Attention": "mla",
+}
+
+
+def _transformers_layers(family: str):
+    with torch.device("meta"):
+        model = model_class(family)(example_config(family))
+    decoder = next(m for m in model.modules() if hasattr(m, "layers") and hasattr(m, "embed_tokens"))
+    return model, list(decoder.layers)
+
+
+def _expected_layer(layer) -> dict:
+    attn = getattr(layer, "linear_attn", None) or layer.self_attn
+    ffn = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe")
+    kind = ATTENTION_KIND_OF_CLASS.get(type(attn).__name__, "softmax")
+    experts = getattr(ffn, "experts", None)
+    if experts is None:
+        return {"attention": kind, "ffn": "dense"}
+    router = getattr(ffn, "gate", None) or getattr(ffn, "router")
+    shared = any(hasattr(ffn, n) for n in ("shared_expert", "shared_experts"))
+    return {"attention": kind, "ffn": "moe", "experts": experts.num_experts, "top_k": router.top_k, "shared": shared}
+
+
+def _spec_layer(layer: dict) -> dict:
+    attn, ffn = layer["attention"], layer["ffn"]
+    kind = "mla_dsa" if attn["kind"] == "mla" and attn.get("indexer") else attn["kind"]
+    if ffn["kind"] == "dense":
+        return {"attention": kind, "ffn": "dense"}
+    return {"attention": kind, "ffn": "moe", "experts": ffn["num_experts"], "top_k": ffn["top_k"],
+            "shared": ffn["num_shared_experts"] > 0}
+
+
+@pytest.fixture(scope="module")
+def inspected(example_release, tmp_path_factory):
+    def run(family: str) -> dict:
+        out = tmp_path_factory.mktemp("inspect") / "report.json"
+        import contextlib, io
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            code = main(["inspect", str(example_release(family)), "--json"])
+        assert code == 0, f"inspect exited {code}"
+        out.write_text(buffer.getvalue())
+        return json.loads(buffer.getvalue())
+    return run
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_inspect_matches_transformers(family, inspected, example_release):
+    from onboard.manifest import read_manifest
+    from onboard.recognize import recognize
+
+    report = inspected(family)
+    model, layers = _transformers_layers(family)
+    spec = recognize(read_manifest(example_release(family)))
+    assert [_spec_layer(l.model_dump()) for l in spec.layers] == [_expected_layer(l) for l in layers]
+
+    saved = set(model.state_dict())
+    meta_params = sum(p.numel() for p in model.parameters())
+    meta_params += sum(b.numel() for n, b in model.named_buffers() if n in saved)
+    m = report["model"]
+    assert m["params_total"] + m["params"]["buffers"] == meta_params
+    # the count from the spec agrees with the safetensors headers' byte count (bf16: 2 bytes/param)
+    assert abs(m["params_total"] + m["params"]["buffers"] - m["manifest_params"]) <= 0.005 * m["manifest_params"]
+    assert report["meta_check"]["params_agree"] and not report["meta_check"]["layer_disagreements"]
+    assert m["params_active"] < m["params_total"]
+    assert all(op["status"] == "covered" for op in report["ops"]), [o for o in report["ops"] if o["status"] != "covered"]
+    assert report["weights"]["missing"] == [] and report["weights"]["unexpected"] == []
+    assert report["unrecognized"] == []
+
+
+def test_config_widths_follow_the_transformers_config(example_release):
+    """Spot-check widths against the config object for the families with the most variants."""
+    from onboard.manifest import read_manifest
+    from onboard.recognize import recognize
+
+    cfg = example_config("qwen3_next")
+    spec = recognize(read_manifest(example_release("qwen3_next")))
+    gdn = spec.layers[0].attention
+    assert (gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim) == (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim)
+    full = spec.layers[3].attention
+    assert full.output_gate and full.qk_norm == "head" and full.rope.rotary_dim == int(cfg.head_dim * 0.25)
+    assert spec.norm.kind == "rms_1p" and spec.layers[0].ffn.shared_expert_gate
+
+    gpt = recognize(read_manifest(example_release("gpt_oss")))
+    assert gpt.layers[0].attention.sliding_window == 8 and gpt.layers[0].attention.sinks
+    assert gpt.layers[1].attention.sliding_window is None
+    assert gpt.layers[0].ffn.router.topk_before_softmax and gpt.layers[0].ffn.router.bias
+    assert gpt.layers[0].ffn.swiglu_limit == 7.0 and gpt.layers[0].ffn.interleaved_gate_up
+
+    ds = recognize(read_manifest(example_release("deepseek_v3")))
+    router = ds.layers[1].ffn.router
+    assert (router.scoring, router.correction_bias, router.num_groups, router.topk_groups) == ("sigmoid", True, 4, 2)
+    assert ds.layers[1].attention.rope.interleaved and ds.layers[0].ffn.kind == "dense"
+
+    olmoe = recognize(read_manifest(example_release("olmoe")))
+    assert olmoe.layers[0].attention.qk_norm == "full" and not olmoe.layers[0].ffn.router.norm_topk_prob
+
+    vl = recognize(read_manifest(example_release("qwen3_5_moe")))
+    assert vl.vision is not None and vl.vision.depth == 2 and vl.layers[3].attention.rope.mrope_section == [2, 1, 1]
+
+
+def test_seed_flagship_from_keys_and_names(seed_dir):
+    """The 2.81T example: a custom model type no library knows, index only."""
+    from onboard.gap import analyze
+    from onboard.manifest import read_manifest
+    from onboard.memory import budget
+    from onboard.recognize import recognize
+
+    manifest = read_manifest(seed_dir)
+    spec = recognize(manifest)
+    report = analyze(spec, manifest, gpu_mem_gib=141.0)
+    m = report.model
+    assert abs(m["params_total"] - 2.81e12) <= 0.01 * 2.81e12
+    assert abs(m["params_total"] - manifest.total_bytes / 2) <= 0.005 * manifest.total_bytes / 2
+    assert (m["num_experts"], m["top_k"], m["num_shared_experts"]) == (896, 16, 1)
+    assert m["attention_kinds"]["linear"] == 46 and m["attention_kinds"]["sparse"] == 15
+    assert {l.attention.kind for l in spec.layers if l.attention.kind != "mla"} == {"kda"}
+    assert all(l.attention.indexer.topk == 2048 for l in spec.layers if l.attention.kind == "mla")
+    assert m["vision"]["depth"] == 27 and report.meta_check is None
+    # the minimum GPU count is the smallest that holds weights + LoRA states beside the activations
+    mem = report.memory
+    per_gpu = 141.0 * 0.9 - mem.per_gpu_activations_gib - 4.0
+    assert (mem.min_gpus - 1) * per_gpu < mem.weights_gib + mem.lora_states_gib <= mem.min_gpus * per_gpu
+    assert budget(spec, 80.0).min_gpus > mem.min_gpus
+    assert any("auto_map" in u.source for u in report.unrecognized)
