@@ -16,7 +16,8 @@ from onboard.errors import OnboardError
 _ATTN = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
              max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
              pad_token_id=0, bos_token_id=1, eos_token_id=2)
-_MLA = dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+# head_dim is what transformers' MLA rotary tables are built with: the rope width
+_MLA = dict(head_dim=8, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
             num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
             intermediate_size=96, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True)
 
@@ -42,8 +43,9 @@ def _config_kwargs(family: str, num_layers: int) -> dict:
         return dict(_gated_delta_text(num_layers), norm_topk_prob=True,
                     rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))
     if family == "qwen3_5_moe":
+        # partial rotary 0.5 of head_dim 16 leaves 4 frequencies for the (t, h, w) sections
         text = dict(_gated_delta_text(num_layers), rope_parameters=dict(
-            rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+            rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
             mrope_section=[2, 1, 1], mrope_interleaved=True))
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=4,
                       temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16)

@@ -87,7 +87,7 @@ OPS: dict[str, OpFamily] = {op.name: op for op in [
              "runtime.ops.attention:softmax_attention", None, _softmax),
     OpFamily("mla_attention", "attention:mla", "reference_ops.mla:mla_attention", "runtime.ops.mla:mla_attention",
              None, _mla),
-    OpFamily("dsa_indexer", "attention:mla_dsa", "reference_ops.dsa:indexer_scores", "runtime.ops.dsa:indexer_scores",
+    OpFamily("dsa_indexer", "attention:mla_dsa", "reference_ops.dsa:indexer_topk", "runtime.ops.dsa:indexer_topk",
              "runtime.kernels.sparse_attention:indexer_topk", _dsa),
     OpFamily("sparse_attention", "attention:mla_dsa", "reference_ops.dsa:sparse_attention",
              "runtime.ops.dsa:sparse_attention", "runtime.kernels.sparse_attention:sparse_attention", _dsa),

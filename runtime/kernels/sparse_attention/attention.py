@@ -1,0 +1,177 @@
+"""Sparse MLA attention (DSA) in Triton: forward with online softmax, backward for dq and dkv.
+
+Shape legend: B batch, T tokens, H heads, K = V + R key width, V value (latent) width, R tail
+(rope) width, S selected keys; in-kernel tiles: BH heads, BS selected keys, BV / BR padded widths.
+
+One program handles one query token and a block of BH heads: all heads of a token share the
+same selected kv rows, so a gathered [BS, K] tile feeds a [BH, BS] score tile. Keys are visited
+in tiles of BS indices; index -1 masks a slot. The forward saves the base-2 log-sum-exp; the
+backward recomputes probabilities, accumulates dq in registers and scatter-adds dkv into an fp32
+buffer with atomics (several tokens select the same key row).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime.kernels.sparse_attention import buffers
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_selected(kv_ptr, idx_ptr, tok, b, T, S, s0, V, R, K,
+                   BS: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
+    """Gather the kv rows of index slots s0..s0+BS-1: (valid_BS, rows_BS, kv_v_BSxBV, kv_r_BSxBR)."""
+    offs_s = s0 + tl.arange(0, BS)
+    idx = tl.load(idx_ptr + tok * S + offs_s, mask=offs_s < S, other=-1)
+    valid = idx >= 0
+    rows = (b * T + tl.where(valid, idx, 0)).to(tl.int64)
+    offs_v, offs_r = tl.arange(0, BV), tl.arange(0, BR)
+    kv_v = tl.load(kv_ptr + rows[:, None] * K + offs_v[None, :], mask=valid[:, None] & (offs_v[None, :] < V), other=0.0)
+    kv_r = tl.load(kv_ptr + rows[:, None] * K + V + offs_r[None, :], mask=valid[:, None] & (offs_r[None, :] < R), other=0.0)
+    return valid, rows, kv_v, kv_r
+
+
+@triton.jit
+def _load_heads(ptr, tok, h0, H, width, row_width, col0, BH: tl.constexpr, BW: tl.constexpr):
+    """Rows h0..h0+BH-1 of token `tok` of a [tokens, H, row_width] tensor, columns col0.. +width."""
+    offs_h, offs_w = h0 + tl.arange(0, BH), tl.arange(0, BW)
+    ptrs = ptr + (tok * H + offs_h[:, None]) * row_width + col0 + offs_w[None, :]
+    return tl.load(ptrs, mask=(offs_h[:, None] < H) & (offs_w[None, :] < width), other=0.0)
+
+
+@triton.jit
+def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, scale_log2, T, H, S, V, R,
+                BH: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    h0 = tl.program_id(1) * BH
+    b = tok // T
+    K = V + R
+    q_v = _load_heads(q_ptr, tok, h0, H, V, K, 0, BH, BV)
+    q_r = _load_heads(q_ptr, tok, h0, H, R, K, V, BH, BR)
+    m = tl.full([BH], float("-inf"), tl.float32)
+    l = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, BV], tl.float32)
+    for s0 in range(0, S, BS):
+        valid, rows, kv_v, kv_r = _load_selected(kv_ptr, idx_ptr, tok, b, T, S, s0, V, R, K, BS, BV, BR)
+        logits = tl.dot(q_v, tl.trans(kv_v)) + tl.dot(q_r, tl.trans(kv_r))
+        logits = tl.where(valid[None, :], logits * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(logits, 1))
+        # while no valid key has been seen m_new is -inf; shift by 0 to keep exp2 finite
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(logits - shift[:, None])
+        alpha = tl.exp2(m - shift)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv_v.dtype), kv_v)
+        m = m_new
+    has_keys = l > 0
+    o = acc / tl.where(has_keys, l, 1.0)[:, None]
+    offs_h, offs_v = h0 + tl.arange(0, BH), tl.arange(0, BV)
+    o_ptrs = o_ptr + (tok * H + offs_h[:, None]) * V + offs_v[None, :]
+    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=(offs_h[:, None] < H) & (offs_v[None, :] < V))
+    lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("inf"))
+    tl.store(lse_ptr + tok * H + offs_h, lse, mask=offs_h < H)
+
+
+@triton.jit
+def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr,
+                scale, scale_log2, T, H, S, V, R,
+                BH: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    h0 = tl.program_id(1) * BH
+    b = tok // T
+    K = V + R
+    offs_h, offs_v, offs_r = h0 + tl.arange(0, BH), tl.arange(0, BV), tl.arange(0, BR)
+    q_v = _load_heads(q_ptr, tok, h0, H, V, K, 0, BH, BV)
+    q_r = _load_heads(q_ptr, tok, h0, H, R, K, V, BH, BR)
+    do = _load_heads(do_ptr, tok, h0, H, V, V, 0, BH, BV)
+    # lse is +inf for heads without keys (and padding heads): their p is exp2(-inf) = 0
+    lse = tl.load(lse_ptr + tok * H + offs_h, mask=offs_h < H, other=float("inf"))
+    delta = tl.load(delta_ptr + tok * H + offs_h, mask=offs_h < H, other=0.0)
+    dq_v = tl.zeros([BH, BV], tl.float32)
+    dq_r = tl.zeros([BH, BR], tl.float32)
+    for s0 in range(0, S, BS):
+        valid, rows, kv_v, kv_r = _load_selected(kv_ptr, idx_ptr, tok, b, T, S, s0, V, R, K, BS, BV, BR)
+        logits = tl.dot(q_v, tl.trans(kv_v)) + tl.dot(q_r, tl.trans(kv_r))
+        p = tl.where(valid[None, :], tl.exp2(logits * scale_log2 - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(kv_v))
+        # gradient w.r.t. the scaled logits; the scale is applied once to dq and dkv below
+        ds = (p * (dp - delta[:, None])).to(kv_v.dtype)
+        dq_v += tl.dot(ds, kv_v)
+        dq_r += tl.dot(ds, kv_r)
+        dkv_v = tl.dot(tl.trans(ds), q_v) * scale + tl.dot(tl.trans(p.to(do.dtype)), do)
+        dkv_r = tl.dot(tl.trans(ds), q_r) * scale
+        tl.atomic_add(dkv_ptr + rows[:, None] * K + offs_v[None, :], dkv_v,
+                      mask=valid[:, None] & (offs_v[None, :] < V), sem="relaxed")
+        tl.atomic_add(dkv_ptr + rows[:, None] * K + V + offs_r[None, :], dkv_r,
+                      mask=valid[:, None] & (offs_r[None, :] < R), sem="relaxed")
+    head_ok = offs_h[:, None] < H
+    dq_row = dq_ptr + (tok * H + offs_h[:, None]) * K
+    tl.store(dq_row + offs_v[None, :], (dq_v * scale).to(dq_ptr.dtype.element_ty), mask=head_ok & (offs_v[None, :] < V))
+    tl.store(dq_row + V + offs_r[None, :], (dq_r * scale).to(dq_ptr.dtype.element_ty), mask=head_ok & (offs_r[None, :] < R))
+
+
+def _tiles(H, V, R, config, max_heads, keys):
+    BH = config.get("BH", min(max_heads, max(16, triton.next_power_of_2(H))))
+    return dict(BH=BH, BS=config.get("BS", keys), BV=max(16, triton.next_power_of_2(V)),
+                BR=max(16, triton.next_power_of_2(R)))
+
+
+def sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, scale, v_dim, **config):
+    """-> (o_BTHV in q's dtype, lse_BTH fp32 in base 2, +inf for heads without keys)."""
+    B, T, H, K = q_BTHK.shape
+    S, R = idx_BTS.shape[-1], K - v_dim
+    # defaults: the fastest of the configs timed by bench/bench_dsa.py on an H200 (T=32768, H=128)
+    tiles = _tiles(H, v_dim, R, config, max_heads=64, keys=64)
+    o_BTHV = buffers.empty((B, T, H, v_dim), q_BTHK.dtype, q_BTHK.device)
+    lse_BTH = buffers.empty((B, T, H), torch.float32, q_BTHK.device)
+    grid = (B * T, triton.cdiv(H, tiles["BH"]))
+    _fwd_kernel[grid](q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale * LOG2E, T, H, S, v_dim, R,
+                      num_warps=config.get("num_warps", 8), num_stages=config.get("num_stages", 2), **tiles)
+    return o_BTHV, lse_BTH
+
+
+def sparse_attention_bwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, do_BTHV, scale, **config):
+    """-> (dq_BTHK in q's dtype, dkv_BTK in kv's dtype); dkv is accumulated in fp32."""
+    B, T, H, K = q_BTHK.shape
+    S, V = idx_BTS.shape[-1], o_BTHV.shape[-1]
+    # 64 heads x 576 channels of q, dO and dq do not fit in shared memory at once (315 KB > 227 KB on H200)
+    tiles = _tiles(H, V, K - V, config, max_heads=32, keys=32)
+    delta_BTH = (o_BTHV.float() * do_BTHV.float()).sum(-1)
+    dq_BTHK = buffers.empty(q_BTHK.shape, q_BTHK.dtype, q_BTHK.device)
+    dkv32_BTK = torch.zeros(kv_BTK.shape, dtype=torch.float32, device=kv_BTK.device)
+    grid = (B * T, triton.cdiv(H, tiles["BH"]))
+    _bwd_kernel[grid](q_BTHK, kv_BTK, idx_BTS, do_BTHV, lse_BTH, delta_BTH, dq_BTHK, dkv32_BTK,
+                      scale, scale * LOG2E, T, H, S, V, K - V,
+                      num_warps=config.get("num_warps", 8), num_stages=config.get("num_stages", 2), **tiles)
+    return dq_BTHK, dkv32_BTK.to(kv_BTK.dtype)
+
+
+class SparseAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_BTHK, kv_BTK, idx_BTS, scale, v_dim):
+        q_BTHK, kv_BTK, idx_BTS = q_BTHK.contiguous(), kv_BTK.contiguous(), idx_BTS.to(torch.int32).contiguous()
+        o_BTHV, lse_BTH = sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, scale, v_dim)
+        ctx.save_for_backward(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH)
+        ctx.scale = scale
+        return o_BTHV
+
+    @staticmethod
+    def backward(ctx, do_BTHV):
+        q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH = ctx.saved_tensors
+        dq_BTHK, dkv_BTK = sparse_attention_bwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH,
+                                                do_BTHV.contiguous(), ctx.scale)
+        return dq_BTHK, dkv_BTK, None, None, None
+
+
+def sparse_attention(q_BTHK, kv_BTK, idx_BTS, scale, v_dim) -> torch.Tensor:
+    """Every head of query t attends over kv rows idx[b, t, :] (-1 = none); shared latent kv.
+
+    q_BTHK [B, T, H, K], kv_BTK [B, T, K] with K > v_dim (values kv[..., :v_dim], the rest is
+    the rope tail), idx_BTS [B, T, S] int -> o_BTHV [B, T, H, v_dim]. bf16/fp32 in, fp32 math.
+    """
+    if not 0 < v_dim < q_BTHK.shape[-1]:
+        raise ValueError(f"sparse_attention: v_dim must be in (0, K={q_BTHK.shape[-1]}), got {v_dim}")
+    return SparseAttention.apply(q_BTHK, kv_BTK, idx_BTS, scale, v_dim)

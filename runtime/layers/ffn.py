@@ -1,0 +1,90 @@
+"""FFN layers: the dense gated MLP and the MoE block (router, routed experts, shared expert).
+
+Shape legend: B batch, T tokens, D model width, E experts, F expert width, k experts per token.
+Experts are stored stacked ([E, 2F, D] gate rows then up rows, [E, D, F]) for grouped GEMMs; the
+weight map stacks the release's per-expert tensors into them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.dispatch import op
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, width: int, activation: str = "silu"):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, hidden_size, bias=False)
+        self.activation = activation
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        mlp = op("swiglu_mlp", x_BTD.device)
+        return mlp(x_BTD, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.activation)
+
+
+class Router(nn.Module):
+    def __init__(self, spec: dict, hidden_size: int):
+        super().__init__()
+        self.spec, self.top_k = spec["router"], spec["top_k"]
+        num_experts = spec["num_experts"]
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(num_experts)) if self.spec["bias"] else None
+        if self.spec["correction_bias"]:
+            self.register_buffer("correction_bias", torch.zeros(num_experts))
+        else:
+            self.correction_bias = None
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights_Tk fp32, idx_Tk). Logits in fp32: routing decisions are precision-sensitive."""
+        bias = None if self.bias is None else self.bias.float()
+        logits_TE = F.linear(x_TD.float(), self.weight.float(), bias)
+        r = self.spec
+        return op("moe_router", x_TD.device)(
+            logits_TE, self.top_k, scoring=r["scoring"], norm_topk_prob=r["norm_topk_prob"],
+            routed_scaling_factor=r["routed_scaling_factor"], correction_bias_E=self.correction_bias,
+            num_groups=r["num_groups"], topk_groups=r["topk_groups"], topk_before_softmax=r["topk_before_softmax"])
+
+
+class Experts(nn.Module):
+    def __init__(self, spec: dict, hidden_size: int):
+        super().__init__()
+        E, width = spec["num_experts"], spec["expert_intermediate_size"]
+        self.w_gate_up = nn.Parameter(torch.zeros(E, 2 * width, hidden_size))
+        self.w_down = nn.Parameter(torch.zeros(E, hidden_size, width))
+        self.b_gate_up = nn.Parameter(torch.zeros(E, 2 * width)) if spec["expert_bias"] else None
+        self.b_down = nn.Parameter(torch.zeros(E, hidden_size)) if spec["expert_bias"] else None
+        self.options = dict(activation=spec["activation"], clamp=spec["swiglu_limit"], glu_alpha=spec["swiglu_alpha"],
+                            interleaved_gate_up=spec["interleaved_gate_up"])
+
+    def forward(self, x_TD, weights_Tk, idx_Tk) -> torch.Tensor:
+        experts = op("moe_experts", x_TD.device)
+        return experts(x_TD, weights_Tk, idx_Tk, self.w_gate_up, self.w_down, b_gate_up_E2F=self.b_gate_up,
+                       b_down_ED=self.b_down, **self.options)
+
+
+class MoE(nn.Module):
+    def __init__(self, spec: dict, hidden_size: int):
+        super().__init__()
+        self.router = Router(spec, hidden_size)
+        self.experts = Experts(spec, hidden_size)
+        self.shared = GatedMLP(hidden_size, spec["shared_intermediate_size"], spec["activation"]) \
+            if spec["num_shared_experts"] else None
+        self.shared_gate = nn.Linear(hidden_size, 1, bias=False) if spec["shared_expert_gate"] else None
+        self.last_routing: torch.Tensor | None = None  # idx_Tk of the last forward, for routing-flip counts
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        B, T, D = x_BTD.shape
+        x_TD = x_BTD.reshape(B * T, D)
+        weights_Tk, idx_Tk = self.router(x_TD)
+        self.last_routing = idx_Tk.detach()
+        y_TD = self.experts(x_TD, weights_Tk, idx_Tk)
+        if self.shared is not None:
+            shared_TD = self.shared(x_TD)
+            if self.shared_gate is not None:
+                shared_TD = shared_TD * torch.sigmoid(self.shared_gate(x_TD))
+            y_TD = y_TD + shared_TD
+        return y_TD.view(B, T, D)

@@ -1,0 +1,38 @@
+"""RMSNorm module (plain or (1 + w)) over the registry's rms_norm op; `.weight` as releases name it."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runtime.dispatch import op
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float, offset: float = 0.0):
+        super().__init__()
+        # (1 + w) releases store w around 0; plain ones around 1
+        self.weight = nn.Parameter(torch.full((width,), 1.0 - offset))
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return op("rms_norm", x.device)(x, self.weight, self.eps, self.offset)
+
+
+class GatedRMSNorm(nn.Module):
+    """rms_norm(x) * w * silu(gate): the output norm of gated delta and KDA layers."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return op("gated_rms_norm", x.device)(x, gate, self.weight, self.eps)
+
+
+class Weight(nn.Module):
+    """A bare `.weight` holder, so parameters keep the release's names (e.g. `conv1d.weight`)."""
+
+    def __init__(self, *shape: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(shape))

@@ -1,0 +1,74 @@
+"""The hybrid decoder, assembled from a ModelSpec (the plain dict of the package's spec.json).
+
+Single-device and readable: embedding, per layer (pre-norm attention of any registered kind, pre-norm
+dense or MoE FFN, residuals), final norm, LM head. Parallelism is applied from outside.
+Shape legend: B batch, T tokens, D model width, X vocabulary.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.layers.ffn import GatedMLP, MoE
+from runtime.layers.linear_attention import GatedDeltaNet, KimiDeltaAttention, LightningAttention
+from runtime.layers.mla import MLAAttention
+from runtime.layers.norm import RMSNorm
+from runtime.layers.softmax_attention import SoftmaxAttention
+from runtime.rotary import RotaryCache
+
+ATTENTION_CLASSES = {"softmax": SoftmaxAttention, "mla": MLAAttention, "gated_delta": GatedDeltaNet,
+                     "kda": KimiDeltaAttention, "lightning": LightningAttention}
+
+
+def norm_offset(spec: dict) -> float:
+    return 1.0 if spec["norm"]["kind"] == "rms_1p" else 0.0
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, layer: dict, spec: dict):
+        super().__init__()
+        d, eps, offset = spec["hidden_size"], spec["norm"]["eps"], norm_offset(spec)
+        self.input_layernorm = RMSNorm(d, eps, offset)
+        self.post_attention_layernorm = RMSNorm(d, eps, offset)
+        attention = layer["attention"]
+        if attention["kind"] == "softmax":
+            self.attn = SoftmaxAttention(attention, d, eps, offset)
+        else:
+            self.attn = ATTENTION_CLASSES[attention["kind"]](attention, d, eps)
+        ffn = layer["ffn"]
+        self.ffn = MoE(ffn, d) if ffn["kind"] == "moe" else GatedMLP(d, ffn["intermediate_size"], ffn["activation"])
+
+    def forward(self, h_BTD: torch.Tensor, rotary: RotaryCache) -> torch.Tensor:
+        h_BTD = h_BTD + self.attn(self.input_layernorm(h_BTD), rotary)
+        return h_BTD + self.ffn(self.post_attention_layernorm(h_BTD))
+
+
+class HybridDecoder(nn.Module):
+    def __init__(self, spec: dict, num_layers: int | None = None):
+        """num_layers truncates the model (alignment of very large releases runs the first few)."""
+        super().__init__()
+        self.spec = spec
+        d, vocab = spec["hidden_size"], spec["vocab_size"]
+        self.embed_tokens = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(DecoderLayer(layer, spec) for layer in spec["layers"][:num_layers])
+        self.norm = RMSNorm(d, spec["norm"]["eps"], norm_offset(spec))
+        self.lm_head = None if spec["tie_word_embeddings"] else nn.Linear(d, vocab, bias=False)
+
+    def forward(self, input_ids_BT: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                inputs_embeds_BTD: torch.Tensor | None = None) -> torch.Tensor:
+        """logits_BTX in fp32. positions: [B, T], or [3, B, T] for multimodal rope (default 0..T-1)."""
+        h_BTD = self.embed_tokens(input_ids_BT) if inputs_embeds_BTD is None else inputs_embeds_BTD
+        if positions is None:
+            positions = torch.arange(h_BTD.shape[1], device=h_BTD.device).expand(h_BTD.shape[0], -1)
+        rotary = RotaryCache(positions)
+        for layer in self.layers:
+            h_BTD = layer(h_BTD, rotary)
+        h_BTD = self.norm(h_BTD)
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h_BTD, head).float()
+
+
+def causal_lm_loss(logits_BTX: torch.Tensor, input_ids_BT: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (the last position predicts nothing)."""
+    return F.cross_entropy(logits_BTX[:, :-1].reshape(-1, logits_BTX.shape[-1]), input_ids_BT[:, 1:].reshape(-1))

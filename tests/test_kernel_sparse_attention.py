@@ -1,0 +1,89 @@
+"""DSA Triton kernels under TRITON_INTERPRET=1 vs the fp64 reference: sparse attention forward,
+dq, dkv (idx with -1 slots, NaN-prefilled outputs) and the fused indexer top-k.
+
+Shape legend: B batch, T tokens, H heads, K = V + R key width, V value width, S selected keys.
+fp32 inputs: under the interpreter a tl.dot on bf16 operands is wrong in triton 3.9.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from reference_ops import dsa as ref  # noqa: E402
+from runtime.kernels import sparse_attention as kernels  # noqa: E402
+from runtime.kernels.sparse_attention import buffers  # noqa: E402
+from runtime.tolerances import assert_close  # noqa: E402
+from tests.test_ref_dsa import assert_same_selection, random_sparse_problem  # noqa: E402
+
+pytestmark = pytest.mark.interpreter
+
+
+@pytest.fixture(autouse=True)
+def nan_buffers(monkeypatch):
+    """Every buffer a kernel writes starts as NaN, so an unwritten element fails the comparison."""
+    monkeypatch.setattr(buffers, "empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
+
+
+def with_dropped_slots(idx_BTS, fraction, seed):
+    """Sets a random `fraction` of the index slots to -1 (on top of the causal padding)."""
+    g = torch.Generator().manual_seed(seed)
+    return idx_BTS.masked_fill(torch.rand(idx_BTS.shape, generator=g) < fraction, -1)
+
+
+ATTENTION_CASES = [
+    pytest.param(1, 37, 4, 32, 16, 8, 0.0, id="T37-H4-V32R16-S8"),
+    pytest.param(1, 37, 4, 32, 16, 8, 0.3, id="T37-H4-S8-dropped-slots"),
+    pytest.param(2, 21, 3, 20, 12, 37, 0.2, id="B2-T21-H3-V20R12-S37-padded-widths"),
+]
+
+
+@pytest.mark.parametrize("B,T,H,V,R,S,drop", ATTENTION_CASES)
+def test_sparse_attention_forward_and_grads(B, T, H, V, R, S, drop):
+    q_BTHK, kv_BTK, idx_BTS = random_sparse_problem(B, T, H, V + R, S, torch.float32)
+    idx_BTS = with_dropped_slots(idx_BTS, drop, seed=1)
+    do_BTHV = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(2))
+    scale = (V + R) ** -0.5
+    results = {}
+    for name, fn, dtype in (("ref", ref.sparse_attention, torch.float64), ("kernel", kernels.sparse_attention, torch.float32)):
+        q, kv = q_BTHK.to(dtype).requires_grad_(), kv_BTK.to(dtype).requires_grad_()
+        o_BTHV = fn(q, kv, idx_BTS, scale, V)
+        o_BTHV.backward(do_BTHV.to(dtype))
+        results[name] = (o_BTHV, q.grad, kv.grad)
+    for label, actual, expected in zip(("o", "dq", "dkv"), results["kernel"], results["ref"]):
+        assert_close(actual, expected, "sparse_attention", torch.float32, "out" if label == "o" else "grad", label)
+
+
+def test_sparse_attention_query_without_keys_gives_zeros():
+    q_BTHK, kv_BTK, idx_BTS = random_sparse_problem(1, 9, 2, 48, 8, torch.float32)
+    idx_BTS[0, 4] = -1
+    q, kv = q_BTHK.requires_grad_(), kv_BTK.requires_grad_()
+    o_BTHV = kernels.sparse_attention(q, kv, idx_BTS, 0.2, 32)
+    o_BTHV.sum().backward()
+    assert torch.equal(o_BTHV[0, 4], torch.zeros(2, 32))
+    assert torch.equal(q.grad[0, 4], torch.zeros(2, 48))
+    assert torch.isfinite(kv.grad).all()
+
+
+@pytest.mark.parametrize("B,T,H,K,topk,block_size", [
+    pytest.param(1, 37, 4, 32, 8, 16, id="T37-H4-K32-top8-blk16"),
+    pytest.param(2, 63, 3, 24, 20, 64, id="B2-T63-H3-K24-top20-one-block"),
+    pytest.param(1, 21, 2, 16, 50, 8, id="T21-top50-all-keys"),
+])
+def test_indexer_topk_selects_the_reference_set(B, T, H, K, topk, block_size):
+    g = torch.Generator().manual_seed(4)
+    q_BTHK, k_BTK, w_BTH = torch.randn(B, T, H, K, generator=g), torch.randn(B, T, K, generator=g), torch.randn(B, T, H, generator=g)
+    scores_BTT = ref.indexer_scores(q_BTHK, k_BTK, w_BTH, K**-0.5)
+    actual_BTS = kernels.indexer_topk(q_BTHK, k_BTK, w_BTH, K**-0.5, topk, block_size=block_size, BQ=16, BT=16)
+    assert_same_selection(actual_BTS, ref.topk_indices(scores_BTT, topk), scores_BTT)
+
+
+def test_indexer_block_scores_match_reference_scores():
+    g = torch.Generator().manual_seed(5)
+    q_BTHK, k_BTK, w_BTH = torch.randn(1, 37, 3, 24, generator=g), torch.randn(1, 37, 24, generator=g), torch.rand(1, 37, 3, generator=g)
+    expected_BQT = ref.indexer_scores(q_BTHK, k_BTK, w_BTH, 0.3)[:, 13:29, :29]
+    actual_BQT = kernels.indexer.block_scores(q_BTHK, k_BTK, w_BTH, 0.3, 13, 29, BQ=16, BT=16)
+    future_BQT = torch.isinf(expected_BQT)
+    assert torch.equal(torch.isinf(actual_BQT) & (actual_BQT < 0), future_BQT)
+    assert_close(actual_BQT.masked_fill(future_BQT, 0), expected_BQT.masked_fill(future_BQT, 0), "indexer_scores", torch.float32)
