@@ -15,7 +15,7 @@ from onboard.errors import OnboardError
 from onboard.manifest import Manifest
 from onboard.naming import WeightNaming, detect_naming, layer_suffixes
 from onboard.spec import (DenseFFN, DSAIndexer, GatedDeltaAttention, KDAAttention, LayerSpec, LightningAttention,
-                          MLAAttention, ModelSpec, MoEFFN, NormSpec, RopeSpec, RouterSpec, SoftmaxAttention,
+                          MLAAttention, ModelSpec, MoEFFN, NormSpec, ResidualSpec, RopeSpec, RouterSpec, SoftmaxAttention,
                           Unrecognized)
 from onboard import param_count, recognize_vision
 
@@ -23,6 +23,10 @@ from onboard import param_count, recognize_vision
 ONE_PLUS_W_NORM_FAMILIES = {"qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"}
 # Families whose softmax attention has a sigmoid output gate folded into q_proj.
 GATED_ATTENTION_FAMILIES = {"qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"}
+# Families whose softmax attention rotates interleaved channel pairs (GLM-style), not halves.
+INTERLEAVED_ROPE_FAMILIES = {"ernie4_5_moe"}
+# Families whose residual skips from the normed block input (post-norm style), with scale factors.
+NORMED_SKIP_FAMILIES = {"minimax"}
 # Families whose MLA runs without rotary embedding (NoPE).
 NOPE_MLA_FAMILIES = {"kimi_linear"}
 
@@ -63,8 +67,8 @@ class Recognizer:
         moe_layers = self.moe_layer_flags(num_layers)
         if all(moe_layers):
             self.cfg.mark_used("intermediate_size")  # the dense width, unused when every layer is MoE
-        layers = [LayerSpec(index=i, attention=self.attention(i, kinds[i]), ffn=self.ffn(i, moe_layers[i]))
-                  for i in range(num_layers)]
+        layers = [LayerSpec(index=i, attention=self.attention(i, kinds[i]), ffn=self.ffn(i, moe_layers[i]),
+                            residual=self.residual(kinds[i])) for i in range(num_layers)]
         vision = recognize_vision.recognize(self.manifest, self.top, self.naming)
         tie = bool(self.cfg.get("tie_word_embeddings", default=self.top.get("tie_word_embeddings", default=False)))
         fields = dict(family=self.family, architecture=self._architecture(), hidden_size=hidden,
@@ -153,7 +157,8 @@ class Recognizer:
         if window and sliding is None:
             raise OnboardError(self.cfg.path, self.cfg._dotted("sliding_window"), "sliding layers need a window size")
         return SoftmaxAttention(
-            num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rope=self.rope(head_dim),
+            num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+            rope=self.rope(head_dim, interleaved=self.family in INTERLEAVED_ROPE_FAMILIES),
             qkv_bias=self._layer_has(index, r"\.q_proj\.bias$"), o_bias=self._layer_has(index, r"\.o_proj\.bias$"),
             qk_norm=qk_norm, sliding_window=sliding, sinks=self._layer_has(index, r"\.sinks$"), output_gate=gated)
 
@@ -284,6 +289,14 @@ class Recognizer:
             topk_groups=self.cfg.positive_int("topk_group", default=1),
             topk_before_softmax=topk_first, bias=self._layer_has(index, r"router\.bias$"),
             norm_min=self.cfg.number("moe_norm_min", default=0.0) or None)
+
+    def residual(self, kind: str) -> ResidualSpec:
+        attn = "linear_attn" if kind == "linear" else "full_attn"
+        factors = dict(attn_alpha=self.cfg.number(f"{attn}_alpha_factor", default=1.0),
+                       attn_beta=self.cfg.number(f"{attn}_beta_factor", default=1.0),
+                       ffn_alpha=self.cfg.number("mlp_alpha_factor", default=1.0),
+                       ffn_beta=self.cfg.number("mlp_beta_factor", default=1.0))
+        return ResidualSpec(skip_from_normed=self.family in NORMED_SKIP_FAMILIES, **factors)
 
     def norm(self) -> NormSpec:
         eps = self.cfg.number("rms_norm_eps", "layer_norm_epsilon", "norm_eps", default=1e-6)

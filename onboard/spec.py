@@ -79,6 +79,7 @@ class KDAAttention(_Spec):
     head_dim: int
     conv_kernel_size: int
     separate_convs: bool = True  # q/k/v_conv1d (Kimi Linear) vs one fused conv1d
+    output_gate_activation: Literal["sigmoid", "silu"] = "sigmoid"  # Kimi's gated output norm uses sigmoid
 
 
 class LightningAttention(_Spec):
@@ -138,10 +139,20 @@ class NormSpec(_Spec):
     eps: float
 
 
+class ResidualSpec(_Spec):
+    """h = skip * alpha + sublayer * beta, skip being the block input (pre-norm) or its normed form (MiniMax)."""
+    skip_from_normed: bool = False
+    attn_alpha: float = 1.0
+    attn_beta: float = 1.0
+    ffn_alpha: float = 1.0
+    ffn_beta: float = 1.0
+
+
 class LayerSpec(_Spec):
     index: int
     attention: Attention
     ffn: FFN
+    residual: ResidualSpec = ResidualSpec()
 
 
 class VisionSpec(_Spec):

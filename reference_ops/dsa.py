@@ -37,6 +37,11 @@ def topk_indices(scores_BTT, topk) -> torch.Tensor:
     return idx_BTS.masked_fill(values_BTS == float("-inf"), -1)
 
 
+def indexer_topk(q_BTHK, k_BTK, weights_BTH, scale, topk) -> torch.Tensor:
+    """topk_indices(indexer_scores(...)): the fused runtime op's contract, idx_BTS [B, T, min(topk, T)]."""
+    return topk_indices(indexer_scores(q_BTHK, k_BTK, weights_BTH, scale), topk)
+
+
 def sparse_attention(q_BTHK, kv_BTK, idx_BTS, scale, v_dim) -> torch.Tensor:
     """Softmax attention of every head of query t over the kv rows idx[b, t, :] (-1 = none).
 

@@ -38,10 +38,16 @@ class DecoderLayer(nn.Module):
             self.attn = ATTENTION_CLASSES[attention["kind"]](attention, d, eps)
         ffn = layer["ffn"]
         self.ffn = MoE(ffn, d) if ffn["kind"] == "moe" else GatedMLP(d, ffn["intermediate_size"], ffn["activation"])
+        self.residual = layer["residual"]
 
     def forward(self, h_BTD: torch.Tensor, rotary: RotaryCache) -> torch.Tensor:
-        h_BTD = h_BTD + self.attn(self.input_layernorm(h_BTD), rotary)
-        return h_BTD + self.ffn(self.post_attention_layernorm(h_BTD))
+        r = self.residual
+        normed_BTD = self.input_layernorm(h_BTD)
+        skip_BTD = normed_BTD if r["skip_from_normed"] else h_BTD
+        h_BTD = skip_BTD * r["attn_alpha"] + self.attn(normed_BTD, rotary) * r["attn_beta"]
+        normed_BTD = self.post_attention_layernorm(h_BTD)
+        skip_BTD = normed_BTD if r["skip_from_normed"] else h_BTD
+        return skip_BTD * r["ffn_alpha"] + self.ffn(normed_BTD) * r["ffn_beta"]
 
 
 class HybridDecoder(nn.Module):

@@ -37,16 +37,33 @@ class Router(nn.Module):
             self.register_buffer("correction_bias", torch.zeros(num_experts))
         else:
             self.correction_bias = None
+        # Alignment pins the expert choice of a bf16 run to the fp32 run's, to measure bf16 numerics
+        # apart from discrete routing flips (which it counts separately).
+        self.pinned_idx: torch.Tensor | None = None
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights_Tk fp32, idx_Tk). Logits in fp32: routing decisions are precision-sensitive."""
         bias = None if self.bias is None else self.bias.float()
         logits_TE = F.linear(x_TD.float(), self.weight.float(), bias)
+        if self.pinned_idx is not None:
+            return self._weights_for(logits_TE, self.pinned_idx), self.pinned_idx
         r = self.spec
         return op("moe_router", x_TD.device)(
             logits_TE, self.top_k, scoring=r["scoring"], norm_topk_prob=r["norm_topk_prob"],
             routed_scaling_factor=r["routed_scaling_factor"], correction_bias_E=self.correction_bias,
             num_groups=r["num_groups"], topk_groups=r["topk_groups"], topk_before_softmax=r["topk_before_softmax"])
+
+
+    def _weights_for(self, logits_TE: torch.Tensor, idx_Tk: torch.Tensor) -> torch.Tensor:
+        """The routing weights the router gives experts idx_Tk (same scoring and normalization rules)."""
+        r = self.spec
+        if r["topk_before_softmax"]:
+            return logits_TE.gather(1, idx_Tk).softmax(-1) * r["routed_scaling_factor"]
+        scores_TE = logits_TE.softmax(-1) if r["scoring"] == "softmax" else logits_TE.sigmoid()
+        weights_Tk = scores_TE.gather(1, idx_Tk)
+        if r["norm_topk_prob"]:
+            weights_Tk = weights_Tk / weights_Tk.sum(-1, keepdim=True)
+        return weights_Tk * r["routed_scaling_factor"]
 
 
 class Experts(nn.Module):

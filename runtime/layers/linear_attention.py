@@ -83,7 +83,7 @@ class KimiDeltaAttention(nn.Module):
         self.b_proj = nn.Linear(hidden_size, self.H, bias=False)
         self.g_a_proj = nn.Linear(hidden_size, self.K, bias=False)
         self.g_b_proj = nn.Linear(self.K, width, bias=False)
-        self.o_norm = GatedRMSNorm(self.K, norm_eps)
+        self.o_norm = GatedRMSNorm(self.K, norm_eps, spec["output_gate_activation"])
         self.o_proj = nn.Linear(width, hidden_size, bias=False)
 
     def _conv_weight(self) -> torch.Tensor:

@@ -25,6 +25,9 @@ class DSAIndexer(nn.Module):
         self.wk = nn.Linear(hidden_size, self.J, bias=False)
         self.k_norm = nn.LayerNorm(self.J, eps=1e-6)
         self.weights_proj = nn.Linear(hidden_size, self.I, bias=False)
+        # Alignment pins a bf16 run's selection to the fp32 run's (as for MoE routing) and counts flips.
+        self.pinned_idx: torch.Tensor | None = None
+        self.last_selection: torch.Tensor | None = None
 
     @torch.no_grad()
     def forward(self, x_BTD, q_resid_BTQ, cos, sin, rope_dim: int) -> torch.Tensor:
@@ -35,8 +38,11 @@ class DSAIndexer(nn.Module):
         # the indexer rotates its first R channels in the half-split layout
         q_BTIJ, k_BT1J = apply_rope(q_BTIJ, cos, sin, False), apply_rope(k_BT1J, cos, sin, False)
         weights_BTI = self.weights_proj(x_BTD) * self.I**-0.5
+        if self.pinned_idx is not None:
+            return self.pinned_idx
         select = op("dsa_indexer", x_BTD.device)
-        return select(q_BTIJ, k_BT1J[:, :, 0], weights_BTI, self.J**-0.5, self.topk)
+        self.last_selection = select(q_BTIJ, k_BT1J[:, :, 0], weights_BTI, self.J**-0.5, self.topk)
+        return self.last_selection
 
 
 class MLAAttention(nn.Module):

@@ -19,15 +19,15 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """rms_norm(x) * w * silu(gate): the output norm of gated delta and KDA layers."""
+    """rms_norm(x) * w * act(gate): the output norm of gated delta (silu) and KDA (sigmoid) layers."""
 
-    def __init__(self, width: int, eps: float):
+    def __init__(self, width: int, eps: float, activation: str = "silu"):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(width))
-        self.eps = eps
+        self.eps, self.activation = eps, activation
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return op("gated_rms_norm", x.device)(x, gate, self.weight, self.eps)
+        return op("gated_rms_norm", x.device)(x, gate, self.weight, self.eps, self.activation)
 
 
 class Weight(nn.Module):

@@ -1,0 +1,326 @@
+"""MoE block benchmark: router + fused Triton experts + shared expert vs transformers'
+Qwen3NextSparseMoeBlock with grouped_mm experts, same weights, bf16, one GPU.
+
+Shape legend: T tokens, D model width, E experts, F expert width, k top-k, r LoRA rank.
+
+    PYTHONUNBUFFERED=1 python bench/bench_moe.py [--T 16384] [--out DIR]
+
+Timings (CUDA events, median): forward, and forward+backward w.r.t. the input and every weight
+(full fine-tune); then the frozen-base variants (input grad only, and LoRA r16 on the experts).
+Correctness at the real shape: the bf16 kernel vs the torch fallback run in fp64 (its loop over
+experts, checked against reference_ops by tests/test_ref_moe.py) with the same routing fed to
+both; routing flips between transformers' bf16 router and ours are counted separately.
+Writes moe.json under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import triton
+
+from runtime.kernels import moe as kernels
+from runtime.kernels.moe import experts as kernel_experts
+from runtime.kernels.moe import grouped_gemm as gg
+from runtime.kernels.moe import grouped_wgrad as gw
+from runtime.kernels.moe.schedule import build_schedule
+from runtime.ops import moe as fallback
+from runtime.tolerances import compare, tolerance_for
+
+D, E, K_TOP, F_EXPERT, F_SHARED, RANK = 2048, 512, 10, 512, 512, 16
+DEVICE = "cuda"
+T0 = time.time()
+
+
+def log(msg):
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def time_ms(fn, reps=10, warmup=2):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def build_block():
+    from transformers import Qwen3NextConfig
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+
+    cfg = Qwen3NextConfig(hidden_size=D, num_experts=E, num_experts_per_tok=K_TOP, moe_intermediate_size=F_EXPERT,
+                          shared_expert_intermediate_size=F_SHARED, norm_topk_prob=True, experts_implementation="grouped_mm")
+    block = Qwen3NextSparseMoeBlock(cfg).to(DEVICE, torch.bfloat16)
+    assert block.experts.config._experts_implementation == "grouped_mm"
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    with torch.no_grad():
+        for _, p in block.named_parameters():
+            p.normal_(0.0, p.shape[-1] ** -0.5, generator=g)
+    return block
+
+
+def ours_block(block, x_TD, experts_fn=kernels.swiglu_experts, lora=None):
+    """Our runtime form of the block: route, routed experts, sigmoid-gated shared expert."""
+    weights_Tk, idx_Tk = kernels.route(F.linear(x_TD, block.gate.weight), K_TOP, norm_topk_prob=True)
+    extra = {} if lora is None else dict(lora_gate_up=lora[0], lora_down=lora[1], lora_scale=2.0)
+    y_TD = experts_fn(x_TD, weights_Tk, idx_Tk, block.experts.gate_up_proj, block.experts.down_proj, **extra)
+    se = block.shared_expert
+    shared_TD = fallback.swiglu_mlp(x_TD, se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight)
+    return y_TD + torch.sigmoid(F.linear(x_TD, block.shared_expert_gate.weight)) * shared_TD
+
+
+def make_lora(device, dtype):
+    g = torch.Generator(device=device).manual_seed(1)
+    shapes = [(E, RANK, D), (E, 2 * F_EXPERT, RANK), (E, RANK, F_EXPERT), (E, D, RANK)]
+    A_gu, B_gu, A_d, B_d = (torch.randn(s, device=device, generator=g).mul_(s[-1] ** -0.5).to(dtype).requires_grad_() for s in shapes)
+    return (A_gu, B_gu), (A_d, B_d)
+
+
+def train_step(fn, x, dy, params):
+    def step():
+        for p in params:
+            p.grad = None
+        x.grad = None
+        fn(x).backward(dy)
+    return step
+
+
+def timings(block, x, dy):
+    params = list(block.parameters())
+    hf = lambda t: block(t.view(1, *t.shape)).view(t.shape)  # noqa: E731
+    ours = lambda t: ours_block(block, t)  # noqa: E731
+    res = {}
+    with torch.no_grad():
+        res["hf_fwd"] = time_ms(lambda: hf(x))
+        res["ours_fwd"] = time_ms(lambda: ours(x))
+    log(f"fwd: hf {res['hf_fwd']:.2f} ms, ours {res['ours_fwd']:.2f} ms")
+    res["hf_fwd_bwd"] = time_ms(train_step(hf, x, dy, params))
+    res["ours_fwd_bwd"] = time_ms(train_step(ours, x, dy, params))
+    res["fallback_fwd_bwd"] = time_ms(train_step(lambda t: ours_block(block, t, fallback.swiglu_experts), x, dy, params))
+    log(f"fwd+bwd full: hf {res['hf_fwd_bwd']:.2f}, ours {res['ours_fwd_bwd']:.2f}, fallback {res['fallback_fwd_bwd']:.2f} ms")
+    return res
+
+
+def profile(block, x, dy):
+    """Where one full fwd+bwd of ours spends its GPU time, by kernel name."""
+    step = train_step(lambda t: ours_block(block, t), x, dy, list(block.parameters()))
+    step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+    print(table, flush=True)
+    return {"table": table}
+
+
+def frozen_timings(block, x, dy):
+    """Base weights frozen: input grad only, and LoRA adapters on the experts (LoRA grads too)."""
+    for p in block.parameters():
+        p.requires_grad_(False)
+    lora = make_lora(DEVICE, torch.bfloat16)
+    adapters = [*lora[0], *lora[1]]
+    res = {
+        "hf_frozen_fwd_bwd": time_ms(train_step(lambda t: block(t.view(1, *t.shape)).view(t.shape), x, dy, [])),
+        "ours_frozen_fwd_bwd": time_ms(train_step(lambda t: ours_block(block, t), x, dy, [])),
+        "ours_lora_fwd_bwd": time_ms(train_step(lambda t: ours_block(block, t, lora=lora), x, dy, adapters)),
+    }
+    with torch.no_grad():
+        res["router_only"] = time_ms(lambda: kernels.route(F.linear(x, block.gate.weight), K_TOP, norm_topk_prob=True))
+    log(f"frozen: hf {res['hf_frozen_fwd_bwd']:.2f}, ours {res['ours_frozen_fwd_bwd']:.2f}, ours+LoRA {res['ours_lora_fwd_bwd']:.2f}, router {res['router_only']:.2f} ms")
+    for p in block.parameters():
+        p.requires_grad_(True)
+    return res
+
+
+def _errors(fn, inputs: dict, idx, dy, fp64_fn, fixed=None):
+    """rel RMS of out and every input grad: fn on bf16 inputs vs fp64_fn on fp64 copies of them.
+    `fixed` tensors take part without gradients (frozen weights, routing weights)."""
+    fixed = fixed or {}
+    ours_in = {n: t.detach().requires_grad_() for n, t in inputs.items()}
+    ref_in = {n: t.detach().double().requires_grad_() for n, t in inputs.items()}
+    out = fn(ours_in | fixed, idx)
+    out.backward(dy)
+    expected = fp64_fn(ref_in | {n: t.detach().double() for n, t in fixed.items()}, idx)
+    expected.backward(dy.double())
+    errs = {"out": compare(out, expected, tolerance_for("swiglu_experts", torch.bfloat16, "out"))}
+    for n in inputs:
+        errs[n] = compare(ours_in[n].grad, ref_in[n].grad, tolerance_for("swiglu_experts", torch.bfloat16, "grad"))
+    del ref_in, expected
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return {n: dict(rel_rms=c.rel_rms, max_abs_rel=c.max_abs_rel, passed=c.passed) for n, c in errs.items()}
+
+
+def _experts_call(fn):
+    def call(t, idx):
+        lora = {}
+        if "A_gu" in t:
+            lora = dict(lora_gate_up=(t["A_gu"], t["B_gu"]), lora_down=(t["A_d"], t["B_d"]), lora_scale=2.0)
+        return fn(t["x"], t["weights"], idx, t["w_gu"], t["w_d"], **lora)
+    return call
+
+
+def correctness(block, x, dy):
+    with torch.no_grad():
+        weights, idx = kernels.route(F.linear(x, block.gate.weight), K_TOP, norm_topk_prob=True)
+        _, _, hf_idx = block.gate(x)
+    flips = int((torch.sort(hf_idx, 1).values != torch.sort(idx, 1).values).any(1).sum())
+    log(f"routing: {flips} of {x.shape[0]} tokens choose a different expert set in transformers' bf16 router")
+    inputs = dict(x=x, weights=weights, w_gu=block.experts.gate_up_proj, w_d=block.experts.down_proj)
+    ref_fn = _experts_call(fallback.swiglu_experts)
+    res = {"routing_flips_vs_transformers": flips}
+    res["full"] = _errors(_experts_call(kernels.swiglu_experts), inputs, idx, dy, ref_fn)
+    log(f"full fine-tune errors: {res['full']}")
+    def hf_experts(t, i):
+        swapped = {"gate_up_proj": t["w_gu"], "down_proj": t["w_d"]}
+        return torch.func.functional_call(block.experts, swapped, (t["x"], i, t["weights"].to(torch.bfloat16)))
+
+    res["transformers_grouped_mm"] = _errors(hf_experts, inputs, idx, dy, ref_fn)
+    log(f"transformers grouped_mm errors (same routing): {res['transformers_grouped_mm']}")
+    (A_gu, B_gu), (A_d, B_d) = make_lora(DEVICE, torch.bfloat16)
+    lora_in = dict(x=x, A_gu=A_gu, B_gu=B_gu, A_d=A_d, B_d=B_d)
+    frozen = dict(weights=weights, w_gu=block.experts.gate_up_proj.detach(), w_d=block.experts.down_proj.detach())
+    res["lora_frozen_base"] = _errors(_experts_call(kernels.swiglu_experts), lora_in, idx, dy, ref_fn, fixed=frozen)
+    log(f"LoRA frozen-base errors: {res['lora_frozen_base']}")
+    return res
+
+
+GEMM_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st) for bn, bk, w, st in (
+    (128, 64, 4, 4), (256, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 3), (256, 64, 8, 4), (256, 128, 8, 2))]
+# with 64-row tiles only the three most promising
+GEMM_CONFIGS_BM64 = GEMM_CONFIGS[:3]
+WGRAD_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st) for bm, bn, bk, w, st in (
+    (128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 2))]
+
+
+def _gemm_cases(block, x, dy, block_m):
+    """The four expert GEMMs of one fwd+bwd on real routing: name -> (flops, call(config))."""
+    weights, idx = kernels.route(F.linear(x, block.gate.weight), K_TOP, norm_topk_prob=True)
+    sched = build_schedule(idx, E, block_m)
+    S, tok, pair = idx.numel(), sched.token_S, sched.pair_S
+    w_S = weights.reshape(-1)[pair.long()].float().contiguous()
+    w_gu, w_d = block.experts.gate_up_proj.detach(), block.experts.down_proj.detach()
+    x, dy = x.detach(), dy.contiguous()
+    new = lambda *shape: torch.empty(shape, device=x.device, dtype=x.dtype)  # noqa: E731
+    gate_up, h, y, d_gate_up, dx = new(S, 2 * F_EXPERT), new(S, F_EXPERT), new(S, D), new(S, 2 * F_EXPERT), new(S, D)
+    dw = torch.zeros(S, device=x.device)
+    flops = 2 * S * D * F_EXPERT
+    return {
+        "glu_fwd": (2 * flops, lambda c: gg.grouped_gemm(x, gg.Weight(w_gu), sched, h, mode=gg.MODE_GLU_FWD, a_rows=tok, gate_up=gate_up, config=c)),
+        "down_fwd": (flops, lambda c: gg.grouped_gemm(h, gg.Weight(w_d), sched, y, out_rows=pair, row_scale_S=w_S, config=c)),
+        "glu_bwd": (flops, lambda c: gg.grouped_gemm(dy, gg.Weight(w_d, transposed=True), sched, d_gate_up, mode=gg.MODE_GLU_BWD,
+                                                     a_rows=tok, row_scale_S=w_S, gate_up=gate_up, dw_S=dw, config=c)),
+        "dx": (2 * flops, lambda c: gg.grouped_gemm(d_gate_up, gg.Weight(w_gu, transposed=True), sched, dx, out_rows=pair, config=c)),
+        "wgrad_gate_up": (2 * flops, lambda c: gw.grouped_wgrad(d_gate_up, x, sched, b_rows=tok, config=c)),
+        "wgrad_down": (flops, lambda c: gw.grouped_wgrad(dy, h, sched, a_rows=tok, row_scale_S=w_S, config=c)),
+    }
+
+
+def sweep(block, x, dy):
+    """Each expert GEMM alone under each config; the winners become the autotuner's candidates."""
+    table, best = {}, {}
+    for block_m in (128, 64):
+        for name, (flops, call) in _gemm_cases(block, x, dy, block_m).items():
+            configs = WGRAD_CONFIGS if name.startswith("wgrad") else GEMM_CONFIGS if block_m == 128 else GEMM_CONFIGS_BM64
+            if name.startswith("wgrad") and block_m != 128:
+                continue
+            for c in configs:
+                label = f"{name} BM{block_m} " + " ".join(f"{k}={v}" for k, v in c.items())
+                try:
+                    ms = time_ms(lambda: call(c), reps=5, warmup=1)
+                except Exception as error:  # a config that does not fit is reported, not fatal
+                    log(f"{label}: FAILED {type(error).__name__}: {str(error)[:120]}")
+                    continue
+                table[label] = dict(ms=ms, tflops=flops / ms / 1e9)
+                log(f"{label}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s")
+                key = (name, block_m)
+                if key not in best or ms < best[key][0]:
+                    best[key] = (ms, c)
+    _apply(best)
+    return {"table": table, "best": {f"{n} BM{bm}": dict(ms=ms, config=c) for (n, bm), (ms, c) in best.items()}}
+
+
+def _apply(best):
+    """Autotune among the per-GEMM winners; the row tile follows the faster total of the four."""
+    gemm = ("glu_fwd", "down_fwd", "glu_bwd", "dx")
+    totals = {bm: sum(best[(n, bm)][0] for n in gemm if (n, bm) in best) for bm in (128, 64)}
+    block_m = min(totals, key=totals.get)
+    kernel_experts._block_m = lambda rows, experts: block_m
+    as_config = lambda c: triton.Config({k: v for k, v in c.items() if k.isupper()}, num_warps=c["num_warps"], num_stages=c["num_stages"])  # noqa: E731
+    gg._tuned_kernel.configs = _unique([as_config(best[(n, block_m)][1]) for n in gemm if (n, block_m) in best])
+    gw._tuned_kernel.configs = _unique([as_config(best[(n, 128)][1]) for n in ("wgrad_gate_up", "wgrad_down") if (n, 128) in best])
+    gg._tuned_kernel.cache.clear()
+    gw._tuned_kernel.cache.clear()
+    log(f"chosen: BLOCK_M {block_m}; gemm configs {[str(c) for c in gg._tuned_kernel.configs]}; "
+        f"wgrad configs {[str(c) for c in gw._tuned_kernel.configs]}")
+
+
+def _unique(configs):
+    seen = {}
+    for c in configs:
+        seen.setdefault(str(c), c)
+    return list(seen.values())
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--T", type=int, default=16384)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    block = build_block()
+    g = torch.Generator(device=DEVICE).manual_seed(2)
+    x = torch.randn(args.T, D, device=DEVICE, dtype=torch.bfloat16, generator=g).requires_grad_()
+    dy = torch.randn(args.T, D, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    result = {"name": "moe", "device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "date": str(datetime.date.today()),
+              "shape": f"T{args.T} D{D} E{E} k{K_TOP} F{F_EXPERT} shared{F_SHARED} bf16",
+              "baseline": "transformers Qwen3NextSparseMoeBlock, experts_implementation=grouped_mm, fwd+bwd w.r.t. input and all weights",
+              "command": "PYTHONUNBUFFERED=1 python bench/bench_moe.py --out $OUT",
+              "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
+                           "triton": __import__("triton").__version__}}
+    path = os.path.join(args.out, "moe.json")
+    for stage in (sweep, correctness, timings, profile, frozen_timings):
+        try:
+            result[stage.__name__] = stage(block, x, dy)
+        except Exception as error:  # one failing stage is reported, the others still run
+            result[stage.__name__] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+            log(f"{stage.__name__} FAILED: {result[stage.__name__]['error']}")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+    summarize(result)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def summarize(result):
+    t = result.get("timings", {})
+    if "hf_fwd_bwd" in t:
+        result |= {"baseline_ms": t["hf_fwd_bwd"], "ours_ms": t["ours_fwd_bwd"], "speedup": t["hf_fwd_bwd"] / t["ours_fwd_bwd"]}
+    errs = [v["rel_rms"] for k, group in result.get("correctness", {}).items()
+            if k in ("full", "lora_frozen_base") for v in group.values()]
+    if errs:
+        result["max_rel_err"] = max(errs)
+    print("\n| what | ms |\n|---|---|")
+    for stage in ("timings", "frozen_timings"):
+        for name, ms in result.get(stage, {}).items():
+            if isinstance(ms, float):
+                print(f"| {name} | {ms:.2f} |")
+    print({k: result.get(k) for k in ("baseline_ms", "ours_ms", "speedup", "max_rel_err")})
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""Tier-0 inputs: for each registry op, random arguments at a layer's real widths and a short sequence.
+
+A case is (args, kwargs, grads): `grads` names the float tensors whose gradients are compared.
+Tensors are made in fp64, then rounded to the tested dtype; the reference gets the same rounded
+values, so a comparison measures the op, not the input rounding. Expert counts above MAX_EXPERTS
+are cut (widths stay real): the flagship's 896 stacked experts would need 128 GB.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.ops.rope import rope_cos_sin, rope_inv_freq
+
+MAX_EXPERTS = 8
+
+
+class Case:
+    def __init__(self, gen: torch.Generator, dtype: torch.dtype):
+        self.gen, self.dtype = gen, dtype
+        self.kwargs: dict = {}
+        self.grads: list[str] = []
+
+    def rand(self, name: str, *shape: int, scale: float = 1.0, offset: float = 0.0, grad: bool = True) -> torch.Tensor:
+        """A random input; a dotted name ("params.q_proj") lands in a dict argument."""
+        value = (torch.randn(shape, generator=self.gen, dtype=torch.float64) * scale + offset).to(self.dtype)
+        self.kwargs[name] = value
+        if grad:
+            self.grads.append(name)
+        return value
+
+    def set(self, name: str, value) -> None:
+        self.kwargs[name] = value
+
+
+def _rope_tables(rope: dict, T: int):
+    inv_freq, factor = rope_inv_freq(rope["rotary_dim"], rope["theta"], rope.get("scaling"))
+    return rope_cos_sin(torch.arange(T)[None], inv_freq, factor)
+
+
+def build_case(op: str, params: dict, hidden: int, T: int, seed: int, dtype: torch.dtype) -> Case:
+    case = Case(torch.Generator().manual_seed(seed), dtype)
+    BUILDERS[op](case, params, hidden, T)
+    return case
+
+
+def _norm(c: Case, p: dict, d: int, T: int):
+    c.rand("x", 1, T, d)
+    c.rand("weight", d, scale=0.1)
+    c.set("eps", p["eps"])
+    c.set("offset", 1.0 if p["kind"] == "rms_1p" else 0.0)
+
+
+def _gated_norm(c: Case, p: dict, d: int, T: int):
+    heads, width = (p["num_v_heads"], p["head_v_dim"]) if p["kind"] == "gated_delta" else (p["num_heads"], p["head_dim"])
+    c.rand("x", 1, T, heads, width)
+    c.rand("gate", 1, T, heads, width)
+    c.rand("weight", width, scale=0.1)
+    c.set("eps", 1e-6)
+    c.set("activation", p.get("output_gate_activation", "silu"))
+
+
+def _rope(c: Case, p: dict, d: int, T: int):
+    c.rand("x_BTHK", 1, T, 2, max(p["rotary_dim"], 2))
+    cos, sin = _rope_tables(p, T)
+    c.set("cos_BTR", cos)
+    c.set("sin_BTR", sin)
+    c.set("interleaved", p.get("interleaved", False))
+
+
+def _softmax(c: Case, p: dict, d: int, T: int):
+    c.rand("q_BTHK", 1, T, p["num_heads"], p["head_dim"])
+    c.rand("k_BTGK", 1, T, p["num_kv_heads"], p["head_dim"])
+    c.rand("v_BTGV", 1, T, p["num_kv_heads"], p["head_dim"])
+    c.set("scale", p["head_dim"] ** -0.5)
+    c.set("window", p["sliding_window"])
+    if p["sinks"]:
+        c.rand("sinks_H", p["num_heads"])
+
+
+def _mla(c: Case, p: dict, d: int, T: int):
+    qk, H = p["qk_nope_head_dim"] + p["qk_rope_head_dim"], p["num_heads"]
+    c.rand("x_BTD", 1, T, d)
+    shapes = {"kv_a_proj_with_mqa": (p["kv_lora_rank"] + p["qk_rope_head_dim"], d),
+              "kv_a_layernorm": (p["kv_lora_rank"],),
+              "kv_b_proj": (H * (p["qk_nope_head_dim"] + p["v_head_dim"]), p["kv_lora_rank"]),
+              "o_proj": (d, H * p["v_head_dim"])}
+    if p["q_lora_rank"]:
+        shapes |= {"q_a_proj": (p["q_lora_rank"], d), "q_a_layernorm": (p["q_lora_rank"],), "q_b_proj": (H * qk, p["q_lora_rank"])}
+    else:
+        shapes["q_proj"] = (H * qk, d)
+    for name, shape in shapes.items():
+        # norm weights near 1, projections scaled to keep activations O(1)
+        if len(shape) == 1:
+            c.rand(f"params.{name}", *shape, scale=0.1, offset=1.0)
+        else:
+            c.rand(f"params.{name}", *shape, scale=shape[1] ** -0.5)
+    rope = p["rope"] or {"rotary_dim": p["qk_rope_head_dim"], "theta": 10000.0}
+    cos, sin = _rope_tables({**rope, "rotary_dim": p["qk_rope_head_dim"]}, T)
+    if p["rope"] is None:
+        cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
+    c.kwargs.update(num_heads=H, q_lora_rank=p["q_lora_rank"], kv_lora_rank=p["kv_lora_rank"],
+                    qk_nope_head_dim=p["qk_nope_head_dim"], qk_rope_head_dim=p["qk_rope_head_dim"],
+                    v_head_dim=p["v_head_dim"], cos_BTR=cos, sin_BTR=sin, scale=qk ** -0.5, eps=1e-6,
+                    interleaved_rope=bool(p["rope"] and p["rope"].get("interleaved")))
+
+
+def _indexer(c: Case, p: dict, d: int, T: int):
+    ix = p["indexer"]
+    c.rand("q_BTHK", 1, T, ix["num_heads"], ix["head_dim"], grad=False)
+    c.rand("k_BTK", 1, T, ix["head_dim"], grad=False)
+    c.rand("weights_BTH", 1, T, ix["num_heads"], grad=False)
+    c.set("scale", ix["head_dim"] ** -0.5)
+    # a top-k below T so the selection matters at short sequences
+    c.set("topk", min(ix["topk"], max(T // 4, 1)))
+
+
+def _sparse(c: Case, p: dict, d: int, T: int):
+    width = p["kv_lora_rank"] + p["qk_rope_head_dim"]
+    c.rand("q_BTHK", 1, T, p["num_heads"], width)
+    c.rand("kv_BTK", 1, T, width)
+    scores = torch.randn(1, T, T, generator=c.gen, dtype=torch.float64).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    S = min(p["indexer"]["topk"], max(T // 4, 1))
+    values, idx = scores.topk(S, dim=-1)
+    c.set("idx_BTS", idx.masked_fill(values == float("-inf"), -1))
+    c.set("scale", (p["qk_nope_head_dim"] + p["qk_rope_head_dim"]) ** -0.5)
+    c.set("v_dim", p["kv_lora_rank"])
+
+
+def _conv(c: Case, p: dict, d: int, T: int):
+    if p["kind"] == "gated_delta":
+        channels = 2 * p["num_k_heads"] * p["head_k_dim"] + p["num_v_heads"] * p["head_v_dim"]
+    else:
+        channels = 3 * p["num_heads"] * p["head_dim"]
+    c.rand("x_BTC", 1, T, channels)
+    c.rand("weight_CW", channels, p["conv_kernel_size"], scale=0.5)
+    c.set("bias_C", None)
+    c.set("activation", "silu")
+
+
+def _delta(c: Case, p: dict, d: int, T: int):
+    per_channel = p["kind"] == "kda"
+    H = p["num_heads"] if per_channel else p["num_v_heads"]
+    K = p["head_dim"] if per_channel else p["head_k_dim"]
+    V = p["head_dim"] if per_channel else p["head_v_dim"]
+    c.rand("q_BTHK", 1, T, H, K)
+    c.rand("k_BTHK", 1, T, H, K)
+    c.rand("v_BTHV", 1, T, H, V)
+    g_shape = (1, T, H, K) if per_channel else (1, T, H)
+    g = -F.softplus(torch.randn(g_shape, generator=c.gen, dtype=torch.float64)).to(c.dtype) * 0.5
+    c.set("g_BTHK" if per_channel else "g_BTH", g)
+    c.grads.append("g_BTHK" if per_channel else "g_BTH")
+    c.set("beta_BTH", torch.rand(1, T, H, generator=c.gen, dtype=torch.float64).to(c.dtype))
+    c.grads.append("beta_BTH")
+    c.set("use_qk_l2norm", True)
+
+
+def _lightning(c: Case, p: dict, d: int, T: int):
+    for name in ("q_BTHK", "k_BTHK", "v_BTHV"):
+        c.rand(name, 1, T, p["num_heads"], p["head_dim"], scale=0.5)
+    base = 2 ** (-8 / p["num_heads"])
+    c.set("slope_H", torch.tensor([base ** (h + 1) for h in range(p["num_heads"])], dtype=torch.float64).to(c.dtype))
+
+
+def _router(c: Case, p: dict, d: int, T: int):
+    r = p["router"]
+    c.rand("logits_TE", T, p["num_experts"], grad=False)
+    c.set("top_k", p["top_k"])
+    c.kwargs.update(scoring=r["scoring"], norm_topk_prob=r["norm_topk_prob"], routed_scaling_factor=r["routed_scaling_factor"],
+                    num_groups=r["num_groups"], topk_groups=r["topk_groups"], topk_before_softmax=r["topk_before_softmax"])
+    if r["correction_bias"]:
+        c.rand("correction_bias_E", p["num_experts"], scale=0.1, grad=False)
+
+
+def _experts(c: Case, p: dict, d: int, T: int):
+    E, F_ = min(p["num_experts"], MAX_EXPERTS), p["expert_intermediate_size"]
+    k = min(p["top_k"], E)
+    c.rand("x_TD", T, d)
+    scores = torch.rand(T, E, generator=c.gen, dtype=torch.float64)
+    top, idx = scores.topk(k, dim=-1)
+    c.set("weights_Tk", (top / top.sum(-1, keepdim=True)).float())
+    c.set("idx_Tk", idx)
+    c.rand("w_gate_up_E2FD", E, 2 * F_, d, scale=d ** -0.5)
+    c.rand("w_down_EDF", E, d, F_, scale=F_ ** -0.5)
+    if p["expert_bias"]:
+        c.rand("b_gate_up_E2F", E, 2 * F_, scale=0.1)
+        c.rand("b_down_ED", E, d, scale=0.1)
+    c.kwargs.update(activation=p["activation"], clamp=p["swiglu_limit"], glu_alpha=p["swiglu_alpha"],
+                    interleaved_gate_up=p["interleaved_gate_up"])
+
+
+def _mlp(c: Case, p: dict, d: int, T: int):
+    width = p["intermediate_size"] if p["kind"] == "dense" else p["shared_intermediate_size"]
+    c.rand("x_TD", T, d)
+    c.rand("w_gate_FD", width, d, scale=d ** -0.5)
+    c.rand("w_up_FD", width, d, scale=d ** -0.5)
+    c.rand("w_down_DF", d, width, scale=width ** -0.5)
+    c.set("activation", p["activation"])
+
+
+BUILDERS = {
+    "rms_norm": _norm, "gated_rms_norm": _gated_norm, "rope": _rope, "softmax_attention": _softmax,
+    "mla_attention": _mla, "dsa_indexer": _indexer, "sparse_attention": _sparse, "causal_conv1d": _conv,
+    "gated_delta_rule": _delta, "kda": _delta, "lightning_attention": _lightning, "moe_router": _router,
+    "moe_experts": _experts, "swiglu_mlp": _mlp,
+}

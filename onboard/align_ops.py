@@ -1,0 +1,125 @@
+"""Alignment tier 0: every op the package uses, runtime forms vs the fp64 reference, forward and backward.
+
+Each op runs at the real widths of the first layer that uses it, a short sequence, three seeds,
+in fp32 and bf16; the fallback always, the fused kernel where it can run (CUDA, or the Triton
+interpreter when TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from onboard.align_cases import build_case
+from onboard.align_report import Check
+from runtime.registry import OPS
+from runtime.tolerances import compare, tolerance_for
+
+SEEDS = (0, 1, 2)
+DTYPES = (torch.float32, torch.bfloat16)
+# Ops whose output is a selection (indices): compared as sets, not numerically.
+SELECTION_OPS = {"dsa_indexer"}
+
+
+def _call_args(kwargs: dict, grads: list[str], dtype: torch.dtype | None):
+    """Leaf tensors (requires_grad where compared), re-nesting dotted names into dict arguments."""
+    leaves, call = {}, {}
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach().clone()
+            if dtype is not None and value.is_floating_point():
+                value = value.to(dtype)
+            if name in grads:
+                value.requires_grad_(True)
+            leaves[name] = value
+        if "." in name:
+            outer, inner = name.split(".", 1)
+            call.setdefault(outer, {})[inner] = value
+        else:
+            call[name] = value
+    return call, leaves
+
+
+def _outputs(result) -> list[torch.Tensor]:
+    items = result if isinstance(result, (tuple, list)) else (result,)
+    return [t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _run(fn, kwargs, grads, dtype, cotangent_seed: int):
+    call, leaves = _call_args(kwargs, grads, dtype)
+    outs = _outputs(fn(**call))
+    if grads:
+        gen = torch.Generator().manual_seed(cotangent_seed)
+        total = sum((o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64)).sum() for o in outs)
+        total.backward()
+    return [o.detach() for o in outs], {n: leaves[n].grad for n in grads}
+
+
+def _selection_check(fn, ref, kwargs) -> float:
+    """Fraction of reference-selected keys the runtime also selected (ties make exact order moot)."""
+    call, _ = _call_args(kwargs, [], None)
+    ours, truth = fn(**call), ref(**_call_args(kwargs, [], torch.float64)[0])
+    hits = total = 0
+    for a, b in zip(ours.reshape(-1, ours.shape[-1]).tolist(), truth.reshape(-1, truth.shape[-1]).tolist()):
+        want = {i for i in b if i >= 0}
+        hits += len(want & {i for i in a if i >= 0})
+        total += len(want)
+    return hits / max(total, 1)
+
+
+def kernel_runnable() -> bool:
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_op(op: str, params: dict, hidden: int, T: int, which: str) -> list[Check]:
+    family = OPS[op]
+    fn, ref = family.resolve(which), family.resolve("reference")
+    checks = []
+    for dtype in DTYPES:
+        for seed in SEEDS:
+            case = build_case(op, params, hidden, T, seed, dtype)
+            name = f"{op}/{which}/{str(dtype).removeprefix('torch.')}/seed{seed}"
+            if op in SELECTION_OPS:
+                overlap = _selection_check(fn, ref, case.kwargs)
+                checks.append(Check(tier=0, name=name, metric="selection_overlap", value=overlap, tolerance=0.99,
+                                    verdict="pass" if overlap >= 0.99 else "fail", op=op))
+                continue
+            checks += _numeric_checks(op, fn, ref, case, dtype, seed, name)
+    return checks
+
+
+def _numeric_checks(op, fn, ref, case, dtype, seed, name) -> list[Check]:
+    ours, our_grads = _run(fn, case.kwargs, case.grads, None, seed)
+    truth, true_grads = _run(ref, case.kwargs, case.grads, torch.float64, seed)
+    checks = []
+    for i, (a, e) in enumerate(zip(ours, truth)):
+        checks.append(Check.from_comparison(0, f"{name}/out{i}", compare(a, e, tolerance_for(op, dtype)), op=op))
+    for n in case.grads:
+        tol = tolerance_for(op, dtype, "grad")
+        if our_grads[n] is None or true_grads[n] is None:
+            checks.append(Check(tier=0, name=f"{name}/grad:{n}", metric="rel_rms", value=float("inf"), tolerance=tol.rel_rms,
+                                verdict="fail", op=op, detail="gradient missing"))
+            continue
+        checks.append(Check.from_comparison(0, f"{name}/grad:{n}", compare(our_grads[n], true_grads[n], tol), op=op))
+    return checks
+
+
+def tier0(spec: dict, T: int = 33) -> list[Check]:
+    """Checks for every (op, distinct parameters) the spec uses."""
+    from runtime.registry import ops_for_layer
+
+    seen, checks = set(), []
+    for layer in spec["layers"]:
+        for op, params in [("rms_norm", spec["norm"])] + ops_for_layer(layer["attention"], layer["ffn"]):
+            key = (op, repr(sorted(params.items())))
+            if key in seen:
+                continue
+            seen.add(key)
+            checks += check_op(op, params, spec["hidden_size"], T, "fallback")
+            if OPS[op].kernel and OPS[op].resolve("kernel") is not None:
+                if kernel_runnable():
+                    checks += check_op(op, params, spec["hidden_size"], T, "kernel")
+                else:
+                    checks.append(Check(tier=0, name=f"{op}/kernel", metric="-", value=0.0, tolerance=0.0, verdict="skip",
+                                        op=op, detail="no CUDA here and TRITON_INTERPRET is not set"))
+    return checks

@@ -1,0 +1,96 @@
+"""Both sides of layer and model alignment: the model's own transformers implementation and our runtime,
+loaded from the same release files, plus hooks that record what each transformers layer saw."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from onboard.example_models import model_class
+
+
+def load_reference(source: Path, family: str, dtype: torch.dtype) -> nn.Module:
+    """transformers' class for the family, from the release folder, eval mode."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    model = model_class(family).from_pretrained(source, dtype=dtype).eval()
+    _refresh_derived_buffers(model)
+    return model
+
+
+def _refresh_derived_buffers(model: nn.Module) -> None:
+    """MiniMax stores decay tables derived from slope_rate; the release rounds them to bf16, which makes
+    them disagree with their own slope at 1e-3. Rebuild them with the module's own function, in fp32."""
+    for module in model.modules():
+        if hasattr(module, "decay_factors") and hasattr(module, "slope_rate"):
+            tables = module.decay_factors(module.slope_rate.float())
+            for name, value in zip(("query_decay", "key_decay", "diagonal_decay"), tables):
+                getattr(module, name).copy_(value)
+
+
+def load_runtime(spec: dict, weight_map: dict, source: Path, dtype: torch.dtype, num_layers: int | None = None):
+    from runtime.model import HybridDecoder
+    from runtime.weights import load_release
+
+    model = HybridDecoder(spec, num_layers).to(dtype)
+    vision = spec["naming"].get("vision_prefix")
+    load_release(model, source, weight_map, skip_prefixes=(vision,) if vision else ())
+    return model.eval()
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    decoder = next(m for m in model.modules() if hasattr(m, "layers") and hasattr(m, "embed_tokens"))
+    return list(decoder.layers)
+
+
+def attention_module(layer: nn.Module) -> nn.Module:
+    return getattr(layer, "linear_attn", None) or layer.self_attn
+
+
+def ffn_module(layer: nn.Module) -> nn.Module:
+    return getattr(layer, "mlp", None) or layer.block_sparse_moe
+
+
+def first_tensor(output) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class Recorder:
+    """Records (args, kwargs, output) of every decoder layer, attention and FFN module of a transformers model."""
+
+    def __init__(self, model: nn.Module):
+        self.calls: dict[tuple[str, int], tuple] = {}
+        self.handles = []
+        for i, layer in enumerate(decoder_layers(model)):
+            for part, module in (("layer", layer), ("attention", attention_module(layer)), ("ffn", ffn_module(layer))):
+                self.handles.append(module.register_forward_hook(self._hook(part, i), with_kwargs=True))
+
+    def _hook(self, part: str, index: int):
+        def record(module, args, kwargs, output):
+            self.calls[(part, index)] = (args, kwargs, first_tensor(output).detach())
+        return record
+
+    def input(self, part: str, index: int) -> torch.Tensor:
+        args, kwargs, _ = self.calls[(part, index)]
+        return (args[0] if args else kwargs["hidden_states"]).detach()
+
+    def output(self, part: str, index: int) -> torch.Tensor:
+        return self.calls[(part, index)][2]
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def read_package(pkg: Path) -> tuple[dict, dict, Path]:
+    """(spec dict, weight map, source release folder) of a package written by `onboard new-model`."""
+    import yaml
+
+    manifest = yaml.safe_load((pkg / "package.yaml").read_text())
+    spec = json.loads((pkg / "spec.json").read_text())
+    weight_map = json.loads((pkg / "weight_map.json").read_text())
+    return spec, weight_map, Path(manifest["source"]["path"])

@@ -1,0 +1,73 @@
+"""AlignmentReport: every check with its metric, tolerance and verdict, per tier."""
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional
+
+from pydantic import BaseModel, field_serializer
+
+from runtime.tolerances import Comparison
+
+Verdict = Literal["pass", "fail", "skip", "info"]
+
+
+class Check(BaseModel):
+    tier: int
+    name: str
+    metric: str  # "rel_rms", "max_abs_rel", "selection_overlap", "routing_flips", ...
+    value: float
+    tolerance: float
+    verdict: Verdict
+    op: Optional[str] = None  # registry op or layer component the check is about
+    layer: Optional[int] = None
+    detail: str = ""
+
+    @field_serializer("value", "tolerance")
+    def _finite(self, v: float):
+        # JSON has no Infinity/NaN: write them as strings so the report stays valid JSON
+        return v if math.isfinite(v) else str(v)
+
+    @classmethod
+    def from_comparison(cls, tier: int, name: str, c: Comparison, **fields) -> "Check":
+        """rel_rms is the headline metric; max-abs goes into detail and into the verdict."""
+        detail = f"max_abs_rel={c.max_abs_rel:.3e} (tol {c.tolerance.max_abs_rel:.0e})" + ("" if c.finite else "; non-finite output")
+        return cls(tier=tier, name=name, metric="rel_rms", value=c.rel_rms, tolerance=c.tolerance.rel_rms,
+                   verdict="pass" if c.passed else "fail", detail=detail, **fields)
+
+
+class Divergence(BaseModel):
+    layer: int
+    component: str  # "attention" or "ffn"
+    kind: str  # e.g. "gated_delta", "moe"
+    ops: list[str]  # the registry ops that component runs
+    value: float
+    tolerance: float
+
+
+class TierResult(BaseModel):
+    tier: int
+    passed: bool
+    num_checks: int
+    num_failed: int
+    checks: list[Check]
+
+
+class AlignmentReport(BaseModel):
+    package: str
+    source: str
+    spec_hash: str
+    tiers: list[TierResult]
+    first_divergence: Optional[Divergence] = None
+    passed: bool
+
+    def summary_line(self) -> str:
+        parts = [f"tier {t.tier}: {'pass' if t.passed else 'FAIL'} ({t.num_checks - t.num_failed}/{t.num_checks})" for t in self.tiers]
+        if self.first_divergence:
+            d = self.first_divergence
+            parts.append(f"first divergence: layer {d.layer} {d.component} ({d.kind}: {', '.join(d.ops)})")
+        return "; ".join(parts)
+
+
+def tier_result(tier: int, checks: list[Check]) -> TierResult:
+    failed = sum(1 for c in checks if c.verdict == "fail")
+    return TierResult(tier=tier, passed=failed == 0, num_checks=len(checks), num_failed=failed, checks=checks)

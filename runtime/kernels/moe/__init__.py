@@ -1,0 +1,11 @@
+"""Fused Triton kernels for MoE experts.
+
+- `swiglu_experts(...)`: autograd op over grouped GEMMs with the token gather, the GLU, the routing
+  weight and the scatter-combine fused into the GEMMs, optional expert LoRA in the same passes.
+- `route(...)`: the router; the torch form is used (top-k over [T, E] is a small share of the block).
+Contracts are those of reference_ops/moe.py.
+"""
+from runtime.kernels.moe.experts import swiglu_experts
+from runtime.ops.moe import route
+
+__all__ = ["route", "swiglu_experts"]

@@ -1,0 +1,203 @@
+"""Routed SwiGLU experts as one autograd op over the fused grouped kernels.
+
+Forward: gate/up grouped GEMM reading x by token (no permuted copy), GLU in its epilogue; down
+grouped GEMM with the routing weight and the scatter to pair order in its epilogue; a sum over
+each token's k rows. Backward: one GEMM gives d(gate/up) and d(routing weight) (GLU backward in
+the epilogue), one gives dx (scattered), and the per-expert weight gradients run only for the
+tensors that require grad, so frozen experts under LoRA skip them.
+
+Shape legend: T tokens, D model width, E experts, F expert width, k top-k, r LoRA rank,
+S = T * k pairs in expert-sorted order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.kernels.moe import buffers
+from runtime.kernels.moe.grouped_gemm import (
+    MODE_GLU_BWD,
+    MODE_GLU_FWD,
+    Glu,
+    LowRank,
+    Weight,
+    grouped_gemm,
+)
+from runtime.kernels.moe.grouped_wgrad import grouped_wgrad
+from runtime.kernels.moe.schedule import Schedule, build_schedule
+
+
+@dataclass(frozen=True)
+class Lora:
+    """LoRA pairs of the two projections (None when absent) and their common scale."""
+
+    A_gu_ErD: torch.Tensor | None
+    B_gu_E2Fr: torch.Tensor | None
+    A_d_ErF: torch.Tensor | None
+    B_d_EDr: torch.Tensor | None
+    scale: float
+
+
+def _block_m(num_rows: int, num_experts: int) -> int:
+    # Row tiles are padded per expert: with few rows per expert, smaller tiles waste less.
+    return 64 if num_rows < 128 * num_experts else 128
+
+
+def _gate_up(x_TD, w_gu, b_gu, lora: Lora, sched: Schedule, glu: Glu):
+    """-> (gate_up_S2F pre-activation, h_SF, xa_Sr or None)."""
+    S, two_f = sched.pair_S.numel(), w_gu.shape[1]
+    xa = None
+    low_rank = None
+    if lora.A_gu_ErD is not None:
+        xa = grouped_gemm(x_TD, Weight(lora.A_gu_ErD), sched, buffers.empty((S, lora.A_gu_ErD.shape[1]), x_TD.dtype, x_TD.device), a_rows=sched.token_S)
+        low_rank = LowRank(xa, Weight(lora.B_gu_E2Fr), lora.scale)
+    gate_up = buffers.empty((S, two_f), x_TD.dtype, x_TD.device)
+    h = buffers.empty((S, two_f // 2), x_TD.dtype, x_TD.device)
+    grouped_gemm(x_TD, Weight(w_gu), sched, h, mode=MODE_GLU_FWD, a_rows=sched.token_S, bias_EN=b_gu,
+                 low_rank=low_rank, gate_up=gate_up, glu=glu)
+    return gate_up, h, xa
+
+
+def _down(h_SF, w_d, b_d, w_S, lora: Lora, sched: Schedule, T: int, k: int):
+    """-> (y_TD, ha_Sr or None): the weighted rows land in pair order, then sum over k."""
+    S, D = h_SF.shape[0], w_d.shape[1]
+    ha = None
+    low_rank = None
+    if lora.A_d_ErF is not None:
+        ha = grouped_gemm(h_SF, Weight(lora.A_d_ErF), sched, buffers.empty((S, lora.A_d_ErF.shape[1]), h_SF.dtype, h_SF.device))
+        low_rank = LowRank(ha, Weight(lora.B_d_EDr), lora.scale)
+    y_pairs = buffers.empty((S, D), h_SF.dtype, h_SF.device)
+    grouped_gemm(h_SF, Weight(w_d), sched, y_pairs, out_rows=sched.pair_S, row_scale_S=w_S, bias_EN=b_d, low_rank=low_rank)
+    return y_pairs.view(T, k, D).sum(dim=1), ha
+
+
+class _SwigluExperts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, weights_Tk, idx_Tk, w_gu, w_d, b_gu, b_d, A_gu, B_gu, A_d, B_d, scale, glu):
+        T, k = idx_Tk.shape
+        E = w_gu.shape[0]
+        sched = build_schedule(idx_Tk, E, _block_m(T * k, E))
+        w_S = weights_Tk.reshape(-1)[sched.pair_S.long()].float().contiguous()
+        lora = Lora(A_gu, B_gu, A_d, B_d, scale)
+        gate_up, h, xa = _gate_up(x_TD, w_gu, b_gu, lora, sched, glu)
+        y_TD, ha = _down(h, w_d, b_d, w_S, lora, sched, T, k)
+        ctx.save_for_backward(x_TD, w_S, w_gu, w_d, b_d, A_gu, B_gu, A_d, B_d, gate_up, h, xa, ha)
+        ctx.sched, ctx.scale, ctx.glu, ctx.k = sched, scale, glu, k
+        ctx.dtypes = {"weights": weights_Tk.dtype, "b_gu": getattr(b_gu, "dtype", None), "b_d": getattr(b_d, "dtype", None)}
+        return y_TD
+
+    @staticmethod
+    def backward(ctx, dy_TD):
+        x, w_S, w_gu, w_d, b_d, A_gu, B_gu, A_d, B_d, gate_up, h, xa, ha = ctx.saved_tensors
+        need = dict(zip(["x", "weights", "idx", "w_gu", "w_d", "b_gu", "b_d", "A_gu", "B_gu", "A_d", "B_d"], ctx.needs_input_grad))
+        dy = dy_TD.contiguous().to(x.dtype)
+        lora = Lora(A_gu, B_gu, A_d, B_d, ctx.scale)
+        d_gate_up, dw_S, dyb = _backward_glu(dy, w_d, b_d, w_S, gate_up, lora, ctx.sched, ctx.glu, need["weights"])
+        lg = None
+        if A_gu is not None and (need["x"] or need["A_gu"]):
+            lg = _lora_grad_rows(d_gate_up, lora, ctx.sched)
+        grads = _input_grads(x, d_gate_up, dw_S, w_gu, lg, lora, ctx.sched, ctx.k, need)
+        grads |= _weight_grads(x, dy, d_gate_up, w_S, h, xa, ha, dyb, lg, lora, ctx.sched, need)
+        inputs = dict(x=x, w_gu=w_gu, w_d=w_d, A_gu=A_gu, B_gu=B_gu, A_d=A_d, B_d=B_d)
+        return (*(_cast(grads.get(n), inputs.get(n), ctx.dtypes.get(n)) for n in need), None, None)
+
+
+def _backward_glu(dy, w_d, b_d, w_S, gate_up, lora: Lora, sched: Schedule, glu: Glu, want_dw: bool):
+    """-> (d_gate_up_S2F, d(routing weight) per sorted row or None, dy @ B_d per row or None)."""
+    S = sched.pair_S.numel()
+    dyb = None
+    low_rank = None
+    if lora.A_d_ErF is not None:
+        dyb = grouped_gemm(dy, Weight(lora.B_d_EDr, transposed=True), sched,
+                           buffers.empty((S, lora.B_d_EDr.shape[2]), dy.dtype, dy.device), a_rows=sched.token_S)
+        low_rank = LowRank(dyb, Weight(lora.A_d_ErF, transposed=True), lora.scale)
+    d_gate_up = buffers.empty(gate_up.shape, dy.dtype, dy.device)
+    dw_S = torch.zeros(S, dtype=torch.float32, device=dy.device) if want_dw else None
+    grouped_gemm(dy, Weight(w_d, transposed=True), sched, d_gate_up, mode=MODE_GLU_BWD, a_rows=sched.token_S,
+                 row_scale_S=w_S, low_rank=low_rank, gate_up=gate_up, dw_S=dw_S, glu=glu)
+    if dw_S is not None and b_d is not None:
+        token = sched.token_S.long()
+        dw_S = dw_S + (dy[token].float() * b_d[sched.expert_S].float()).sum(-1)
+    return d_gate_up, dw_S, dyb
+
+
+def _cast(grad, like, dtype):
+    if grad is None:
+        return None
+    return grad.to(like.dtype if like is not None else dtype)
+
+
+def _input_grads(x, d_gate_up, dw_S, w_gu, lg, lora: Lora, sched: Schedule, k: int, need: dict) -> dict:
+    grads = {}
+    if dw_S is not None:
+        dw_pairs = torch.empty_like(dw_S)
+        dw_pairs[sched.pair_S.long()] = dw_S
+        grads["weights"] = dw_pairs.view(-1, k)
+    if need["x"]:
+        low_rank = LowRank(lg, Weight(lora.A_gu_ErD, transposed=True), lora.scale) if lg is not None else None
+        dx_pairs = buffers.empty((d_gate_up.shape[0], x.shape[1]), d_gate_up.dtype, d_gate_up.device)
+        grouped_gemm(d_gate_up, Weight(w_gu, transposed=True), sched, dx_pairs, out_rows=sched.pair_S, low_rank=low_rank)
+        grads["x"] = dx_pairs.view(-1, k, x.shape[1]).sum(dim=1)
+    return grads
+
+
+def _weight_grads(x, dy, d_gate_up, w_S, h, xa, ha, dyb, lg, lora: Lora, sched: Schedule, need: dict) -> dict:
+    tok, s = sched.token_S, lora.scale
+    grads = {}
+    if need["w_gu"]:
+        grads["w_gu"] = grouped_wgrad(d_gate_up, x, sched, b_rows=tok)
+    if need["w_d"]:
+        grads["w_d"] = grouped_wgrad(dy, h, sched, a_rows=tok, row_scale_S=w_S)
+    if need["b_gu"]:
+        grads["b_gu"] = _segment_sum(d_gate_up.float(), sched)
+    if need["b_d"]:
+        grads["b_d"] = _segment_sum(dy[tok.long()].float() * w_S[:, None], sched)
+    if need["A_gu"]:
+        grads["A_gu"] = grouped_wgrad(lg, x, sched, b_rows=tok, alpha=s)
+    if need["B_gu"]:
+        grads["B_gu"] = grouped_wgrad(d_gate_up, xa, sched, alpha=s)
+    if need["A_d"]:
+        grads["A_d"] = grouped_wgrad(dyb, h, sched, row_scale_S=w_S, alpha=s)
+    if need["B_d"]:
+        grads["B_d"] = grouped_wgrad(dy, ha, sched, a_rows=tok, row_scale_S=w_S, alpha=s)
+    return grads
+
+
+def _lora_grad_rows(d_gate_up, lora: Lora, sched: Schedule) -> torch.Tensor:
+    """d_gate_up @ B_gu per sorted row: the rank-r signal reaching A_gu and, through it, x."""
+    out = buffers.empty((d_gate_up.shape[0], lora.B_gu_E2Fr.shape[2]), d_gate_up.dtype, d_gate_up.device)
+    return grouped_gemm(d_gate_up, Weight(lora.B_gu_E2Fr, transposed=True), sched, out)
+
+
+def _segment_sum(rows_SN: torch.Tensor, sched: Schedule) -> torch.Tensor:
+    out = torch.zeros(sched.num_experts, rows_SN.shape[1], dtype=torch.float32, device=rows_SN.device)
+    return out.index_add_(0, sched.expert_S, rows_SN)
+
+
+def swiglu_experts(
+    x_TD: torch.Tensor,
+    weights_Tk: torch.Tensor,
+    idx_Tk: torch.Tensor,
+    w_gate_up_E2FD: torch.Tensor,
+    w_down_EDF: torch.Tensor,
+    *,
+    b_gate_up_E2F: torch.Tensor | None = None,
+    b_down_ED: torch.Tensor | None = None,
+    activation: str = "silu",
+    clamp: float | None = None,
+    glu_alpha: float | None = None,
+    interleaved_gate_up: bool = False,
+    lora_gate_up: tuple[torch.Tensor, torch.Tensor] | None = None,
+    lora_down: tuple[torch.Tensor, torch.Tensor] | None = None,
+    lora_scale: float = 1.0,
+) -> torch.Tensor:
+    """Routed experts, y_TD = sum_j weights[t, j] * expert_{idx[t, j]}(x[t]), in x's dtype.
+    Contract of reference_ops/moe.py; the kernels implement silu and the gpt-oss GLU only."""
+    if activation != "silu" and glu_alpha is None:
+        raise ValueError(f"swiglu_experts kernel: activation {activation!r} is not fused; use runtime.ops.moe")
+    A_gu, B_gu = lora_gate_up if lora_gate_up is not None else (None, None)
+    A_d, B_d = lora_down if lora_down is not None else (None, None)
+    glu = Glu(interleaved_gate_up, clamp, glu_alpha)
+    return _SwigluExperts.apply(x_TD.contiguous(), weights_Tk, idx_Tk, w_gate_up_E2FD, w_down_EDF, b_gate_up_E2F,
+                                b_down_ED, A_gu, B_gu, A_d, B_d, float(lora_scale), glu)

@@ -1,0 +1,287 @@
+"""Grouped GEMM over expert-sorted rows: C[s] = epilogue(A[row(s)] @ W[e(s)]^T + bias + low-rank).
+
+One kernel, three epilogues (MODE):
+- PLAIN: optional row scale, then a store to C[s] or scattered to C[pair(s)] (the down projection's
+  weighted combine, and dx).
+- GLU_FWD: the tile's columns hold gate and up units side by side; stores the pre-activation
+  gate/up (kept for the backward) and h = glu(gate, up).
+- GLU_BWD: acc = dy @ W_down[e] = dh / w; recomputes h from the saved gate/up, adds the routing
+  weight gradient sum(acc * h) (atomically, one add per column tile), and stores d(gate/up).
+A's rows are read through `a_row` (the token of a sorted row), so the permuted copy of x is never
+materialized. The optional low-rank term is LoRA: scale * L[s] @ R[e]^T with L [S, r].
+
+Shape legend: S sorted rows, N output columns of the accumulator, K reduction width,
+E experts, r LoRA rank. W[e] is addressed as [N, K] through its strides, so nn.Linear
+layouts and their transposes both work without copies.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime.kernels.moe.schedule import Schedule
+
+MODE_PLAIN, MODE_GLU_FWD, MODE_GLU_BWD = 0, 1, 2
+
+
+@triton.jit
+def _glu_parts(gate, up, CLAMP: tl.constexpr, limit, HAS_ALPHA: tl.constexpr, alpha):
+    """Clamped gate/up and the sigmoid of the (scaled) gate; silu when HAS_ALPHA is off."""
+    if CLAMP:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    if HAS_ALPHA:
+        sig = tl.sigmoid(alpha * gate)
+        up = up + 1.0
+    else:
+        sig = tl.sigmoid(gate)
+    return gate, up, sig
+
+
+@triton.jit
+def _glu_forward(gate, up, CLAMP: tl.constexpr, limit, HAS_ALPHA: tl.constexpr, alpha):
+    gate, up, sig = _glu_parts(gate, up, CLAMP, limit, HAS_ALPHA, alpha)
+    return gate * sig * up
+
+
+@triton.jit
+def _glu_backward(gate0, up0, dh, CLAMP: tl.constexpr, limit, HAS_ALPHA: tl.constexpr, alpha):
+    """h and the gradients wrt the pre-clamp gate and up, given dh."""
+    gate, up, sig = _glu_parts(gate0, up0, CLAMP, limit, HAS_ALPHA, alpha)
+    a = alpha if HAS_ALPHA else 1.0
+    act = gate * sig
+    d_gate = dh * up * (sig + a * act * (1.0 - sig))
+    d_up = dh * act
+    if CLAMP:
+        # torch.clamp passes the gradient where the input sits inside the bounds, ends included
+        d_gate = tl.where(gate0 <= limit, d_gate, 0.0)
+        d_up = tl.where((up0 >= -limit) & (up0 <= limit), d_up, 0.0)
+    return act * up, d_gate, d_up
+
+
+@triton.jit
+def _column_map(pid_n, N, MODE: tl.constexpr, BLOCK_N: tl.constexpr, row_mult, up_offset):
+    """Accumulator column -> (unit, row of W / gate-up layout, valid). In GLU_FWD the columns
+    alternate gate, up of the same unit so that one dot computes both."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if MODE == 1:
+        units = cols // 2
+        rows = units * row_mult + (cols % 2) * up_offset
+    else:
+        units = cols
+        rows = cols
+    return units, rows, cols < N
+
+
+@triton.jit
+def _mainloop(a_ptr, stride_am, a_rows, row_ok, w_ptr, stride_wn, stride_wk, w_rows, col_ok, K,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+              PRECISION: tl.constexpr):
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + w_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None].to(tl.int64) * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    return acc
+
+
+@triton.jit
+def _low_rank(l_ptr, stride_lm, rows, row_ok, r_ptr, stride_rn, stride_rr, w_rows, col_ok, rank,
+              BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+    """L[rows] @ R^T for one tile: [BLOCK_M, r] x [r, BLOCK_N]."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    lo = tl.load(l_ptr + rows[:, None].to(tl.int64) * stride_lm + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+    hi = tl.load(r_ptr + w_rows[None, :] * stride_rn + offs_r[:, None] * stride_rr, mask=col_ok[None, :] & r_ok[:, None], other=0.0)
+    return tl.dot(lo, hi.to(lo.dtype), input_precision=PRECISION)
+
+
+@triton.jit
+def _store_glu_grads(c_ptr, stride_cm, rows, row_ok, units, col_ok, row_mult, up_offset, d_gate, d_up):
+    base = c_ptr + rows[:, None].to(tl.int64) * stride_cm + (units * row_mult)[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    tl.store(base, d_gate.to(c_ptr.dtype.element_ty), mask=mask)
+    tl.store(base + up_offset, d_up.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def grouped_gemm_kernel(
+    a_ptr, stride_am, a_row_ptr,
+    w_ptr, stride_we, stride_wn, stride_wk,
+    c_ptr, stride_cm, c_row_ptr,
+    scale_ptr, bias_ptr, stride_be,
+    l_ptr, stride_lm, r_ptr, stride_re, stride_rn, stride_rr, rank, lora_scale,
+    gu_ptr, stride_gum, dw_ptr,
+    tile_expert_ptr, tile_start_ptr, ends_ptr,
+    N, K, num_experts, row_mult, up_offset, limit, alpha,
+    MODE: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, ROW_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, WANT_DW: tl.constexpr,
+    CLAMP: tl.constexpr, HAS_ALPHA: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_tile = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
+    e = tl.load(tile_expert_ptr + pid_tile)
+    if e >= num_experts:
+        return
+    rows = tl.load(tile_start_ptr + pid_tile) + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.load(ends_ptr + e)
+    a_rows = tl.load(a_row_ptr + rows, mask=row_ok, other=0) if GATHER_A else rows
+    units, w_rows, col_ok = _column_map(pid_n, N, MODE, BLOCK_N, row_mult, up_offset)
+    e64 = e.to(tl.int64)
+    acc = _mainloop(a_ptr, stride_am, a_rows, row_ok, w_ptr + e64 * stride_we, stride_wn, stride_wk, w_rows, col_ok,
+                    K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+    if HAS_LORA:
+        acc += lora_scale * _low_rank(l_ptr, stride_lm, rows, row_ok, r_ptr + e64 * stride_re, stride_rn, stride_rr,
+                                      w_rows, col_ok, rank, BLOCK_R, PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e64 * stride_be + w_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if ROW_SCALE and MODE != 1:
+        row_scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
+    mask = row_ok[:, None] & col_ok[None, :]
+    if MODE == 0:
+        if ROW_SCALE:
+            acc = acc * row_scale[:, None]
+        c_rows = tl.load(c_row_ptr + rows, mask=row_ok, other=0) if SCATTER_C else rows
+        tl.store(c_ptr + c_rows[:, None].to(tl.int64) * stride_cm + w_rows[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
+    elif MODE == 1:
+        tl.store(gu_ptr + rows[:, None].to(tl.int64) * stride_gum + w_rows[None, :], acc.to(gu_ptr.dtype.element_ty), mask=mask)
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+        h = _glu_forward(gate, up, CLAMP, limit, HAS_ALPHA, alpha)
+        h_cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        h_mask = row_ok[:, None] & (h_cols < N // 2)[None, :]
+        tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_cm + h_cols[None, :], h.to(c_ptr.dtype.element_ty), mask=h_mask)
+    else:
+        gu_base = gu_ptr + rows[:, None].to(tl.int64) * stride_gum + (units * row_mult)[None, :]
+        gate0 = tl.load(gu_base, mask=mask, other=0.0).to(tl.float32)
+        up0 = tl.load(gu_base + up_offset, mask=mask, other=0.0).to(tl.float32)
+        dh = acc * row_scale[:, None] if ROW_SCALE else acc
+        h, d_gate, d_up = _glu_backward(gate0, up0, dh, CLAMP, limit, HAS_ALPHA, alpha)
+        if WANT_DW:
+            tl.atomic_add(dw_ptr + rows, tl.sum(acc * h, axis=1), mask=row_ok)
+        _store_glu_grads(c_ptr, stride_cm, rows, row_ok, units, col_ok, row_mult, up_offset, d_gate, d_up)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _tuned_configs() -> list[triton.Config]:
+    if _interpreting():
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
+    # Winners of the per-GEMM sweep in bench/bench_moe.py (H200, triton 3.6, Qwen3-Next widths,
+    # 2026-11-29): BLOCK_N 256 for the gate/up forward and dx, 128 for the down forward and the
+    # GLU backward (256 spills there: 4.1 ms against 1.5 ms).
+    return [
+        triton.Config({"BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+    ]
+
+
+_even_k_kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(grouped_gemm_kernel)
+# The dw buffer is accumulated atomically, so autotuning must undo its trial runs on it.
+_tuned_kernel = triton.autotune(
+    configs=_tuned_configs(),
+    key=["N", "K", "MODE", "BLOCK_M", "HAS_LORA", "GATHER_A", "SCATTER_C"],
+    restore_value=["dw_ptr"],
+)(_even_k_kernel)
+# Narrow outputs (the rank-r LoRA projections) take one fixed config sized to N.
+SMALL_N = 64
+
+
+@dataclass(frozen=True)
+class Glu:
+    """The gated activation of the experts, and where gate and up sit in the 2F rows."""
+
+    interleaved: bool = False
+    clamp: float | None = None
+    alpha: float | None = None
+
+    def layout(self, num_units: int) -> tuple[int, int]:
+        """(row multiplier, offset of the up row) for unit f: gate at f*m, up at f*m + offset."""
+        return (2, 1) if self.interleaved else (1, num_units)
+
+
+@dataclass(frozen=True)
+class Weight:
+    """Per-expert matrix read as [N, K]: `data` is [E, N, K], or [E, K, N] with transposed=True."""
+
+    data: torch.Tensor
+    transposed: bool = False
+
+    def strides(self) -> tuple[int, int, int]:
+        s0, s1, s2 = self.data.stride()
+        return (s0, s2, s1) if self.transposed else (s0, s1, s2)
+
+
+@dataclass(frozen=True)
+class LowRank:
+    """LoRA term scale * left_Sr @ right[e]^T, right read as [N, r]."""
+
+    left_Sr: torch.Tensor
+    right: Weight
+    scale: float
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get full fp32 products so that fp32 runs can be held to fp32 tolerances
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _small_block(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, a_rows=None, out_rows=None,
+                 row_scale_S=None, bias_EN=None, low_rank: LowRank | None = None, gate_up=None, dw_S=None,
+                 glu: Glu = Glu(), config: dict | None = None):
+    """Runs the kernel over every row tile of `sched`; writes `out` (and gate_up / dw_S by mode).
+    `config` (BLOCK_N, BLOCK_K, num_warps, num_stages) bypasses the autotuner (benchmark sweeps)."""
+    # Accumulator columns: W's N rows (2F interleaved gate/up units in GLU_FWD, F units in GLU_BWD).
+    N, K = w.data.shape[2 if w.transposed else 1], a_SK.shape[1]
+    row_mult, up_offset = glu.layout(N // 2 if mode == MODE_GLU_FWD else N)
+    dummy = a_SK
+    lr = low_rank or LowRank(dummy, Weight(w.data), 0.0)
+    args = (
+        a_SK, a_SK.stride(0), a_rows if a_rows is not None else sched.pair_S,
+        w.data, *w.strides(),
+        out, out.stride(0), out_rows if out_rows is not None else sched.pair_S,
+        row_scale_S if row_scale_S is not None else dummy,
+        bias_EN if bias_EN is not None else dummy, bias_EN.stride(0) if bias_EN is not None else 0,
+        lr.left_Sr, lr.left_Sr.stride(0), lr.right.data, *lr.right.strides(), lr.left_Sr.shape[1], lr.scale,
+        gate_up if gate_up is not None else dummy, gate_up.stride(0) if gate_up is not None else 0,
+        # its own placeholder: the autotuner saves and restores whatever is passed here
+        dw_S if dw_S is not None else torch.zeros(1, dtype=torch.float32, device=a_SK.device),
+        sched.tile_expert, sched.tile_start, sched.ends_E,
+        N, K, sched.num_experts, row_mult, up_offset,
+        glu.clamp if glu.clamp is not None else 0.0, glu.alpha if glu.alpha is not None else 1.0,
+    )
+    flags = dict(
+        MODE=mode, GATHER_A=a_rows is not None, SCATTER_C=out_rows is not None, ROW_SCALE=row_scale_S is not None,
+        HAS_BIAS=bias_EN is not None, HAS_LORA=low_rank is not None, WANT_DW=dw_S is not None,
+        CLAMP=glu.clamp is not None, HAS_ALPHA=glu.alpha is not None, PRECISION=_dot_precision(a_SK.dtype),
+        BLOCK_M=sched.block_m, BLOCK_R=_small_block(lr.left_Sr.shape[1]),
+    )
+    grid = lambda meta: (sched.num_tiles * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    if config is not None:
+        _even_k_kernel[grid](*args, **flags, **config)
+    elif N <= SMALL_N:
+        _even_k_kernel[grid](*args, **flags, BLOCK_N=_small_block(N), BLOCK_K=32, num_warps=4)
+    else:
+        _tuned_kernel[grid](*args, **flags)
+    return out

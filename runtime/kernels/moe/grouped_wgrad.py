@@ -1,0 +1,90 @@
+"""Per-expert weight gradients: out[e] = alpha * sum over expert e's sorted rows s of
+(scale[s] * A[row_a(s)])^T B[row_b(s)], i.e. [M, N] per expert, reducing over that expert's rows.
+
+A and B rows may be gathered (x and dy are read by token, never permuted in memory); an expert
+that received no rows gets zeros.
+
+Shape legend: S sorted rows, M and N the two sides of the gradient, E experts.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime.kernels.moe import buffers
+from runtime.kernels.moe.schedule import Schedule
+
+
+@triton.jit
+def grouped_wgrad_kernel(
+    a_ptr, stride_am, a_row_ptr, scale_ptr,
+    b_ptr, stride_bm, b_row_ptr,
+    out_ptr, stride_oe, stride_om, stride_on,
+    ends_ptr, M, N, alpha,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, ROW_SCALE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    e = tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    offs_m = (tl.program_id(0) // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    end = tl.load(ends_ptr + e)
+    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s0 in range(start, end, BLOCK_K):
+        rows = s0 + tl.arange(0, BLOCK_K)
+        r_ok = rows < end
+        a_rows = tl.load(a_row_ptr + rows, mask=r_ok, other=0) if GATHER_A else rows
+        b_rows = tl.load(b_row_ptr + rows, mask=r_ok, other=0) if GATHER_B else rows
+        a = tl.load(a_ptr + a_rows[None, :].to(tl.int64) * stride_am + offs_m[:, None], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+        if ROW_SCALE:
+            a = (a * tl.load(scale_ptr + rows, mask=r_ok, other=0.0)[None, :]).to(b_ptr.dtype.element_ty)
+        b = tl.load(b_ptr + b_rows[:, None].to(tl.int64) * stride_bm + offs_n[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
+    out = out_ptr + e.to(tl.int64) * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out, (acc * alpha).to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _tuned_configs() -> list[triton.Config]:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
+    # Winner of the sweep in bench/bench_moe.py for both expert gradients (H200, 2026-11-29);
+    # 128x256, 256x128 and BLOCK_K 32/128 were 10-80% slower.
+    return [triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3)]
+
+
+_tuned_kernel = triton.autotune(configs=_tuned_configs(), key=["M", "N", "GATHER_A", "GATHER_B", "ROW_SCALE"])(
+    grouped_wgrad_kernel
+)
+# Gradients with a narrow side (the rank-r LoRA factors) take one fixed config sized to it.
+SMALL = 64
+
+
+def _small_config(M: int, N: int) -> dict:
+    fit = lambda n: max(16, min(128, triton.next_power_of_2(n)))  # noqa: E731
+    return dict(BLOCK_M=fit(M), BLOCK_N=fit(N), BLOCK_K=32, num_warps=4)
+
+
+def grouped_wgrad(a_SM, b_SN, sched: Schedule, *, a_rows=None, b_rows=None, row_scale_S=None, alpha=1.0,
+                  out_dtype=None, config: dict | None = None) -> torch.Tensor:
+    """[E, M, N] gradient; a/b rows gathered through `a_rows`/`b_rows` when given.
+    `config` (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) bypasses the autotuner."""
+    M, N, E = a_SM.shape[1], b_SN.shape[1], sched.num_experts
+    out = buffers.empty((E, M, N), out_dtype or b_SN.dtype, a_SM.device)
+    if config is None and min(M, N) <= SMALL:
+        config = _small_config(M, N)
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), E)  # noqa: E731
+    kernel = _tuned_kernel if config is None else grouped_wgrad_kernel
+    kernel[grid](
+        a_SM, a_SM.stride(0), a_rows if a_rows is not None else sched.pair_S,
+        row_scale_S if row_scale_S is not None else a_SM,
+        b_SN, b_SN.stride(0), b_rows if b_rows is not None else sched.pair_S,
+        out, *out.stride(), sched.ends_E, M, N, alpha,
+        GATHER_A=a_rows is not None, GATHER_B=b_rows is not None, ROW_SCALE=row_scale_S is not None,
+        PRECISION="ieee" if b_SN.dtype == torch.float32 else "tf32", **(config or {}),
+    )
+    return out

@@ -1,0 +1,30 @@
+"""Norms in the runtime: computed in fp32 and cast back to the input dtype, as transformers does.
+
+Shape legend: ... any leading dims, D normalized width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """y[..., D] = x / rms(x) * (offset + weight[D]), in fp32, returned in x.dtype."""
+    scale_D = weight.float() + offset if offset else weight.float()
+    return F.rms_norm(x.float(), (x.shape[-1],), scale_D, eps).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, activation: str = "silu") -> torch.Tensor:
+    """y[..., D] = rms_norm(x) * weight[D] * act(gate[..., D]), act silu (Qwen3-Next) or sigmoid (Kimi KDA);
+    in fp32, returned in x.dtype."""
+    y = F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps)
+    gate = gate.float()
+    return (y * (torch.sigmoid(gate) if activation == "sigmoid" else F.silu(gate))).to(x.dtype)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """y[..., D] = layer_norm(x) * weight[D] + bias[D], in fp32, returned in x.dtype."""
+    weight = None if weight is None else weight.float()
+    bias = None if bias is None else bias.float()
+    return F.layer_norm(x.float(), (x.shape[-1],), weight, bias, eps).to(x.dtype)
