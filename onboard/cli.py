@@ -36,6 +36,40 @@ def _example_model(args) -> int:
     return 0
 
 
+def _new_model(args) -> int:
+    from onboard.package import write_package
+
+    pkg, report = write_package(Path(args.model_dir), Path(args.out), args.gpu_mem_gib, args.lora_rank, args.seq_len)
+    counts = report.summary["ops"]
+    print(f"wrote {pkg}: {counts['covered']} ops covered, {counts['variant']} variant, {counts['fallback']} fallback, "
+          f"{counts['missing']} missing; {len(report.weights.missing)} weights missing")
+    return EXIT_GAPS if report.summary["gaps_remain"] else 0
+
+
+def _align(args) -> int:
+    from onboard import align
+
+    tiers = _tier_list(args.tiers)
+    report = align.run(Path(args.pkg), tiers, progress=lambda line: print(line, file=sys.stderr))
+    print(report.summary_line())
+    if args.check:
+        regressed = align.regressions(Path(args.pkg), report)
+        if regressed:
+            print(f"regressions vs baseline: {', '.join(regressed[:10])}", file=sys.stderr)
+            return EXIT_GAPS
+    return 0 if report.passed else EXIT_GAPS
+
+
+def _tier_list(text: str) -> list[int]:
+    try:
+        tiers = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        raise OnboardError(None, "--tiers", f"expected a comma-separated list of tier numbers, got {text!r}")
+    if not tiers or any(t not in (0, 1, 2) for t in tiers):
+        raise OnboardError(None, "--tiers", f"tiers 0, 1 and 2 are available, got {text!r}")
+    return tiers
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onboard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -55,6 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", type=_positive_int, default=1, help="split into about this many safetensors shards")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=_example_model)
+    p = sub.add_parser("new-model", help="write the package (spec, weight map, gap report) for a release")
+    p.add_argument("model_dir")
+    p.add_argument("--out", required=True)
+    p.add_argument("--gpu-mem-gib", type=_positive_float, default=80.0)
+    p.add_argument("--lora-rank", type=_positive_int, default=16)
+    p.add_argument("--seq-len", type=_positive_int, default=4096)
+    p.set_defaults(run=_new_model)
+    p = sub.add_parser("align", help="run the alignment tiers against the model's own implementation")
+    p.add_argument("pkg")
+    p.add_argument("--tiers", default="0,1,2", help="comma-separated, e.g. 0,1,2")
+    p.add_argument("--check", action="store_true", help="fail on a regression against alignment/baseline.json")
+    p.set_defaults(run=_align)
     return parser
 
 

@@ -163,6 +163,9 @@ class VisionSpec(_Spec):
     patch_size: int
     out_hidden_size: int
     num_params: int
+    model_type: Optional[str] = None  # the vision config's model_type, to rebuild the tower
+    spatial_merge_size: int = 2
+    image_token_id: Optional[int] = None
 
 
 class Unrecognized(_Spec):

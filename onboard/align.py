@@ -1,0 +1,81 @@
+"""`onboard align PKG`: run the alignment tiers in order, each only when the one below passed, and
+write PKG/alignment/report.json (plus baseline.json on the first passing run; --check compares)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from onboard.align_model import distinct_layers, tier1, tier2
+from onboard.align_ops import tier0
+from onboard.align_reference import read_package
+from onboard.align_report import AlignmentReport, Check, tier_result
+from onboard.align_vision import vision_checks
+from onboard.errors import OnboardError
+
+# Alignment of very large releases runs a prefix of the model holding every distinct layer kind.
+MAX_ALIGN_LAYERS = 8
+
+
+def layers_to_run(spec: dict) -> int:
+    kinds = distinct_layers(spec, spec["num_layers"])
+    return max(max(kinds.values()) + 1, min(spec["num_layers"], MAX_ALIGN_LAYERS))
+
+
+def run(pkg: Path, tiers: list[int], tamper=None, progress=print) -> AlignmentReport:
+    pkg = Path(pkg)
+    if not (pkg / "package.yaml").exists():
+        raise OnboardError(pkg, "package.yaml", "not a package written by `onboard new-model`")
+    spec, weight_map, source = read_package(pkg)
+    num_layers = layers_to_run(spec)
+    torch.manual_seed(0)
+    results, divergence = [], None
+    for tier in sorted(tiers):
+        if results and not results[-1].passed:
+            progress(f"tier {tier}: skipped (tier {results[-1].tier} failed)")
+            break
+        progress(f"tier {tier}: running")
+        if tier == 0:
+            checks = tier0(spec)
+        elif tier == 1:
+            checks = tier1(spec, weight_map, source, num_layers)
+        elif tier == 2:
+            checks, divergence = tier2(spec, weight_map, source, num_layers, tamper=tamper)
+            if spec.get("vision"):
+                checks += vision_checks(spec, weight_map, source, pkg, num_layers)
+        else:
+            raise OnboardError(None, "--tiers", f"tier {tier} is not available here (0, 1, 2)")
+        results.append(tier_result(tier, checks))
+        progress(f"tier {tier}: {'pass' if results[-1].passed else 'FAIL'} ({results[-1].num_failed} of {len(checks)} checks failed)")
+    report = AlignmentReport(package=str(pkg.resolve()), source=str(source), spec_hash=spec_hash(pkg), tiers=results,
+                             first_divergence=divergence, passed=all(t.passed for t in results) and len(results) == len(tiers))
+    _write(pkg, report)
+    return report
+
+
+def spec_hash(pkg: Path) -> str:
+    import yaml
+
+    return yaml.safe_load((pkg / "package.yaml").read_text())["spec_hash"]
+
+
+def _write(pkg: Path, report: AlignmentReport) -> None:
+    folder = pkg / "alignment"
+    folder.mkdir(exist_ok=True)
+    (folder / "report.json").write_text(report.model_dump_json(indent=2))
+    for tier in report.tiers:
+        (folder / f"tier{tier.tier}.json").write_text(tier.model_dump_json(indent=2))
+    if report.passed and not (folder / "baseline.json").exists():
+        (folder / "baseline.json").write_text(report.model_dump_json(indent=2))
+
+
+def regressions(pkg: Path, report: AlignmentReport) -> list[str]:
+    """Checks that passed in baseline.json and do not pass now (or are gone)."""
+    baseline_path = Path(pkg) / "alignment" / "baseline.json"
+    if not baseline_path.exists():
+        raise OnboardError(baseline_path, None, "no baseline to check against: run `onboard align` once without --check")
+    baseline = AlignmentReport.model_validate_json(baseline_path.read_text())
+    now = {c.name: c for t in report.tiers for c in t.checks}
+    return [c.name for t in baseline.tiers for c in t.checks
+            if c.verdict == "pass" and (c.name not in now or now[c.name].verdict != "pass")]

@@ -1,0 +1,52 @@
+"""Tier 2, vision path: an image + text input through our runtime (text model + the release's own frozen
+vision tower + our multimodal positions) vs transformers' whole multimodal model."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from onboard.align_model import LOGITS_TOLERANCE, _logits_check
+from onboard.align_reference import load_reference, load_runtime
+from onboard.align_report import Check
+from runtime.tolerances import compare
+from runtime.vision import VisionTower, multimodal_embeddings, multimodal_positions
+
+
+def _image_input(spec: dict, vision_config: dict, seed: int):
+    """One 8x8-patch image between two text runs: ids_BT, pixel values, grid, token types."""
+    gen = torch.Generator().manual_seed(seed)
+    merge, v = spec["vision"]["spatial_merge_size"], spec["vision"]
+    grid = torch.tensor([[1, 4 * merge // 2, 4 * merge // 2]])
+    num_patches = int(grid.prod())
+    channels = vision_config.get("in_channels", 3) * vision_config.get("temporal_patch_size", 2) * v["patch_size"] ** 2
+    pixels = torch.randn(num_patches, channels, generator=gen)
+    image_tokens = num_patches // merge**2
+    text = lambda n: torch.randint(0, min(spec["vocab_size"], v["image_token_id"]), (n,), generator=gen)
+    ids = torch.cat([text(5), torch.full((image_tokens,), v["image_token_id"]), text(7)])[None]
+    return ids, pixels, grid, (ids == v["image_token_id"]).int()
+
+
+def vision_checks(spec: dict, weight_map: dict, source: Path, pkg: Path, num_layers: int, seed: int = 3) -> list[Check]:
+    vision_config = json.loads((Path(pkg) / "vision_config.json").read_text())
+    ids, pixels, grid, token_types = _image_input(spec, vision_config, seed)
+    ref = load_reference(source, spec["family"], torch.float32)
+    ours = load_runtime(spec, weight_map, source, torch.float32, num_layers)
+    tower = VisionTower(vision_config, spec["vision"]["model_type"])
+    tower.load(source, spec["naming"]["vision_prefix"])
+    with torch.no_grad():
+        truth = ref(input_ids=ids, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=token_types,
+                    use_cache=False).logits.float()
+        embeds = multimodal_embeddings(ours.embed_tokens, tower, ids, pixels, grid, spec["vision"]["image_token_id"])
+        positions = multimodal_positions(ids, spec["vision"]["image_token_id"], grid, spec["vision"]["spatial_merge_size"])
+        logits = ours(inputs_embeds_BTD=embeds, positions=positions)
+        text_only = ours(inputs_embeds_BTD=embeds)
+    c = compare(logits, truth, LOGITS_TOLERANCE[torch.float32])
+    moved = compare(text_only, truth, LOGITS_TOLERANCE[torch.float32])
+    return [_logits_check("vision/logits/float32", c, torch.float32),
+            # guard: the image must matter, and so must its 3-axis positions
+            Check(tier=2, name="vision/positions-matter", metric="max_abs_rel", value=moved.max_abs_rel,
+                  tolerance=LOGITS_TOLERANCE[torch.float32].max_abs_rel,
+                  verdict="pass" if moved.max_abs_rel > 10 * LOGITS_TOLERANCE[torch.float32].max_abs_rel else "fail",
+                  detail="logits with 1-D positions must differ from transformers' multimodal run")]
