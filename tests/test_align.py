@@ -1,0 +1,109 @@
+"""Alignment tiers 0-2 on every family's tiny release, against transformers' own implementation."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from onboard import align
+from onboard.example_models import FAMILIES
+from onboard.package import write_package
+
+
+@pytest.fixture(scope="module")
+def package(example_release, tmp_path_factory):
+    cache = {}
+
+    def make(family: str):
+        if family not in cache:
+            cache[family], _ = write_package(example_release(family), tmp_path_factory.mktemp("pkg") / family)
+        return cache[family]
+
+    return make
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiers_0_1_2_pass(family, package):
+    pkg = package(family)
+    report = align.run(pkg, [0, 1, 2], progress=lambda line: None)
+    failed = [c.name for t in report.tiers for c in t.checks if c.verdict == "fail"]
+    assert report.passed, failed
+    assert [t.tier for t in report.tiers] == [0, 1, 2]
+    written = json.loads((pkg / "alignment" / "report.json").read_text())
+    checks = [c for t in written["tiers"] for c in t["checks"]]
+    assert all({"metric", "tolerance", "verdict", "value"} <= set(c) for c in checks)
+    names = {c["name"] for c in checks}
+    # fp32 and bf16 logits, loss, and (for MoE families) routing flips are all reported
+    assert {"logits/float32", "logits/bfloat16", "loss/float32", "loss/bfloat16"} <= names
+    assert any(c["metric"] == "routing_flips" for c in checks)
+    # tier 0 ran fallbacks forward and backward, 3 seeds, both dtypes
+    tier0 = written["tiers"][0]["checks"]
+    assert any("/grad:" in c["name"] for c in tier0) and any("seed2" in c["name"] for c in tier0)
+    assert any("bfloat16" in c["name"] for c in tier0)
+    if family == "qwen3_5_moe":
+        assert "vision/logits/float32" in names
+    assert (pkg / "alignment" / "baseline.json").exists()
+
+
+def test_a_broken_gate_names_its_layer_and_op(package):
+    """Flip the sign of one gated-delta layer's decay bias: tier 2 fails and names layer 2's attention."""
+    pkg = package("qwen3_next")
+
+    def break_layer_2(model):
+        model.layers[2].attn.dt_bias.data.neg_()
+
+    report = align.run(pkg, [2], tamper=break_layer_2, progress=lambda line: None)
+    assert not report.passed
+    d = report.first_divergence
+    assert (d.layer, d.component, d.kind) == (2, "attention", "gated_delta")
+    assert "gated_delta_rule" in d.ops
+    assert "layer 2 attention" in report.summary_line()
+
+
+def test_a_broken_expert_gate_names_the_ffn(package):
+    pkg = package("qwen3_next")
+
+    def break_shared_gate(model):
+        model.layers[1].ffn.shared_gate.weight.data.neg_()
+
+    report = align.run(pkg, [2], tamper=break_shared_gate, progress=lambda line: None)
+    d = report.first_divergence
+    assert not report.passed and (d.layer, d.component, d.kind) == (1, "ffn", "moe")
+
+
+def test_check_flags_a_regression(package, monkeypatch):
+    pkg = package("mixtral")
+    assert align.run(pkg, [2], progress=lambda line: None).passed
+    broken = align.run(pkg, [2], tamper=lambda m: m.layers[0].ffn.router.weight.data.mul_(-1), progress=lambda line: None)
+    assert "logits/float32" in align.regressions(pkg, broken)
+
+
+SCRIPT = r"""
+import json, sys
+from pathlib import Path
+import torch
+from runtime.model import HybridDecoder
+from runtime.weights import load_release
+pkg = Path(sys.argv[1]); source = Path(sys.argv[2])
+spec = json.loads((pkg / "spec.json").read_text())
+model = HybridDecoder(spec)
+load_release(model, source, json.loads((pkg / "weight_map.json").read_text()),
+             skip_prefixes=tuple(p for p in [spec["naming"]["vision_prefix"]] if p))
+logits = model(torch.randint(0, spec["vocab_size"], (1, 9)))
+logits.sum().backward()
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("transformers", "onboard"))
+print(json.dumps(loaded))
+"""
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_text_path_uses_no_transformers(family, package, example_release):
+    """The runtime text model imports neither transformers nor onboard: forward and backward in a clean process."""
+    pkg = package(family)
+    out = subprocess.run([sys.executable, "-c", SCRIPT, str(pkg), str(example_release(family))],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
