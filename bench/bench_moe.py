@@ -3,7 +3,11 @@ Qwen3NextSparseMoeBlock with grouped_mm experts, same weights, bf16, one GPU.
 
 Shape legend: T tokens, D model width, E experts, F expert width, k top-k, r LoRA rank.
 
-    PYTHONUNBUFFERED=1 python bench/bench_moe.py [--T 16384] [--out DIR]
+    PYTHONUNBUFFERED=1 python bench/bench_moe.py [--T 16384] [--out DIR] [--sweep]
+
+--sweep first times each expert GEMM alone under each config, with x / dy read gathered by token
+and from a copy in expert order, and the copy and k-row-sum passes (what decided the layout in
+runtime/kernels/moe/experts.py).
 
 Timings (CUDA events, median): forward, and forward+backward w.r.t. the input and every weight
 (full fine-tune); then the frozen-base variants (input grad only, and LoRA r16 on the experts).
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 import triton
 
 from runtime.kernels import moe as kernels
+from runtime.kernels.moe import combine
 from runtime.kernels.moe import experts as kernel_experts
 from runtime.kernels.moe import grouped_gemm as gg
 from runtime.kernels.moe import grouped_wgrad as gw
@@ -110,8 +115,7 @@ def timings(block, x, dy):
     log(f"fwd: hf {res['hf_fwd']:.2f} ms, ours {res['ours_fwd']:.2f} ms")
     res["hf_fwd_bwd"] = time_ms(train_step(hf, x, dy, params))
     res["ours_fwd_bwd"] = time_ms(train_step(ours, x, dy, params))
-    res["fallback_fwd_bwd"] = time_ms(train_step(lambda t: ours_block(block, t, fallback.swiglu_experts), x, dy, params))
-    log(f"fwd+bwd full: hf {res['hf_fwd_bwd']:.2f}, ours {res['ours_fwd_bwd']:.2f}, fallback {res['fallback_fwd_bwd']:.2f} ms")
+    log(f"fwd+bwd full: hf {res['hf_fwd_bwd']:.2f}, ours {res['ours_fwd_bwd']:.2f} ms")
     return res
 
 
@@ -200,73 +204,85 @@ def correctness(block, x, dy):
 
 
 GEMM_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st) for bn, bk, w, st in (
-    (128, 64, 4, 4), (256, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 3), (256, 64, 8, 4), (256, 128, 8, 2))]
-# with 64-row tiles only the three most promising
-GEMM_CONFIGS_BM64 = GEMM_CONFIGS[:3]
+    (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (256, 64, 8, 3), (128, 128, 8, 3))]
 WGRAD_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st) for bm, bn, bk, w, st in (
-    (128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 128, 8, 2))]
+    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 3))]
+BLOCK_M = 128
 
 
-def _gemm_cases(block, x, dy, block_m):
-    """The four expert GEMMs of one fwd+bwd on real routing: name -> (flops, call(config))."""
+def _gemm_cases(block, x, dy):
+    """The expert GEMMs of one fwd+bwd on real routing, with x / dy read gathered by token or
+    from a copy in expert order: name -> (flops, call(config))."""
     weights, idx = kernels.route(F.linear(x, block.gate.weight), K_TOP, norm_topk_prob=True)
-    sched = build_schedule(idx, E, block_m)
+    sched = build_schedule(idx, E, BLOCK_M)
     S, tok, pair = idx.numel(), sched.token_S, sched.pair_S
     w_S = weights.reshape(-1)[pair.long()].float().contiguous()
     w_gu, w_d = block.experts.gate_up_proj.detach(), block.experts.down_proj.detach()
     x, dy = x.detach(), dy.contiguous()
+    x_S, dy_S = x[tok.long()], dy[tok.long()]
     new = lambda *shape: torch.empty(shape, device=x.device, dtype=x.dtype)  # noqa: E731
     gate_up, h, y, d_gate_up, dx = new(S, 2 * F_EXPERT), new(S, F_EXPERT), new(S, D), new(S, 2 * F_EXPERT), new(S, D)
     dw = torch.zeros(S, device=x.device)
     flops = 2 * S * D * F_EXPERT
-    return {
-        "glu_fwd": (2 * flops, lambda c: gg.grouped_gemm(x, gg.Weight(w_gu), sched, h, mode=gg.MODE_GLU_FWD, a_rows=tok, gate_up=gate_up, config=c)),
+    cases = {
         "down_fwd": (flops, lambda c: gg.grouped_gemm(h, gg.Weight(w_d), sched, y, out_rows=pair, row_scale_S=w_S, config=c)),
-        "glu_bwd": (flops, lambda c: gg.grouped_gemm(dy, gg.Weight(w_d, transposed=True), sched, d_gate_up, mode=gg.MODE_GLU_BWD,
-                                                     a_rows=tok, row_scale_S=w_S, gate_up=gate_up, dw_S=dw, config=c)),
         "dx": (2 * flops, lambda c: gg.grouped_gemm(d_gate_up, gg.Weight(w_gu, transposed=True), sched, dx, out_rows=pair, config=c)),
-        "wgrad_gate_up": (2 * flops, lambda c: gw.grouped_wgrad(d_gate_up, x, sched, b_rows=tok, config=c)),
-        "wgrad_down": (flops, lambda c: gw.grouped_wgrad(dy, h, sched, a_rows=tok, row_scale_S=w_S, config=c)),
     }
+    for rows, (xr, dyr, index) in {"permuted": (x_S, dy_S, None), "gathered": (x, dy, tok)}.items():
+        cases |= {
+            f"glu_fwd {rows}": (2 * flops, lambda c, xr=xr, index=index: gg.grouped_gemm(
+                xr, gg.Weight(w_gu), sched, h, mode=gg.MODE_GLU_FWD, a_rows=index, gate_up=gate_up, config=c)),
+            f"glu_bwd {rows}": (flops, lambda c, dyr=dyr, index=index: gg.grouped_gemm(
+                dyr, gg.Weight(w_d, transposed=True), sched, d_gate_up, mode=gg.MODE_GLU_BWD, a_rows=index,
+                row_scale_S=w_S, gate_up=gate_up, dw_S=dw, config=c)),
+            f"wgrad_gate_up {rows}": (2 * flops, lambda c, xr=xr, index=index: gw.grouped_wgrad(
+                d_gate_up, xr, sched, b_rows=index, config=c)),
+            f"wgrad_down {rows}": (flops, lambda c, dyr=dyr, index=index: gw.grouped_wgrad(
+                dyr, h, sched, a_rows=index, row_scale_S=w_S, config=c)),
+        }
+    return cases, dict(x=x, tok=tok, y=y)
+
+
+def _memory_passes(x, tok, y):
+    """The passes that the layouts add or change: the copy of x into expert order, the k-row sum."""
+    k_rows = y.view(-1, K_TOP, D)
+    res = {"copy_x_to_expert_order": time_ms(lambda: x.index_select(0, tok), reps=5, warmup=1),
+           "sum_k torch": time_ms(lambda: k_rows.sum(dim=1), reps=5, warmup=1),
+           "sum_k triton": time_ms(lambda: combine.sum_k(y, K_TOP), reps=5, warmup=1)}
+    log(f"memory passes: {res}")
+    return res
 
 
 def sweep(block, x, dy):
     """Each expert GEMM alone under each config; the winners become the autotuner's candidates."""
     table, best = {}, {}
-    for block_m in (128, 64):
-        for name, (flops, call) in _gemm_cases(block, x, dy, block_m).items():
-            configs = WGRAD_CONFIGS if name.startswith("wgrad") else GEMM_CONFIGS if block_m == 128 else GEMM_CONFIGS_BM64
-            if name.startswith("wgrad") and block_m != 128:
+    cases, tensors = _gemm_cases(block, x, dy)
+    for name, (flops, call) in cases.items():
+        for c in WGRAD_CONFIGS if name.startswith("wgrad") else GEMM_CONFIGS:
+            label = f"{name} " + " ".join(f"{k}={v}" for k, v in c.items())
+            try:
+                ms = time_ms(lambda: call(c), reps=5, warmup=1)
+            except Exception as error:  # a config that does not fit is reported, not fatal
+                log(f"{label}: FAILED {type(error).__name__}: {str(error)[:120]}")
                 continue
-            for c in configs:
-                label = f"{name} BM{block_m} " + " ".join(f"{k}={v}" for k, v in c.items())
-                try:
-                    ms = time_ms(lambda: call(c), reps=5, warmup=1)
-                except Exception as error:  # a config that does not fit is reported, not fatal
-                    log(f"{label}: FAILED {type(error).__name__}: {str(error)[:120]}")
-                    continue
-                table[label] = dict(ms=ms, tflops=flops / ms / 1e9)
-                log(f"{label}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s")
-                key = (name, block_m)
-                if key not in best or ms < best[key][0]:
-                    best[key] = (ms, c)
+            table[label] = dict(ms=ms, tflops=flops / ms / 1e9)
+            log(f"{label}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s")
+            if name not in best or ms < best[name][0]:
+                best[name] = (ms, c)
     _apply(best)
-    return {"table": table, "best": {f"{n} BM{bm}": dict(ms=ms, config=c) for (n, bm), (ms, c) in best.items()}}
+    return {"table": table, "best": {n: dict(ms=ms, config=c) for n, (ms, c) in best.items()},
+            "memory_passes": _memory_passes(**tensors)}
 
 
 def _apply(best):
-    """Autotune among the per-GEMM winners; the row tile follows the faster total of the four."""
-    gemm = ("glu_fwd", "down_fwd", "glu_bwd", "dx")
-    totals = {bm: sum(best[(n, bm)][0] for n in gemm if (n, bm) in best) for bm in (128, 64)}
-    block_m = min(totals, key=totals.get)
-    kernel_experts._block_m = lambda rows, experts: block_m
+    """Autotune among the per-GEMM winners (the autotuner keys on the row layout too)."""
+    kernel_experts._block_m = lambda rows, experts: BLOCK_M
     as_config = lambda c: triton.Config({k: v for k, v in c.items() if k.isupper()}, num_warps=c["num_warps"], num_stages=c["num_stages"])  # noqa: E731
-    gg._tuned_kernel.configs = _unique([as_config(best[(n, block_m)][1]) for n in gemm if (n, block_m) in best])
-    gw._tuned_kernel.configs = _unique([as_config(best[(n, 128)][1]) for n in ("wgrad_gate_up", "wgrad_down") if (n, 128) in best])
+    gg._tuned_kernel.configs = _unique([as_config(c) for n, (_, c) in best.items() if not n.startswith("wgrad")])
+    gw._tuned_kernel.configs = _unique([as_config(c) for n, (_, c) in best.items() if n.startswith("wgrad")])
     gg._tuned_kernel.cache.clear()
     gw._tuned_kernel.cache.clear()
-    log(f"chosen: BLOCK_M {block_m}; gemm configs {[str(c) for c in gg._tuned_kernel.configs]}; "
-        f"wgrad configs {[str(c) for c in gw._tuned_kernel.configs]}")
+    log(f"gemm configs {[str(c) for c in gg._tuned_kernel.configs]}; wgrad configs {[str(c) for c in gw._tuned_kernel.configs]}")
 
 
 def _unique(configs):
@@ -280,6 +296,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--T", type=int, default=16384)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--sweep", action="store_true", help="time each expert GEMM under each config first and "
+                        "autotune among the winners (else the kernels' own configs, winners of an earlier sweep)")
     args = parser.parse_args()
     block = build_block()
     g = torch.Generator(device=DEVICE).manual_seed(2)
@@ -288,11 +306,11 @@ def main():
     result = {"name": "moe", "device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "date": str(datetime.date.today()),
               "shape": f"T{args.T} D{D} E{E} k{K_TOP} F{F_EXPERT} shared{F_SHARED} bf16",
               "baseline": "transformers Qwen3NextSparseMoeBlock, experts_implementation=grouped_mm, fwd+bwd w.r.t. input and all weights",
-              "command": "PYTHONUNBUFFERED=1 python bench/bench_moe.py --out $OUT",
+              "command": "PYTHONUNBUFFERED=1 python bench/bench_moe.py --out $OUT" + (" --sweep" if args.sweep else ""),
               "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
                            "triton": __import__("triton").__version__}}
     path = os.path.join(args.out, "moe.json")
-    for stage in (sweep, correctness, timings, profile, frozen_timings):
+    for stage in ((sweep,) if args.sweep else ()) + (timings, correctness, frozen_timings, profile):
         try:
             result[stage.__name__] = stage(block, x, dy)
         except Exception as error:  # one failing stage is reported, the others still run
@@ -309,6 +327,9 @@ def summarize(result):
     t = result.get("timings", {})
     if "hf_fwd_bwd" in t:
         result |= {"baseline_ms": t["hf_fwd_bwd"], "ours_ms": t["ours_fwd_bwd"], "speedup": t["hf_fwd_bwd"] / t["ours_fwd_bwd"]}
+    frozen = result.get("frozen_timings", {})
+    if "hf_frozen_fwd_bwd" in frozen:
+        result["frozen_speedup"] = frozen["hf_frozen_fwd_bwd"] / frozen["ours_frozen_fwd_bwd"]
     errs = [v["rel_rms"] for k, group in result.get("correctness", {}).items()
             if k in ("full", "lora_frozen_base") for v in group.values()]
     if errs:
@@ -318,7 +339,7 @@ def summarize(result):
         for name, ms in result.get(stage, {}).items():
             if isinstance(ms, float):
                 print(f"| {name} | {ms:.2f} |")
-    print({k: result.get(k) for k in ("baseline_ms", "ours_ms", "speedup", "max_rel_err")})
+    print({k: result.get(k) for k in ("baseline_ms", "ours_ms", "speedup", "frozen_speedup", "max_rel_err")})
     sys.stdout.flush()
 
 

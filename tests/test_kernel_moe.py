@@ -1,6 +1,6 @@
 """MoE Triton kernels under TRITON_INTERPRET=1 vs the fp64 reference: routed SwiGLU experts forward
 and every gradient (x, routing weights, expert weights, biases, LoRA A/B), with NaN-prefilled
-buffers, an expert that receives no tokens, an expert count divisible by nothing convenient,
+buffers, x read from a copy in expert order and gathered by token, an expert that receives no tokens, an expert count divisible by nothing convenient,
 the gpt-oss GLU (clamp, alpha, interleaved gate/up, transposed weight views) and frozen experts.
 
 Shape legend: T tokens, D model width, E experts, F expert width, k top-k, r LoRA rank.
@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from reference_ops import moe as ref  # noqa: E402
 from runtime.kernels import moe as kernels  # noqa: E402
-from runtime.kernels.moe import buffers, experts, schedule  # noqa: E402
+from runtime.kernels.moe import buffers, combine, experts, schedule  # noqa: E402
 from runtime.tolerances import assert_close  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
@@ -103,6 +103,12 @@ def test_silu_with_clamp_only():
     check_experts(leaves, idx, clamp=1.0)
 
 
+def test_frozen_experts_input_grads_only():
+    # no weight gradient reads x again, so the gate/up GEMM gathers x by token instead of a copy
+    leaves, idx = _problem(E=7, k=3, empty_expert=2, seed=8)
+    check_experts(leaves, idx, frozen=("w_gate_up_E2FD", "w_down_EDF"))
+
+
 def test_lora_on_frozen_experts_skips_base_weight_grads(monkeypatch):
     leaves, idx = _problem(E=7, k=2, empty_expert=1, lora_rank=4, seed=5)
     calls = []
@@ -116,6 +122,13 @@ def test_lora_on_frozen_experts_skips_base_weight_grads(monkeypatch):
 def test_lora_with_trainable_experts_and_gpt_oss_glu():
     leaves, idx = _problem(E=6, k=2, bias=True, lora_rank=3, seed=6)
     check_experts(leaves, idx, lora_scale=2.0, clamp=1.5, glu_alpha=1.702, interleaved_gate_up=True)
+
+
+def test_sum_k_over_two_column_blocks():
+    # D 1100 spans two 1024-wide column blocks, the second one masked
+    rows_SD = torch.randn(5 * 3, 1100)
+    out = combine.sum_k(rows_SD, 3)
+    assert_close(out, rows_SD.double().view(5, 3, 1100).sum(1), "swiglu_experts", torch.float32, "out")
 
 
 def test_schedule_covers_every_row_once():

@@ -3,8 +3,9 @@
 One kernel, three epilogues (MODE):
 - PLAIN: optional row scale, then a store to C[s] or scattered to C[pair(s)] (the down projection's
   weighted combine, and dx).
-- GLU_FWD: the tile's columns hold gate and up units side by side; stores the pre-activation
-  gate/up (kept for the backward) and h = glu(gate, up).
+- GLU_FWD: each program owns BLOCK_N gate/up units and runs two dots over the same A tile, one
+  for the gate rows of W and one for the up rows; stores the pre-activation gate/up (kept for
+  the backward) and h = glu(gate, up), with no reshuffling of the accumulator.
 - GLU_BWD: acc = dy @ W_down[e] = dh / w; recomputes h from the saved gate/up, adds the routing
   weight gradient sum(acc * h) (atomically, one add per column tile), and stores d(gate/up).
 A's rows are read through `a_row` (the token of a sorted row), so the permuted copy of x is never
@@ -64,39 +65,40 @@ def _glu_backward(gate0, up0, dh, CLAMP: tl.constexpr, limit, HAS_ALPHA: tl.cons
 
 
 @triton.jit
-def _column_map(pid_n, N, MODE: tl.constexpr, BLOCK_N: tl.constexpr, row_mult, up_offset):
-    """Accumulator column -> (unit, row of W / gate-up layout, valid). In GLU_FWD the columns
-    alternate gate, up of the same unit so that one dot computes both."""
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if MODE == 1:
-        units = cols // 2
-        rows = units * row_mult + (cols % 2) * up_offset
-    else:
-        units = cols
-        rows = cols
-    return units, rows, cols < N
+def _column_map(pid_n, N, MODE: tl.constexpr, BLOCK_N: tl.constexpr, row_mult):
+    """Accumulator column -> (unit, row of W, valid). In GLU_FWD a column is a gate/up unit whose
+    gate row of W is unit * row_mult (its up row sits up_offset further)."""
+    units = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = units * row_mult if MODE == 1 else units
+    return units, w_rows, units < N
 
 
 @triton.jit
-def _mainloop(a_ptr, stride_am, a_rows, row_ok, w_ptr, stride_wn, stride_wk, w_rows, col_ok, K,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-              PRECISION: tl.constexpr):
+def _mainloop(a_ptr, stride_am, a_rows, row_ok, w_ptr, stride_wn, stride_wk, w_rows, col_ok, K, up_offset,
+              PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    """A[a_rows] @ W[w_rows]^T; with PAIR also A[a_rows] @ W[w_rows + up_offset]^T from the same A tile."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + w_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None].to(tl.int64) * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=col_ok[None, :], other=0.0)
+            w_mask = col_ok[None, :]
         else:
             k_ok = offs_k < K - k0
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            w_mask = col_ok[None, :] & k_ok[:, None]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
+        if PAIR:
+            w_up = tl.load(w_ptrs + up_offset * stride_wn, mask=w_mask, other=0.0)
+            acc_up = tl.dot(a, w_up.to(a.dtype), acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
-    return acc
+    return acc, acc_up
 
 
 @triton.jit
@@ -111,11 +113,24 @@ def _low_rank(l_ptr, stride_lm, rows, row_ok, r_ptr, stride_rn, stride_rr, w_row
 
 
 @triton.jit
-def _store_glu_grads(c_ptr, stride_cm, rows, row_ok, units, col_ok, row_mult, up_offset, d_gate, d_up):
-    base = c_ptr + rows[:, None].to(tl.int64) * stride_cm + (units * row_mult)[None, :]
-    mask = row_ok[:, None] & col_ok[None, :]
-    tl.store(base, d_gate.to(c_ptr.dtype.element_ty), mask=mask)
-    tl.store(base + up_offset, d_up.to(c_ptr.dtype.element_ty), mask=mask)
+def _extra_terms(acc, rows, row_ok, w_rows, col_ok, l_ptr, stride_lm, r_ptr, stride_rn, stride_rr, rank, lora_scale,
+                 bias_ptr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """acc + LoRA term + bias for the W rows `w_rows` (r_ptr and bias_ptr already at the expert)."""
+    if HAS_LORA:
+        acc += lora_scale * _low_rank(l_ptr, stride_lm, rows, row_ok, r_ptr, stride_rn, stride_rr, w_rows, col_ok,
+                                      rank, BLOCK_R, PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + w_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _store_pair(ptr, stride_m, rows, first_cols, second_offset, mask, first, second):
+    """Stores two [BLOCK_M, BLOCK_N] tiles, the second `second_offset` columns after the first."""
+    base = ptr + rows[:, None].to(tl.int64) * stride_m + first_cols[None, :]
+    tl.store(base, first.to(ptr.dtype.element_ty), mask=mask)
+    tl.store(base + second_offset, second.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -142,39 +157,35 @@ def grouped_gemm_kernel(
     rows = tl.load(tile_start_ptr + pid_tile) + tl.arange(0, BLOCK_M)
     row_ok = rows < tl.load(ends_ptr + e)
     a_rows = tl.load(a_row_ptr + rows, mask=row_ok, other=0) if GATHER_A else rows
-    units, w_rows, col_ok = _column_map(pid_n, N, MODE, BLOCK_N, row_mult, up_offset)
+    units, w_rows, col_ok = _column_map(pid_n, N, MODE, BLOCK_N, row_mult)
     e64 = e.to(tl.int64)
-    acc = _mainloop(a_ptr, stride_am, a_rows, row_ok, w_ptr + e64 * stride_we, stride_wn, stride_wk, w_rows, col_ok,
-                    K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
-    if HAS_LORA:
-        acc += lora_scale * _low_rank(l_ptr, stride_lm, rows, row_ok, r_ptr + e64 * stride_re, stride_rn, stride_rr,
-                                      w_rows, col_ok, rank, BLOCK_R, PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + e64 * stride_be + w_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if ROW_SCALE and MODE != 1:
-        row_scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)
+    acc, acc_up = _mainloop(a_ptr, stride_am, a_rows, row_ok, w_ptr + e64 * stride_we, stride_wn, stride_wk, w_rows,
+                            col_ok, K, up_offset, MODE == 1, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+    r_ptr += e64 * stride_re
+    bias_ptr += e64 * stride_be
+    acc = _extra_terms(acc, rows, row_ok, w_rows, col_ok, l_ptr, stride_lm, r_ptr, stride_rn, stride_rr, rank,
+                       lora_scale, bias_ptr, HAS_LORA, HAS_BIAS, BLOCK_R, PRECISION)
     mask = row_ok[:, None] & col_ok[None, :]
     if MODE == 0:
         if ROW_SCALE:
-            acc = acc * row_scale[:, None]
+            acc = acc * tl.load(scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
         c_rows = tl.load(c_row_ptr + rows, mask=row_ok, other=0) if SCATTER_C else rows
         tl.store(c_ptr + c_rows[:, None].to(tl.int64) * stride_cm + w_rows[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
     elif MODE == 1:
-        tl.store(gu_ptr + rows[:, None].to(tl.int64) * stride_gum + w_rows[None, :], acc.to(gu_ptr.dtype.element_ty), mask=mask)
-        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
-        h = _glu_forward(gate, up, CLAMP, limit, HAS_ALPHA, alpha)
-        h_cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        h_mask = row_ok[:, None] & (h_cols < N // 2)[None, :]
-        tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_cm + h_cols[None, :], h.to(c_ptr.dtype.element_ty), mask=h_mask)
+        acc_up = _extra_terms(acc_up, rows, row_ok, w_rows + up_offset, col_ok, l_ptr, stride_lm, r_ptr, stride_rn,
+                              stride_rr, rank, lora_scale, bias_ptr, HAS_LORA, HAS_BIAS, BLOCK_R, PRECISION)
+        _store_pair(gu_ptr, stride_gum, rows, w_rows, up_offset, mask, acc, acc_up)
+        h = _glu_forward(acc, acc_up, CLAMP, limit, HAS_ALPHA, alpha)
+        tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_cm + units[None, :], h.to(c_ptr.dtype.element_ty), mask=mask)
     else:
         gu_base = gu_ptr + rows[:, None].to(tl.int64) * stride_gum + (units * row_mult)[None, :]
         gate0 = tl.load(gu_base, mask=mask, other=0.0).to(tl.float32)
         up0 = tl.load(gu_base + up_offset, mask=mask, other=0.0).to(tl.float32)
-        dh = acc * row_scale[:, None] if ROW_SCALE else acc
+        dh = acc * tl.load(scale_ptr + rows, mask=row_ok, other=0.0)[:, None] if ROW_SCALE else acc
         h, d_gate, d_up = _glu_backward(gate0, up0, dh, CLAMP, limit, HAS_ALPHA, alpha)
         if WANT_DW:
             tl.atomic_add(dw_ptr + rows, tl.sum(acc * h, axis=1), mask=row_ok)
-        _store_glu_grads(c_ptr, stride_cm, rows, row_ok, units, col_ok, row_mult, up_offset, d_gate, d_up)
+        _store_pair(c_ptr, stride_cm, rows, units * row_mult, up_offset, mask, d_gate, d_up)
 
 
 def _interpreting() -> bool:
@@ -184,12 +195,14 @@ def _interpreting() -> bool:
 def _tuned_configs() -> list[triton.Config]:
     if _interpreting():
         return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
-    # Winners of the per-GEMM sweep in bench/bench_moe.py (H200, triton 3.6, Qwen3-Next widths,
-    # 2026-11-29): BLOCK_N 256 for the gate/up forward and dx, 128 for the down forward and the
-    # GLU backward (256 spills there: 4.1 ms against 1.5 ms).
+    # Winners of the per-GEMM sweep in bench/bench_moe.py --sweep (H200, triton 3.6, Qwen3-Next
+    # widths, 2026-11-29): gate/up forward and GLU backward 128 units / stages 4 (1.60 and 1.33 ms;
+    # 256 units do not fit in shared memory with two accumulators), down forward 128 / stages 3
+    # (1.05 ms), dx 256 / stages 3 (1.34 ms).
     return [
-        triton.Config({"BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
         triton.Config({"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
     ]
 
 
@@ -252,9 +265,10 @@ def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, a_ro
                  glu: Glu = Glu(), config: dict | None = None):
     """Runs the kernel over every row tile of `sched`; writes `out` (and gate_up / dw_S by mode).
     `config` (BLOCK_N, BLOCK_K, num_warps, num_stages) bypasses the autotuner (benchmark sweeps)."""
-    # Accumulator columns: W's N rows (2F interleaved gate/up units in GLU_FWD, F units in GLU_BWD).
+    # Accumulator columns: W's N rows, or the F gate/up units in the GLU modes (2F rows of W in GLU_FWD).
     N, K = w.data.shape[2 if w.transposed else 1], a_SK.shape[1]
-    row_mult, up_offset = glu.layout(N // 2 if mode == MODE_GLU_FWD else N)
+    N = N // 2 if mode == MODE_GLU_FWD else N
+    row_mult, up_offset = glu.layout(N)
     dummy = a_SK
     lr = low_rank or LowRank(dummy, Weight(w.data), 0.0)
     args = (

@@ -32,8 +32,9 @@ class Schedule:
 def build_schedule(idx_Tk: torch.Tensor, num_experts: int, block_m: int) -> Schedule:
     flat_S = idx_Tk.reshape(-1)
     expert_S, pair_S = torch.sort(flat_S, stable=True)
-    counts_E = torch.bincount(flat_S, minlength=num_experts)
-    ends_E = torch.cumsum(counts_E, 0)
+    # From the sorted ids rather than torch.bincount, whose CUDA form syncs with the host.
+    ends_E = torch.searchsorted(expert_S, torch.arange(num_experts, device=idx_Tk.device), right=True)
+    counts_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
     tiles_E = (counts_E + block_m - 1) // block_m
     tile_ends_E = torch.cumsum(tiles_E, 0)
     num_tiles = (flat_S.numel() + block_m - 1) // block_m + num_experts

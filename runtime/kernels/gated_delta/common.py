@@ -1,0 +1,151 @@
+"""Triton helpers shared by the GDN/KDA kernels: in-chunk decayed Gram matrices and the UT inverse.
+
+Shape legend: C chunk size, S sub-chunk size (C = NS * S), K key dim, X 1 (GDN) or K (KDA).
+gc_CX is the in-chunk cumulative log decay: non-increasing down the rows, so exp(gc_i - gc_j) <= 1
+for i >= j. Per-channel decays never form exp(-gc) alone (it overflows for strong decays): products
+across sub-chunks are split around a reference row between i and j, and pairs inside one sub-chunk
+are summed exactly, element by element.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def l2norm_rows(x, eps, USE: tl.constexpr):
+    """(x / sqrt(sum(x^2) + eps), 1 / sqrt(sum(x^2) + eps)) per row; identity when USE is off."""
+    if USE:
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) + eps)
+    else:
+        inv = tl.full([x.shape[0]], 1.0, tl.float32)
+    return x * inv[:, None], inv
+
+
+@triton.jit
+def row_of(x, r, C: tl.constexpr):
+    """Row r of x_C* as a vector."""
+    rows = tl.arange(0, C)
+    return tl.sum(tl.where(rows[:, None] == r, x, 0.0), 0)
+
+
+@triton.jit
+def decayed_gram(a_CK, c_CK, gc_CX, STRICT: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                 C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr):
+    """M_CC[i, j] = sum_d a_id c_jd exp(gc_id - gc_jd) for j < i (STRICT) or j <= i, else 0."""
+    rows = tl.arange(0, C)
+    if STRICT:
+        keep = rows[:, None] > rows[None, :]
+    else:
+        keep = rows[:, None] >= rows[None, :]
+    if PER_CHANNEL:
+        m_CC = _diag_blocks(a_CK, c_CK, gc_CX, STRICT, C, S)
+        sub = rows // S
+        for s in tl.static_range(1, C // S):
+            ref_K = row_of(gc_CX, s * S, C)
+            a_s = a_CK * tl.exp(tl.where(sub[:, None] == s, gc_CX - ref_K[None, :], float("-inf")))
+            c_s = c_CK * tl.exp(tl.where(rows[:, None] < s * S, ref_K[None, :] - gc_CX, float("-inf")))
+            m_CC += tl.dot(a_s, tl.trans(c_s), input_precision=PREC)
+    else:
+        g_C = tl.sum(gc_CX, 1)
+        decay = tl.exp(tl.where(keep, g_C[:, None] - g_C[None, :], float("-inf")))
+        m_CC = tl.dot(a_CK, tl.trans(c_CK), input_precision=PREC) * decay
+    return m_CC
+
+
+@triton.jit
+def _diag_blocks(a_CK, c_CK, gc_CK, STRICT: tl.constexpr, C: tl.constexpr, S: tl.constexpr):
+    """The S x S diagonal blocks of the per-channel decayed Gram, summed exactly: one column per step."""
+    NS: tl.constexpr = C // S
+    K: tl.constexpr = a_CK.shape[1]
+    a3 = tl.reshape(a_CK, [NS, S, K])
+    c3 = tl.reshape(c_CK, [NS, S, K])
+    g3 = tl.reshape(gc_CK, [NS, S, K])
+    ii = tl.arange(0, S)
+    rows = tl.arange(0, C)
+    m_CC = tl.zeros([C, C], tl.float32)
+    for jj in range(S):
+        sel = (ii == jj)[None, :, None]
+        c_j = tl.sum(tl.where(sel, c3, 0.0), 1)
+        g_j = tl.sum(tl.where(sel, g3, 0.0), 1)
+        if STRICT:
+            below = ii > jj
+        else:
+            below = ii >= jj
+        e3 = tl.exp(tl.where(below[None, :, None], g3 - g_j[:, None, :], float("-inf")))
+        val_C = tl.reshape(tl.sum(a3 * c_j[:, None, :] * e3, 2), [C])
+        col_C = (rows // S) * S + jj
+        m_CC += tl.where(rows[None, :] == col_C[:, None], val_C[:, None], 0.0)
+    return m_CC
+
+
+@triton.jit
+def decayed_gram_bwd(dm_CC, a_CK, c_CK, gc_CX, PER_CHANNEL: tl.constexpr,
+                     C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr):
+    """(da_CK, dc_CK) of M = decayed_gram(a, c, gc) given dM already masked to M's pattern."""
+    rows = tl.arange(0, C)
+    if PER_CHANNEL:
+        da, dc = _diag_blocks_bwd(dm_CC, a_CK, c_CK, gc_CX, C, S)
+        sub = rows // S
+        for s in tl.static_range(1, C // S):
+            ref_K = row_of(gc_CX, s * S, C)
+            fa = tl.exp(tl.where(sub[:, None] == s, gc_CX - ref_K[None, :], float("-inf")))
+            fc = tl.exp(tl.where(rows[:, None] < s * S, ref_K[None, :] - gc_CX, float("-inf")))
+            da += tl.dot(dm_CC, c_CK * fc, input_precision=PREC) * fa
+            dc += tl.dot(tl.trans(dm_CC), a_CK * fa, input_precision=PREC) * fc
+    else:
+        g_C = tl.sum(gc_CX, 1)
+        keep = rows[:, None] >= rows[None, :]
+        dme = dm_CC * tl.exp(tl.where(keep, g_C[:, None] - g_C[None, :], float("-inf")))
+        da = tl.dot(dme, c_CK, input_precision=PREC)
+        dc = tl.dot(tl.trans(dme), a_CK, input_precision=PREC)
+    return da, dc
+
+
+@triton.jit
+def _diag_blocks_bwd(dm_CC, a_CK, c_CK, gc_CK, C: tl.constexpr, S: tl.constexpr):
+    """Gradients through the diagonal blocks of _diag_blocks (dM masked, so strictness is in dM)."""
+    NS: tl.constexpr = C // S
+    K: tl.constexpr = a_CK.shape[1]
+    a3 = tl.reshape(a_CK, [NS, S, K])
+    c3 = tl.reshape(c_CK, [NS, S, K])
+    g3 = tl.reshape(gc_CK, [NS, S, K])
+    ii = tl.arange(0, S)
+    rows = tl.arange(0, C)
+    da3 = tl.zeros([NS, S, K], tl.float32)
+    dc3 = tl.zeros([NS, S, K], tl.float32)
+    for jj in range(S):
+        sel = (ii == jj)[None, :, None]
+        c_j = tl.sum(tl.where(sel, c3, 0.0), 1)
+        g_j = tl.sum(tl.where(sel, g3, 0.0), 1)
+        col_C = (rows // S) * S + jj
+        coef_C = tl.sum(tl.where(rows[None, :] == col_C[:, None], dm_CC, 0.0), 1)
+        coef3 = tl.reshape(coef_C, [NS, S])[:, :, None]
+        e3 = tl.exp(tl.where((ii >= jj)[None, :, None], g3 - g_j[:, None, :], float("-inf")))
+        da3 += coef3 * c_j[:, None, :] * e3
+        dc3 += tl.where(sel, tl.sum(coef3 * a3 * e3, 1)[:, None, :], 0.0)
+    return tl.reshape(da3, [C, K]), tl.reshape(dc3, [C, K])
+
+
+@triton.jit
+def unit_lower_inverse(l_CC, C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr):
+    """(I + L)^-1 for strictly lower L: row substitution inside the S x S diagonal blocks, then block substitution."""
+    NS: tl.constexpr = C // S
+    blk = tl.arange(0, NS)
+    same = blk[:, None, None, None] == blk[None, None, :, None]
+    lb = tl.sum(tl.where(same, tl.reshape(l_CC, [NS, S, NS, S]), 0.0), 2)
+    ii = tl.arange(0, S)
+    eye = (ii[:, None] == ii[None, :]).to(tl.float32)
+    tb = tl.zeros([NS, S, S], tl.float32) + eye[None, :, :]
+    for r in range(1, S):
+        l_row = tl.sum(tl.where(ii[None, :, None] == r, lb, 0.0), 1)
+        new_row = tl.where(ii == r, 1.0, 0.0)[None, :] - tl.sum(l_row[:, :, None] * tb, 1)
+        tb = tl.where(ii[None, :, None] == r, new_row[:, None, :], tb)
+    td = tl.reshape(tl.where(same, tl.reshape(tb, [NS, S, 1, S]), 0.0), [C, C])
+    rows = tl.arange(0, C)
+    t_CC = td
+    for s in tl.static_range(1, NS):
+        ls = tl.where((rows[:, None] // S == s) & (rows[None, :] < s * S), l_CC, 0.0)
+        x = tl.dot(ls, t_CC, input_precision=PREC)
+        t_CC = t_CC - tl.dot(td, x, input_precision=PREC)
+    return t_CC

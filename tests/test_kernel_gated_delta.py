@@ -1,0 +1,92 @@
+"""GDN and KDA Triton kernels (runtime/kernels/gated_delta) under TRITON_INTERPRET=1 vs the fp64
+references: forward and the gradients of q, k, v, g, beta and the initial state, tiny shapes, fp32
+inputs (the interpreter's tl.dot is wrong on bf16 operands). Every kernel-written buffer is NaN-filled
+first, so a value a kernel forgets to write fails the comparison.
+
+Shape legend: B batch, T tokens, H heads, K key dim, V value dim, N packed sequences.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import runtime.kernels.gated_delta as kernels  # noqa: E402
+import runtime.kernels.gated_delta.function as kernel_config  # noqa: E402
+from reference_ops.gated_delta import gated_delta_rule as ref_gdn  # noqa: E402
+from reference_ops.kda import kda as ref_kda  # noqa: E402
+from runtime.tolerances import assert_close  # noqa: E402
+
+pytestmark = pytest.mark.interpreter
+OPS = {"gdn": ("gated_delta_rule", ref_gdn, kernels.gated_delta_rule), "kda": ("kda", ref_kda, kernels.kda)}
+NAMES = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+
+
+def nan_empty(*shape, dtype, device):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+@pytest.fixture(autouse=True)
+def small_chunks_nan_buffers(monkeypatch):
+    """Chunk 32 in sub-chunks of 16: exercises both the in-block and the cross-block paths at T=63."""
+    monkeypatch.setattr(kernel_config, "CHUNK_SIZE", 32)
+    monkeypatch.setattr(kernel_config, "SUB_CHUNK", 16)
+    monkeypatch.setattr(kernel_config, "empty", nan_empty)
+
+
+def make_inputs(kind, B=1, T=63, H=2, K=16, V=16, num_states=None, decay=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=gen)
+    g_shape = (B, T, H, K) if kind == "kda" else (B, T, H)
+    return {
+        "q": rand(B, T, H, K), "k": rand(B, T, H, K), "v": rand(B, T, H, V),
+        "g": decay * F.logsigmoid(rand(*g_shape) + 1.0), "beta": torch.sigmoid(rand(B, T, H)),
+        "h0": rand(num_states or B, H, K, V),
+    }
+
+
+def outputs_and_grads(fn, x, dtype, **kw):
+    """[o, final_state, dq, dk, dv, dg, dbeta, dh0] with fixed random cotangents."""
+    leaves = {n: t.to(dtype).detach().requires_grad_() for n, t in x.items()}
+    o, s = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], initial_state_BHKV=leaves["h0"], **kw)
+    gen = torch.Generator().manual_seed(7)
+    loss = (o * torch.randn(o.shape, generator=gen).to(o.dtype)).sum()
+    loss = loss + (s * torch.randn(s.shape, generator=gen).to(s.dtype)).sum()
+    loss.backward()
+    return [o, s] + [leaves[n].grad for n in ("q", "k", "v", "g", "beta", "h0")]
+
+
+def check(kind, x, dtype=torch.float32, **kw):
+    op, ref, kernel = OPS[kind]
+    expected = outputs_and_grads(ref, x, torch.float64, **kw)
+    actual = outputs_and_grads(kernel, x, dtype, **kw)
+    for name, a, e in zip(NAMES, actual, expected):
+        assert_close(a, e, op, dtype, kind="out" if name in ("o", "final_state") else "grad", name=name)
+
+
+@pytest.mark.parametrize("kind", ["gdn", pytest.param("kda", marks=pytest.mark.slow)])
+def test_kernel_T63_initial_state(kind):
+    check(kind, make_inputs(kind))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_kernel_cu_seqlens(kind):
+    """Three packed sequences (one shorter than a sub-chunk, one spanning two chunks), one state each."""
+    x = make_inputs(kind, T=63, num_states=3)
+    check(kind, x, cu_seqlens=torch.tensor([0, 5, 40, 63]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_kernel_batch2_no_l2norm_strong_decay(kind):
+    """B=2 folded into time; no qk l2norm, an explicit scale, decays up to ~-15 per token."""
+    check(kind, make_inputs(kind, B=2, T=40, decay=15.0), use_qk_l2norm=False, scale=0.3)
+
+
+@pytest.mark.slow
+def test_kernel_bf16_inputs_kda():
+    """bf16 loads and stores (the kernel computes in fp32) against the fp64 reference at the bf16 tolerance."""
+    check("kda", make_inputs("kda"), dtype=torch.bfloat16)
