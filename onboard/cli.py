@@ -78,9 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="the GapReport as JSON")
     fmt.add_argument("--markdown", action="store_true", help="the GapReport as Markdown")
-    p.add_argument("--gpu-mem-gib", type=_positive_float, default=80.0)
-    p.add_argument("--lora-rank", type=_positive_int, default=16)
-    p.add_argument("--seq-len", type=_positive_int, default=4096)
+    _add_budget_args(p)
     p.set_defaults(run=_inspect)
     p = sub.add_parser("example-model", help="write a tiny random-weight release of a real family")
     p.add_argument("family")
@@ -92,9 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("new-model", help="write the package (spec, weight map, gap report) for a release")
     p.add_argument("model_dir")
     p.add_argument("--out", required=True)
-    p.add_argument("--gpu-mem-gib", type=_positive_float, default=80.0)
-    p.add_argument("--lora-rank", type=_positive_int, default=16)
-    p.add_argument("--seq-len", type=_positive_int, default=4096)
+    _add_budget_args(p)
     p.set_defaults(run=_new_model)
     p = sub.add_parser("align", help="run the alignment tiers against the model's own implementation")
     p.add_argument("pkg")
@@ -102,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="fail on a regression against alignment/baseline.json")
     p.set_defaults(run=_align)
     return parser
+
+
+def _add_budget_args(p: argparse.ArgumentParser) -> None:
+    """The memory-budget inputs shared by inspect and new-model."""
+    p.add_argument("--gpu-mem-gib", type=_positive_float, default=80.0, help="memory of one GPU (default 80)")
+    p.add_argument("--lora-rank", type=_positive_int, default=16)
+    p.add_argument("--seq-len", type=_positive_int, default=4096, help="training sequence length for activations")
 
 
 def _positive_int(text: str) -> int:

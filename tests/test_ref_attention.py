@@ -15,6 +15,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_qwen3_moe
 from reference_ops import attention as ref
 from runtime.ops import attention as run
 from runtime.tolerances import assert_close
+from tests.opcheck import check_op
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 # (B, T, H, G, K, V)
@@ -31,21 +32,6 @@ VARIANTS = [
     pytest.param({"sinks": True}, id="sinks"),
     pytest.param({"sinks": True, "window": 5}, id="sinks-window5"),
 ]
-
-
-def check_op(op, run_fn, ref_fn, inputs: dict, dtype: torch.dtype, **static):
-    """Runtime in `dtype` vs reference in fp64 on the same (rounded) inputs: outputs and all input grads."""
-    run_in = {name: t.to(dtype).requires_grad_() for name, t in inputs.items()}
-    ref_in = {name: t.detach().double().requires_grad_() for name, t in run_in.items()}
-    run_out, ref_out = run_fn(**run_in, **static), ref_fn(**ref_in, **static)
-    assert run_out.dtype == dtype
-    assert_close(run_out, ref_out, op, dtype, "out")
-    cotangent = torch.randn_like(ref_out)
-    run_out.backward(cotangent.to(dtype))
-    ref_out.backward(cotangent)
-    for name in inputs:
-        assert run_in[name].grad is not None, f"{op}: no gradient reached {name}"
-        assert_close(run_in[name].grad, ref_in[name].grad, op, dtype, "grad", name)
 
 
 def _inputs(shape, with_sinks: bool, seed: int = 0) -> dict:

@@ -10,6 +10,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_fn
 from reference_ops import conv as ref
 from runtime.ops import conv as run
 from runtime.tolerances import assert_close
+from tests.opcheck import check_op
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 # (B, T, C, W)
@@ -19,21 +20,6 @@ SHAPES = [
     pytest.param((3, 17, 7, 3), id="B3-T17-C7-W3"),
     pytest.param((1, 9, 6, 1), id="B1-T9-C6-W1"),
 ]
-
-
-def check_op(op, run_fn, ref_fn, inputs: dict, dtype: torch.dtype, **static):
-    """Runtime in `dtype` vs reference in fp64 on the same (rounded) inputs: outputs and all input grads."""
-    run_in = {name: t.to(dtype).requires_grad_() for name, t in inputs.items()}
-    ref_in = {name: t.detach().double().requires_grad_() for name, t in run_in.items()}
-    run_out, ref_out = run_fn(**run_in, **static), ref_fn(**ref_in, **static)
-    assert run_out.dtype == dtype
-    assert_close(run_out, ref_out, op, dtype, "out")
-    cotangent = torch.randn_like(ref_out)
-    run_out.backward(cotangent.to(dtype))
-    ref_out.backward(cotangent)
-    for name in inputs:
-        assert run_in[name].grad is not None, f"{op}: no gradient reached {name}"
-        assert_close(run_in[name].grad, ref_in[name].grad, op, dtype, "grad", name)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

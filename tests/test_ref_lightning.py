@@ -14,6 +14,7 @@ from reference_ops import lightning as ref
 from reference_ops.norms import rms_norm
 from runtime.ops import lightning as run
 from runtime.tolerances import assert_close
+from tests.opcheck import check_op
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 # (B, T, H, K, V); the runtime chunk is 64 tokens
@@ -29,21 +30,6 @@ SLOPES = {
     "fast-decay": lambda num_heads: torch.full((num_heads,), 3.0),
     "long-memory": lambda num_heads: torch.full((num_heads,), 1e-4),
 }
-
-
-def check_op(op, run_fn, ref_fn, inputs: dict, dtype: torch.dtype, **static):
-    """Runtime in `dtype` vs reference in fp64 on the same (rounded) inputs: outputs and all input grads."""
-    run_in = {name: t.to(dtype).requires_grad_() for name, t in inputs.items()}
-    ref_in = {name: t.detach().double().requires_grad_() for name, t in run_in.items()}
-    run_outs, ref_outs = run_fn(**run_in, **static), ref_fn(**ref_in, **static)
-    cotangents = [torch.randn_like(r) for r in ref_outs]
-    for name, a, e in zip(("o", "final_state"), run_outs, ref_outs):
-        assert_close(a, e, op, dtype, "out", name)
-    torch.autograd.backward(run_outs, [c.to(a.dtype) for c, a in zip(cotangents, run_outs)])
-    torch.autograd.backward(ref_outs, cotangents)
-    for name in inputs:
-        assert run_in[name].grad is not None, f"{op}: no gradient reached {name}"
-        assert_close(run_in[name].grad, ref_in[name].grad, op, dtype, "grad", name)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -11,6 +11,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm,
 from reference_ops import norms as ref
 from runtime.ops import norms as run
 from runtime.tolerances import assert_close
+from tests.opcheck import check_op
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 SHAPES = [
@@ -19,23 +20,6 @@ SHAPES = [
     pytest.param((3, 5, 256), id="B3-T5-D256"),
 ]
 EPS = 1e-6
-
-
-def check_op(op, run_fn, ref_fn, inputs: dict, dtype: torch.dtype, **static):
-    """Runtime in `dtype` vs reference in fp64 on the same (rounded) inputs: outputs and all input grads."""
-    run_in = {name: t.to(dtype).requires_grad_() for name, t in inputs.items()}
-    ref_in = {name: t.detach().double().requires_grad_() for name, t in run_in.items()}
-    run_out, ref_out = run_fn(**run_in, **static), ref_fn(**ref_in, **static)
-    run_outs = run_out if isinstance(run_out, tuple) else (run_out,)
-    ref_outs = ref_out if isinstance(ref_out, tuple) else (ref_out,)
-    cotangents = [torch.randn_like(r) for r in ref_outs]
-    for i, (a, e) in enumerate(zip(run_outs, ref_outs)):
-        assert_close(a, e, op, dtype, "out", f"output {i}")
-    torch.autograd.backward(run_outs, [c.to(a.dtype) for c, a in zip(cotangents, run_outs)])
-    torch.autograd.backward(ref_outs, cotangents)
-    for name in inputs:
-        assert run_in[name].grad is not None, f"{op}: no gradient reached {name}"
-        assert_close(run_in[name].grad, ref_in[name].grad, op, dtype, "grad", name)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
