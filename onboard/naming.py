@@ -6,7 +6,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict
 
-LAYER_RE = re.compile(r"^(?P<prefix>.*?)layers\.(?P<index>\d+)\.(?P<rest>.+)$")
+EXPERT_INDEX_RE = re.compile(r"\.\d+\.")
 
 
 class WeightNaming(BaseModel):
@@ -24,23 +24,28 @@ class WeightNaming(BaseModel):
     vision_prefix: Optional[str] = None
 
 
-def layer_suffixes(names) -> dict[int, set[str]]:
-    """Tensor names -> {layer index: {name after 'layers.N.'}} (text layers only)."""
+def scan_layers(names) -> tuple[str, dict[int, set[str]]]:
+    """(text decoder prefix, {layer index: {name after 'layers.N.' with expert indices collapsed to N}}).
+
+    One pass of string slicing, no regex per name: the flagship index holds 157k names, 150k of them
+    experts, which collapse to a handful of patterns per layer.
+    """
+    prefixes: dict[str, int] = {}
     by_layer: dict[int, set[str]] = {}
     for name in names:
-        m = LAYER_RE.match(name)
-        if m and "visual" not in m["prefix"] and "vision" not in m["prefix"]:
-            by_layer.setdefault(int(m["index"]), set()).add(m["rest"])
-    return by_layer
-
-
-def detect_prefix(names) -> str:
-    counts: dict[str, int] = {}
-    for name in names:
-        m = LAYER_RE.match(name)
-        if m and "visual" not in m["prefix"] and "vision" not in m["prefix"]:
-            counts[m["prefix"]] = counts.get(m["prefix"], 0) + 1
-    return max(counts, key=counts.get) if counts else "model."
+        start = name.find("layers.")
+        if start < 0 or "vis" in name[:start]:
+            continue
+        end = name.find(".", start + 7)
+        index = name[start + 7:end]
+        if not index.isdigit():
+            continue
+        prefix, rest = name[:start], name[end + 1:]
+        prefixes[prefix] = prefixes.get(prefix, 0) + 1
+        if "experts." in rest:
+            rest = EXPERT_INDEX_RE.sub(".N.", rest)
+        by_layer.setdefault(int(index), set()).add(rest)
+    return (max(prefixes, key=prefixes.get) if prefixes else "model."), by_layer
 
 
 def _first_component_with(suffixes, leaf_pattern: str) -> Optional[str]:
@@ -52,11 +57,11 @@ def _first_component_with(suffixes, leaf_pattern: str) -> Optional[str]:
     return None
 
 
-def detect_naming(names) -> WeightNaming:
-    """Detect module names and layouts from the full list of tensor names."""
-    names = list(names)
-    all_suffixes = set().union(*layer_suffixes(names).values()) if names else set()
-    kw: dict = {"prefix": detect_prefix(names)}
+def detect_naming(names, scan: tuple[str, dict[int, set[str]]] | None = None) -> WeightNaming:
+    """Detect module names and layouts from the full list of tensor names (and its scan_layers, if made)."""
+    prefix, by_layer = scan or scan_layers(names)
+    all_suffixes = set().union(*by_layer.values()) if by_layer else set()
+    kw: dict = {"prefix": prefix}
     softmax = _first_component_with(all_suffixes, r"(q_proj|q_a_proj|qkv_proj)\.weight")
     linear = _first_component_with(all_suffixes, r"(in_proj_qkvz|in_proj_qkv|f_a_proj|forget_gate|qkv_proj)")
     ffn = _first_component_with(all_suffixes, r"(experts|gate\.weight|router\.weight|down_proj\.weight)")
@@ -76,7 +81,7 @@ def detect_naming(names) -> WeightNaming:
 
 def _detect_moe_naming(suffixes: set[str]) -> dict:
     kw: dict = {}
-    if any(re.search(r"\.experts\.\d+\.w1\.weight$", s) for s in suffixes):
+    if any(s.endswith(".experts.N.w1.weight") for s in suffixes):
         kw["expert_style"] = "w1_w3_w2"
     elif any(s.endswith(".experts.gate_up_proj") for s in suffixes):
         kw["expert_style"] = "fused_gate_up"

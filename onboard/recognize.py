@@ -13,7 +13,7 @@ import re
 from onboard.config_view import ConfigView
 from onboard.errors import OnboardError
 from onboard.manifest import Manifest
-from onboard.naming import WeightNaming, detect_naming, layer_suffixes
+from onboard.naming import WeightNaming, detect_naming, scan_layers
 from onboard.spec import (DenseFFN, DSAIndexer, GatedDeltaAttention, KDAAttention, LayerSpec, LightningAttention,
                           MLAAttention, ModelSpec, MoEFFN, NormSpec, ResidualSpec, RopeSpec, RouterSpec, SoftmaxAttention,
                           Unrecognized)
@@ -50,8 +50,9 @@ class Recognizer:
             self.top.used.add(self._text_key())
         self.family = str(manifest.config.get("model_type", "unknown"))
         self.names = list(manifest.tensors)
-        self.naming: WeightNaming = detect_naming(self.names)
-        self.suffixes = layer_suffixes(self.names)
+        scan = scan_layers(self.names)
+        self.naming: WeightNaming = detect_naming(self.names, scan)
+        self.suffixes = scan[1]  # per layer, expert indices collapsed to N
         self.unrecognized: list[Unrecognized] = []
 
     def _text_key(self) -> str:
@@ -265,7 +266,7 @@ class Recognizer:
             num_shared_experts=shared if has_shared else 0, shared_intermediate_size=shared_width if has_shared else 0,
             shared_expert_gate=self._layer_has(index, r"shared_expert_gate\.weight$"),
             activation=str(self.cfg.get("hidden_act", default="silu")),
-            expert_bias=self._layer_has(index, r"experts\.(gate_up_proj_bias|\d+\.up_proj\.bias)"),
+            expert_bias=self._layer_has(index, r"experts\.(gate_up_proj_bias|N\.up_proj\.bias)"),
             swiglu_limit=float(limit) if limit is not None else None,
             swiglu_alpha=float(self.cfg.get("swiglu_alpha", default=1.702)) if limit is not None else None,
             interleaved_gate_up=limit is not None and self.naming.expert_style == "fused_gate_up")
