@@ -8,8 +8,8 @@ One kernel, three epilogues (MODE):
   the backward) and h = glu(gate, up), with no reshuffling of the accumulator.
 - GLU_BWD: acc = dy @ W_down[e] = dh / w; recomputes h from the saved gate/up, adds the routing
   weight gradient sum(acc * h) (atomically, one add per column tile), and stores d(gate/up).
-A's rows are read through `a_row` (the token of a sorted row), so the permuted copy of x is never
-materialized. The optional low-rank term is LoRA: scale * L[s] @ R[e]^T with L [S, r].
+A's rows may be read through `a_row` (the token of a sorted row), so x and dy need no copy in
+expert order. The optional low-rank term is LoRA: scale * L[s] @ R[e]^T with L [S, r].
 
 Shape legend: S sorted rows, N output columns of the accumulator, K reduction width,
 E experts, r LoRA rank. W[e] is addressed as [N, K] through its strides, so nn.Linear

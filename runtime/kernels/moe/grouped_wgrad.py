@@ -1,8 +1,8 @@
 """Per-expert weight gradients: out[e] = alpha * sum over expert e's sorted rows s of
 (scale[s] * A[row_a(s)])^T B[row_b(s)], i.e. [M, N] per expert, reducing over that expert's rows.
 
-A and B rows may be gathered (x and dy are read by token, never permuted in memory); an expert
-that received no rows gets zeros.
+A and B rows may be gathered (dy is read by token; x comes as a copy in expert order, which is
+faster here than gathering along the reduction); an expert that received no rows gets zeros.
 
 Shape legend: S sorted rows, M and N the two sides of the gradient, E experts.
 """
