@@ -36,11 +36,23 @@ GRAD_TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float16: Tolerance(rel_rms=1e-2, max_abs_rel=6e-2),
 }
 
+# fp32 Triton kernels on CUDA multiply in TF32 (10-bit mantissa), as tl.dot does by default: a
+# decision for speed, not a bug. Observed on the H200 at tier-0 shapes (bench/results/2026-11-29-gpu-tier0.json):
+# GDN out 1.84e-3 rel RMS / 2.15e-3 max-abs, grads up to 1.84e-3 / 2.55e-3; KDA 1.4e-3; sparse attention
+# 1.67e-3. The bound is about 2.5x the worst observed; the fp32 table still applies on the CPU.
+TF32_KERNEL_TOLERANCES: dict[str, Tolerance] = {
+    "out": Tolerance(rel_rms=5e-3, max_abs_rel=1e-2),
+    "grad": Tolerance(rel_rms=5e-3, max_abs_rel=1e-2),
+}
+
 # Per-op overrides, keyed (op, dtype, "out" | "grad"). Each entry says what was observed.
 OP_TOLERANCES: dict[tuple[str, torch.dtype, str], Tolerance] = {}
 
 
-def tolerance_for(op: str, dtype: torch.dtype, kind: str = "out") -> Tolerance:
+def tolerance_for(op: str, dtype: torch.dtype, kind: str = "out", tf32_kernel: bool = False) -> Tolerance:
+    """tf32_kernel: an fp32 run of a Triton kernel on CUDA (see TF32_KERNEL_TOLERANCES)."""
+    if tf32_kernel and dtype == torch.float32:
+        return TF32_KERNEL_TOLERANCES[kind]
     override = OP_TOLERANCES.get((op, dtype, kind))
     if override is not None:
         return override
