@@ -14,21 +14,24 @@ from onboard.align_report import AlignmentReport, Check, tier_result
 from onboard.align_vision import vision_checks
 from onboard.errors import OnboardError
 
-# Alignment of very large releases runs a prefix of the model holding every distinct layer kind.
+# Alignment of large releases runs a prefix of the model (both sides) holding every distinct layer kind.
 MAX_ALIGN_LAYERS = 8
 
 
-def layers_to_run(spec: dict) -> int:
+def layers_to_run(spec: dict, max_layers: int = MAX_ALIGN_LAYERS) -> int:
+    """At most max_layers, but never fewer than the prefix that holds every distinct layer kind."""
     kinds = distinct_layers(spec, spec["num_layers"])
-    return max(max(kinds.values()) + 1, min(spec["num_layers"], MAX_ALIGN_LAYERS))
+    return max(max(kinds.values()) + 1, min(spec["num_layers"], max_layers))
 
 
-def run(pkg: Path, tiers: list[int], tamper=None, progress=print) -> AlignmentReport:
+def run(pkg: Path, tiers: list[int], tamper=None, progress=print, max_layers: int = MAX_ALIGN_LAYERS) -> AlignmentReport:
     pkg = Path(pkg)
     if not (pkg / "package.yaml").exists():
         raise OnboardError(pkg, "package.yaml", "not a package written by `onboard new-model`")
     spec, weight_map, source = read_package(pkg)
-    num_layers = layers_to_run(spec)
+    num_layers = layers_to_run(spec, max_layers)
+    if num_layers < spec["num_layers"]:
+        progress(f"aligning the first {num_layers} of {spec['num_layers']} layers (every distinct layer kind is among them)")
     torch.manual_seed(0)
     results, divergence = [], None
     for tier in sorted(tiers):

@@ -72,7 +72,7 @@ def _lora_grad_checks(hf_layer, our_layer, index: int, name: str) -> list[Check]
 
 
 def tier1(spec: dict, weight_map: dict, source: Path, num_layers: int, T: int = 17, seed: int = 0) -> list[Check]:
-    ref = load_reference(source, spec["family"], torch.float32)
+    ref = load_reference(source, spec["family"], torch.float32, num_layers)
     ours = load_runtime(spec, weight_map, source, torch.float32, num_layers)
     recorder = Recorder(ref)
     with torch.no_grad():
@@ -142,7 +142,7 @@ def tier2(spec: dict, weight_map: dict, source: Path, num_layers: int, T: int = 
     with expert and key choices pinned to the fp32 run's; the free-running bf16 error and its choice flips are
     reported beside it. `tamper(model)` edits our model after loading (tests break an op on purpose)."""
     ids, divergence = _tokens(spec, 2, T, seed), None
-    ref = load_reference(source, spec["family"], torch.float32)
+    ref = load_reference(source, spec["family"], torch.float32, num_layers)
     ours = load_runtime(spec, weight_map, source, torch.float32, num_layers)
     if tamper is not None:
         tamper(ours)
@@ -169,7 +169,8 @@ def _bf16_checks(spec, weight_map, source, num_layers, ids, truth, choices, tamp
         _pin(ours, choices)
         pinned = ours(ids)
         _pin(ours, None)
-        theirs_bf16 = load_reference(source, spec["family"], torch.bfloat16)(input_ids=ids, use_cache=False).logits.float()
+        theirs_bf16 = load_reference(source, spec["family"], torch.bfloat16, num_layers)
+        theirs_bf16 = theirs_bf16(input_ids=ids, use_cache=False).logits.float()
     tol = LOGITS_TOLERANCE[torch.bfloat16]
     free_c, own_c = compare(free, truth, tol), compare(theirs_bf16, truth, tol)
     return [_logits_check("logits/bfloat16", compare(pinned, truth, tol), torch.bfloat16, "expert/key choices pinned to fp32's"),

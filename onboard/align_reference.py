@@ -11,15 +11,31 @@ from torch import nn
 from onboard.example_models import model_class
 
 
-def load_reference(source: Path, family: str, dtype: torch.dtype) -> nn.Module:
-    """transformers' class for the family, from the release folder, eval mode."""
+def load_reference(source: Path, family: str, dtype: torch.dtype, num_layers: int | None = None) -> nn.Module:
+    """transformers' class for the family, from the release folder, eval mode; the first num_layers
+    decoder layers only when given (large releases are aligned on a prefix)."""
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    model = model_class(family).from_pretrained(source, dtype=dtype).eval()
+    config = _truncated(AutoConfig.from_pretrained(source), num_layers)
+    model = model_class(family).from_pretrained(source, config=config, dtype=dtype).eval()
     _refresh_derived_buffers(model)
     return model
+
+
+def _truncated(config, num_layers: int | None):
+    """The config with its text model cut to num_layers, per-layer lists cut alike."""
+    text = config.get_text_config()
+    total = text.num_hidden_layers
+    if num_layers is None or num_layers >= total:
+        return config
+    for key, value in list(vars(text).items()):
+        if isinstance(value, list) and len(value) == total:
+            setattr(text, key, value[:num_layers])
+    text.num_hidden_layers = num_layers
+    return config
 
 
 def _refresh_derived_buffers(model: nn.Module) -> None:

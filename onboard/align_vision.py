@@ -31,7 +31,7 @@ def _image_input(spec: dict, vision_config: dict, seed: int):
 def vision_checks(spec: dict, weight_map: dict, source: Path, pkg: Path, num_layers: int, seed: int = 3) -> list[Check]:
     vision_config = json.loads((Path(pkg) / "vision_config.json").read_text())
     ids, pixels, grid, token_types = _image_input(spec, vision_config, seed)
-    ref = load_reference(source, spec["family"], torch.float32)
+    ref = load_reference(source, spec["family"], torch.float32, num_layers)
     ours = load_runtime(spec, weight_map, source, torch.float32, num_layers)
     tower = VisionTower(vision_config, spec["vision"]["model_type"])
     tower.load(source, spec["naming"]["vision_prefix"])

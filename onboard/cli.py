@@ -50,7 +50,7 @@ def _align(args) -> int:
     from onboard import align
 
     tiers = _tier_list(args.tiers)
-    report = align.run(Path(args.pkg), tiers, progress=lambda line: print(line, file=sys.stderr))
+    report = align.run(Path(args.pkg), tiers, progress=lambda line: print(line, file=sys.stderr), max_layers=args.max_layers)
     print(report.summary_line())
     if args.check:
         regressed = align.regressions(Path(args.pkg), report)
@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("pkg")
     p.add_argument("--tiers", default="0,1,2", help="comma-separated, e.g. 0,1,2")
     p.add_argument("--check", action="store_true", help="fail on a regression against alignment/baseline.json")
+    p.add_argument("--max-layers", type=_positive_int, default=8,
+                   help="align a prefix of at most this many layers (extended to hold every distinct layer kind)")
     p.set_defaults(run=_align)
     return parser
 

@@ -69,3 +69,38 @@ def test_missing_experts_are_a_gap_not_a_crash(example_release, tmp_path):
 def test_missing_release(args):
     result = onboard(*args)
     _assert_one_line_error(result, "config.json")
+
+
+def test_new_model_is_atomic_and_refuses_to_overwrite(example_release, tmp_path):
+    bad = tmp_path / "bad-release"
+    shutil.copytree(example_release("olmoe"), bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["hidden_size"] = -64
+    (bad / "config.json").write_text(json.dumps(config))
+    _assert_one_line_error(onboard("new-model", str(bad), "--out", str(tmp_path / "pkg")), "hidden_size")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad-release"]  # no package, no partial folder
+
+    made = onboard("new-model", str(example_release("olmoe")), "--out", str(tmp_path / "pkg"))
+    assert made.returncode == 0, made.stderr
+    assert {"package.yaml", "spec.json", "weight_map.json", "gap_report.json", "gap_report.md", "alignment"} <= {
+        p.name for p in (tmp_path / "pkg").iterdir()}
+    _assert_one_line_error(onboard("new-model", str(example_release("olmoe")), "--out", str(tmp_path / "pkg")), "exists")
+
+
+def test_align_a_prefix_of_a_deeper_release(tmp_path):
+    """A 6-layer DeepSeek-V3 aligned on its first 2 layers (dense + MoE): both sides truncated alike."""
+    release, pkg = tmp_path / "ds6", tmp_path / "pkg"
+    assert onboard("example-model", "deepseek_v3", "--out", str(release), "--layers", "6").returncode == 0
+    assert onboard("new-model", str(release), "--out", str(pkg)).returncode == 0
+    result = onboard("align", str(pkg), "--tiers", "1,2", "--max-layers", "2")
+    assert result.returncode == 0, result.stderr
+    assert "aligning the first 2 of 6 layers" in result.stderr
+    assert result.stdout.startswith("tier 1: pass") and "tier 2: pass" in result.stdout
+    report = json.loads((pkg / "alignment" / "report.json").read_text())
+    assert {c["layer"] for t in report["tiers"] for c in t["checks"] if c["layer"] is not None} <= {0, 1}
+
+
+@pytest.mark.parametrize("args, needle", [(["align", "."], "package.yaml"), (["align", ".", "--tiers", "0,5"], "--tiers")],
+                         ids=["not-a-package", "unknown-tier"])
+def test_align_bad_input(args, needle):
+    _assert_one_line_error(onboard(*args), needle)
