@@ -24,7 +24,8 @@ def gap_markdown(report: GapReport) -> str:
 
 
 def print_gap_report(report: GapReport, console: Console | None = None) -> None:
-    console = console or Console()
+    # piped output (CI logs, `| less`) has no terminal width: keep module paths readable there
+    console = console or Console(width=None if Console().is_terminal else 140)
     m, mem = report.model, report.memory
     console.print(f"[bold]{m['architecture']}[/] ({m['family']}): {m['num_layers']} layers "
                   + ", ".join(f"{n} x {k}" for k, n in m["layer_kinds"].items()))
