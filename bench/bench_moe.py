@@ -14,6 +14,26 @@ Timings (CUDA events, median): forward, and forward+backward w.r.t. the input an
 Correctness at the real shape: the bf16 kernel vs the torch fallback run in fp64 (its loop over
 experts, checked against reference_ops by tests/test_ref_moe.py) with the same routing fed to
 both; routing flips between transformers' bf16 router and ours are counted separately.
+
+Kernel variants (runtime.kernels.moe.Tuning, all off by default) are checked against the same fp64
+reference (full fine-tune and LoRA frozen base) and timed side by side with the default path and
+transformers in one run, in interleaved rounds (`variant_timings`, `lora_variant_timings`). The
+`graph ...` rows replay one fwd+bwd captured in a CUDA graph (launch gaps gone; grads checked
+against the eager run). Predicted fwd+bwd against the default's 11.84 ms (10.93 ms of GPU time,
+~0.9 ms idle between launches), 2026-11-29 profile:
+- scaled_h ~11.7 ms: the down weight gradient (1.49 ms) loses its per-tile scale-and-cast of dy;
+  the GLU forward gains one multiply in its epilogue, the down forward loses one.
+- fused_x_copy ~11.65 ms: the 0.33 ms copy pass goes; the gate/up GEMM's first column tile
+  (1 program in 4) writes the same 0.67 GB from the A tiles it already holds, mostly hidden
+  under a compute-bound GEMM: about 0.15-0.2 ms saved.
+- glu_bwd_m64 ~11.7 ms: the sweep had the GLU backward at 1.40 ms with 64-row tiles against
+  1.55 ms; the retiled schedule adds a few tiny launches.
+- wgrad_split2 ~16 ms, SLOWER: the 65536 output tiles already fill the SMs many times over, and
+  split-K needs zeroed fp32 outputs (6.4 GB), read-modify-write atomics and a cast pass (~4 ms
+  of traffic). Timed to close the question, not expected to help.
+- combined (scaled_h + fused_x_copy + glu_bwd_m64) ~11.4 ms, 1.46x: short of 1.5x alone.
+- graph baseline ~11.0 ms (most of the ~0.9 ms of launch gaps removed); graph combined ~10.5 ms,
+  ~1.58x. A graph is a bench form: the runtime would need to capture the layer to get it.
 Writes moe.json under --out.
 """
 from __future__ import annotations
@@ -43,6 +63,16 @@ from runtime.tolerances import compare, tolerance_for
 D, E, K_TOP, F_EXPERT, F_SHARED, RANK = 2048, 512, 10, 512, 512, 16
 DEVICE = "cuda"
 T0 = time.time()
+# Kernel variants timed and checked side by side; predictions in the module docstring.
+VARIANTS = {
+    "baseline": kernels.Tuning(),
+    "scaled_h": kernels.Tuning(scaled_h=True),
+    "fused_x_copy": kernels.Tuning(fused_x_copy=True),
+    "glu_bwd_m64": kernels.Tuning(glu_bwd_block_m=64),
+    "wgrad_split2": kernels.Tuning(wgrad_split_k=2),
+    "combined": kernels.Tuning(scaled_h=True, fused_x_copy=True, glu_bwd_block_m=64),
+}
+GRAPHED = ("baseline", "combined")
 
 
 def log(msg):
@@ -78,10 +108,12 @@ def build_block():
     return block
 
 
-def ours_block(block, x_TD, experts_fn=kernels.swiglu_experts, lora=None):
+def ours_block(block, x_TD, experts_fn=kernels.swiglu_experts, lora=None, tuning=kernels.Tuning()):
     """Our runtime form of the block: route, routed experts, sigmoid-gated shared expert."""
     weights_Tk, idx_Tk = kernels.route(F.linear(x_TD, block.gate.weight), K_TOP, norm_topk_prob=True)
     extra = {} if lora is None else dict(lora_gate_up=lora[0], lora_down=lora[1], lora_scale=2.0)
+    if experts_fn is kernels.swiglu_experts:
+        extra["tuning"] = tuning
     y_TD = experts_fn(x_TD, weights_Tk, idx_Tk, block.experts.gate_up_proj, block.experts.down_proj, **extra)
     se = block.shared_expert
     shared_TD = fallback.swiglu_mlp(x_TD, se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight)
@@ -120,15 +152,107 @@ def timings(block, x, dy):
 
 
 def profile(block, x, dy):
-    """Where one full fwd+bwd of ours spends its GPU time, by kernel name."""
-    step = train_step(lambda t: ours_block(block, t), x, dy, list(block.parameters()))
-    step()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
-    print(table, flush=True)
-    return {"table": table}
+    """Where one full fwd+bwd of ours spends its GPU time, by kernel name: default and combined."""
+    res = {}
+    for name in GRAPHED:
+        step = train_step(lambda t: ours_block(block, t, tuning=VARIANTS[name]), x, dy, list(block.parameters()))
+        try:
+            step()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+        except Exception as error:
+            res[name] = _describe(error)
+            continue
+        res[name] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=22, max_name_column_width=60)
+        print(f"profile {name}\n{res[name]}", flush=True)
+    return res
+
+
+def _rounds(steps: dict, rounds=3) -> dict:
+    """Median ms of each step over interleaved rounds, so drift hits every variant alike."""
+    times = {name: [] for name in steps}
+    for r in range(rounds):
+        for name, step in steps.items():
+            times[name].append(time_ms(step))
+        log(f"round {r}: " + ", ".join(f"{n} {t[-1]:.2f}" for n, t in times.items()))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _graphed(fn, x, dy, params):
+    """One fwd+bwd of fn captured in a CUDA graph. Warm-up (autotuning, allocator) runs on a side
+    stream first; grads are None at capture, so the captured backward allocates them from the
+    graph's pool and each replay rewrites them (torch's whole-network capture recipe)."""
+    step = train_step(fn, x, dy, params)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in [x, *params]:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(x).backward(dy)
+    return graph
+
+
+def _graph_vs_eager(graph, fn, x, dy, params) -> dict:
+    """Worst rel RMS between the grads of a replay and of an eager step (atomics reorder sums)."""
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [t.grad.clone() for t in [x, *params]]
+    train_step(fn, x, dy, params)()
+    tol = tolerance_for("swiglu_experts", torch.bfloat16, "grad")
+    worst = max(compare(g, t.grad, tol).rel_rms for g, t in zip(replayed, [x, *params]))
+    return {"max_rel_rms": worst, "passed": worst <= tol.rel_rms}
+
+
+def variant_timings(block, x, dy):
+    """Full fwd+bwd of transformers, the default path, each Tuning variant and the CUDA-graph
+    replays of GRAPHED, all timed in the same interleaved rounds."""
+    params = list(block.parameters())
+    hf = lambda t: block(t.view(1, *t.shape)).view(t.shape)  # noqa: E731
+    fns = {name: (lambda t, tuning=tuning: ours_block(block, t, tuning=tuning)) for name, tuning in VARIANTS.items()}
+    steps = {"transformers": train_step(hf, x, dy, params)} | {n: train_step(f, x, dy, params) for n, f in fns.items()}
+    steps, failed = _runnable(steps)
+    checks = {}
+    for name in [n for n in GRAPHED if n in steps]:
+        try:
+            graph = _graphed(fns[name], x, dy, params)
+            checks[name] = _graph_vs_eager(graph, fns[name], x, dy, params)
+            steps[f"graph {name}"] = graph.replay
+        except Exception as error:
+            checks[name] = {"error": _describe(error)}
+        log(f"graph {name}: replay vs eager grads {checks[name]}")
+    ms = _rounds(steps)
+    return {"ms": ms, "speedup_vs_transformers": {n: ms["transformers"] / t for n, t in ms.items()},
+            "graph_vs_eager": checks, "failed": failed}
+
+
+def lora_variant_timings(block, x, dy):
+    """Frozen base weights, LoRA r16 on the experts: fwd+bwd of each variant, interleaved rounds."""
+    for p in block.parameters():
+        p.requires_grad_(False)
+    lora = make_lora(DEVICE, torch.bfloat16)
+    adapters = [*lora[0], *lora[1]]
+    steps = {name: train_step(lambda t, tuning=tuning: ours_block(block, t, lora=lora, tuning=tuning), x, dy, adapters)
+             for name, tuning in VARIANTS.items()}
+    try:
+        steps, failed = _runnable(steps)
+        return {"ms": _rounds(steps), "failed": failed}
+    finally:
+        for p in block.parameters():
+            p.requires_grad_(True)
+
+
+def hf_graph(block, x, dy):
+    """transformers' block captured alike, for a like-for-like graph ratio; run last because a
+    capture that fails (a host sync inside) can leave the device unusable."""
+    params = list(block.parameters())
+    graph = _graphed(lambda t: block(t.view(1, *t.shape)).view(t.shape), x, dy, params)
+    return {"ms": time_ms(graph.replay)}
 
 
 def frozen_timings(block, x, dy):
@@ -150,32 +274,67 @@ def frozen_timings(block, x, dy):
     return res
 
 
-def _errors(fn, inputs: dict, idx, dy, fp64_fn, fixed=None):
-    """rel RMS of out and every input grad: fn on bf16 inputs vs fp64_fn on fp64 copies of them.
-    `fixed` tensors take part without gradients (frozen weights, routing weights)."""
-    fixed = fixed or {}
-    ours_in = {n: t.detach().requires_grad_() for n, t in inputs.items()}
+def _reference(inputs: dict, idx, dy, fp64_fn, fixed=None) -> dict:
+    """fp64_fn on fp64 copies of the inputs: 'out' and the gradient of every input, computed once
+    and shared by every implementation checked against it. `fixed` take part without gradients."""
     ref_in = {n: t.detach().double().requires_grad_() for n, t in inputs.items()}
-    out = fn(ours_in | fixed, idx)
-    out.backward(dy)
-    expected = fp64_fn(ref_in | {n: t.detach().double() for n, t in fixed.items()}, idx)
+    expected = fp64_fn(ref_in | {n: t.detach().double() for n, t in (fixed or {}).items()}, idx)
     expected.backward(dy.double())
-    errs = {"out": compare(out, expected, tolerance_for("swiglu_experts", torch.bfloat16, "out"))}
-    for n in inputs:
-        errs[n] = compare(ours_in[n].grad, ref_in[n].grad, tolerance_for("swiglu_experts", torch.bfloat16, "grad"))
+    ref = {"out": expected.detach()} | {n: ref_in[n].grad for n in inputs}
     del ref_in, expected
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()
+    return ref
+
+
+def _errors(fn, inputs: dict, idx, dy, ref: dict, fixed=None):
+    """rel RMS of out and every input grad: fn on bf16 inputs vs the fp64 reference `ref`."""
+    ours_in = {n: t.detach().requires_grad_() for n, t in inputs.items()}
+    out = fn(ours_in | (fixed or {}), idx)
+    out.backward(dy)
+    got = {"out": out} | {n: ours_in[n].grad for n in inputs}
+    errs = {n: compare(got[n], ref[n], tolerance_for("swiglu_experts", torch.bfloat16, "out" if n == "out" else "grad"))
+            for n in got}
     return {n: dict(rel_rms=c.rel_rms, max_abs_rel=c.max_abs_rel, passed=c.passed) for n, c in errs.items()}
 
 
-def _experts_call(fn):
+def _experts_call(fn, tuning=None):
     def call(t, idx):
-        lora = {}
+        extra = {} if tuning is None else {"tuning": tuning}
         if "A_gu" in t:
-            lora = dict(lora_gate_up=(t["A_gu"], t["B_gu"]), lora_down=(t["A_d"], t["B_d"]), lora_scale=2.0)
-        return fn(t["x"], t["weights"], idx, t["w_gu"], t["w_d"], **lora)
+            extra |= dict(lora_gate_up=(t["A_gu"], t["B_gu"]), lora_down=(t["A_d"], t["B_d"]), lora_scale=2.0)
+        return fn(t["x"], t["weights"], idx, t["w_gu"], t["w_d"], **extra)
     return call
+
+
+def _variant_errors(inputs, idx, dy, ref, fixed=None) -> dict:
+    res = {}
+    for name, tuning in VARIANTS.items():
+        try:
+            res[name] = _errors(_experts_call(kernels.swiglu_experts, tuning), inputs, idx, dy, ref, fixed)
+        except Exception as error:  # a variant that fails is reported; the others still run
+            res[name] = {"error": _describe(error)}
+            log(f"{name} FAILED: {res[name]['error']}")
+            continue
+        log(f"{name}: worst rel RMS {max(v['rel_rms'] for v in res[name].values()):.2e}, "
+            f"all passed {all(v['passed'] for v in res[name].values())}")
+    return res
+
+
+def _describe(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"[:2000]
+
+
+def _runnable(steps: dict) -> tuple[dict, dict]:
+    """Steps that run once without raising (this also autotunes them), and the errors of the rest."""
+    ok, failed = {}, {}
+    for name, step in steps.items():
+        try:
+            step()
+            ok[name] = step
+        except Exception as error:
+            failed[name] = _describe(error)
+            log(f"{name} FAILED: {failed[name]}")
+    return ok, failed
 
 
 def correctness(block, x, dy):
@@ -187,19 +346,23 @@ def correctness(block, x, dy):
     inputs = dict(x=x, weights=weights, w_gu=block.experts.gate_up_proj, w_d=block.experts.down_proj)
     ref_fn = _experts_call(fallback.swiglu_experts)
     res = {"routing_flips_vs_transformers": flips}
-    res["full"] = _errors(_experts_call(kernels.swiglu_experts), inputs, idx, dy, ref_fn)
-    log(f"full fine-tune errors: {res['full']}")
+    ref = _reference(inputs, idx, dy, ref_fn)
+    res["full_by_variant"] = _variant_errors(inputs, idx, dy, ref)
+    res["full"] = res["full_by_variant"]["baseline"]
+
     def hf_experts(t, i):
         swapped = {"gate_up_proj": t["w_gu"], "down_proj": t["w_d"]}
         return torch.func.functional_call(block.experts, swapped, (t["x"], i, t["weights"].to(torch.bfloat16)))
 
-    res["transformers_grouped_mm"] = _errors(hf_experts, inputs, idx, dy, ref_fn)
+    res["transformers_grouped_mm"] = _errors(hf_experts, inputs, idx, dy, ref)
     log(f"transformers grouped_mm errors (same routing): {res['transformers_grouped_mm']}")
+    del ref
     (A_gu, B_gu), (A_d, B_d) = make_lora(DEVICE, torch.bfloat16)
     lora_in = dict(x=x, A_gu=A_gu, B_gu=B_gu, A_d=A_d, B_d=B_d)
     frozen = dict(weights=weights, w_gu=block.experts.gate_up_proj.detach(), w_d=block.experts.down_proj.detach())
-    res["lora_frozen_base"] = _errors(_experts_call(kernels.swiglu_experts), lora_in, idx, dy, ref_fn, fixed=frozen)
-    log(f"LoRA frozen-base errors: {res['lora_frozen_base']}")
+    ref = _reference(lora_in, idx, dy, ref_fn, fixed=frozen)
+    res["lora_frozen_base_by_variant"] = _variant_errors(lora_in, idx, dy, ref, fixed=frozen)
+    res["lora_frozen_base"] = res["lora_frozen_base_by_variant"]["baseline"]
     return res
 
 
@@ -310,7 +473,8 @@ def main():
               "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
                            "triton": __import__("triton").__version__}}
     path = os.path.join(args.out, "moe.json")
-    for stage in ((sweep,) if args.sweep else ()) + (timings, correctness, frozen_timings, profile):
+    stages = (timings, variant_timings, correctness, frozen_timings, lora_variant_timings, profile, hf_graph)
+    for stage in ((sweep,) if args.sweep else ()) + stages:
         try:
             result[stage.__name__] = stage(block, x, dy)
         except Exception as error:  # one failing stage is reported, the others still run
@@ -339,6 +503,12 @@ def summarize(result):
         for name, ms in result.get(stage, {}).items():
             if isinstance(ms, float):
                 print(f"| {name} | {ms:.2f} |")
+    variants = result.get("variant_timings", {}).get("ms", {})
+    if variants:
+        result["variant_speedups"] = result["variant_timings"]["speedup_vs_transformers"]
+        print("\n| variant (same rounds) | fwd+bwd ms | x transformers |\n|---|---|---|")
+        for name, ms in variants.items():
+            print(f"| {name} | {ms:.2f} | {variants['transformers'] / ms:.3f} |")
     print({k: result.get(k) for k in ("baseline_ms", "ours_ms", "speedup", "frozen_speedup", "max_rel_err")})
     sys.stdout.flush()
 

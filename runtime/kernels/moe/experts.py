@@ -7,6 +7,7 @@ token's k rows. Backward: one GEMM gives d(gate/up) and d(routing weight) (GLU b
 epilogue), one gives dx (scattered, then summed over k), and the per-expert weight gradients run
 only for the tensors that require grad, so frozen experts under LoRA skip them. dy is always
 gathered by token: its copy (0.33 ms at T 16384, k 10, D 2048 on an H200) cost more than it saved.
+`Tuning` selects the variants under measurement; its defaults are the path measured on 2026-11-29.
 
 Shape legend: T tokens, D model width, E experts, F expert width, k top-k, r LoRA rank,
 S = T * k pairs in expert-sorted order.
@@ -28,7 +29,23 @@ from runtime.kernels.moe.grouped_gemm import (
     grouped_gemm,
 )
 from runtime.kernels.moe.grouped_wgrad import grouped_wgrad
-from runtime.kernels.moe.schedule import Schedule, build_schedule
+from runtime.kernels.moe.schedule import Schedule, build_schedule, retiled
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Kernel variants for side-by-side benchmarking (bench/bench_moe.py); every default is off."""
+
+    # h is stored times the routing weight, so the down weight gradient and LoRA-down grads need no
+    # row scale (the down bias then takes the weight in the down GEMM's epilogue)
+    scaled_h: bool = False
+    # the gate/up GEMM writes x's expert-order copy as it reads x, instead of a separate pass
+    fused_x_copy: bool = False
+    # row tile of the GLU backward GEMM alone (None: the schedule's tile)
+    glu_bwd_block_m: int | None = None
+    # programs per expert in the two dense weight gradients (1: one reduction per output tile)
+    wgrad_split_k: int = 1
+
 
 @dataclass(frozen=True)
 class Rows:
@@ -66,8 +83,9 @@ def _block_m(num_rows: int, num_experts: int) -> int:
     return 64 if num_rows < 128 * num_experts else 128
 
 
-def _gate_up(x: Rows, w_gu, b_gu, lora: Lora, sched: Schedule, glu: Glu):
-    """-> (gate_up_S2F pre-activation, h_SF, xa_Sr or None)."""
+def _gate_up(x: Rows, w_gu, b_gu, lora: Lora, sched: Schedule, glu: Glu, h_scale_S=None, x_copy=None):
+    """-> (gate_up_S2F pre-activation, h_SF (times h_scale_S when given), xa_Sr or None);
+    x_copy [S, D], when given, receives x's rows in expert order."""
     S, two_f, dtype, device = sched.pair_S.numel(), w_gu.shape[1], x.data.dtype, x.data.device
     xa = None
     low_rank = None
@@ -78,12 +96,13 @@ def _gate_up(x: Rows, w_gu, b_gu, lora: Lora, sched: Schedule, glu: Glu):
     gate_up = buffers.empty((S, two_f), dtype, device)
     h = buffers.empty((S, two_f // 2), dtype, device)
     grouped_gemm(x.data, Weight(w_gu), sched, h, mode=MODE_GLU_FWD, a_rows=x.index, bias_EN=b_gu,
-                 low_rank=low_rank, gate_up=gate_up, glu=glu)
+                 low_rank=low_rank, gate_up=gate_up, glu=glu, row_scale_S=h_scale_S, a_copy=x_copy)
     return gate_up, h, xa
 
 
-def _down(h_SF, w_d, b_d, w_S, lora: Lora, sched: Schedule, k: int):
-    """-> (y_TD, ha_Sr or None): the weighted rows land in pair order, then sum over k."""
+def _down(h_SF, w_d, b_d, w_S, lora: Lora, sched: Schedule, k: int, h_scaled: bool):
+    """-> (y_TD, ha_Sr or None): the weighted rows land in pair order, then sum over k.
+    h_scaled: h_SF already carries the routing weight, which then only the bias still needs."""
     S, D = h_SF.shape[0], w_d.shape[1]
     ha = None
     low_rank = None
@@ -91,7 +110,9 @@ def _down(h_SF, w_d, b_d, w_S, lora: Lora, sched: Schedule, k: int):
         ha = grouped_gemm(h_SF, Weight(lora.A_d_ErF), sched, buffers.empty((S, lora.A_d_ErF.shape[1]), h_SF.dtype, h_SF.device))
         low_rank = LowRank(ha, Weight(lora.B_d_EDr), lora.scale)
     y_pairs = buffers.empty((S, D), h_SF.dtype, h_SF.device)
-    grouped_gemm(h_SF, Weight(w_d), sched, y_pairs, out_rows=sched.pair_S, row_scale_S=w_S, bias_EN=b_d, low_rank=low_rank)
+    row_scale_S = w_S if not h_scaled or b_d is not None else None
+    grouped_gemm(h_SF, Weight(w_d), sched, y_pairs, out_rows=sched.pair_S, row_scale_S=row_scale_S, bias_EN=b_d,
+                 low_rank=low_rank, scale_bias_only=h_scaled and b_d is not None)
     return sum_k(y_pairs, k), ha
 
 
@@ -100,7 +121,7 @@ _INPUTS = ["x", "weights", "idx", "w_gu", "w_d", "b_gu", "b_d", "A_gu", "B_gu", 
 
 class _SwigluExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, weights_Tk, idx_Tk, w_gu, w_d, b_gu, b_d, A_gu, B_gu, A_d, B_d, scale, glu):
+    def forward(ctx, x_TD, weights_Tk, idx_Tk, w_gu, w_d, b_gu, b_d, A_gu, B_gu, A_d, B_d, scale, glu, tuning):
         T, k = idx_Tk.shape
         E = w_gu.shape[0]
         sched = build_schedule(idx_Tk, E, _block_m(T * k, E))
@@ -109,11 +130,16 @@ class _SwigluExperts(torch.autograd.Function):
         need = dict(zip(_INPUTS, ctx.needs_input_grad))
         # x only feeds the gradients of the gate/up weights and of LoRA's A there
         keep_x = need["w_gu"] or need["A_gu"]
-        x = _x_in_expert_order(x_TD, sched, keep_x)
-        gate_up, h, xa = _gate_up(x, w_gu, b_gu, lora, sched, glu)
-        y_TD, ha = _down(h, w_d, b_d, w_S, lora, sched, k)
+        fuse_copy = keep_x and tuning.fused_x_copy
+        x = _x_in_expert_order(x_TD, sched, keep_x and not fuse_copy)
+        x_copy = buffers.empty((T * k, x_TD.shape[1]), x_TD.dtype, x_TD.device) if fuse_copy else None
+        h_scale_S = w_S if tuning.scaled_h else None
+        gate_up, h, xa = _gate_up(x, w_gu, b_gu, lora, sched, glu, h_scale_S, x_copy)
+        x = Rows(x_copy, None) if fuse_copy else x
+        y_TD, ha = _down(h, w_d, b_d, w_S, lora, sched, k, tuning.scaled_h)
         ctx.save_for_backward(x.data if keep_x else None, w_S, w_gu, w_d, b_d, A_gu, B_gu, A_d, B_d, gate_up, h, xa, ha)
         ctx.sched, ctx.scale, ctx.glu, ctx.k, ctx.x_index = sched, scale, glu, k, x.index
+        ctx.tuning = tuning
         ctx.dtypes = {"x": x_TD.dtype, "weights": weights_Tk.dtype, "b_gu": getattr(b_gu, "dtype", None),
                       "b_d": getattr(b_d, "dtype", None)}
         return y_TD
@@ -126,14 +152,23 @@ class _SwigluExperts(torch.autograd.Function):
         x = Rows(x_data, ctx.x_index)
         dy = Rows(dy_TD.contiguous().to(ctx.dtypes["x"]), sched.token_S)
         lora = Lora(A_gu, B_gu, A_d, B_d, ctx.scale)
-        d_gate_up, dw_S, dyb = _backward_glu(dy, w_d, b_d, w_S, gate_up, lora, sched, ctx.glu, need["weights"])
+        tuning = ctx.tuning
+        glu_sched = _own_tiles(sched, tuning.glu_bwd_block_m)
+        d_gate_up, dw_S, dyb = _backward_glu(dy, w_d, b_d, w_S, gate_up, lora, glu_sched, ctx.glu, need["weights"])
         lg = None
         if A_gu is not None and (need["x"] or need["A_gu"]):
             lg = _lora_grad_rows(d_gate_up, lora, sched)
         grads = _input_grads(d_gate_up, dw_S, w_gu, lg, lora, sched, ctx.k, need)
-        grads |= _weight_grads(x, dy, d_gate_up, w_S, h, xa, ha, dyb, lg, lora, sched, need)
+        # h (and ha from it) carry the routing weight already when scaled_h is on
+        h_scale_S = None if tuning.scaled_h else w_S
+        grads |= _weight_grads(x, dy, d_gate_up, w_S, h_scale_S, h, xa, ha, dyb, lg, lora, sched, need,
+                               tuning.wgrad_split_k)
         params = dict(w_gu=w_gu, w_d=w_d, A_gu=A_gu, B_gu=B_gu, A_d=A_d, B_d=B_d)
-        return (*(_cast(grads.get(n), params.get(n), ctx.dtypes.get(n)) for n in need), None, None)
+        return (*(_cast(grads.get(n), params.get(n), ctx.dtypes.get(n)) for n in need), None, None, None)
+
+
+def _own_tiles(sched: Schedule, block_m: int | None) -> Schedule:
+    return sched if block_m is None or block_m == sched.block_m else retiled(sched, block_m)
 
 
 def _backward_glu(dy: Rows, w_d, b_d, w_S, gate_up, lora: Lora, sched: Schedule, glu: Glu, want_dw: bool):
@@ -174,13 +209,15 @@ def _input_grads(d_gate_up, dw_S, w_gu, lg, lora: Lora, sched: Schedule, k: int,
     return grads
 
 
-def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_S, h, xa, ha, dyb, lg, lora: Lora, sched: Schedule, need: dict) -> dict:
+def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_S, h_scale_S, h, xa, ha, dyb, lg, lora: Lora, sched: Schedule,
+                  need: dict, split_k: int) -> dict:
+    """h_scale_S: the routing weight h and ha still need (None when stored scaled)."""
     s = lora.scale
     grads = {}
     if need["w_gu"]:
-        grads["w_gu"] = grouped_wgrad(d_gate_up, x.data, sched, b_rows=x.index)
+        grads["w_gu"] = grouped_wgrad(d_gate_up, x.data, sched, b_rows=x.index, split_k=split_k)
     if need["w_d"]:
-        grads["w_d"] = grouped_wgrad(dy.data, h, sched, a_rows=dy.index, row_scale_S=w_S)
+        grads["w_d"] = grouped_wgrad(dy.data, h, sched, a_rows=dy.index, row_scale_S=h_scale_S, split_k=split_k)
     if need["b_gu"]:
         grads["b_gu"] = _segment_sum(d_gate_up.float(), sched)
     if need["b_d"]:
@@ -190,9 +227,9 @@ def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_S, h, xa, ha, dyb, lg, lora: L
     if need["B_gu"]:
         grads["B_gu"] = grouped_wgrad(d_gate_up, xa, sched, alpha=s)
     if need["A_d"]:
-        grads["A_d"] = grouped_wgrad(dyb, h, sched, row_scale_S=w_S, alpha=s)
+        grads["A_d"] = grouped_wgrad(dyb, h, sched, row_scale_S=h_scale_S, alpha=s)
     if need["B_d"]:
-        grads["B_d"] = grouped_wgrad(dy.data, ha, sched, a_rows=dy.index, row_scale_S=w_S, alpha=s)
+        grads["B_d"] = grouped_wgrad(dy.data, ha, sched, a_rows=dy.index, row_scale_S=h_scale_S, alpha=s)
     return grads
 
 
@@ -223,13 +260,15 @@ def swiglu_experts(
     lora_gate_up: tuple[torch.Tensor, torch.Tensor] | None = None,
     lora_down: tuple[torch.Tensor, torch.Tensor] | None = None,
     lora_scale: float = 1.0,
+    tuning: Tuning = Tuning(),
 ) -> torch.Tensor:
     """Routed experts, y_TD = sum_j weights[t, j] * expert_{idx[t, j]}(x[t]), in x's dtype.
-    Contract of reference_ops/moe.py; the kernels implement silu and the gpt-oss GLU only."""
+    Contract of reference_ops/moe.py; the kernels implement silu and the gpt-oss GLU only.
+    `tuning` picks kernel variants (numerically equivalent; the default is the validated path)."""
     if activation != "silu" and glu_alpha is None:
         raise ValueError(f"swiglu_experts kernel: activation {activation!r} is not fused; use runtime.ops.moe")
     A_gu, B_gu = lora_gate_up if lora_gate_up is not None else (None, None)
     A_d, B_d = lora_down if lora_down is not None else (None, None)
     glu = Glu(interleaved_gate_up, clamp, glu_alpha)
     return _SwigluExperts.apply(x_TD.contiguous(), weights_Tk, idx_Tk, w_gate_up_E2FD, w_down_EDF, b_gate_up_E2F,
-                                b_down_ED, A_gu, B_gu, A_d, B_d, float(lora_scale), glu)
+                                b_down_ED, A_gu, B_gu, A_d, B_d, float(lora_scale), glu, tuning)
