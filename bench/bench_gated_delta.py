@@ -3,19 +3,60 @@
 Checks our bf16 kernels against an fp64 reference at the benchmark shape (the chunked torch form of
 runtime/ops/gated_delta.py run in fp64, which the CPU tests show equals the token loop of
 reference_ops/ to ~1e-15), then times forward and forward+backward with CUDA events (warm-up, median).
-Prints a table and writes gdn.json, kda.json and raw.json into --out.
+Prints a table and writes gdn.json, kda.json, raw.json and, with --variants, variants.json into --out.
 
-    python3 bench/bench_gated_delta.py --out DIR [--seq-len 8192 --heads 32 --dim 128] [--variants]
+    python3 bench/bench_gated_delta.py --out DIR [--seq-len 8192 --heads 32 --dim 128] [--variants [NAMES]]
+
+--variants times every KernelVariant of runtime/kernels/gated_delta.VARIANTS (or the comma-separated
+NAMES) side by side with the default in the same process, each with its own precision check against
+the same fp64 reference and its per-launch breakdown; "default" is timed again in that loop. Most
+promising first; each kind's variants stop at its share of --budget-s (JSON is written after every
+step), so one run fits the device's 10-minute limit with what matters measured.
+
+Predictions at B1 T8192 H32 K=V=128 bf16 (default measured 2026-11-29: GDN fwd 2.80 / fwd+bwd 8.77 ms,
+KDA 52.0 ms fwd+bwd). A [T, H, 128] fp32 tile is 134 MB; 4.24 TB/s moves it in 32 us. Register figures
+are ptxas's for sm_90 with triton 3.9 on the CPU (the device image has triton 3.6; they may differ).
+- bf16_tiles: qg, kbar, w, u, P, v_new, dv_new in bf16: about 1.1 GB fewer bytes per fwd+bwd. The scans
+  run 64 programs (one per head and V block of 64) and are bound by per-program bytes, so scan ~1.03 ->
+  ~0.75 ms, scan_bwd 1.64 -> ~1.2 ms, output 0.34 -> ~0.25 ms; prep and grad are compute-bound and gain
+  little. GDN fwd+bwd ~8.8 -> ~7.5 ms (1.15x); KDA ~52 -> ~50.5 ms.
+- bf16_tiles_states: also h, dh [NC, H, K, V] in bf16 (268 MB each in fp32, written by the scans and
+  read by output and grad): a further ~0.6 GB; GDN ~7.5 -> ~7.0 ms (1.25x over default).
+- scan_w8: the scans with 8 warps instead of 4. With 4 the fp32 state block and the [C, K] tiles spill
+  (752 B of stack in the scan, 1496 B in scan_bwd; 128 B and 256 B with 8 warps): scan ~1.03 -> ~0.8,
+  scan_bwd ~1.64 -> ~1.2 ms. GDN ~8.8 -> ~8.1 ms (1.1x).
+- bf16_scan: bf16 tiles and states, scans with value blocks of 32 (128 programs on 132 SMs instead of
+  64), 2-stage pipelined loads (33-41 KB of shared memory once tiles are bf16) and 8 warps (80 / 208 B
+  of stack): per-program bytes fall ~2.6x; scan -> ~0.4 ms, scan_bwd -> ~0.6 ms. GDN ~8.8 -> ~5.8 ms
+  (1.5x); KDA ~52 -> ~48 ms.
+- split_diagonal: the 16x16 diagonal blocks of L, (I+L)^-1 and P in a kernel on [16, K] tiles
+  (NC*4*H = 16384 programs, 158 registers, no spills) instead of [4, 16, 128] tiles walked column by
+  column inside each chunk program, where every column costs full-tile masked reductions and layout
+  shuffles: that loop is what makes KDA prep 12.5 ms against GDN's 1.15 ms, and grad 22.4 ms against
+  2.3 ms. The backward's diagonal share moves to a per-chunk kernel on [16, K] tiles (about 0.9 GB of
+  fp32 partials written and read, ~0.2 ms). KDA prep ~12.5 -> ~2 ms (twice per fwd+bwd), grad ~22.4
+  -> ~5 ms: KDA ~52 -> ~14 ms (3.7x). GDN: only the 4-D reshapes of the block inverse leave prep,
+  ~1.15 -> ~0.9 ms: GDN ~8.8 -> ~8.3 ms.
+- keep_forward: the backward reuses the forward's tiles, Tinv, h and v_new instead of running prep and
+  scan again (about 1.1 GB per layer kept in fp32, half in bf16): GDN -2.2 ms (8.8 -> ~6.6 ms, 1.33x),
+  KDA -13.5 ms with today's prep (-2.5 ms after split_diagonal). Costs activation memory.
+- all_but_keep / all: bf16_scan + split_diagonal (+ keep_forward): GDN ~5.3 / ~4.2 ms (1.7x / 2.1x),
+  KDA ~10 / ~8 ms (5x / 6.5x). Neither reaches the targets (GDN 2.6 ms, KDA 5.3 ms): grad (GDN 2.3 ms,
+  2.9 KB of stack spills at 8 warps) stays the largest launch.
+Precision: bf16 storage adds rounding; under the interpreter at T=63 (fp32 inputs) the bf16 variants
+reach 8.5e-3 relative RMS on o against the 1e-2 bar (fp32 storage: 2e-7), so check "precision" here.
 
 Shape legend: B batch, T tokens, H heads, K key dim, V value dim.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import pathlib
 import statistics
+import time
 import traceback
 
 import torch
@@ -43,9 +84,9 @@ def make_inputs(kind: str, num_tokens: int, num_heads: int, dim: int, seed: int 
     }
 
 
-def ours(kind: str):
+def ours(kind: str, variant: str = "default"):
     op = kernels.kda if kind == "kda" else kernels.gated_delta_rule
-    return lambda q, k, v, g, beta: op(q, k, v, g, beta, use_qk_l2norm=True)[0]
+    return lambda q, k, v, g, beta: op(q, k, v, g, beta, use_qk_l2norm=True, variant=variant)[0]
 
 
 def transformers_torch(kind: str):
@@ -133,53 +174,75 @@ def errors(kind: str, got: list, ref: list) -> dict:
     return result
 
 
-def run_kind(kind: str, x: dict, report: dict, variants: bool, save) -> None:
-    """Our timings first, then precision, then the baselines: a run cut short keeps what matters most."""
+def run_kind(kind: str, x: dict, report: dict, variants: list[str], save, deadline: float) -> None:
+    """Our timings first, then precision, then the baselines, then the variants (none starts after
+    deadline, a time.monotonic() value): a run cut short keeps what matters most."""
     r = report.setdefault(kind, {})
+    ref = Lazy(lambda: reference(kind, x))
     steps = [
         ("ours_fwd_ms", lambda: time_forward(ours(kind), x)),
         ("ours_fwdbwd", lambda: time_forward_backward(ours(kind), x)),
         ("breakdown_ms", lambda: breakdown(kind, x)),
-        ("precision", lambda: errors(kind, outputs_and_grads(ours(kind), x), reference(kind, x))),
+        ("precision", lambda: errors(kind, outputs_and_grads(ours(kind), x), ref.get())),
         ("baseline_fwd_ms", lambda: time_forward(transformers_torch(kind), x, 1, 3 if kind == "kda" else 10)),
         ("baseline_fwdbwd", lambda: time_forward_backward(transformers_torch(kind), x, 1, 3 if kind == "kda" else 10)),
         ("fla_fwd_ms", lambda: time_forward(fla_forward(kind), x)),
     ]
-    if variants:
-        steps += [(f"variant_{p}_bv{b}", lambda p=p, b=b: run_variant(kind, x, p, b)) for p, b in (("tf32", 32), ("tf32x3", 64))]
+    steps += [(f"variant_{name}", lambda name=name: run_variant(kind, x, name, ref.get(), deadline))
+              for name in variants]
     for key, compute in steps:
         section(r, key, compute)
         torch.cuda.empty_cache()
         save()
-    kernel_config.DOT_PRECISION, kernel_config.VALUE_BLOCK = "tf32", 64
 
 
-def breakdown(kind: str, x: dict) -> dict:
-    """Milliseconds of each launch of our forward and backward (same inputs, default settings)."""
-    f = kernel_config
+class Lazy:
+    """A value computed on first use: the fp64 reference is shared by every precision check."""
+
+    def __init__(self, compute):
+        self.compute, self.value = compute, None
+
+    def get(self):
+        if self.value is None:
+            self.value = self.compute()
+        return self.value
+
+
+def breakdown(kind: str, x: dict, name: str = "default") -> dict:
+    """Milliseconds of each launch of our forward and backward (same inputs) for one variant."""
+    f, variant = kernel_config, kernels.VARIANTS[name]
     per_channel = kind == "kda"
     q, k, v, g, beta, do = (x[n].flatten(0, 1).contiguous() for n in ("q", "k", "v", "g", "beta", "do"))
     layout = f.ChunkLayout.batched(1, x["q"].shape[1], f.CHUNK_SIZE, q.device)
     scale = q.shape[-1] ** -0.5
-    prep = f._prep(q, k, v, g, beta, layout, scale, per_channel, True, store_tinv=True)
-    h, v_new, _ = f._scan(prep, None, layout, per_channel, store_final=True)
-    dh, dv_new, _ = f._scan_bwd(prep, do, None, layout, per_channel, False)
+    prep = f._prep(q, k, v, g, beta, layout, scale, per_channel, True, True, variant)
+    h, v_new, _ = f._scan(prep, None, layout, per_channel, True, variant)
+    dh, dv_new, _ = f._scan_bwd(prep, do, None, layout, per_channel, False, variant)
     stages = {
-        "prep": lambda: f._prep(q, k, v, g, beta, layout, scale, per_channel, True, store_tinv=False),
-        "scan": lambda: f._scan(prep, None, layout, per_channel, store_final=True),
+        "prep": lambda: f._prep(q, k, v, g, beta, layout, scale, per_channel, True, False, variant),
+        "scan": lambda: f._scan(prep, None, layout, per_channel, True, variant),
         "output": lambda: f._output(prep, h, v_new, layout, q.dtype),
-        "prep_with_tinv": lambda: f._prep(q, k, v, g, beta, layout, scale, per_channel, True, store_tinv=True),
-        "scan_bwd": lambda: f._scan_bwd(prep, do, None, layout, per_channel, False),
-        "grad": lambda: f._input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale, per_channel, True),
+        "prep_with_tinv": lambda: f._prep(q, k, v, g, beta, layout, scale, per_channel, True, True, variant),
+        "scan_bwd": lambda: f._scan_bwd(prep, do, None, layout, per_channel, False, variant),
+        "grad": lambda: f._input_grads(
+            q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale, per_channel, True, variant),
     }
-    return {name: time_ms(step, 2, 10) for name, step in stages.items()}
+    if variant.split_diagonal:
+        # included in prep and prep_with_tinv above; timed alone to split their time
+        stages["diag_of_prep"] = lambda: f._diagonals(q, k, g, beta, layout, scale, per_channel, True)
+    return {stage: time_ms(step, 2, 10) for stage, step in stages.items()}
 
 
-def run_variant(kind: str, x: dict, prec: str, block: int) -> dict:
-    kernel_config.DOT_PRECISION, kernel_config.VALUE_BLOCK = prec, block
-    fwd = time_forward(ours(kind), x)
-    fwdbwd, _ = time_forward_backward(ours(kind), x)
-    return {"fwd_ms": fwd, "fwdbwd_ms": fwdbwd}
+def run_variant(kind: str, x: dict, name: str, ref: list, deadline: float) -> dict | str:
+    """Precision first (a wrong variant's time means nothing), then fwd, fwd+bwd and the breakdown."""
+    if time.monotonic() > deadline:
+        return "skipped: --budget-s spent"
+    precision = errors(kind, outputs_and_grads(ours(kind, name), x), ref)
+    fwd = time_forward(ours(kind, name), x)
+    fwdbwd, peak = time_forward_backward(ours(kind, name), x)
+    return {"fwd_ms": fwd, "fwdbwd_ms": fwdbwd, "peak_mem_gib": peak, "breakdown_ms": breakdown(kind, x, name),
+            "all_passed": all(e["passed"] for e in precision.values()), "precision_vs_fp64": precision,
+            "settings": dataclasses.asdict(kernels.VARIANTS[name])}
 
 
 def section(r: dict, key: str, compute) -> None:
@@ -214,6 +277,41 @@ def results_file(kind: str, r: dict, shape: str, device: str) -> dict:
     }
 
 
+def variants_file(report: dict, shape: str, device: str) -> dict:
+    """Every variant of every kind side by side with the default and the baselines of the same run."""
+    result = {"device": device, "shape": shape, "date": datetime.date.today().isoformat(),
+              "command": COMMAND.replace("--out $OUT", "--out $OUT --variants")}
+    for kind, r in report.items():
+        base = r.get("baseline_fwdbwd")
+        base_ms = base[0] if isinstance(base, tuple | list) else None
+        rows = {k.removeprefix("variant_"): v for k, v in r.items() if k.startswith("variant_")}
+        default_ms = (rows.get("default") or {}).get("fwdbwd_ms") if isinstance(rows.get("default"), dict) else None
+        for row in rows.values():
+            if isinstance(row, dict):
+                row["speedup_vs_default"] = default_ms / row["fwdbwd_ms"] if default_ms else None
+                row["speedup_vs_baseline"] = base_ms / row["fwdbwd_ms"] if base_ms else None
+        result[kind] = {"baseline_fwdbwd_ms": base_ms, "baseline_fwd_ms": r.get("baseline_fwd_ms"),
+                        "fla_0.6.0_fwd_ms": r.get("fla_fwd_ms"), "variants": rows}
+    return result
+
+
+def print_variants(report: dict) -> None:
+    print(f"\n{'op':5} {'variant':24} {'fwd ms':>8} {'fwd+bwd ms':>11} {'x default':>10} {'x baseline':>11} "
+          f"{'peak GiB':>9} precision")
+    for kind, r in report.items():
+        for key, row in r.items():
+            if not key.startswith("variant_"):
+                continue
+            name = key.removeprefix("variant_")
+            if not isinstance(row, dict):
+                print(f"{kind:5} {name:24} {str(row)[:70]}")
+                continue
+            ratio = lambda v: f"{v:.2f}" if v else "-"
+            print(f"{kind:5} {name:24} {row['fwd_ms']:8.3f} {row['fwdbwd_ms']:11.3f} "
+                  f"{ratio(row.get('speedup_vs_default')):>10} {ratio(row.get('speedup_vs_baseline')):>11} "
+                  f"{row['peak_mem_gib']:9.2f} {'ok' if row['all_passed'] else 'FAIL'}")
+
+
 def print_table(report: dict) -> None:
     print(f"\n{'op':5} {'what':12} {'ours ms':>9} {'baseline ms':>12} {'speedup':>8} {'fla fwd ms':>10}")
     for kind, r in report.items():
@@ -236,22 +334,37 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--kinds", default="gdn,kda")
-    parser.add_argument("--variants", action="store_true")
+    # default first (timed again beside the others), then the most promising
+    order = ["default", "all", "all_but_keep", "split_diagonal", "keep_forward", "bf16_scan", "scan_w8",
+             "bf16_tiles_states", "bf16_tiles"]
+    parser.add_argument("--variants", nargs="?", const=",".join(order), default="",
+                        help="comma-separated names of runtime.kernels.gated_delta.VARIANTS (all when bare)")
+    parser.add_argument("--budget-s", type=float, default=450.0,
+                        help="seconds from the start after which no further variant starts (split across kinds)")
     args = parser.parse_args()
+    variants = [name for name in args.variants.split(",") if name]
+    unknown = set(variants) - set(kernels.VARIANTS)
+    if unknown:
+        parser.error(f"--variants: unknown {sorted(unknown)}; known: {sorted(kernels.VARIANTS)}")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name()
     shape = f"B1 T{args.seq_len} H{args.heads} K=V={args.dim} bf16"
     report = {}
-    for kind in args.kinds.split(","):
+    kinds, start = args.kinds.split(","), time.monotonic()
+    for i, kind in enumerate(kinds):
         print(f"{kind}: {shape} on {device}", flush=True)
 
         def save(kind=kind):
             (out / f"{kind}.json").write_text(json.dumps(results_file(kind, report[kind], shape, device), indent=2))
             (out / "raw.json").write_text(json.dumps(report, indent=2, default=str))
+            if variants:
+                (out / "variants.json").write_text(json.dumps(variants_file(report, shape, device), indent=2))
 
-        run_kind(kind, make_inputs(kind, args.seq_len, args.heads, args.dim), report, args.variants, save)
+        deadline = start + args.budget_s * (i + 1) / len(kinds)
+        run_kind(kind, make_inputs(kind, args.seq_len, args.heads, args.dim), report, variants, save, deadline)
     print_table(report)
+    print_variants(report)
 
 
 if __name__ == "__main__":

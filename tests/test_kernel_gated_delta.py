@@ -1,7 +1,9 @@
 """GDN and KDA Triton kernels (runtime/kernels/gated_delta) under TRITON_INTERPRET=1 vs the fp64
 references: forward and the gradients of q, k, v, g, beta and the initial state, tiny shapes, fp32
 inputs (the interpreter's tl.dot is wrong on bf16 operands). Every kernel-written buffer is NaN-filled
-first, so a value a kernel forgets to write fails the comparison.
+first, so a value a kernel forgets to write fails the comparison. Each KernelVariant under measurement
+runs here too; variants that store intermediates in bf16 are held to the bf16 tolerance (fp32 inputs,
+so the error measured is the storage's alone).
 
 Shape legend: B batch, T tokens, H heads, K key dim, V value dim, N packed sequences.
 """
@@ -17,11 +19,22 @@ import runtime.kernels.gated_delta as kernels  # noqa: E402
 import runtime.kernels.gated_delta.function as kernel_config  # noqa: E402
 from reference_ops.gated_delta import gated_delta_rule as ref_gdn  # noqa: E402
 from reference_ops.kda import kda as ref_kda  # noqa: E402
+from runtime.kernels.gated_delta.function import KernelVariant  # noqa: E402
 from runtime.tolerances import assert_close  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
 OPS = {"gdn": ("gated_delta_rule", ref_gdn, kernels.gated_delta_rule), "kda": ("kda", ref_kda, kernels.kda)}
 NAMES = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
+# The scan variant runs V=32 in value blocks of 16, so the scans run two programs per head.
+VARIANTS = {
+    "default": KernelVariant(),
+    "split_diagonal": KernelVariant(split_diagonal=True),
+    "bf16_scan_bv16": KernelVariant(bf16_tiles=True, bf16_states=True, scan_value_block=16, scan_stages=2,
+                                    scan_warps=8),
+    "keep_forward": KernelVariant(keep_forward=True),
+    "all": KernelVariant(bf16_tiles=True, bf16_states=True, scan_value_block=16, scan_stages=2, scan_warps=8,
+                         split_diagonal=True, keep_forward=True),
+}
 
 
 def nan_empty(*shape, dtype, device):
@@ -58,35 +71,74 @@ def outputs_and_grads(fn, x, dtype, **kw):
     return [o, s] + [leaves[n].grad for n in ("q", "k", "v", "g", "beta", "h0")]
 
 
-def check(kind, x, dtype=torch.float32, **kw):
+def check(kind, x, dtype=torch.float32, variant="default", **kw):
     op, ref, kernel = OPS[kind]
+    chosen = VARIANTS[variant]
     expected = outputs_and_grads(ref, x, torch.float64, **kw)
-    actual = outputs_and_grads(kernel, x, dtype, **kw)
+    actual = outputs_and_grads(kernel, x, dtype, variant=chosen, **kw)
+    # intermediates stored in bf16 round like bf16 inputs would
+    bar = torch.bfloat16 if chosen.bf16_tiles or chosen.bf16_states else dtype
     for name, a, e in zip(NAMES, actual, expected):
-        assert_close(a, e, op, dtype, kind="out" if name in ("o", "final_state") else "grad", name=name)
+        assert_close(a, e, op, bar, kind="out" if name in ("o", "final_state") else "grad", name=name)
 
 
-@pytest.mark.parametrize("kind", ["gdn", pytest.param("kda", marks=pytest.mark.slow)])
-def test_kernel_T63_initial_state(kind):
-    check(kind, make_inputs(kind))
+def value_dim(variant):
+    return 32 if VARIANTS[variant].scan_value_block else 16
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gdn", "kda"])
-def test_kernel_cu_seqlens(kind):
+def cases(kinds, variants, fast=()):
+    """(kind, variant) params; all slow except the pairs in fast."""
+    return [pytest.param(k, v, id=f"{k}-{v}", marks=() if (k, v) in fast else pytest.mark.slow)
+            for k in kinds for v in variants]
+
+
+FAST = [("gdn", "default"), ("gdn", "split_diagonal"), ("gdn", "bf16_scan_bv16"), ("gdn", "keep_forward")]
+
+
+# "all" runs in the cu_seqlens test (with initial states), which covers this one's path; keep_forward
+# changes no kernel, only what the backward reuses, so GDN alone runs it here
+T63_CASES = (cases(["gdn", "kda"], ["default", "split_diagonal", "bf16_scan_bv16"], FAST)
+             + cases(["gdn"], ["keep_forward"], FAST))
+
+
+@pytest.mark.parametrize("kind,variant", T63_CASES)
+def test_kernel_T63_initial_state(kind, variant):
+    check(kind, make_inputs(kind, V=value_dim(variant)), variant=variant)
+
+
+@pytest.mark.parametrize("kind,variant", cases(["gdn", "kda"], ["default", "all"]))
+def test_kernel_cu_seqlens(kind, variant):
     """Three packed sequences (one shorter than a sub-chunk, one spanning two chunks), one state each."""
-    x = make_inputs(kind, T=63, num_states=3)
-    check(kind, x, cu_seqlens=torch.tensor([0, 5, 40, 63]))
+    x = make_inputs(kind, T=63, V=value_dim(variant), num_states=3)
+    check(kind, x, variant=variant, cu_seqlens=torch.tensor([0, 5, 40, 63]))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gdn", "kda"])
-def test_kernel_batch2_no_l2norm_strong_decay(kind):
+# Strong decays test the exact per-channel diagonal blocks, which split_diagonal moves (KDA only)
+@pytest.mark.parametrize("kind,variant", cases(["gdn", "kda"], ["default"]) + cases(["kda"], ["split_diagonal"]))
+def test_kernel_batch2_no_l2norm_strong_decay(kind, variant):
     """B=2 folded into time; no qk l2norm, an explicit scale, decays up to ~-15 per token."""
-    check(kind, make_inputs(kind, B=2, T=40, decay=15.0), use_qk_l2norm=False, scale=0.3)
+    x = make_inputs(kind, B=2, T=40, decay=15.0)
+    check(kind, x, variant=variant, use_qk_l2norm=False, scale=0.3)
 
 
 @pytest.mark.slow
 def test_kernel_bf16_inputs_kda():
     """bf16 loads and stores (the kernel computes in fp32) against the fp64 reference at the bf16 tolerance."""
     check("kda", make_inputs("kda"), dtype=torch.bfloat16)
+
+
+def test_variant_names_resolve_to_the_default_path():
+    """The name "default" is KernelVariant(), the path variant=None runs (today's validated one)."""
+    assert kernels.VARIANTS["default"] == KernelVariant()
+    assert set(kernels.VARIANTS) >= {"default", "split_diagonal", "all"}
+
+
+def test_keep_forward_without_grad_gdn():
+    """Under no_grad keep_forward stores nothing for a backward; the output is still the reference's."""
+    x = make_inputs("gdn")
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    with torch.no_grad():
+        o, state = kernels.gated_delta_rule(*args, initial_state_BHKV=x["h0"], variant="keep_forward")
+    o_ref, state_ref = ref_gdn(*args, initial_state_BHKV=x["h0"])
+    assert_close(o, o_ref, "gated_delta_rule", name="o")
+    assert_close(state, state_ref, "gated_delta_rule", name="final_state")

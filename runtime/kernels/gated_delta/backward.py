@@ -1,10 +1,13 @@
 """Backward Triton kernels of the chunked gated delta rule (GDN / KDA).
 
 The backward recomputes the forward's chunk-local quantities (prep_kernel with Tinv, scan_kernel for
-the chunk states) instead of keeping them from the forward, then runs two launches:
+the chunk states) instead of keeping them from the forward (the keep_forward variant keeps them), then
+runs two launches:
 `scan_bwd_kernel` (per sequence, head and V block, chunks in reverse: the state gradient dh entering
 each chunk from its end, and dv_new = P^T do + kbar dh) and `grad_kernel` (every chunk in parallel:
-all input gradients, through the UT inverse, the decayed Gram matrices, the decay cumsum and l2norm).
+all input gradients, through the UT inverse, the decayed Gram matrices, the decay cumsum and l2norm;
+in the split-diagonal variant for KDA, diagonal.py's `diag_grad_kernel` adds the diagonal blocks'
+share and finishes the cumsum and l2norm).
 
 Chunk algebra (runtime/ops/gated_delta.py): L = beta * gram(k, k), Tinv = (I + L)^-1,
 w = Tinv (beta k e^gc), u = Tinv (beta v), v_new = u - w h, o = q e^gc h + P v_new,
@@ -18,9 +21,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime.kernels.gated_delta.common import decayed_gram_bwd, row_of
+from runtime.kernels.gated_delta.common import decayed_gram_bwd, row_of, store_diag
 from runtime.kernels.gated_delta.forward import (
-    chunk_inputs, chunk_tokens, load_block, load_chunk_decay, load_rows, state_offsets, store_block, store_rows,
+    chunk_inputs, chunk_tokens, load_block, load_chunk_decay, load_rows, state_offsets, store_block, store_last,
+    store_rows,
 )
 
 
@@ -46,7 +50,7 @@ def scan_bwd_kernel(do_ptr, p_ptr, kbar_ptr, qg_ptr, w_ptr, glast_ptr, dht_ptr, 
         chunk = first_chunk + c
         tok = bos + c * C + tl.arange(0, C)
         valid = tok < eos
-        tl.store(dh_ptr + state_offsets(chunk, head, col0, H, K, V, BV), dh)
+        tl.store(dh_ptr + state_offsets(chunk, head, col0, H, K, V, BV), dh.to(dh_ptr.dtype.element_ty))
         do = load_block(do_ptr, tok, valid, H, V, head, col0, BV)
         p = load_rows(p_ptr, tok, valid, H, C, head)
         kbar = load_rows(kbar_ptr, tok, valid, H, K, head)
@@ -74,8 +78,8 @@ def value_side_grads(v_ptr, do_ptr, vnew_ptr, dvnew_ptr, h_ptr, dh_ptr, dv_ptr, 
     dlam = tl.zeros([K], tl.float32)
     for vb in range(V // BV):
         col0 = vb * BV
-        h = tl.load(h_ptr + state_offsets(chunk, head, col0, H, K, V, BV))
-        dh = tl.load(dh_ptr + state_offsets(chunk, head, col0, H, K, V, BV))
+        h = tl.load(h_ptr + state_offsets(chunk, head, col0, H, K, V, BV)).to(tl.float32)
+        dh = tl.load(dh_ptr + state_offsets(chunk, head, col0, H, K, V, BV)).to(tl.float32)
         do = load_block(do_ptr, tok, valid, H, V, head, col0, BV)
         v_new = load_block(vnew_ptr, tok, valid, H, V, head, col0, BV)
         dv_new = load_block(dvnew_ptr, tok, valid, H, V, head, col0, BV)
@@ -95,10 +99,14 @@ def value_side_grads(v_ptr, do_ptr, vnew_ptr, dvnew_ptr, h_ptr, dh_ptr, dv_ptr, 
 
 @triton.jit
 def grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, do_ptr,
-                chunk_start_ptr, chunk_end_ptr, dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr, scale,
+                chunk_start_ptr, chunk_end_ptr, dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr,
+                dldiag_ptr, dpdiag_ptr, part_dq_ptr, part_dk_ptr, part_dgc_ptr, part_db_ptr, dgl_ptr, scale,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
-                BV: tl.constexpr, PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
-    """Per (chunk, head): dq, dk, dv, dg, dbeta of the chunk."""
+                BV: tl.constexpr, PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr, SPLIT_DIAG: tl.constexpr,
+                PREC: tl.constexpr):
+    """Per (chunk, head): dq, dk, dv, dg, dbeta of the chunk. With SPLIT_DIAG (per channel only) it
+    stores dv, the diagonal blocks of dL and dP and the fp32 partials (dq, dk, dgc, dbeta before the
+    diagonal blocks' share, dgc_last) for diagonal.diag_grad_kernel to finish."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
     q, k, gc, beta, q_inv, k_inv = chunk_inputs(q_ptr, k_ptr, g_ptr, beta_ptr, tok, valid, head, scale,
@@ -118,12 +126,12 @@ def grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, h_ptr, dh_ptr, v
     # Tinv = (I + L)^-1: dL = -Tinv^T dTinv Tinv^T on L's strictly lower pattern
     dl = -tl.dot(tl.dot(tl.trans(tinv), dtinv, input_precision=PREC), tl.trans(tinv), input_precision=PREC)
     dl = tl.where(rows[:, None] > rows[None, :], dl, 0.0)
-    da, dc = decayed_gram_bwd(dl, beta[:, None] * k, k, gc, PER_CHANNEL, C, S, PREC)
+    da, dc = decayed_gram_bwd(dl, beta[:, None] * k, k, gc, PER_CHANNEL, C, S, PREC, not SPLIT_DIAG)
     db += tl.sum(da * k, 1)
     dk = beta[:, None] * da + dc
     dgc = beta[:, None] * k * da - k * dc
     dp = tl.where(rows[:, None] >= rows[None, :], dp, 0.0)
-    da, dc = decayed_gram_bwd(dp, q, k, gc, PER_CHANNEL, C, S, PREC)
+    da, dc = decayed_gram_bwd(dp, q, k, gc, PER_CHANNEL, C, S, PREC, not SPLIT_DIAG)
     dq = da + dqg * eg
     dk += dc + dkt * eg
     dgc += q * da - k * dc + q * eg * dqg + kt * dkt
@@ -132,10 +140,27 @@ def grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, h_ptr, dh_ptr, v
     dk += dkbar * ebar
     dgc -= k * ebar * dkbar
     dgl = tl.sum(k * ebar * dkbar, 0) + tl.exp(gl) * dlam
-    store_dg(dg_ptr, dgc, dgl, tok, valid, head, H, K, C, PER_CHANNEL)
-    tl.store(dbeta_ptr + tok.to(tl.int64) * H + head, db.to(dbeta_ptr.dtype.element_ty), mask=valid)
-    store_rows(dq_ptr, l2norm_bwd(q / scale, q_inv, dq * scale, L2NORM), tok, valid, H, K, head)
-    store_rows(dk_ptr, l2norm_bwd(k, k_inv, dk, L2NORM), tok, valid, H, K, head)
+    if SPLIT_DIAG:
+        store_diag(dldiag_ptr, dl, tok, valid, head, H, C, S)
+        store_diag(dpdiag_ptr, dp, tok, valid, head, H, C, S)
+        store_partials(part_dq_ptr, part_dk_ptr, part_dgc_ptr, part_db_ptr, dgl_ptr, dq, dk, dgc, db, dgl,
+                       tok, valid, chunk, head, H, K)
+    else:
+        store_dg(dg_ptr, dgc, dgl, tok, valid, head, H, K, C, PER_CHANNEL)
+        tl.store(dbeta_ptr + tok.to(tl.int64) * H + head, db.to(dbeta_ptr.dtype.element_ty), mask=valid)
+        store_rows(dq_ptr, l2norm_bwd(q / scale, q_inv, dq * scale, L2NORM), tok, valid, H, K, head)
+        store_rows(dk_ptr, l2norm_bwd(k, k_inv, dk, L2NORM), tok, valid, H, K, head)
+
+
+@triton.jit
+def store_partials(part_dq_ptr, part_dk_ptr, part_dgc_ptr, part_db_ptr, dgl_ptr, dq, dk, dgc, db, dgl,
+                   tok, valid, chunk, head, H: tl.constexpr, K: tl.constexpr):
+    """fp32 gradients of the scaled normalized q and k, of gc and beta, and of gc_last [NC, H, K]."""
+    store_rows(part_dq_ptr, dq, tok, valid, H, K, head)
+    store_rows(part_dk_ptr, dk, tok, valid, H, K, head)
+    store_rows(part_dgc_ptr, dgc, tok, valid, H, K, head)
+    tl.store(part_db_ptr + tok.to(tl.int64) * H + head, db, mask=valid)
+    store_last(dgl_ptr, dgl, chunk, head, H, K, True)
 
 
 @triton.jit

@@ -31,15 +31,19 @@ def row_of(x, r, C: tl.constexpr):
 
 @triton.jit
 def decayed_gram(a_CK, c_CK, gc_CX, STRICT: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                 C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr):
-    """M_CC[i, j] = sum_d a_id c_jd exp(gc_id - gc_jd) for j < i (STRICT) or j <= i, else 0."""
+                 C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr, DIAG: tl.constexpr):
+    """M_CC[i, j] = sum_d a_id c_jd exp(gc_id - gc_jd) for j < i (STRICT) or j <= i, else 0.
+    Per channel without DIAG, the S x S diagonal blocks are left 0 (diagonal.py computes them)."""
     rows = tl.arange(0, C)
     if STRICT:
         keep = rows[:, None] > rows[None, :]
     else:
         keep = rows[:, None] >= rows[None, :]
     if PER_CHANNEL:
-        m_CC = _diag_blocks(a_CK, c_CK, gc_CX, STRICT, C, S)
+        if DIAG:
+            m_CC = _diag_blocks(a_CK, c_CK, gc_CX, STRICT, C, S)
+        else:
+            m_CC = tl.zeros([C, C], tl.float32)
         sub = rows // S
         for s in tl.static_range(1, C // S):
             ref_K = row_of(gc_CX, s * S, C)
@@ -81,11 +85,16 @@ def _diag_blocks(a_CK, c_CK, gc_CK, STRICT: tl.constexpr, C: tl.constexpr, S: tl
 
 @triton.jit
 def decayed_gram_bwd(dm_CC, a_CK, c_CK, gc_CX, PER_CHANNEL: tl.constexpr,
-                     C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr):
-    """(da_CK, dc_CK) of M = decayed_gram(a, c, gc) given dM already masked to M's pattern."""
+                     C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr, DIAG: tl.constexpr):
+    """(da_CK, dc_CK) of M = decayed_gram(a, c, gc) given dM already masked to M's pattern.
+    Per channel without DIAG, the diagonal blocks' share is left out (diagonal.py adds it)."""
     rows = tl.arange(0, C)
     if PER_CHANNEL:
-        da, dc = _diag_blocks_bwd(dm_CC, a_CK, c_CK, gc_CX, C, S)
+        if DIAG:
+            da, dc = _diag_blocks_bwd(dm_CC, a_CK, c_CK, gc_CX, C, S)
+        else:
+            da = tl.zeros_like(a_CK)
+            dc = tl.zeros_like(c_CK)
         sub = rows // S
         for s in tl.static_range(1, C // S):
             ref_K = row_of(gc_CX, s * S, C)
@@ -142,10 +151,34 @@ def unit_lower_inverse(l_CC, C: tl.constexpr, S: tl.constexpr, PREC: tl.constexp
         new_row = tl.where(ii == r, 1.0, 0.0)[None, :] - tl.sum(l_row[:, :, None] * tb, 1)
         tb = tl.where(ii[None, :, None] == r, new_row[:, None, :], tb)
     td = tl.reshape(tl.where(same, tl.reshape(tb, [NS, S, 1, S]), 0.0), [C, C])
+    return block_substitution(l_CC, td, C, S, PREC)
+
+
+@triton.jit
+def block_substitution(l_CC, td_CC, C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr):
+    """(I + L)^-1 from td_CC, the inverses of the S x S diagonal blocks of I + L (zero elsewhere)."""
     rows = tl.arange(0, C)
-    t_CC = td
-    for s in tl.static_range(1, NS):
+    t_CC = td_CC
+    for s in tl.static_range(1, C // S):
         ls = tl.where((rows[:, None] // S == s) & (rows[None, :] < s * S), l_CC, 0.0)
         x = tl.dot(ls, t_CC, input_precision=PREC)
-        t_CC = t_CC - tl.dot(td, x, input_precision=PREC)
+        t_CC = t_CC - tl.dot(td_CC, x, input_precision=PREC)
     return t_CC
+
+
+@triton.jit
+def load_diag(ptr, tok_C, valid_C, head, H: tl.constexpr, C: tl.constexpr, S: tl.constexpr):
+    """[C, C] with the S x S diagonal blocks read from rows [T, H, S] (diagonal.py), 0 elsewhere."""
+    rows = tl.arange(0, C)
+    same = (rows[:, None] // S) == (rows[None, :] // S)
+    offs = (tok_C.to(tl.int64) * H + head)[:, None] * S + (rows % S)[None, :]
+    return tl.load(ptr + offs, mask=same & valid_C[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_diag(ptr, x_CC, tok_C, valid_C, head, H: tl.constexpr, C: tl.constexpr, S: tl.constexpr):
+    """The S x S diagonal blocks of x_CC into rows [T, H, S]: the inverse of load_diag."""
+    rows = tl.arange(0, C)
+    same = (rows[:, None] // S) == (rows[None, :] // S)
+    offs = (tok_C.to(tl.int64) * H + head)[:, None] * S + (rows % S)[None, :]
+    tl.store(ptr + offs, x_CC.to(ptr.dtype.element_ty), mask=same & valid_C[:, None])

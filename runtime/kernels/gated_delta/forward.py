@@ -1,6 +1,7 @@
 """Forward Triton kernels of the chunked gated delta rule (GDN scalar decay / KDA per-channel decay).
 
-Three launches: `prep_kernel` (every chunk in parallel: l2norm, decay cumsum, UT inverse, w, u, P),
+Three launches: `prep_kernel` (every chunk in parallel: l2norm, decay cumsum, UT inverse, w, u, P;
+after diagonal.py's `diag_kernel` in the split-diagonal variant),
 `scan_kernel` (one program per sequence, head and V block walks the chunks: states and v_new),
 `output_kernel` (every chunk in parallel: o = (q exp(gc)) h + P v_new). See runtime/ops/gated_delta.py
 for the algebra. Tokens are packed [T, H, *] (batch folded into T, sequences given by cu_seqlens).
@@ -13,7 +14,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime.kernels.gated_delta.common import decayed_gram, l2norm_rows, row_of, unit_lower_inverse
+from runtime.kernels.gated_delta.common import (
+    block_substitution, decayed_gram, l2norm_rows, load_diag, row_of, unit_lower_inverse,
+)
 
 
 @triton.jit
@@ -62,12 +65,32 @@ def chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C: tl.constexpr):
 
 
 @triton.jit
+def chunk_matrices(q, k, gc, beta, tok, valid, head, ldiag_ptr, tdiag_ptr, pdiag_ptr, H: tl.constexpr,
+                   C: tl.constexpr, S: tl.constexpr, PER_CHANNEL: tl.constexpr, SPLIT_DIAG: tl.constexpr,
+                   PREC: tl.constexpr):
+    """(Tinv_CC, P_CC) of one chunk; with SPLIT_DIAG the diagonal blocks come from diagonal.py's kernel."""
+    if SPLIT_DIAG:
+        l_mat = beta[:, None] * decayed_gram(k, k, gc, True, PER_CHANNEL, C, S, PREC, False)
+        p_mat = decayed_gram(q, k, gc, False, PER_CHANNEL, C, S, PREC, False)
+        if PER_CHANNEL:
+            l_mat += load_diag(ldiag_ptr, tok, valid, head, H, C, S)
+            p_mat += load_diag(pdiag_ptr, tok, valid, head, H, C, S)
+        tinv = block_substitution(l_mat, load_diag(tdiag_ptr, tok, valid, head, H, C, S), C, S, PREC)
+    else:
+        l_mat = beta[:, None] * decayed_gram(k, k, gc, True, PER_CHANNEL, C, S, PREC, True)
+        tinv = unit_lower_inverse(l_mat, C, S, PREC)
+        p_mat = decayed_gram(q, k, gc, False, PER_CHANNEL, C, S, PREC, True)
+    return tinv, p_mat
+
+
+@triton.jit
 def prep_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_ptr,
-                qg_ptr, kbar_ptr, w_ptr, u_ptr, p_ptr, glast_ptr, tinv_ptr, scale,
+                qg_ptr, kbar_ptr, w_ptr, u_ptr, p_ptr, glast_ptr, tinv_ptr, ldiag_ptr, tdiag_ptr, pdiag_ptr, scale,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
                 PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr, STORE_TINV: tl.constexpr,
-                PREC: tl.constexpr):
-    """Per (chunk, head): qg = q exp(gc), kbar = k exp(gc_last - gc), w, u, P, gc_last [, Tinv] (fp32)."""
+                SPLIT_DIAG: tl.constexpr, PREC: tl.constexpr):
+    """Per (chunk, head): qg = q exp(gc), kbar = k exp(gc_last - gc), w, u, P, gc_last [, Tinv], each
+    stored in its buffer's dtype; SPLIT_DIAG reads the diagonal blocks diagonal.py's kernel stored."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
     q, k, gc, beta, _, _ = chunk_inputs(q_ptr, k_ptr, g_ptr, beta_ptr, tok, valid, head, scale,
@@ -76,13 +99,13 @@ def prep_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end
     store_last(glast_ptr, gl, chunk, head, H, K, PER_CHANNEL)
     store_rows(qg_ptr, q * tl.exp(gc), tok, valid, H, K, head)
     store_rows(kbar_ptr, k * tl.exp(gl[None, :] - gc), tok, valid, H, K, head)
-    l_mat = beta[:, None] * decayed_gram(k, k, gc, True, PER_CHANNEL, C, S, PREC)
-    tinv = unit_lower_inverse(l_mat, C, S, PREC)
+    tinv, p_mat = chunk_matrices(q, k, gc, beta, tok, valid, head, ldiag_ptr, tdiag_ptr, pdiag_ptr, H, C, S,
+                                 PER_CHANNEL, SPLIT_DIAG, PREC)
     w = tl.dot(tinv, beta[:, None] * k * tl.exp(gc), input_precision=PREC)
     store_rows(w_ptr, w, tok, valid, H, K, head)
     v = load_rows(v_ptr, tok, valid, H, V, head)
     store_rows(u_ptr, tl.dot(tinv, beta[:, None] * v, input_precision=PREC), tok, valid, H, V, head)
-    store_rows(p_ptr, decayed_gram(q, k, gc, False, PER_CHANNEL, C, S, PREC), tok, valid, H, C, head)
+    store_rows(p_ptr, p_mat, tok, valid, H, C, head)
     if STORE_TINV:
         store_rows(tinv_ptr, tinv, tok, valid, H, C, head)
 
@@ -148,7 +171,7 @@ def scan_kernel(w_ptr, u_ptr, kbar_ptr, glast_ptr, h0_ptr, cu_ptr, chunk_offsets
         chunk = first_chunk + c
         tok = bos + c * C + tl.arange(0, C)
         valid = tok < eos
-        tl.store(h_ptr + state_offsets(chunk, head, col0, H, K, V, BV), h)
+        tl.store(h_ptr + state_offsets(chunk, head, col0, H, K, V, BV), h.to(h_ptr.dtype.element_ty))
         w = load_rows(w_ptr, tok, valid, H, K, head)
         v_new = load_block(u_ptr, tok, valid, H, V, head, col0, BV) - tl.dot(w, h, input_precision=PREC)
         store_block(vnew_ptr, v_new, tok, valid, H, V, head, col0, BV)
@@ -167,7 +190,7 @@ def output_kernel(qg_ptr, p_ptr, h_ptr, vnew_ptr, chunk_start_ptr, chunk_end_ptr
     chunk, head, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
     col0 = vb * BV
-    h = tl.load(h_ptr + state_offsets(chunk, head, col0, H, K, V, BV))
+    h = tl.load(h_ptr + state_offsets(chunk, head, col0, H, K, V, BV)).to(tl.float32)
     qg = load_rows(qg_ptr, tok, valid, H, K, head)
     p = load_rows(p_ptr, tok, valid, H, C, head)
     v_new = load_block(vnew_ptr, tok, valid, H, V, head, col0, BV)

@@ -1,4 +1,5 @@
-"""Autograd function over the GDN/KDA Triton kernels: launches, buffers and the packed layout.
+"""Autograd function over the GDN/KDA Triton kernels: launches, buffers, the packed layout and the
+KernelVariant settings under measurement (bench/bench_gated_delta.py --variants times them).
 
 Batch is folded into time: [B, T, H, *] becomes [B*T, H, *] with B sequences given by cu_seqlens,
 so one set of kernels serves the batched and the packed (varlen) case.
@@ -8,10 +9,12 @@ sequences, C chunk size, X 1 (GDN) or K (KDA).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import triton
 
-from runtime.kernels.gated_delta import backward, forward
+from runtime.kernels.gated_delta import backward, diagonal, forward
 
 CHUNK_SIZE = 64
 SUB_CHUNK = 16
@@ -19,7 +22,36 @@ VALUE_BLOCK = 64
 # tf32 keeps the in-chunk products within ~1e-3 of fp32 and runs on tensor cores
 DOT_PRECISION = "tf32"
 # The chunk loops load [C, K] fp32 tiles: pipelining them (num_stages > 1) overflows shared memory
-# (278 KB asked of 227 KB on the H200), so the looping kernels run with num_stages=1.
+# (278 KB asked of 227 KB on the H200), so the looping kernels run with num_stages=1 (KernelVariant.scan_stages
+# pipelines the scans once their tiles are bf16).
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """Selectable launch settings; the defaults are the path measured on the H200 (bench/results/2026-11-29-*)."""
+
+    # qg, kbar, w, u, P, v_new and dv_new stored in bf16 (computed and accumulated in fp32 all the same):
+    # halves the bytes the scans and the output and gradient kernels read
+    bf16_tiles: bool = False
+    # the per-chunk states h and dh [NC, H, K, V] stored in bf16 (the scans carry them in fp32)
+    bf16_states: bool = False
+    # value block of the two scans (None: VALUE_BLOCK): smaller blocks run more programs, V / block
+    # per sequence and head
+    scan_value_block: int | None = None
+    # software pipelining of the scans' chunk loads (1 = none; more needs bf16 tiles to fit shared memory)
+    scan_stages: int = 1
+    # warps of the two scans: with 4 the [K, V-block] fp32 state and the [C, K] tiles spill registers
+    # (ptxas for sm_90: 752 B of stack in the scan, 1496 B in scan_bwd; 8 warps: 128 B and 256 B)
+    scan_warps: int = 4
+    # the S x S diagonal blocks of L, (I + L)^-1 and P in diagonal.py's sub-chunk-parallel kernel, and
+    # (KDA) their share of the gradients in its per-chunk kernel on [S, K] tiles
+    split_diagonal: bool = False
+    # keep the forward's chunk tiles, Tinv, states and v_new for the backward instead of recomputing
+    # them (prep + scan again): trades about (3K + 2V + 2C) T H + NC H K V stored values per layer for time
+    keep_forward: bool = False
+
+
+DEFAULT_VARIANT = KernelVariant()
 
 
 def empty(*shape, dtype, device) -> torch.Tensor:
@@ -61,38 +93,70 @@ def _config():
     return dict(C=CHUNK_SIZE, S=min(SUB_CHUNK, CHUNK_SIZE), PREC=DOT_PRECISION)
 
 
-def _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_tinv):
-    """Chunk-local fp32 quantities of prep_kernel, as a dict."""
+def _tile_dtype(variant: KernelVariant) -> torch.dtype:
+    return torch.bfloat16 if variant.bf16_tiles else torch.float32
+
+
+def _state_dtype(variant: KernelVariant) -> torch.dtype:
+    return torch.bfloat16 if variant.bf16_states else torch.float32
+
+
+def _scan_block(variant: KernelVariant, value_dim: int) -> int:
+    return min(variant.scan_value_block or VALUE_BLOCK, value_dim)
+
+
+def _diagonals(q, k, g, beta, layout, scale, per_channel, l2norm):
+    """Diagonal blocks of L, (I + L)^-1 and P as rows [T, H, S] (fp32) from diagonal.diag_kernel."""
     num_tokens, num_heads, key_dim = q.shape
     cfg = _config()
     f32 = dict(dtype=torch.float32, device=q.device)
-    out = {name: empty(num_tokens, num_heads, key_dim, **f32) for name in ("qg", "kbar", "w")}
-    out["u"] = empty(*v.shape, **f32)
-    out["p"] = empty(num_tokens, num_heads, cfg["C"], **f32)
+    tdiag = empty(num_tokens, num_heads, cfg["S"], **f32)
+    # the scalar decay's L and P diagonals come whole from prep's Gram products: no buffers for them
+    ldiag = empty(num_tokens, num_heads, cfg["S"], **f32) if per_channel else tdiag
+    pdiag = empty(num_tokens, num_heads, cfg["S"], **f32) if per_channel else tdiag
+    diagonal.diag_kernel[(layout.num_chunks * (cfg["C"] // cfg["S"]), num_heads)](
+        q, k, g, beta, layout.chunk_start, layout.chunk_end, ldiag, tdiag, pdiag, scale,
+        H=num_heads, K=key_dim, PER_CHANNEL=per_channel, L2NORM=l2norm, num_warps=4, **cfg)
+    return ldiag, tdiag, pdiag
+
+
+def _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_tinv, variant=DEFAULT_VARIANT):
+    """Chunk-local quantities of prep_kernel, as a dict: tiles in the variant's dtype, gc_last and Tinv fp32."""
+    num_tokens, num_heads, key_dim = q.shape
+    cfg = _config()
+    f32 = dict(dtype=torch.float32, device=q.device)
+    tiles = dict(dtype=_tile_dtype(variant), device=q.device)
+    out = {name: empty(num_tokens, num_heads, key_dim, **tiles) for name in ("qg", "kbar", "w")}
+    out["u"] = empty(*v.shape, **tiles)
+    out["p"] = empty(num_tokens, num_heads, cfg["C"], **tiles)
     out["tinv"] = empty(num_tokens, num_heads, cfg["C"], **f32) if store_tinv else out["p"]
     out["glast"] = empty(layout.num_chunks, num_heads, key_dim if per_channel else 1, **f32)
+    diags = _diagonals(q, k, g, beta, layout, scale, per_channel, l2norm) if variant.split_diagonal else (q, q, q)
     forward.prep_kernel[(layout.num_chunks, num_heads)](
         q, k, v, g, beta, layout.chunk_start, layout.chunk_end,
-        out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], scale,
+        out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], *diags, scale,
         H=num_heads, K=key_dim, V=v.shape[-1], PER_CHANNEL=per_channel, L2NORM=l2norm,
-        STORE_TINV=store_tinv, num_warps=8, **cfg)
+        STORE_TINV=store_tinv, SPLIT_DIAG=variant.split_diagonal, num_warps=8, **cfg)
     return out
 
 
-def _scan(prep, h0, layout, per_channel, store_final):
-    """(h of every chunk [NC, H, K, V], v_new [T, H, V], final state [N, H, K, V] or None), fp32."""
+def _scan(prep, h0, layout, per_channel, store_final, variant=DEFAULT_VARIANT):
+    """(h of every chunk [NC, H, K, V], v_new [T, H, V], final state [N, H, K, V] fp32 or None)."""
     num_tokens, num_heads, key_dim = prep["w"].shape
     value_dim = prep["u"].shape[-1]
-    f32 = dict(dtype=torch.float32, device=prep["w"].device)
-    h = empty(layout.num_chunks, num_heads, key_dim, value_dim, **f32)
-    v_new = empty(num_tokens, num_heads, value_dim, **f32)
-    final = empty(layout.num_seqs, num_heads, key_dim, value_dim, **f32) if store_final else h
-    block = min(VALUE_BLOCK, value_dim)
+    device = prep["w"].device
+    h = empty(layout.num_chunks, num_heads, key_dim, value_dim, dtype=_state_dtype(variant), device=device)
+    v_new = empty(num_tokens, num_heads, value_dim, dtype=_tile_dtype(variant), device=device)
+    final = h
+    if store_final:
+        final = empty(layout.num_seqs, num_heads, key_dim, value_dim, dtype=torch.float32, device=device)
+    block = _scan_block(variant, value_dim)
     forward.scan_kernel[(layout.num_seqs, num_heads, value_dim // block)](
-        prep["w"], prep["u"], prep["kbar"], prep["glast"], h0 if h0 is not None else h,
+        prep["w"], prep["u"], prep["kbar"], prep["glast"], h0 if h0 is not None else final,
         layout.cu_seqlens, layout.chunk_offsets, h, v_new, final,
         H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE, BV=block, PER_CHANNEL=per_channel,
-        HAS_H0=h0 is not None, STORE_FINAL=store_final, PREC=DOT_PRECISION, num_warps=4, num_stages=1)
+        HAS_H0=h0 is not None, STORE_FINAL=store_final, PREC=DOT_PRECISION, num_warps=variant.scan_warps,
+        num_stages=variant.scan_stages)
     return h, v_new, final if store_final else None
 
 
@@ -107,61 +171,89 @@ def _output(prep, h, v_new, layout, out_dtype):
     return o
 
 
-def _scan_bwd(prep, do, dht, layout, per_channel, want_dh0):
-    """(dh leaving every chunk [NC, H, K, V], dv_new [T, H, V], dh0 [N, H, K, V] or None), fp32."""
+def _scan_bwd(prep, do, dht, layout, per_channel, want_dh0, variant=DEFAULT_VARIANT):
+    """(dh leaving every chunk [NC, H, K, V], dv_new [T, H, V], dh0 [N, H, K, V] fp32 or None)."""
     num_tokens, num_heads, key_dim = prep["w"].shape
     value_dim = do.shape[-1]
-    f32 = dict(dtype=torch.float32, device=do.device)
-    dh = empty(layout.num_chunks, num_heads, key_dim, value_dim, **f32)
-    dv_new = empty(num_tokens, num_heads, value_dim, **f32)
-    dh0 = empty(layout.num_seqs, num_heads, key_dim, value_dim, **f32) if want_dh0 else dh
-    block = min(VALUE_BLOCK, value_dim)
+    device = do.device
+    dh = empty(layout.num_chunks, num_heads, key_dim, value_dim, dtype=_state_dtype(variant), device=device)
+    dv_new = empty(num_tokens, num_heads, value_dim, dtype=_tile_dtype(variant), device=device)
+    dh0 = empty(layout.num_seqs, num_heads, key_dim, value_dim, dtype=torch.float32, device=device) if want_dh0 else dh
+    block = _scan_block(variant, value_dim)
     backward.scan_bwd_kernel[(layout.num_seqs, num_heads, value_dim // block)](
-        do, prep["p"], prep["kbar"], prep["qg"], prep["w"], prep["glast"], dht if dht is not None else dh,
+        do, prep["p"], prep["kbar"], prep["qg"], prep["w"], prep["glast"], dht if dht is not None else dh0,
         layout.cu_seqlens, layout.chunk_offsets, dh, dv_new, dh0,
         H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE, BV=block, PER_CHANNEL=per_channel,
-        HAS_DHT=dht is not None, STORE_DH0=want_dh0, PREC=DOT_PRECISION, num_warps=4, num_stages=1)
+        HAS_DHT=dht is not None, STORE_DH0=want_dh0, PREC=DOT_PRECISION, num_warps=variant.scan_warps,
+        num_stages=variant.scan_stages)
     return dh, dv_new, dh0 if want_dh0 else None
 
 
-def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale, per_channel, l2norm):
+def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale, per_channel, l2norm,
+                 variant=DEFAULT_VARIANT):
     """(dq, dk, dv, dg, dbeta) in the inputs' dtypes."""
     num_tokens, num_heads, key_dim = q.shape
+    cfg = _config()
     grads = [empty(*t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v, g, beta)]
+    split = variant.split_diagonal and per_channel
+    scratch = _split_scratch(q, layout, cfg["S"]) if split else [q] * 7
     backward.grad_kernel[(layout.num_chunks, num_heads)](
         q, k, v, g, beta, prep["tinv"], h, dh, v_new, dv_new, do, layout.chunk_start, layout.chunk_end,
-        *grads, scale, H=num_heads, K=key_dim, V=v.shape[-1], BV=min(VALUE_BLOCK, v.shape[-1]),
-        PER_CHANNEL=per_channel, L2NORM=l2norm, num_warps=8, num_stages=1, **_config())
+        *grads, *scratch, scale, H=num_heads, K=key_dim, V=v.shape[-1], BV=min(VALUE_BLOCK, v.shape[-1]),
+        PER_CHANNEL=per_channel, L2NORM=l2norm, SPLIT_DIAG=split, num_warps=8, num_stages=1, **cfg)
+    if split:
+        dq, dk, _, dg, dbeta = grads
+        diagonal.diag_grad_kernel[(layout.num_chunks, num_heads)](
+            q, k, g, beta, layout.chunk_start, layout.chunk_end, *scratch, dq, dk, dg, dbeta, scale,
+            H=num_heads, K=key_dim, L2NORM=l2norm, num_warps=4, **cfg)
     return grads
+
+
+def _split_scratch(q, layout, sub_chunk):
+    """fp32 buffers grad_kernel hands diag_grad_kernel: dL and dP diagonal blocks [T, H, S], partial
+    dq, dk, dgc [T, H, K] and dbeta [T, H], and dgc_last [NC, H, K]."""
+    num_tokens, num_heads, key_dim = q.shape
+    f32 = dict(dtype=torch.float32, device=q.device)
+    diags = [empty(num_tokens, num_heads, sub_chunk, **f32) for _ in range(2)]
+    parts = [empty(num_tokens, num_heads, key_dim, **f32) for _ in range(3)]
+    return diags + parts + [empty(num_tokens, num_heads, **f32), empty(layout.num_chunks, num_heads, key_dim, **f32)]
 
 
 class ChunkDeltaRule(torch.autograd.Function):
     """Packed inputs q, k [T, H, K], v [T, H, V], g [T, H] or [T, H, K], beta [T, H]; h0 [N, H, K, V] fp32;
-    layout: the ChunkLayout of the N packed sequences."""
+    layout: the ChunkLayout of the N packed sequences; variant: a KernelVariant."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, h0, layout, scale, l2norm):
+    def forward(ctx, q, k, v, g, beta, h0, layout, scale, l2norm, variant):
         per_channel = g.dim() == 3
-        prep = _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_tinv=False)
-        h, v_new, final = _scan(prep, h0, layout, per_channel, store_final=True)
+        prep = _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, variant.keep_forward, variant)
+        h, v_new, final = _scan(prep, h0, layout, per_channel, True, variant)
         o = _output(prep, h, v_new, layout, q.dtype)
         ctx.save_for_backward(q, k, v, g, beta, h0)
-        ctx.settings = (layout, scale, l2norm, per_channel)
+        ctx.settings = (layout, scale, l2norm, per_channel, variant)
+        # intermediates, not inputs or outputs: held on ctx, freed with the graph
+        ctx.kept = (prep, h, v_new) if variant.keep_forward else None
         return o, final
 
     @staticmethod
     def backward(ctx, do, dfinal):
         q, k, v, g, beta, h0 = ctx.saved_tensors
-        layout, scale, l2norm, per_channel = ctx.settings
-        prep = _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_tinv=True)
-        h, v_new, _ = _scan(prep, h0, layout, per_channel, store_final=False)
-        dh, dv_new, dh0 = _scan_bwd(prep, do.contiguous(), dfinal, layout, per_channel, h0 is not None)
+        layout, scale, l2norm, per_channel, variant = ctx.settings
+        do = do.contiguous()
+        if ctx.kept is None:
+            prep = _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, True, variant)
+            h, v_new, _ = _scan(prep, h0, layout, per_channel, False, variant)
+        else:
+            prep, h, v_new = ctx.kept
+            ctx.kept = None
+        dh, dv_new, dh0 = _scan_bwd(prep, do, dfinal, layout, per_channel, h0 is not None, variant)
         dq, dk, dv, dg, dbeta = _input_grads(
-            q, k, v, g, beta, do.contiguous(), prep, h, dh, v_new, dv_new, layout, scale, per_channel, l2norm)
-        return dq, dk, dv, dg, dbeta, dh0, None, None, None
+            q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale, per_channel, l2norm, variant)
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None
 
 
-def chunk_delta_rule(q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, scale, initial_state_BHKV, use_qk_l2norm, cu_seqlens):
+def chunk_delta_rule(q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, scale, initial_state_BHKV, use_qk_l2norm, cu_seqlens,
+                     variant=None):
     """Shared entry of gated_delta_rule and kda: checks, packs the batch into time, unpacks the output."""
     batch, num_tokens, num_heads, key_dim = q_BTHK.shape
     if cu_seqlens is not None and batch != 1:
@@ -173,5 +265,9 @@ def chunk_delta_rule(q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, scale, initial_state_B
     scale = key_dim**-0.5 if scale is None else float(scale)
     packed = [t.flatten(0, 1).contiguous() for t in (q_BTHK, k_BTHK, v_BTHV, g, beta_BTH)]
     h0 = None if initial_state_BHKV is None else initial_state_BHKV.float().contiguous()
-    o, final = ChunkDeltaRule.apply(*packed, h0, layout, scale, use_qk_l2norm)
+    variant = variant or DEFAULT_VARIANT
+    if variant.keep_forward and not torch.is_grad_enabled():
+        # no backward will run: skip storing Tinv for it
+        variant = replace(variant, keep_forward=False)
+    o, final = ChunkDeltaRule.apply(*packed, h0, layout, scale, use_qk_l2norm, variant)
     return o.unflatten(0, (batch, num_tokens)), final
