@@ -2,7 +2,6 @@
 write PKG/alignment/report.json (plus baseline.json on the first passing run; --check compares)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -10,7 +9,7 @@ import torch
 from onboard.align_model import distinct_layers, tier1, tier2
 from onboard.align_ops import tier0
 from onboard.align_reference import read_package
-from onboard.align_report import AlignmentReport, Check, tier_result
+from onboard.align_report import AlignmentReport, tier_result
 from onboard.align_vision import vision_checks
 from onboard.errors import OnboardError
 

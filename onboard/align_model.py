@@ -154,7 +154,7 @@ def tier2(spec: dict, weight_map: dict, source: Path, num_layers: int, T: int = 
               _loss_check("float32", logits, truth, ids, torch.float32)]
     checks += _routing_flips(ours, recorder, num_layers)
     if any(c.verdict == "fail" for c in checks):
-        divergence = first_divergence(spec, ref, ours, recorder, num_layers, T)
+        divergence = first_divergence(spec, ours, recorder, num_layers, T)
     checks += _bf16_checks(spec, weight_map, source, num_layers, ids, truth, _choices(ours), tamper)
     return checks, divergence
 
@@ -201,7 +201,7 @@ def _loss_check(tag: str, ours, theirs, ids, dtype) -> Check:
                  verdict="pass" if rel <= tol else "fail", detail=f"ours={a:.6f} transformers={b:.6f}")
 
 
-def first_divergence(spec, ref, ours, recorder: Recorder, num_layers: int, T: int) -> Divergence | None:
+def first_divergence(spec, ours, recorder: Recorder, num_layers: int, T: int) -> Divergence | None:
     """Each layer on transformers' own input to it: the first whose output disagrees, then which part."""
     rotary = RotaryCache(torch.arange(T).expand(recorder.input("layer", 0).shape[0], -1))
     tol = tolerance_for("layer", torch.float32)

@@ -62,13 +62,11 @@ def _pattern(name: str) -> str:
 
 def op_gaps(spec: ModelSpec) -> list[OpGap]:
     found: dict[tuple[str, str], set[int]] = {}
-    params_of: dict[tuple[str, str], dict] = {}
     for layer in spec.layers:
         attention, ffn = layer.attention.model_dump(), layer.ffn.model_dump()
         for name, params in [("rms_norm", spec.norm.model_dump())] + ops_for_layer(attention, ffn):
             support = OPS[name].supports(params)
             found.setdefault((name, support), set()).add(layer.index)
-            params_of[(name, support)] = params
     return [_op_gap(name, support, sorted(layers), spec.family) for (name, support), layers in sorted(found.items())]
 
 

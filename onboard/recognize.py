@@ -30,6 +30,8 @@ NORMED_SKIP_FAMILIES = {"minimax"}
 # Families whose MLA runs without rotary embedding (NoPE).
 NOPE_MLA_FAMILIES = {"kimi_linear"}
 
+KNOWN_TOPK_METHODS = {None, "greedy", "group_limited_greedy", "noaux_tc"}
+
 LAYER_KIND_ALIASES = {
     "full_attention": "full", "attention": "full", "global_attention": "full",
     "sliding_attention": "sliding", "local_attention": "sliding",
@@ -205,7 +207,7 @@ class Recognizer:
         heads = lin.positive_int("num_heads", default=None) or self.cfg.positive_int("linear_num_heads", "num_attention_heads")
         head_dim = lin.positive_int("head_dim", default=None) or self.cfg.positive_int("linear_head_dim", "head_dim")
         conv = lin.positive_int("short_conv_kernel_size", default=None) or self.cfg.positive_int("linear_conv_kernel_dim", default=4)
-        self._mark_used(lin)
+        self._report_unused(lin)
         return KDAAttention(num_heads=heads, head_dim=head_dim, conv_kernel_size=conv,
                             separate_convs=self._layer_has(index, r"\.q_conv1d\.weight$"))
 
@@ -218,7 +220,7 @@ class Recognizer:
             head_v_dim=self.cfg.positive_int("linear_value_head_dim"),
             conv_kernel_size=self.cfg.positive_int("linear_conv_kernel_dim", default=4), fused_projections=fused)
 
-    def _mark_used(self, view: ConfigView) -> None:
+    def _report_unused(self, view: ConfigView) -> None:
         for key in view.unused():
             self.unrecognized.append(Unrecognized(source=f"config.json:{key}", item=key, detail="linear attention key"))
 
@@ -278,7 +280,10 @@ class Recognizer:
             # DeepSeek-style releases (bias-corrected, group-limited) score with sigmoid without saying so
             sigmoid_style = correction and (self.cfg.has("n_group", "num_expert_group", "routed_scaling_factor"))
             scoring = "sigmoid" if sigmoid_style else "softmax"
-        self.cfg.get("topk_method", default=None)
+        # DeepSeek's topk_method only names the routing the other keys and weights already describe;
+        # any other value is left unread, so it is reported as unrecognized
+        if self.cfg.get("topk_method", default=None) not in KNOWN_TOPK_METHODS:
+            self.cfg.used.discard("topk_method")
         topk_first = self.family in ("mixtral", "minimax", "gpt_oss")
         norm_default = topk_first or self.family in ("qwen3_5_moe", "qwen3_5_moe_text") or self.cfg.has("moe_norm_min")
         norm = bool(self.cfg.get("norm_topk_prob", "moe_renormalize", default=norm_default))

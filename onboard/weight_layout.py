@@ -144,7 +144,7 @@ def _mlp(prefix: str, width: int, d: int, bias: bool = False) -> Shapes:
 
 
 def _moe(f: MoEFFN, d: int, naming) -> Shapes:
-    e, w = f.num_experts, f.expert_intermediate_size
+    e = f.num_experts
     out: Shapes = {f"{naming.router_module}.weight": (e, d)}
     if f.router.bias:
         out[f"{naming.router_module}.bias"] = (e,)

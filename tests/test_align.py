@@ -74,7 +74,7 @@ def test_a_broken_expert_gate_names_the_ffn(package):
     assert not report.passed and (d.layer, d.component, d.kind) == (1, "ffn", "moe")
 
 
-def test_check_flags_a_regression(package, monkeypatch):
+def test_check_flags_a_regression(package):
     pkg = package("mixtral")
     assert align.run(pkg, [2], progress=lambda line: None).passed
     broken = align.run(pkg, [2], tamper=lambda m: m.layers[0].ffn.router.weight.data.mul_(-1), progress=lambda line: None)

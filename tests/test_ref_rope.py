@@ -22,6 +22,17 @@ from runtime.ops import rope as run
 from runtime.tolerances import assert_close
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+# DeepSeek-V3's yarn settings (mscale equal to mscale_all_dim), at a short original length
+DEEPSEEK_YARN = {
+    "rope_type": "yarn",
+    "factor": 40.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "original_max_position_embeddings": 64,
+}
 SCALINGS = [
     pytest.param(None, id="default"),
     pytest.param({"rope_type": "dynamic", "factor": 2.0}, id="dynamic"),
@@ -38,15 +49,7 @@ SCALINGS = [
     ),
     pytest.param({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, id="yarn"),
     pytest.param(
-        {
-            "rope_type": "yarn",
-            "factor": 40.0,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "original_max_position_embeddings": 64,
-        },
+        DEEPSEEK_YARN,
         id="yarn-deepseek",
     ),
     pytest.param(
@@ -176,15 +179,7 @@ def _ours(x_BHTK, cos_BTR, sin_BTR, interleaved):
 
 
 def test_deepseek_v3_yarn_tables_and_rotation_equal_transformers():
-    scaling = {
-        "rope_type": "yarn",
-        "factor": 40.0,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-        "beta_fast": 32,
-        "beta_slow": 1,
-        "original_max_position_embeddings": 64,
-    }
+    scaling = dict(DEEPSEEK_YARN)
     config = DeepseekV3Config(
         hidden_size=64,
         num_attention_heads=4,

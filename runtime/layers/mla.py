@@ -8,7 +8,6 @@ heads share one kv row of width L + R, and values are the latent itself, up-proj
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from runtime.dispatch import op

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import triton
 
 from runtime.kernels.gated_delta import backward, diagonal, forward
 
