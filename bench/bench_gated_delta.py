@@ -187,6 +187,7 @@ def run_kind(kind: str, x: dict, report: dict, variants: list[str], save, deadli
         ("baseline_fwd_ms", lambda: time_forward(transformers_torch(kind), x, 1, 3 if kind == "kda" else 10)),
         ("baseline_fwdbwd", lambda: time_forward_backward(transformers_torch(kind), x, 1, 3 if kind == "kda" else 10)),
         ("fla_fwd_ms", lambda: time_forward(fla_forward(kind), x)),
+        ("fla_fwd_kernels_ms", lambda: kernel_profile(fla_forward(kind), x)),
     ]
     steps += [(f"variant_{name}", lambda name=name: run_variant(kind, x, name, ref.get(), deadline))
               for name in variants]
@@ -194,6 +195,24 @@ def run_kind(kind: str, x: dict, report: dict, variants: list[str], save, deadli
         section(r, key, compute)
         torch.cuda.empty_cache()
         save()
+
+
+def kernel_profile(fn, x: dict, reps: int = 5) -> dict:
+    """GPU milliseconds per call of each kernel fn launches (torch.profiler): where a baseline spends its time."""
+    with torch.no_grad():
+        for _ in range(2):
+            fn(x["q"], x["k"], x["v"], x["g"], x["beta"])
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn(x["q"], x["k"], x["v"], x["g"], x["beta"])
+            torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if us > 0:
+            times[event.key[:80]] = round(us / reps / 1000, 4)
+    return dict(sorted(times.items(), key=lambda kv: -kv[1])[:15])
 
 
 class Lazy:

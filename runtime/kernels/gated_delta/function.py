@@ -204,7 +204,7 @@ def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale
         dq, dk, _, dg, dbeta = grads
         diagonal.diag_grad_kernel[(layout.num_chunks, num_heads)](
             q, k, g, beta, layout.chunk_start, layout.chunk_end, *scratch, dq, dk, dg, dbeta, scale,
-            H=num_heads, K=key_dim, L2NORM=l2norm, num_warps=4, **cfg)
+            H=num_heads, K=key_dim, C=cfg["C"], S=cfg["S"], L2NORM=l2norm, num_warps=4)
     return grads
 
 
