@@ -9,6 +9,15 @@ Correctness: bf16 kernels vs the fp64 reference on the same bf16 inputs, on a su
 tokens (the full fp64 reference does not fit at T=32768): outputs and dq on those rows, dkv from
 an upstream gradient that is zero outside them. Indexer: overlap of the selected sets with the
 fp64 top-k on those rows. Timings: CUDA events, median. Writes dsa.json under --out.
+
+Why the 3x target (TARGETS.md) is out of reach at these widths, by FLOP count (T=32768, H=128):
+- dense causal MLA (the baseline, per-head q/k 192, v 128): T^2/2 = 5.4e8 pairs x H x (192 + 128) x 2 =
+  4.4e13 FLOP forward, ~3.5x that forward+backward = 1.54e14; cuDNN does it in 307 ms, ~500 TFLOP/s.
+- sparse MLA must use the absorbed form (all heads share the gathered 576-wide latent row; per-head k/v
+  rows would mean gathering 2048 x 128 x 320 values per token): T x 2048 = 6.7e7 pairs x H x (576 + 512)
+  x 2 = 1.87e13 forward, ~6.5e13 forward+backward, plus the indexer's T^2/2 x 64 x 128 x 2 = 8.8e12.
+- so dense / sparse work = 1.54e14 / 7.4e13 = 2.1: at cuDNN's own efficiency DSA would be ~2x, and 3x
+  would need ~1.5x cuDNN's FLOP rate from gathered tiles and atomically accumulated dkv.
 """
 from __future__ import annotations
 

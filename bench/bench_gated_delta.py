@@ -63,7 +63,6 @@ import torch
 import torch.nn.functional as F
 
 import runtime.kernels.gated_delta as kernels
-import runtime.kernels.gated_delta.function as kernel_config
 import runtime.ops.gated_delta as chunked
 from runtime.tolerances import compare, tolerance_for
 
@@ -197,16 +196,24 @@ def run_kind(kind: str, x: dict, report: dict, variants: list[str], save, deadli
         save()
 
 
-def kernel_profile(fn, x: dict, reps: int = 5) -> dict:
-    """GPU milliseconds per call of each kernel fn launches (torch.profiler): where a baseline spends its time."""
-    with torch.no_grad():
-        for _ in range(2):
-            fn(x["q"], x["k"], x["v"], x["g"], x["beta"])
+def kernel_profile(fn, x: dict, backward: bool = False, reps: int = 5) -> dict:
+    """GPU milliseconds per step of each kernel a forward (or forward+backward) of fn launches, from
+    torch.profiler: where a baseline or a variant spends its time, whatever its kernels are called."""
+    leaves = [x[n].detach().requires_grad_(backward) for n in ("q", "k", "v", "g", "beta")]
+
+    def step():
+        with torch.set_grad_enabled(backward):
+            o = fn(*leaves)
+            if backward:
+                o.backward(x["do"])
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            step()
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                fn(x["q"], x["k"], x["v"], x["g"], x["beta"])
-            torch.cuda.synchronize()
     times = {}
     for event in prof.key_averages():
         us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
@@ -228,28 +235,8 @@ class Lazy:
 
 
 def breakdown(kind: str, x: dict, name: str = "default") -> dict:
-    """Milliseconds of each launch of our forward and backward (same inputs) for one variant."""
-    f, variant = kernel_config, kernels.VARIANTS[name]
-    per_channel = kind == "kda"
-    q, k, v, g, beta, do = (x[n].flatten(0, 1).contiguous() for n in ("q", "k", "v", "g", "beta", "do"))
-    layout = f.ChunkLayout.batched(1, x["q"].shape[1], f.CHUNK_SIZE, q.device)
-    scale = q.shape[-1] ** -0.5
-    prep = f._prep(q, k, v, g, beta, layout, scale, per_channel, True, True, variant)
-    h, v_new, _ = f._scan(prep, None, layout, per_channel, True, variant)
-    dh, dv_new, _ = f._scan_bwd(prep, do, None, layout, per_channel, False, variant)
-    stages = {
-        "prep": lambda: f._prep(q, k, v, g, beta, layout, scale, per_channel, True, False, variant),
-        "scan": lambda: f._scan(prep, None, layout, per_channel, True, variant),
-        "output": lambda: f._output(prep, h, v_new, layout, q.dtype),
-        "prep_with_tinv": lambda: f._prep(q, k, v, g, beta, layout, scale, per_channel, True, True, variant),
-        "scan_bwd": lambda: f._scan_bwd(prep, do, None, layout, per_channel, False, variant),
-        "grad": lambda: f._input_grads(
-            q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale, per_channel, True, variant),
-    }
-    if variant.split_diagonal:
-        # included in prep and prep_with_tinv above; timed alone to split their time
-        stages["diag_of_prep"] = lambda: f._diagonals(q, k, g, beta, layout, scale, per_channel, True)
-    return {stage: time_ms(step, 2, 10) for stage, step in stages.items()}
+    """GPU milliseconds of each of our kernels in one forward+backward of a variant."""
+    return kernel_profile(ours(kind, name), x, backward=True)
 
 
 def run_variant(kind: str, x: dict, name: str, ref: list, deadline: float) -> dict | str:
@@ -353,9 +340,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--kinds", default="gdn,kda")
-    # default first (timed again beside the others), then the most promising
-    order = ["default", "all", "all_but_keep", "split_diagonal", "keep_forward", "bf16_scan", "scan_w8",
-             "bf16_tiles_states", "bf16_tiles"]
+    # default first (timed again beside the others), then in VARIANTS' order (most promising first)
+    order = ["default"] + [name for name in kernels.VARIANTS if name != "default"]
     parser.add_argument("--variants", nargs="?", const=",".join(order), default="",
                         help="comma-separated names of runtime.kernels.gated_delta.VARIANTS (all when bare)")
     parser.add_argument("--budget-s", type=float, default=450.0,
