@@ -15,25 +15,39 @@ Correctness at the real shape: the bf16 kernel vs the torch fallback run in fp64
 experts, checked against reference_ops by tests/test_ref_moe.py) with the same routing fed to
 both; routing flips between transformers' bf16 router and ours are counted separately.
 
-Kernel variants (runtime.kernels.moe.Tuning, all off by default) are checked against the same fp64
-reference (full fine-tune and LoRA frozen base) and timed side by side with the default path and
-transformers in one run, in interleaved rounds (`variant_timings`, `lora_variant_timings`). The
-`graph ...` rows replay one fwd+bwd captured in a CUDA graph (launch gaps gone; grads checked
-against the eager run). Predicted fwd+bwd against the default's 11.84 ms (10.93 ms of GPU time,
-~0.9 ms idle between launches), 2026-11-29 profile:
-- scaled_h ~11.7 ms: the down weight gradient (1.49 ms) loses its per-tile scale-and-cast of dy;
-  the GLU forward gains one multiply in its epilogue, the down forward loses one.
-- fused_x_copy ~11.65 ms: the 0.33 ms copy pass goes; the gate/up GEMM's first column tile
-  (1 program in 4) writes the same 0.67 GB from the A tiles it already holds, mostly hidden
-  under a compute-bound GEMM: about 0.15-0.2 ms saved.
-- glu_bwd_m64 ~11.7 ms: the sweep had the GLU backward at 1.40 ms with 64-row tiles against
-  1.55 ms; the retiled schedule adds a few tiny launches.
-- wgrad_split2 ~16 ms, SLOWER: the 65536 output tiles already fill the SMs many times over, and
-  split-K needs zeroed fp32 outputs (6.4 GB), read-modify-write atomics and a cast pass (~4 ms
-  of traffic). Timed to close the question, not expected to help.
-- combined (scaled_h + fused_x_copy + glu_bwd_m64) ~11.4 ms, 1.46x: short of 1.5x alone.
-- graph baseline ~11.0 ms (most of the ~0.9 ms of launch gaps removed); graph combined ~10.5 ms,
-  ~1.58x. A graph is a bench form: the runtime would need to capture the layer to get it.
+Variants (VARIANTS: a runtime.kernels.moe.Tuning and/or the router) are checked against the same
+fp64 reference (full fine-tune and LoRA frozen base) and timed side by side with the default path
+and transformers in one run, in interleaved rounds (`variant_timings`, `lora_variant_timings`).
+The `graph baseline` row replays one fwd+bwd captured in a CUDA graph: what launch gaps remain
+(a bench form only; the runtime does not capture the layer). `correctness.router` checks the fused
+router against the fp64 reference on the same bf16 logits.
+
+Measured 2026-11-29 (H200, T 16384, this command): transformers 16.67 ms fwd+bwd, ours 12.28
+(1.36x), 10.9 ms of it GPU time. In the same rounds (transformers 17.04, ours 12.83): glu_bwd_m64
+12.44 (adopted), fused_x_copy 12.70 but WRONG on the GPU (out rel RMS 0.28, passed in the
+interpreter; removed), scaled_h 13.19 and wgrad split-K 29.0 (removed).
+
+Since then (predictions for this run, fwd+bwd against the 12.28 ms above):
+- baseline ~10.8 ms (10.5-11.3; 1.48-1.59x): the router is one Triton pass each way instead of
+  softmax, a 13-launch radix top-k, gather, sum, divide and their backward (~0.45 ms of GPU); the
+  schedule is one Triton launch instead of ~20 torch ops; the routing weight and the token of a
+  sorted row are read through the pair index inside the GEMMs (no w_S / token_S / index_put
+  launches); x's copy in expert order is a Triton gather (~0.2 ms against index_select's 0.33);
+  GLU backward on 64-row tiles (-0.15 to -0.4). Counted on CPU (dispatch mode, small shapes):
+  route + experts fwd+bwd went from 57 aten ops + 8 Triton launches (77 + 8 with the 64-row GLU
+  backward retile) to 6 aten ops + 12 launches, 4 of those 6 outside our ops (the router linear's
+  backward, the x-grad add); ~0.5 ms less host time, most of it where the GPU waited (the start
+  of forward and of backward). GPU time ~10.15 ms (-0.75), idle between launches ~0.5-0.9 ms.
+- torch_router ~+0.5 ms over baseline: the router's share alone.
+- glu_bwd_m128 ~+0.2 ms over baseline: 128-row GLU backward tiles spill (ptxas: 204 bytes at
+  8 warps) and pad ~20% of rows against ~10%.
+- glu_bwd_scaled_h ~-0.25 ms: the GLU backward also stores w * h (0.17 GB), so the down weight
+  gradient (1.49 ms, 230 TFLOP/s: dy's tiles scaled in registers, so not pipelined asynchronously)
+  reads both operands as is, like the gate/up one (354 TFLOP/s): ~1.15 ms.
+- m64_all ~-0.1 ms (unsure, +-0.2): every GEMM on 64-row tiles, ~10% fewer padded rows, lower
+  reuse per weight tile; new 64-row autotune candidates (256 units / 4 stages, BLOCK_K 128).
+- m64_all_scaled_h ~-0.35 ms: both.
+- graph baseline: ~0.3-0.5 ms under baseline if the remaining idle is launch gaps.
 Writes moe.json under --out.
 """
 from __future__ import annotations
@@ -52,8 +66,10 @@ import torch.nn.functional as F
 import triton
 
 from runtime.kernels import moe as kernels
+from reference_ops import moe as reference_moe
 from runtime.kernels.moe import combine
 from runtime.kernels.moe import experts as kernel_experts
+from runtime.kernels.moe import gather
 from runtime.kernels.moe import grouped_gemm as gg
 from runtime.kernels.moe import grouped_wgrad as gw
 from runtime.kernels.moe.schedule import build_schedule
@@ -64,15 +80,17 @@ D, E, K_TOP, F_EXPERT, F_SHARED, RANK = 2048, 512, 10, 512, 512, 16
 DEVICE = "cuda"
 T0 = time.time()
 # Kernel variants timed and checked side by side; predictions in the module docstring.
+# Each is ours_block's keyword arguments: `tuning` (runtime.kernels.moe.Tuning) and `router`.
 VARIANTS = {
-    "baseline": kernels.Tuning(),
-    "scaled_h": kernels.Tuning(scaled_h=True),
-    "fused_x_copy": kernels.Tuning(fused_x_copy=True),
-    "glu_bwd_m64": kernels.Tuning(glu_bwd_block_m=64),
-    "wgrad_split2": kernels.Tuning(wgrad_split_k=2),
-    "combined": kernels.Tuning(scaled_h=True, fused_x_copy=True, glu_bwd_block_m=64),
+    "baseline": {},
+    "torch_router": dict(router=fallback.route),
+    "glu_bwd_m128": dict(tuning=kernels.Tuning(glu_bwd_block_m=None)),
+    "glu_bwd_scaled_h": dict(tuning=kernels.Tuning(glu_bwd_scaled_h=True)),
+    "m64_all": dict(tuning=kernels.Tuning(block_m=64)),
+    "m64_all_scaled_h": dict(tuning=kernels.Tuning(block_m=64, glu_bwd_scaled_h=True)),
 }
-GRAPHED = ("baseline", "combined")
+GRAPHED = ("baseline",)
+PROFILED = ("baseline", "m64_all_scaled_h")
 
 
 def log(msg):
@@ -108,9 +126,10 @@ def build_block():
     return block
 
 
-def ours_block(block, x_TD, experts_fn=kernels.swiglu_experts, lora=None, tuning=kernels.Tuning()):
+def ours_block(block, x_TD, experts_fn=kernels.swiglu_experts, lora=None, tuning=kernels.Tuning(),
+               router=kernels.route):
     """Our runtime form of the block: route, routed experts, sigmoid-gated shared expert."""
-    weights_Tk, idx_Tk = kernels.route(F.linear(x_TD, block.gate.weight), K_TOP, norm_topk_prob=True)
+    weights_Tk, idx_Tk = router(F.linear(x_TD, block.gate.weight), K_TOP, norm_topk_prob=True)
     extra = {} if lora is None else dict(lora_gate_up=lora[0], lora_down=lora[1], lora_scale=2.0)
     if experts_fn is kernels.swiglu_experts:
         extra["tuning"] = tuning
@@ -152,10 +171,10 @@ def timings(block, x, dy):
 
 
 def profile(block, x, dy):
-    """Where one full fwd+bwd of ours spends its GPU time, by kernel name: default and combined."""
+    """Where one full fwd+bwd of ours spends its GPU time, by kernel name, for PROFILED variants."""
     res = {}
-    for name in GRAPHED:
-        step = train_step(lambda t: ours_block(block, t, tuning=VARIANTS[name]), x, dy, list(block.parameters()))
+    for name in PROFILED:
+        step = train_step(lambda t: ours_block(block, t, **VARIANTS[name]), x, dy, list(block.parameters()))
         try:
             step()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -214,7 +233,7 @@ def variant_timings(block, x, dy):
     replays of GRAPHED, all timed in the same interleaved rounds."""
     params = list(block.parameters())
     hf = lambda t: block(t.view(1, *t.shape)).view(t.shape)  # noqa: E731
-    fns = {name: (lambda t, tuning=tuning: ours_block(block, t, tuning=tuning)) for name, tuning in VARIANTS.items()}
+    fns = {name: (lambda t, kw=kw: ours_block(block, t, **kw)) for name, kw in VARIANTS.items()}
     steps = {"transformers": train_step(hf, x, dy, params)} | {n: train_step(f, x, dy, params) for n, f in fns.items()}
     steps, failed = _runnable(steps)
     checks = {}
@@ -237,8 +256,8 @@ def lora_variant_timings(block, x, dy):
         p.requires_grad_(False)
     lora = make_lora(DEVICE, torch.bfloat16)
     adapters = [*lora[0], *lora[1]]
-    steps = {name: train_step(lambda t, tuning=tuning: ours_block(block, t, lora=lora, tuning=tuning), x, dy, adapters)
-             for name, tuning in VARIANTS.items()}
+    steps = {name: train_step(lambda t, kw=kw: ours_block(block, t, lora=lora, **kw), x, dy, adapters)
+             for name, kw in VARIANTS.items()}
     try:
         steps, failed = _runnable(steps)
         return {"ms": _rounds(steps), "failed": failed}
@@ -308,7 +327,9 @@ def _experts_call(fn, tuning=None):
 
 def _variant_errors(inputs, idx, dy, ref, fixed=None) -> dict:
     res = {}
-    for name, tuning in VARIANTS.items():
+    # a variant that changes only the router runs the baseline's experts, checked once
+    tunings = {"baseline": kernels.Tuning()} | {n: kw["tuning"] for n, kw in VARIANTS.items() if "tuning" in kw}
+    for name, tuning in tunings.items():
         try:
             res[name] = _errors(_experts_call(kernels.swiglu_experts, tuning), inputs, idx, dy, ref, fixed)
         except Exception as error:  # a variant that fails is reported; the others still run
@@ -337,6 +358,26 @@ def _runnable(steps: dict) -> tuple[dict, dict]:
     return ok, failed
 
 
+def _router_errors(block, x) -> dict:
+    """The fused router vs the fp64 reference on the same bf16 logits: tokens whose expert sets
+    differ (ties, fp32 rounding), then the weights and the logit gradient over the others."""
+    logits = F.linear(x, block.gate.weight).detach().requires_grad_()
+    logits64 = logits.detach().double().requires_grad_()
+    weights, idx = kernels.route(logits, K_TOP, norm_topk_prob=True)
+    weights64, idx64 = reference_moe.route(logits64, K_TOP, norm_topk_prob=True)
+    same = (idx == idx64).all(1)
+    cot = torch.randn_like(weights64) * same[:, None]
+    weights.backward(cot.float())
+    weights64.backward(cot)
+    res = {"tokens_with_other_experts": int((~same).sum())}
+    for name, got, want, dtype in (("weights", weights, weights64, torch.float32),
+                                   ("logits_grad", logits.grad, logits64.grad, logits.dtype)):
+        c = compare(got[same], want[same], tolerance_for("route", dtype, "out" if name == "weights" else "grad"))
+        res[name] = dict(rel_rms=c.rel_rms, max_abs_rel=c.max_abs_rel, passed=c.passed)
+    log(f"fused router vs fp64: {res}")
+    return res
+
+
 def correctness(block, x, dy):
     with torch.no_grad():
         weights, idx = kernels.route(F.linear(x, block.gate.weight), K_TOP, norm_topk_prob=True)
@@ -345,7 +386,7 @@ def correctness(block, x, dy):
     log(f"routing: {flips} of {x.shape[0]} tokens choose a different expert set in transformers' bf16 router")
     inputs = dict(x=x, weights=weights, w_gu=block.experts.gate_up_proj, w_d=block.experts.down_proj)
     ref_fn = _experts_call(fallback.swiglu_experts)
-    res = {"routing_flips_vs_transformers": flips}
+    res = {"routing_flips_vs_transformers": flips, "router": _router_errors(block, x)}
     ref = _reference(inputs, idx, dy, ref_fn)
     res["full_by_variant"] = _variant_errors(inputs, idx, dy, ref)
     res["full"] = res["full_by_variant"]["baseline"]
@@ -378,38 +419,42 @@ def _gemm_cases(block, x, dy):
     from a copy in expert order: name -> (flops, call(config))."""
     weights, idx = kernels.route(F.linear(x, block.gate.weight), K_TOP, norm_topk_prob=True)
     sched = build_schedule(idx, E, BLOCK_M)
-    S, tok, pair = idx.numel(), sched.token_S, sched.pair_S
-    w_S = weights.reshape(-1)[pair.long()].float().contiguous()
+    S = idx.numel()
+    w_P = weights.reshape(-1)
     w_gu, w_d = block.experts.gate_up_proj.detach(), block.experts.down_proj.detach()
     x, dy = x.detach(), dy.contiguous()
-    x_S, dy_S = x[tok.long()], dy[tok.long()]
+    x_S, dy_S = gather.gather_tokens(x, sched), gather.gather_tokens(dy, sched)
     new = lambda *shape: torch.empty(shape, device=x.device, dtype=x.dtype)  # noqa: E731
     gate_up, h, y, d_gate_up, dx = new(S, 2 * F_EXPERT), new(S, F_EXPERT), new(S, D), new(S, 2 * F_EXPERT), new(S, D)
     dw = torch.zeros(S, device=x.device)
     flops = 2 * S * D * F_EXPERT
     cases = {
-        "down_fwd": (flops, lambda c: gg.grouped_gemm(h, gg.Weight(w_d), sched, y, out_rows=pair, row_scale_S=w_S, config=c)),
-        "dx": (2 * flops, lambda c: gg.grouped_gemm(d_gate_up, gg.Weight(w_gu, transposed=True), sched, dx, out_rows=pair, config=c)),
+        "down_fwd": (flops, lambda c: gg.grouped_gemm(h, gg.Weight(w_d), sched, y, scatter_out=True, row_scale_P=w_P,
+                                                      config=c)),
+        "dx": (2 * flops, lambda c: gg.grouped_gemm(d_gate_up, gg.Weight(w_gu, transposed=True), sched, dx,
+                                                    scatter_out=True, config=c)),
     }
-    for rows, (xr, dyr, index) in {"permuted": (x_S, dy_S, None), "gathered": (x, dy, tok)}.items():
+    for rows, (xr, dyr, by_token) in {"permuted": (x_S, dy_S, False), "gathered": (x, dy, True)}.items():
         cases |= {
-            f"glu_fwd {rows}": (2 * flops, lambda c, xr=xr, index=index: gg.grouped_gemm(
-                xr, gg.Weight(w_gu), sched, h, mode=gg.MODE_GLU_FWD, a_rows=index, gate_up=gate_up, config=c)),
-            f"glu_bwd {rows}": (flops, lambda c, dyr=dyr, index=index: gg.grouped_gemm(
-                dyr, gg.Weight(w_d, transposed=True), sched, d_gate_up, mode=gg.MODE_GLU_BWD, a_rows=index,
-                row_scale_S=w_S, gate_up=gate_up, dw_S=dw, config=c)),
-            f"wgrad_gate_up {rows}": (2 * flops, lambda c, xr=xr, index=index: gw.grouped_wgrad(
-                d_gate_up, xr, sched, b_rows=index, config=c)),
-            f"wgrad_down {rows}": (flops, lambda c, dyr=dyr, index=index: gw.grouped_wgrad(
-                dyr, h, sched, a_rows=index, row_scale_S=w_S, config=c)),
+            f"glu_fwd {rows}": (2 * flops, lambda c, xr=xr, by_token=by_token: gg.grouped_gemm(
+                xr, gg.Weight(w_gu), sched, h, mode=gg.MODE_GLU_FWD, gather_a=by_token, gate_up=gate_up, config=c)),
+            f"glu_bwd {rows}": (flops, lambda c, dyr=dyr, by_token=by_token: gg.grouped_gemm(
+                dyr, gg.Weight(w_d, transposed=True), sched, d_gate_up, mode=gg.MODE_GLU_BWD, gather_a=by_token,
+                row_scale_P=w_P, gate_up=gate_up, dw_P=dw, config=c)),
+            f"wgrad_gate_up {rows}": (2 * flops, lambda c, xr=xr, by_token=by_token: gw.grouped_wgrad(
+                d_gate_up, xr, sched, gather_b=by_token, config=c)),
+            f"wgrad_down {rows}": (flops, lambda c, dyr=dyr, by_token=by_token: gw.grouped_wgrad(
+                dyr, h, sched, gather_a=by_token, row_scale_P=w_P, config=c)),
         }
-    return cases, dict(x=x, tok=tok, y=y)
+    return cases, dict(x=x, sched=sched, y=y)
 
 
-def _memory_passes(x, tok, y):
+def _memory_passes(x, sched, y):
     """The passes that the layouts add or change: the copy of x into expert order, the k-row sum."""
     k_rows = y.view(-1, K_TOP, D)
-    res = {"copy_x_to_expert_order": time_ms(lambda: x.index_select(0, tok), reps=5, warmup=1),
+    tokens = sched.pair_S // K_TOP
+    res = {"copy_x_to_expert_order torch": time_ms(lambda: x.index_select(0, tokens), reps=5, warmup=1),
+           "copy_x_to_expert_order triton": time_ms(lambda: gather.gather_tokens(x, sched), reps=5, warmup=1),
            "sum_k torch": time_ms(lambda: k_rows.sum(dim=1), reps=5, warmup=1),
            "sum_k triton": time_ms(lambda: combine.sum_k(y, K_TOP), reps=5, warmup=1)}
     log(f"memory passes: {res}")

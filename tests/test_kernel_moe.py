@@ -1,9 +1,11 @@
-"""MoE Triton kernels under TRITON_INTERPRET=1 vs the fp64 reference: routed SwiGLU experts forward
-and every gradient (x, routing weights, expert weights, biases, LoRA A/B), with NaN-prefilled
-buffers, x read from a copy in expert order and gathered by token, an expert that receives no tokens, an expert count divisible by nothing convenient,
-the gpt-oss GLU (clamp, alpha, interleaved gate/up, transposed weight views) and frozen experts;
-then each `Tuning` variant (h stored scaled, x copied inside the gate/up GEMM, the GLU backward on
-its own row tile, split-K weight gradients, all together) over the same kinds of problem.
+"""MoE Triton kernels under TRITON_INTERPRET=1 vs the fp64 reference: the router (top-k and the
+softmax over the k picked, forward and logit gradient; other rules fall back to torch), routed
+SwiGLU experts forward and every gradient (x, routing weights, expert weights, biases, LoRA A/B),
+with NaN-prefilled buffers, x read from a copy in expert order and gathered by token, an expert
+that receives no tokens, an expert count divisible by nothing convenient, the gpt-oss GLU (clamp,
+alpha, interleaved gate/up, transposed weight views) and frozen experts; then each `Tuning`
+setting (the GLU backward on the schedule's row tile or its own, w * h stored by the GLU backward
+for the down weight gradient, both) over the same kinds of problem.
 
 Shape legend: T tokens, D model width, E experts, F expert width, k top-k, r LoRA rank.
 fp32 inputs: under the interpreter a tl.dot on bf16 operands is wrong in triton 3.9.
@@ -17,7 +19,7 @@ import torch  # noqa: E402
 
 from reference_ops import moe as ref  # noqa: E402
 from runtime.kernels import moe as kernels  # noqa: E402
-from runtime.kernels.moe import buffers, combine, experts, grouped_wgrad, schedule  # noqa: E402
+from runtime.kernels.moe import buffers, combine, experts, gather, router, schedule  # noqa: E402
 from runtime.tolerances import assert_close  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
@@ -27,8 +29,13 @@ T, D, F_EXPERT = 37, 32, 16
 
 @pytest.fixture(autouse=True)
 def nan_buffers(monkeypatch):
-    """Every buffer a kernel writes starts as NaN, so an unwritten element fails the comparison."""
-    monkeypatch.setattr(buffers, "empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
+    """Every buffer a kernel writes starts as NaN (integer ones as their most negative value), so an
+    unwritten element fails the comparison."""
+    def poisoned(shape, dtype, device):
+        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
+        return torch.full(shape, fill, dtype=dtype, device=device)
+
+    monkeypatch.setattr(buffers, "empty", poisoned)
 
 
 def _routing(E, k, empty_expert, seed):
@@ -134,26 +141,28 @@ def test_sum_k_over_two_column_blocks():
     assert_close(out, rows_SD.double().view(5, 3, 1100).sum(1), "swiglu_experts", torch.float32, "out")
 
 
-def test_schedule_covers_every_row_once():
-    idx, _ = _routing(7, 3, 4, seed=7)
-    sched = schedule.build_schedule(idx, 7, block_m=16)
+@pytest.mark.parametrize("E,k,empty,block_m", [(7, 3, 4, 16), (600, 2, 5, 16)],
+                         ids=["E7-k3", "E600-k2-many-tile-blocks"])
+def test_schedule_covers_every_row_once(E, k, empty, block_m):
+    idx, _ = _routing(E, k, empty, seed=7)
+    sched = schedule.build_schedule(idx, E, block_m=block_m)
+    assert torch.equal(sched.ends_E.long(), torch.searchsorted(sched.expert_S, torch.arange(E), right=True))
     covered = torch.zeros(idx.numel(), dtype=torch.int64)
     for e, start in zip(sched.tile_expert.tolist(), sched.tile_start.tolist()):
-        if e < 7:
-            end = min(start + 16, int(sched.ends_E[e]))
+        if e < E:
+            end = min(start + block_m, int(sched.ends_E[e]))
             assert (sched.expert_S[start:end] == e).all()
             covered[start:end] += 1
     assert (covered == 1).all()
-    assert torch.equal(torch.sort(sched.pair_S.long()).values, torch.arange(idx.numel()))
+    assert torch.equal(torch.sort(sched.pair_S).values, torch.arange(idx.numel()))
 
 
 TUNINGS = {
-    "scaled-h": experts.Tuning(scaled_h=True),
-    "fused-x-copy": experts.Tuning(fused_x_copy=True),
+    "glu-bwd-schedule-tile": experts.Tuning(glu_bwd_block_m=None),
     # 16-row tiles split the larger experts here into two tiles, unlike the schedule's 64
     "glu-bwd-m16": experts.Tuning(glu_bwd_block_m=16),
-    "wgrad-split3": experts.Tuning(wgrad_split_k=3),
-    "all": experts.Tuning(scaled_h=True, fused_x_copy=True, glu_bwd_block_m=16, wgrad_split_k=3),
+    "glu-bwd-scaled-h": experts.Tuning(glu_bwd_scaled_h=True),
+    "all": experts.Tuning(glu_bwd_block_m=16, glu_bwd_scaled_h=True),
 }
 GPT_OSS = dict(clamp=1.5, glu_alpha=1.702, interleaved_gate_up=True)
 TUNING_PROBLEMS = {
@@ -173,29 +182,44 @@ def test_tuning_variants_match_reference(tuning, problem):
     check_experts(leaves, idx, frozen=frozen, tuning=TUNINGS[tuning], **static)
 
 
-def test_fused_x_copy_writes_every_row_of_the_copy(monkeypatch):
-    # the copy feeds only the gate/up weight gradient: check the buffer itself, not just that grad
-    leaves, idx = _problem(E=7, k=3, empty_expert=4, seed=9)
-    copies = []
-    real = experts._gate_up
-    monkeypatch.setattr(experts, "_gate_up", lambda *a: copies.append(a[-1]) or real(*a))
-    x_TD = leaves["x_TD"].requires_grad_()
-    w_gu = leaves["w_gate_up_E2FD"].requires_grad_()
-    kernels.swiglu_experts(x_TD, leaves["weights_Tk"], idx, w_gu, leaves["w_down_EDF"],
-                           tuning=experts.Tuning(fused_x_copy=True))
-    order = schedule.build_schedule(idx, 7, block_m=64).token_S.long()
-    assert copies[0] is not None and torch.equal(copies[0], x_TD.detach()[order])
+def test_gather_tokens_writes_every_sorted_row():
+    idx, _ = _routing(7, 3, 4, seed=9)
+    sched = schedule.build_schedule(idx, 7, block_m=16)
+    # D 1100 spans two 1024-wide column blocks, the second one masked
+    x_TD = torch.randn(T, 1100)
+    assert torch.equal(gather.gather_tokens(x_TD, sched), x_TD[sched.pair_S // 3])
 
 
-@pytest.mark.parametrize("split_k", [1, 2, 3])
-def test_wgrad_split_k_with_partial_and_empty_chunks(split_k):
-    # 16-row steps over about 18 rows per expert: chunks that are full, partial and empty
-    idx, _ = _routing(3, 1, 1, seed=10)
-    sched = schedule.build_schedule(idx, 3, block_m=16)
-    a_SM, b_SN, scale_S = torch.randn(T, 24), torch.randn(T, 40), torch.rand(T)
-    config = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=4)
-    out = grouped_wgrad.grouped_wgrad(a_SM, b_SN, sched, row_scale_S=scale_S, alpha=0.5, split_k=split_k, config=config)
-    expected = torch.zeros(3, 24, 40, dtype=torch.float64)
-    rows = (0.5 * a_SM.double() * scale_S.double()[:, None]).T
-    expected.index_add_(0, sched.expert_S, torch.einsum("ms,sn->smn", rows, b_SN.double()))
-    assert_close(out, expected, "swiglu_experts", torch.float32, "grad", f"split {split_k}")
+ROUTER_CASES = {
+    "softmax-norm-E20-k4": (20, 4, dict(norm_topk_prob=True)),
+    "softmax-norm-scaled-E512-k10": (512, 10, dict(norm_topk_prob=True, routed_scaling_factor=2.5)),
+    "topk-before-softmax-E7-k2": (7, 2, dict(norm_topk_prob=False, topk_before_softmax=True)),
+}
+
+
+@pytest.mark.parametrize("case", list(ROUTER_CASES))
+def test_fused_router_matches_reference(case, monkeypatch):
+    E, k, kwargs = ROUTER_CASES[case]
+    monkeypatch.setattr(router.torch_ops, "route", lambda *a, **kw: pytest.fail("fell back to the torch router"))
+    torch.manual_seed(11)
+    logits = torch.randn(63, E, requires_grad=True)
+    logits64 = logits.detach().double().requires_grad_()
+    w_run, idx_run = kernels.route(logits, k, **kwargs)
+    w_ref, idx_ref = ref.route(logits64, k, **kwargs)
+    assert w_run.dtype == torch.float32 and torch.equal(idx_run, idx_ref)
+    assert_close(w_run, w_ref, "route", torch.float32, "out", case)
+    cot = torch.randn_like(w_ref)
+    w_run.backward(cot.float())
+    w_ref.backward(cot)
+    assert_close(logits.grad, logits64.grad, "route", torch.float32, "grad", case)
+
+
+def test_router_rules_without_a_fused_form_use_torch():
+    torch.manual_seed(12)
+    logits = torch.randn(63, 12)
+    for kwargs in (dict(norm_topk_prob=False), dict(scoring="sigmoid", norm_topk_prob=True),
+                   dict(norm_topk_prob=True, num_groups=4, topk_groups=2)):
+        w_run, idx_run = kernels.route(logits, 3, **kwargs)
+        w_ref, idx_ref = ref.route(logits.double(), 3, **kwargs)
+        assert torch.equal(idx_run, idx_ref)
+        assert_close(w_run, w_ref, "route", torch.float32, "out", str(kwargs))

@@ -1,12 +1,13 @@
-"""Fused Triton kernels for MoE experts.
+"""Fused Triton kernels for MoE.
 
+- `route(...)`: the router; top-k and the softmax over the k picked in one pass forward and one
+  backward where the routing rule allows it, else the torch form (runtime/ops/moe.py).
 - `swiglu_experts(...)`: autograd op over grouped GEMMs with the token gather, the GLU, the routing
   weight and the scatter-combine fused into the GEMMs, optional expert LoRA in the same passes.
-- `Tuning`: the kernel variants under measurement (all off by default).
-- `route(...)`: the router; the torch form is used (top-k over [T, E] is a small share of the block).
+- `Tuning`: the settings under measurement (defaults: the measured best).
 Contracts are those of reference_ops/moe.py.
 """
 from runtime.kernels.moe.experts import Tuning, swiglu_experts
-from runtime.ops.moe import route
+from runtime.kernels.moe.router import route
 
 __all__ = ["Tuning", "route", "swiglu_experts"]

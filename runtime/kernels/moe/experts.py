@@ -1,16 +1,18 @@
 """Routed SwiGLU experts as one autograd op over the fused grouped kernels.
 
-Forward: gate/up grouped GEMM with the GLU in its epilogue, reading x in expert order (a copy
-when a weight gradient will read those rows again, else gathered by token); down grouped GEMM
+Forward: gate/up grouped GEMM with the GLU in its epilogue, reading x gathered by token (plus a
+copy of x in expert order when a weight gradient will read those rows again); down grouped GEMM
 with the routing weight and the scatter to pair order in its epilogue; one pass summing each
 token's k rows. Backward: one GEMM gives d(gate/up) and d(routing weight) (GLU backward in the
-epilogue), one gives dx (scattered, then summed over k), and the per-expert weight gradients run
-only for the tensors that require grad, so frozen experts under LoRA skip them. dy is always
-gathered by token: its copy (0.33 ms at T 16384, k 10, D 2048 on an H200) cost more than it saved.
-`Tuning` selects the variants under measurement; its defaults are the path measured on 2026-11-29.
+epilogue, the weight gradient added at each row's pair), one gives dx (scattered, then summed
+over k), and the per-expert weight gradients run only for the tensors that require grad, so
+frozen experts under LoRA skip them. dy is always gathered by token: its copy (0.33 ms at
+T 16384, k 10, D 2048 on an H200) cost more than it saved. The routing weights are read in the
+router's [T * k] order and the token of a sorted row is pair // k, so neither is permuted.
+`Tuning` holds the settings under measurement; its defaults are the path measured best.
 
 Shape legend: T tokens, D model width, E experts, F expert width, k top-k, r LoRA rank,
-S = T * k pairs in expert-sorted order.
+S = T * k pairs in expert-sorted order, P = T * k pairs in the router's order.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 
 from runtime.kernels.moe import buffers
 from runtime.kernels.moe.combine import sum_k
+from runtime.kernels.moe.gather import gather_tokens
 from runtime.kernels.moe.grouped_gemm import (
     MODE_GLU_BWD,
     MODE_GLU_FWD,
@@ -34,37 +37,37 @@ from runtime.kernels.moe.schedule import Schedule, build_schedule, retiled
 
 @dataclass(frozen=True)
 class Tuning:
-    """Kernel variants for side-by-side benchmarking (bench/bench_moe.py); every default is off."""
+    """Settings timed side by side in bench/bench_moe.py; defaults are the measured best."""
 
-    # h is stored times the routing weight, so the down weight gradient and LoRA-down grads need no
-    # row scale (the down bias then takes the weight in the down GEMM's epilogue)
-    scaled_h: bool = False
-    # the gate/up GEMM writes x's expert-order copy as it reads x, instead of a separate pass
-    fused_x_copy: bool = False
-    # row tile of the GLU backward GEMM alone (None: the schedule's tile)
-    glu_bwd_block_m: int | None = None
-    # programs per expert in the two dense weight gradients (1: one reduction per output tile)
-    wgrad_split_k: int = 1
+    # row tile of the schedule, so of every grouped GEMM (None: 128, or 64 when experts average
+    # under 128 rows). Tiles are padded per expert: at ~320 rows per expert 64 wastes ~10% of the
+    # rows against ~20% for 128, at the price of lower reuse per loaded weight tile.
+    block_m: int | None = None
+    # row tile of the GLU backward GEMM alone (None: the schedule's tile). 64 measured 12.44 against
+    # 12.83 ms for the block fwd+bwd on an H200 (2026-11-29): less padding per expert (~320 rows).
+    glu_bwd_block_m: int | None = 64
+    # the GLU backward GEMM also stores w * h (w the routing weight), so that the down weight
+    # gradient (and LoRA A_d's) read it as is instead of scaling dy's tiles in registers
+    glu_bwd_scaled_h: bool = False
 
 
 @dataclass(frozen=True)
 class Rows:
-    """Rows in expert-sorted order: row s is data[index[s]], or data[s] when index is None."""
+    """A GEMM operand's rows: data[pair(s) // k] for sorted row s when by_token, else data[s]."""
 
     data: torch.Tensor
-    index: torch.Tensor | None
-
-    def materialized(self) -> torch.Tensor:
-        return self.data if self.index is None else self.data[self.index.long()]
+    by_token: bool
 
 
-def _x_in_expert_order(x_TD: torch.Tensor, sched: Schedule, reread: bool) -> Rows:
+def _x_rows(x_TD: torch.Tensor, sched: Schedule, reread: bool) -> Rows:
     # The gate/up GEMM gathers rows as fast as it reads a copy (1.60 vs 1.61 ms on an H200 at
     # T 16384, k 10, D 2048), but the gate/up weight gradient reduces over rows and was 2.33 ms
     # gathered against 1.94 ms on the copy, which itself costs 0.33 ms: copy only for that reader.
+    # (A copy written by the gate/up GEMM from the tiles it loads gave wrong outputs on the H200
+    # under triton 3.6, rel RMS 0.28, while it passed in the interpreter; it was removed.)
     if reread:
-        return Rows(x_TD.index_select(0, sched.token_S), None)
-    return Rows(x_TD, sched.token_S)
+        return Rows(gather_tokens(x_TD, sched), False)
+    return Rows(x_TD, True)
 
 
 @dataclass(frozen=True)
@@ -83,26 +86,24 @@ def _block_m(num_rows: int, num_experts: int) -> int:
     return 64 if num_rows < 128 * num_experts else 128
 
 
-def _gate_up(x: Rows, w_gu, b_gu, lora: Lora, sched: Schedule, glu: Glu, h_scale_S=None, x_copy=None):
-    """-> (gate_up_S2F pre-activation, h_SF (times h_scale_S when given), xa_Sr or None);
-    x_copy [S, D], when given, receives x's rows in expert order."""
+def _gate_up(x: Rows, w_gu, b_gu, lora: Lora, sched: Schedule, glu: Glu):
+    """-> (gate_up_S2F pre-activation, h_SF, xa_Sr or None)."""
     S, two_f, dtype, device = sched.pair_S.numel(), w_gu.shape[1], x.data.dtype, x.data.device
     xa = None
     low_rank = None
     if lora.A_gu_ErD is not None:
         xa = grouped_gemm(x.data, Weight(lora.A_gu_ErD), sched, buffers.empty((S, lora.A_gu_ErD.shape[1]), dtype, device),
-                          a_rows=x.index)
+                          gather_a=x.by_token)
         low_rank = LowRank(xa, Weight(lora.B_gu_E2Fr), lora.scale)
     gate_up = buffers.empty((S, two_f), dtype, device)
     h = buffers.empty((S, two_f // 2), dtype, device)
-    grouped_gemm(x.data, Weight(w_gu), sched, h, mode=MODE_GLU_FWD, a_rows=x.index, bias_EN=b_gu,
-                 low_rank=low_rank, gate_up=gate_up, glu=glu, row_scale_S=h_scale_S, a_copy=x_copy)
+    grouped_gemm(x.data, Weight(w_gu), sched, h, mode=MODE_GLU_FWD, gather_a=x.by_token, bias_EN=b_gu,
+                 low_rank=low_rank, gate_up=gate_up, glu=glu)
     return gate_up, h, xa
 
 
-def _down(h_SF, w_d, b_d, w_S, lora: Lora, sched: Schedule, k: int, h_scaled: bool):
-    """-> (y_TD, ha_Sr or None): the weighted rows land in pair order, then sum over k.
-    h_scaled: h_SF already carries the routing weight, which then only the bias still needs."""
+def _down(h_SF, w_d, b_d, w_P, lora: Lora, sched: Schedule):
+    """-> (y_TD, ha_Sr or None): the weighted rows land in pair order, then sum over k."""
     S, D = h_SF.shape[0], w_d.shape[1]
     ha = None
     low_rank = None
@@ -110,10 +111,8 @@ def _down(h_SF, w_d, b_d, w_S, lora: Lora, sched: Schedule, k: int, h_scaled: bo
         ha = grouped_gemm(h_SF, Weight(lora.A_d_ErF), sched, buffers.empty((S, lora.A_d_ErF.shape[1]), h_SF.dtype, h_SF.device))
         low_rank = LowRank(ha, Weight(lora.B_d_EDr), lora.scale)
     y_pairs = buffers.empty((S, D), h_SF.dtype, h_SF.device)
-    row_scale_S = w_S if not h_scaled or b_d is not None else None
-    grouped_gemm(h_SF, Weight(w_d), sched, y_pairs, out_rows=sched.pair_S, row_scale_S=row_scale_S, bias_EN=b_d,
-                 low_rank=low_rank, scale_bias_only=h_scaled and b_d is not None)
-    return sum_k(y_pairs, k), ha
+    grouped_gemm(h_SF, Weight(w_d), sched, y_pairs, scatter_out=True, row_scale_P=w_P, bias_EN=b_d, low_rank=low_rank)
+    return sum_k(y_pairs, sched.top_k), ha
 
 
 _INPUTS = ["x", "weights", "idx", "w_gu", "w_d", "b_gu", "b_d", "A_gu", "B_gu", "A_d", "B_d"]
@@ -124,45 +123,39 @@ class _SwigluExperts(torch.autograd.Function):
     def forward(ctx, x_TD, weights_Tk, idx_Tk, w_gu, w_d, b_gu, b_d, A_gu, B_gu, A_d, B_d, scale, glu, tuning):
         T, k = idx_Tk.shape
         E = w_gu.shape[0]
-        sched = build_schedule(idx_Tk, E, _block_m(T * k, E))
-        w_S = weights_Tk.reshape(-1)[sched.pair_S.long()].float().contiguous()
+        sched = build_schedule(idx_Tk, E, tuning.block_m or _block_m(T * k, E))
+        w_P = weights_Tk.reshape(-1).contiguous()
         lora = Lora(A_gu, B_gu, A_d, B_d, scale)
         need = dict(zip(_INPUTS, ctx.needs_input_grad))
         # x only feeds the gradients of the gate/up weights and of LoRA's A there
         keep_x = need["w_gu"] or need["A_gu"]
-        fuse_copy = keep_x and tuning.fused_x_copy
-        x = _x_in_expert_order(x_TD, sched, keep_x and not fuse_copy)
-        x_copy = buffers.empty((T * k, x_TD.shape[1]), x_TD.dtype, x_TD.device) if fuse_copy else None
-        h_scale_S = w_S if tuning.scaled_h else None
-        gate_up, h, xa = _gate_up(x, w_gu, b_gu, lora, sched, glu, h_scale_S, x_copy)
-        x = Rows(x_copy, None) if fuse_copy else x
-        y_TD, ha = _down(h, w_d, b_d, w_S, lora, sched, k, tuning.scaled_h)
-        ctx.save_for_backward(x.data if keep_x else None, w_S, w_gu, w_d, b_d, A_gu, B_gu, A_d, B_d, gate_up, h, xa, ha)
-        ctx.sched, ctx.scale, ctx.glu, ctx.k, ctx.x_index = sched, scale, glu, k, x.index
-        ctx.tuning = tuning
+        x = _x_rows(x_TD, sched, keep_x)
+        gate_up, h, xa = _gate_up(x, w_gu, b_gu, lora, sched, glu)
+        y_TD, ha = _down(h, w_d, b_d, w_P, lora, sched)
+        ctx.save_for_backward(x.data if keep_x else None, w_P, idx_Tk, w_gu, w_d, b_d, A_gu, B_gu, A_d, B_d,
+                              gate_up, h, xa, ha)
+        ctx.sched, ctx.scale, ctx.glu, ctx.x_by_token, ctx.tuning = sched, scale, glu, x.by_token, tuning
         ctx.dtypes = {"x": x_TD.dtype, "weights": weights_Tk.dtype, "b_gu": getattr(b_gu, "dtype", None),
                       "b_d": getattr(b_d, "dtype", None)}
         return y_TD
 
     @staticmethod
     def backward(ctx, dy_TD):
-        x_data, w_S, w_gu, w_d, b_d, A_gu, B_gu, A_d, B_d, gate_up, h, xa, ha = ctx.saved_tensors
+        x_data, w_P, idx_Tk, w_gu, w_d, b_d, A_gu, B_gu, A_d, B_d, gate_up, h, xa, ha = ctx.saved_tensors
         need = dict(zip(_INPUTS, ctx.needs_input_grad))
         sched = ctx.sched
-        x = Rows(x_data, ctx.x_index)
-        dy = Rows(dy_TD.contiguous().to(ctx.dtypes["x"]), sched.token_S)
+        x = Rows(x_data, ctx.x_by_token)
+        dy = Rows(dy_TD.contiguous().to(ctx.dtypes["x"]), True)
         lora = Lora(A_gu, B_gu, A_d, B_d, ctx.scale)
-        tuning = ctx.tuning
-        glu_sched = _own_tiles(sched, tuning.glu_bwd_block_m)
-        d_gate_up, dw_S, dyb = _backward_glu(dy, w_d, b_d, w_S, gate_up, lora, glu_sched, ctx.glu, need["weights"])
+        glu_sched = _own_tiles(sched, ctx.tuning.glu_bwd_block_m)
+        want_hs = ctx.tuning.glu_bwd_scaled_h and (need["w_d"] or need["A_d"])
+        d_gate_up, dw_P, dyb, hs = _backward_glu(dy, w_d, w_P, gate_up, lora, glu_sched, ctx.glu, need["weights"],
+                                                 want_hs)
         lg = None
         if A_gu is not None and (need["x"] or need["A_gu"]):
             lg = _lora_grad_rows(d_gate_up, lora, sched)
-        grads = _input_grads(d_gate_up, dw_S, w_gu, lg, lora, sched, ctx.k, need)
-        # h (and ha from it) carry the routing weight already when scaled_h is on
-        h_scale_S = None if tuning.scaled_h else w_S
-        grads |= _weight_grads(x, dy, d_gate_up, w_S, h_scale_S, h, xa, ha, dyb, lg, lora, sched, need,
-                               tuning.wgrad_split_k)
+        grads = _input_grads(d_gate_up, dw_P, w_gu, b_d, dy.data, idx_Tk, lg, lora, sched, need)
+        grads |= _weight_grads(x, dy, d_gate_up, w_P, idx_Tk, h, hs, xa, ha, dyb, lg, lora, sched, need)
         params = dict(w_gu=w_gu, w_d=w_d, A_gu=A_gu, B_gu=B_gu, A_d=A_d, B_d=B_d)
         return (*(_cast(grads.get(n), params.get(n), ctx.dtypes.get(n)) for n in need), None, None, None)
 
@@ -171,22 +164,23 @@ def _own_tiles(sched: Schedule, block_m: int | None) -> Schedule:
     return sched if block_m is None or block_m == sched.block_m else retiled(sched, block_m)
 
 
-def _backward_glu(dy: Rows, w_d, b_d, w_S, gate_up, lora: Lora, sched: Schedule, glu: Glu, want_dw: bool):
-    """-> (d_gate_up_S2F, d(routing weight) per sorted row or None, dy @ B_d per row or None)."""
+def _backward_glu(dy: Rows, w_d, w_P, gate_up, lora: Lora, sched: Schedule, glu: Glu, want_dw: bool, want_hs: bool):
+    """-> (d_gate_up_S2F, d(routing weight) in pair order [T * k] or None, dy @ B_d per row or None,
+    w * h per sorted row or None)."""
     S, dtype, device = sched.pair_S.numel(), dy.data.dtype, dy.data.device
     dyb = None
     low_rank = None
     if lora.A_d_ErF is not None:
         dyb = grouped_gemm(dy.data, Weight(lora.B_d_EDr, transposed=True), sched,
-                           buffers.empty((S, lora.B_d_EDr.shape[2]), dtype, device), a_rows=dy.index)
+                           buffers.empty((S, lora.B_d_EDr.shape[2]), dtype, device), gather_a=dy.by_token)
         low_rank = LowRank(dyb, Weight(lora.A_d_ErF, transposed=True), lora.scale)
     d_gate_up = buffers.empty(gate_up.shape, dtype, device)
-    dw_S = torch.zeros(S, dtype=torch.float32, device=device) if want_dw else None
-    grouped_gemm(dy.data, Weight(w_d, transposed=True), sched, d_gate_up, mode=MODE_GLU_BWD, a_rows=dy.index,
-                 row_scale_S=w_S, low_rank=low_rank, gate_up=gate_up, dw_S=dw_S, glu=glu)
-    if dw_S is not None and b_d is not None:
-        dw_S = dw_S + (dy.materialized().float() * b_d[sched.expert_S].float()).sum(-1)
-    return d_gate_up, dw_S, dyb
+    # the kernel adds one partial sum per column tile into each pair's entry
+    dw_P = torch.zeros(S, dtype=torch.float32, device=device) if want_dw else None
+    hs = buffers.empty((S, gate_up.shape[1] // 2), dtype, device) if want_hs else None
+    grouped_gemm(dy.data, Weight(w_d, transposed=True), sched, d_gate_up, mode=MODE_GLU_BWD, gather_a=dy.by_token,
+                 row_scale_P=w_P, low_rank=low_rank, gate_up=gate_up, dw_P=dw_P, scaled_h=hs, glu=glu)
+    return d_gate_up, dw_P, dyb, hs
 
 
 def _cast(grad, like, dtype):
@@ -195,41 +189,45 @@ def _cast(grad, like, dtype):
     return grad.to(like.dtype if like is not None else dtype)
 
 
-def _input_grads(d_gate_up, dw_S, w_gu, lg, lora: Lora, sched: Schedule, k: int, need: dict) -> dict:
+def _input_grads(d_gate_up, dw_P, w_gu, b_d, dy_TD, idx_Tk, lg, lora: Lora, sched: Schedule, need: dict) -> dict:
     grads = {}
-    if dw_S is not None:
-        dw_pairs = torch.empty_like(dw_S)
-        dw_pairs[sched.pair_S.long()] = dw_S
-        grads["weights"] = dw_pairs.view(-1, k)
+    k = sched.top_k
+    if dw_P is not None:
+        dw_Tk = dw_P.view(-1, k)
+        if b_d is not None:
+            # the down bias is scaled by the routing weight too: d w[t, j] += dy[t] . b_d[idx[t, j]]
+            dw_Tk = dw_Tk + (dy_TD.float() @ b_d.float().T).gather(1, idx_Tk)
+        grads["weights"] = dw_Tk
     if need["x"]:
         low_rank = LowRank(lg, Weight(lora.A_gu_ErD, transposed=True), lora.scale) if lg is not None else None
         dx_pairs = buffers.empty((d_gate_up.shape[0], w_gu.shape[2]), d_gate_up.dtype, d_gate_up.device)
-        grouped_gemm(d_gate_up, Weight(w_gu, transposed=True), sched, dx_pairs, out_rows=sched.pair_S, low_rank=low_rank)
+        grouped_gemm(d_gate_up, Weight(w_gu, transposed=True), sched, dx_pairs, scatter_out=True, low_rank=low_rank)
         grads["x"] = sum_k(dx_pairs, k)
     return grads
 
 
-def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_S, h_scale_S, h, xa, ha, dyb, lg, lora: Lora, sched: Schedule,
-                  need: dict, split_k: int) -> dict:
-    """h_scale_S: the routing weight h and ha still need (None when stored scaled)."""
+def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_P, idx_Tk, h, hs, xa, ha, dyb, lg, lora: Lora, sched: Schedule,
+                  need: dict) -> dict:
+    """hs: w * h per sorted row when the GLU backward stored it, else None (h then takes w as a row scale)."""
     s = lora.scale
+    h_scaled, h_scale_P = (hs, None) if hs is not None else (h, w_P)
     grads = {}
     if need["w_gu"]:
-        grads["w_gu"] = grouped_wgrad(d_gate_up, x.data, sched, b_rows=x.index, split_k=split_k)
+        grads["w_gu"] = grouped_wgrad(d_gate_up, x.data, sched, gather_b=x.by_token)
     if need["w_d"]:
-        grads["w_d"] = grouped_wgrad(dy.data, h, sched, a_rows=dy.index, row_scale_S=h_scale_S, split_k=split_k)
+        grads["w_d"] = grouped_wgrad(dy.data, h_scaled, sched, gather_a=dy.by_token, row_scale_P=h_scale_P)
     if need["b_gu"]:
         grads["b_gu"] = _segment_sum(d_gate_up.float(), sched)
     if need["b_d"]:
-        grads["b_d"] = _segment_sum(dy.materialized().float() * w_S[:, None], sched)
+        grads["b_d"] = _routed_sum(dy.data.float(), w_P, idx_Tk, sched.num_experts)
     if need["A_gu"]:
-        grads["A_gu"] = grouped_wgrad(lg, x.data, sched, b_rows=x.index, alpha=s)
+        grads["A_gu"] = grouped_wgrad(lg, x.data, sched, gather_b=x.by_token, alpha=s)
     if need["B_gu"]:
         grads["B_gu"] = grouped_wgrad(d_gate_up, xa, sched, alpha=s)
     if need["A_d"]:
-        grads["A_d"] = grouped_wgrad(dyb, h, sched, row_scale_S=h_scale_S, alpha=s)
+        grads["A_d"] = grouped_wgrad(dyb, h_scaled, sched, row_scale_P=h_scale_P, alpha=s)
     if need["B_d"]:
-        grads["B_d"] = grouped_wgrad(dy.data, ha, sched, a_rows=dy.index, row_scale_S=h_scale_S, alpha=s)
+        grads["B_d"] = grouped_wgrad(dy.data, ha, sched, gather_a=dy.by_token, row_scale_P=w_P, alpha=s)
     return grads
 
 
@@ -242,6 +240,13 @@ def _lora_grad_rows(d_gate_up, lora: Lora, sched: Schedule) -> torch.Tensor:
 def _segment_sum(rows_SN: torch.Tensor, sched: Schedule) -> torch.Tensor:
     out = torch.zeros(sched.num_experts, rows_SN.shape[1], dtype=torch.float32, device=rows_SN.device)
     return out.index_add_(0, sched.expert_S, rows_SN)
+
+
+def _routed_sum(rows_TN: torch.Tensor, w_P: torch.Tensor, idx_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E, N]: sum over pairs (t, j) routed to e of w[t, j] * rows[t], as (routing matrix)^T @ rows."""
+    route_TE = torch.zeros(rows_TN.shape[0], num_experts, dtype=torch.float32, device=rows_TN.device)
+    route_TE.scatter_add_(1, idx_Tk, w_P.view(idx_Tk.shape).float())
+    return route_TE.T @ rows_TN
 
 
 def swiglu_experts(
@@ -264,7 +269,7 @@ def swiglu_experts(
 ) -> torch.Tensor:
     """Routed experts, y_TD = sum_j weights[t, j] * expert_{idx[t, j]}(x[t]), in x's dtype.
     Contract of reference_ops/moe.py; the kernels implement silu and the gpt-oss GLU only.
-    `tuning` picks kernel variants (numerically equivalent; the default is the validated path)."""
+    `tuning` picks settings under measurement (numerically equivalent; the default is the measured best)."""
     if activation != "silu" and glu_alpha is None:
         raise ValueError(f"swiglu_experts kernel: activation {activation!r} is not fused; use runtime.ops.moe")
     A_gu, B_gu = lora_gate_up if lora_gate_up is not None else (None, None)

@@ -2,17 +2,16 @@
 
 One kernel, three epilogues (MODE):
 - PLAIN: optional row scale, then a store to C[s] or scattered to C[pair(s)] (the down projection's
-  weighted combine, and dx). With SCALE_BIAS_ONLY the rows of A already carry the row scale
-  (h stored scaled), so only the bias takes it.
+  weighted combine, and dx).
 - GLU_FWD: each program owns BLOCK_N gate/up units and runs two dots over the same A tile, one
   for the gate rows of W and one for the up rows; stores the pre-activation gate/up (kept for
-  the backward) and h = glu(gate, up) (times the row scale with ROW_SCALE), with no reshuffling
-  of the accumulator. With COPY_A the programs of the first column tile also write the A rows
-  they read into a copy in sorted order, which spares the weight gradient a gather pass.
+  the backward) and h = glu(gate, up), with no reshuffling of the accumulator.
 - GLU_BWD: acc = dy @ W_down[e] = dh / w; recomputes h from the saved gate/up, adds the routing
-  weight gradient sum(acc * h) (atomically, one add per column tile), and stores d(gate/up).
-A's rows may be read through `a_row` (the token of a sorted row), so x and dy need no copy in
-expert order. The optional low-rank term is LoRA: scale * L[s] @ R[e]^T with L [S, r].
+  weight gradient sum(acc * h) at the row's pair (atomically, one add per column tile), and
+  stores d(gate/up); with STORE_SCALED_H also w * h, for a down weight gradient without a row scale.
+With GATHER_A row s of A is A[pair(s) // k], the sorted row's token, so x and dy need no copy in
+expert order; the row scale (the routing weight) is read at pair(s), in the router's [T * k]
+order. The optional low-rank term is LoRA: scale * L[s] @ R[e]^T with L [S, r].
 
 Shape legend: S sorted rows, N output columns of the accumulator, K reduction width,
 E experts, r LoRA rank. W[e] is addressed as [N, K] through its strides, so nn.Linear
@@ -20,6 +19,7 @@ layouts and their transposes both work without copies.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -78,14 +78,11 @@ def _column_map(pid_n, N, MODE: tl.constexpr, BLOCK_N: tl.constexpr, row_mult):
 
 @triton.jit
 def _mainloop(a_ptr, stride_am, a_rows, row_ok, w_ptr, stride_wn, stride_wk, w_rows, col_ok, K, up_offset,
-              copy_ptr, copy_rows, copy_ok, COPY_A: tl.constexpr,
               PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-    """A[a_rows] @ W[w_rows]^T; with PAIR also A[a_rows] @ W[w_rows + up_offset]^T from the same A tile.
-    With COPY_A each A tile is also stored at copy[copy_rows] where copy_ok, a [rows, K] contiguous buffer."""
+    """A[a_rows] @ W[w_rows]^T; with PAIR also A[a_rows] @ W[w_rows + up_offset]^T from the same A tile."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :]
-    copy_ptrs = copy_ptr + copy_rows[:, None].to(tl.int64) * K + offs_k[None, :]
     w_ptrs = w_ptr + w_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None].to(tl.int64) * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -98,9 +95,6 @@ def _mainloop(a_ptr, stride_am, a_rows, row_ok, w_ptr, stride_wn, stride_wk, w_r
             a_mask = row_ok[:, None] & k_ok[None, :]
             w_mask = col_ok[None, :] & k_ok[:, None]
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        if COPY_A:
-            tl.store(copy_ptrs, a, mask=a_mask & copy_ok[:, None])
-            copy_ptrs += BLOCK_K
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
         if PAIR:
@@ -136,13 +130,6 @@ def _extra_terms(acc, rows, row_ok, w_rows, col_ok, l_ptr, stride_lm, r_ptr, str
 
 
 @triton.jit
-def _first_column_tile(row_ok, pid_n):
-    """row_ok in the programs of column tile 0, else all False: one program per row tile copies A.
-    (A vector compare: the interpreter rejects a scalar bool in a store mask.)"""
-    return row_ok & (tl.zeros_like(row_ok.to(tl.int32)) == pid_n)
-
-
-@triton.jit
 def _bias_row(bias_ptr, w_rows, col_ok):
     return tl.load(bias_ptr + w_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
 
@@ -157,17 +144,16 @@ def _store_pair(ptr, stride_m, rows, first_cols, second_offset, mask, first, sec
 
 @triton.jit
 def grouped_gemm_kernel(
-    a_ptr, stride_am, a_row_ptr,
+    a_ptr, stride_am,
     w_ptr, stride_we, stride_wn, stride_wk,
-    c_ptr, stride_cm, c_row_ptr,
+    c_ptr, stride_cm,
     scale_ptr, bias_ptr, stride_be,
     l_ptr, stride_lm, r_ptr, stride_re, stride_rn, stride_rr, rank, lora_scale,
-    gu_ptr, stride_gum, dw_ptr, copy_ptr,
-    tile_expert_ptr, tile_start_ptr, ends_ptr,
+    gu_ptr, stride_gum, dw_ptr, hs_ptr, stride_hsm,
+    pair_ptr, tile_expert_ptr, tile_start_ptr, ends_ptr,
     N, K, num_experts, row_mult, up_offset, limit, alpha,
-    MODE: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, ROW_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, WANT_DW: tl.constexpr, SCALE_BIAS_ONLY: tl.constexpr,
-    COPY_A: tl.constexpr,
+    TOP_K: tl.constexpr, MODE: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, ROW_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, WANT_DW: tl.constexpr, STORE_SCALED_H: tl.constexpr,
     CLAMP: tl.constexpr, HAS_ALPHA: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
@@ -179,42 +165,42 @@ def grouped_gemm_kernel(
         return
     rows = tl.load(tile_start_ptr + pid_tile) + tl.arange(0, BLOCK_M)
     row_ok = rows < tl.load(ends_ptr + e)
-    a_rows = tl.load(a_row_ptr + rows, mask=row_ok, other=0) if GATHER_A else rows
+    # int32 (S = T * k < 2**31) over a constexpr k: the division compiles to a multiply and shift
+    pairs = tl.load(pair_ptr + rows, mask=row_ok, other=0).to(tl.int32)
+    a_rows = pairs // TOP_K if GATHER_A else rows
     units, w_rows, col_ok = _column_map(pid_n, N, MODE, BLOCK_N, row_mult)
     e64 = e.to(tl.int64)
     acc, acc_up = _mainloop(a_ptr, stride_am, a_rows, row_ok, w_ptr + e64 * stride_we, stride_wn, stride_wk, w_rows,
-                            col_ok, K, up_offset, copy_ptr, rows, _first_column_tile(row_ok, pid_n), COPY_A,
-                            MODE == 1, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+                            col_ok, K, up_offset, MODE == 1, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
     r_ptr += e64 * stride_re
     bias_ptr += e64 * stride_be
     acc = _extra_terms(acc, rows, row_ok, w_rows, col_ok, l_ptr, stride_lm, r_ptr, stride_rn, stride_rr, rank,
                        lora_scale, bias_ptr, HAS_LORA, HAS_BIAS, BLOCK_R, PRECISION)
     mask = row_ok[:, None] & col_ok[None, :]
+    if ROW_SCALE:
+        row_scale = tl.load(scale_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     if MODE == 0:
         if ROW_SCALE:
-            row_scale = tl.load(scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
-            if SCALE_BIAS_ONLY:
-                acc += row_scale * _bias_row(bias_ptr, w_rows, col_ok)
-            else:
-                acc = acc * row_scale
-        c_rows = tl.load(c_row_ptr + rows, mask=row_ok, other=0) if SCATTER_C else rows
+            acc = acc * row_scale
+        c_rows = pairs if SCATTER_C else rows
         tl.store(c_ptr + c_rows[:, None].to(tl.int64) * stride_cm + w_rows[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
     elif MODE == 1:
         acc_up = _extra_terms(acc_up, rows, row_ok, w_rows + up_offset, col_ok, l_ptr, stride_lm, r_ptr, stride_rn,
                               stride_rr, rank, lora_scale, bias_ptr, HAS_LORA, HAS_BIAS, BLOCK_R, PRECISION)
         _store_pair(gu_ptr, stride_gum, rows, w_rows, up_offset, mask, acc, acc_up)
         h = _glu_forward(acc, acc_up, CLAMP, limit, HAS_ALPHA, alpha)
-        if ROW_SCALE:
-            h = h * tl.load(scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
         tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_cm + units[None, :], h.to(c_ptr.dtype.element_ty), mask=mask)
     else:
         gu_base = gu_ptr + rows[:, None].to(tl.int64) * stride_gum + (units * row_mult)[None, :]
         gate0 = tl.load(gu_base, mask=mask, other=0.0).to(tl.float32)
         up0 = tl.load(gu_base + up_offset, mask=mask, other=0.0).to(tl.float32)
-        dh = acc * tl.load(scale_ptr + rows, mask=row_ok, other=0.0)[:, None] if ROW_SCALE else acc
+        dh = acc * row_scale if ROW_SCALE else acc
         h, d_gate, d_up = _glu_backward(gate0, up0, dh, CLAMP, limit, HAS_ALPHA, alpha)
         if WANT_DW:
-            tl.atomic_add(dw_ptr + rows, tl.sum(acc * h, axis=1), mask=row_ok)
+            tl.atomic_add(dw_ptr + pairs, tl.sum(acc * h, axis=1), mask=row_ok)
+        if STORE_SCALED_H:
+            tl.store(hs_ptr + rows[:, None].to(tl.int64) * stride_hsm + units[None, :],
+                     (h * row_scale).to(hs_ptr.dtype.element_ty), mask=mask)
         _store_pair(c_ptr, stride_cm, rows, units * row_mult, up_offset, mask, d_gate, d_up)
 
 
@@ -228,11 +214,16 @@ def _tuned_configs() -> list[triton.Config]:
     # Winners of the per-GEMM sweep in bench/bench_moe.py --sweep (H200, triton 3.6, Qwen3-Next
     # widths, 2026-11-29): gate/up forward and GLU backward 128 units / stages 4 (1.60 and 1.33 ms;
     # 256 units do not fit in shared memory with two accumulators), down forward 128 / stages 3
-    # (1.05 ms), dx 256 / stages 3 (1.34 ms).
+    # (1.05 ms), dx 256 / stages 3 (1.34 ms). The last two are for 64-row tiles (Tuning.block_m,
+    # glu_bwd_block_m), where they fit without spills (ptxas for sm_90a, triton 3.9, with the
+    # launch's divisibility hints: the GLU backward spills at 128 rows x 128 units with 8 warps and
+    # at 64 rows x 256 units, not at 64 x 128).
     return [
         triton.Config({"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
         triton.Config({"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
         triton.Config({"BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=4),
+        triton.Config({"BLOCK_N": 128, "BLOCK_K": 128}, num_warps=8, num_stages=3),
     ]
 
 
@@ -240,7 +231,7 @@ _even_k_kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLO
 # The dw buffer is accumulated atomically, so autotuning must undo its trial runs on it.
 _tuned_kernel = triton.autotune(
     configs=_tuned_configs(),
-    key=["N", "K", "MODE", "BLOCK_M", "HAS_LORA", "GATHER_A", "SCATTER_C", "COPY_A"],
+    key=["N", "K", "MODE", "BLOCK_M", "HAS_LORA", "GATHER_A", "SCATTER_C", "STORE_SCALED_H"],
     restore_value=["dw_ptr"],
 )(_even_k_kernel)
 # Narrow outputs (the rank-r LoRA projections) take one fixed config sized to N.
@@ -290,15 +281,20 @@ def _small_block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, a_rows=None, out_rows=None,
-                 row_scale_S=None, bias_EN=None, low_rank: LowRank | None = None, gate_up=None, dw_S=None,
-                 glu: Glu = Glu(), scale_bias_only=False, a_copy=None, config: dict | None = None):
-    """Runs the kernel over every row tile of `sched`; writes `out` (and gate_up / dw_S by mode).
-    scale_bias_only (PLAIN): row_scale_S multiplies the bias only, A's rows being scaled already.
-    a_copy (GLU_FWD, contiguous [S, K]): receives A's rows in sorted order.
-    `config` (BLOCK_N, BLOCK_K, num_warps, num_stages) bypasses the autotuner (benchmark sweeps)."""
-    if scale_bias_only and (bias_EN is None or row_scale_S is None):
-        raise ValueError("grouped_gemm: scale_bias_only needs both bias_EN and row_scale_S")
+@functools.cache
+def _dw_placeholder(device: torch.device) -> torch.Tensor:
+    # dw_ptr's own placeholder when no routing-weight gradient is wanted: the autotuner saves and
+    # restores whatever is passed there. Cached, so that no launch fills a fresh one per call.
+    return torch.zeros(1, dtype=torch.float32, device=device)
+
+
+def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, gather_a=False, scatter_out=False,
+                 row_scale_P=None, bias_EN=None, low_rank: LowRank | None = None, gate_up=None, dw_P=None,
+                 scaled_h=None, glu: Glu = Glu(), config: dict | None = None):
+    """Runs the kernel over every row tile of `sched`; writes `out` (and gate_up / dw_P / scaled_h by mode).
+    gather_a: A is [T, K], sorted row s reads A[pair(s) // k]; scatter_out: row s lands at out[pair(s)].
+    row_scale_P and dw_P are in pair order ([T * k], the router's). `config` (BLOCK_N, BLOCK_K,
+    num_warps, num_stages) bypasses the autotuner (benchmark sweeps)."""
     # Accumulator columns: W's N rows, or the F gate/up units in the GLU modes (2F rows of W in GLU_FWD).
     N, K = w.data.shape[2 if w.transposed else 1], a_SK.shape[1]
     N = N // 2 if mode == MODE_GLU_FWD else N
@@ -306,24 +302,23 @@ def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, a_ro
     dummy = a_SK
     lr = low_rank or LowRank(dummy, Weight(w.data), 0.0)
     args = (
-        a_SK, a_SK.stride(0), a_rows if a_rows is not None else sched.pair_S,
+        a_SK, a_SK.stride(0),
         w.data, *w.strides(),
-        out, out.stride(0), out_rows if out_rows is not None else sched.pair_S,
-        row_scale_S if row_scale_S is not None else dummy,
+        out, out.stride(0),
+        row_scale_P if row_scale_P is not None else dummy,
         bias_EN if bias_EN is not None else dummy, bias_EN.stride(0) if bias_EN is not None else 0,
         lr.left_Sr, lr.left_Sr.stride(0), lr.right.data, *lr.right.strides(), lr.left_Sr.shape[1], lr.scale,
         gate_up if gate_up is not None else dummy, gate_up.stride(0) if gate_up is not None else 0,
-        # its own placeholder: the autotuner saves and restores whatever is passed here
-        dw_S if dw_S is not None else torch.zeros(1, dtype=torch.float32, device=a_SK.device),
-        a_copy if a_copy is not None else dummy,
-        sched.tile_expert, sched.tile_start, sched.ends_E,
+        dw_P if dw_P is not None else _dw_placeholder(a_SK.device),
+        scaled_h if scaled_h is not None else dummy, scaled_h.stride(0) if scaled_h is not None else 0,
+        sched.pair_S, sched.tile_expert, sched.tile_start, sched.ends_E,
         N, K, sched.num_experts, row_mult, up_offset,
         glu.clamp if glu.clamp is not None else 0.0, glu.alpha if glu.alpha is not None else 1.0,
     )
     flags = dict(
-        MODE=mode, GATHER_A=a_rows is not None, SCATTER_C=out_rows is not None, ROW_SCALE=row_scale_S is not None,
-        HAS_BIAS=bias_EN is not None and not scale_bias_only, HAS_LORA=low_rank is not None, WANT_DW=dw_S is not None,
-        SCALE_BIAS_ONLY=scale_bias_only, COPY_A=a_copy is not None,
+        TOP_K=sched.top_k, MODE=mode, GATHER_A=gather_a, SCATTER_C=scatter_out, ROW_SCALE=row_scale_P is not None,
+        HAS_BIAS=bias_EN is not None, HAS_LORA=low_rank is not None, WANT_DW=dw_P is not None,
+        STORE_SCALED_H=scaled_h is not None,
         CLAMP=glu.clamp is not None, HAS_ALPHA=glu.alpha is not None, PRECISION=_dot_precision(a_SK.dtype),
         BLOCK_M=sched.block_m, BLOCK_R=_small_block(lr.left_Sr.shape[1]),
     )

@@ -1,8 +1,11 @@
 """Expert-sorted order of the (token, choice) pairs and the row-tile schedule of the grouped GEMMs.
 
-Built with torch ops on the device, without a host sync: the grid is sized by an upper bound on
-the number of row tiles (cdiv(S, block_m) + E) and tiles past the real count carry expert id E,
-which the kernels skip.
+One torch sort, then one Triton launch that finds each expert's rows in the sorted ids and cuts
+them into row tiles (it replaced about twenty tiny torch launches, each a host-side dispatch at
+the start of the forward, when the GPU waits on the host). No host sync: the grid is sized by an
+upper bound on the number of row tiles (cdiv(S, block_m) + E) and tiles past the real count
+carry expert id E, which the kernels skip. The kernels read a sorted row's token as pair // k and
+its routing weight at the pair, so neither is materialized in sorted order.
 
 Shape legend: T tokens, k top-k, E experts, S = T * k pairs in expert-sorted order.
 """
@@ -11,59 +14,94 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import triton
+import triton.language as tl
+
+from runtime.kernels.moe import buffers
 
 
 @dataclass(frozen=True)
 class Schedule:
-    pair_S: torch.Tensor  # int32: index of the sorted row's pair in the flattened [T * k] routing
-    token_S: torch.Tensor  # int32: the sorted row's token
+    pair_S: torch.Tensor  # int64: index of the sorted row's pair in the flattened [T * k] routing
     expert_S: torch.Tensor  # int64: the sorted row's expert
     ends_E: torch.Tensor  # int32: one past each expert's last sorted row
     tile_expert: torch.Tensor  # int32 [num_tiles]: expert of each row tile, E for unused tiles
     tile_start: torch.Tensor  # int32 [num_tiles]: first sorted row of each tile
     block_m: int
     num_experts: int
+    top_k: int  # a sorted row's token is pair_S // top_k
 
     @property
     def num_tiles(self) -> int:
         return self.tile_expert.numel()
 
 
+@triton.jit
+def _count_at_most(sorted_ptr, num_rows, values, search_steps):
+    """For each of `values`, how many of the sorted ids are <= it (an upper-bound binary search)."""
+    lo = tl.zeros_like(values)
+    hi = tl.zeros_like(values) + num_rows
+    for _ in range(search_steps):
+        open_ = lo < hi
+        mid = (lo + hi) // 2
+        v = tl.load(sorted_ptr + mid, mask=open_, other=0)
+        right = open_ & (v <= values)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(open_ & ~right, mid, hi)
+    return lo
+
+
+@triton.jit
+def row_tiles_kernel(expert_S_ptr, num_rows, search_steps, ends_ptr, tile_expert_ptr, tile_start_ptr,
+                     num_experts, num_tiles,
+                     BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TILES: tl.constexpr):
+    """Program i fills row tiles [i * BLOCK_TILES, (i + 1) * BLOCK_TILES); each finds every
+    expert's rows itself (a few hundred binary searches), program 0 also stores their ends."""
+    experts = tl.arange(0, BLOCK_E)
+    e_ok = experts < num_experts
+    ends = _count_at_most(expert_S_ptr, num_rows, experts, search_steps)
+    starts = _count_at_most(expert_S_ptr, num_rows, experts - 1, search_steps)
+    # (a vector compare: the interpreter rejects a scalar bool in a store mask)
+    tl.store(ends_ptr + experts, ends, mask=e_ok & (tl.zeros_like(experts) == tl.program_id(0)))
+    tiles = tl.where(e_ok, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    tile_ends = tl.cumsum(tiles, 0)
+    first_tile = tile_ends - tiles
+    t = tl.program_id(0) * BLOCK_TILES + tl.arange(0, BLOCK_TILES)
+    # a tile's expert: how many experts' tiles end at or before it (E past the last used tile)
+    owner_of = (tile_ends[None, :] <= t[:, None]) & e_ok[None, :]
+    tile_e = tl.sum(owner_of.to(tl.int32), axis=1)
+    mine = experts[None, :] == tl.minimum(tile_e, num_experts - 1)[:, None]
+    first = tl.sum(tl.where(mine, first_tile[None, :], 0), axis=1)
+    start = tl.sum(tl.where(mine, starts[None, :], 0), axis=1)
+    t_ok = t < num_tiles
+    tl.store(tile_expert_ptr + t, tile_e, mask=t_ok)
+    tl.store(tile_start_ptr + t, start + (t - first) * BLOCK_M, mask=t_ok)
+
+
+def _row_tiles(expert_S: torch.Tensor, num_experts: int, block_m: int):
+    """(ends_E, tile_expert, tile_start), int32, from the sorted expert ids (one launch)."""
+    num_rows, device = expert_S.numel(), expert_S.device
+    num_tiles = triton.cdiv(num_rows, block_m) + num_experts
+    ends_E = buffers.empty((num_experts,), torch.int32, device)
+    tile_expert = buffers.empty((num_tiles,), torch.int32, device)
+    tile_start = buffers.empty((num_tiles,), torch.int32, device)
+    block_e = triton.next_power_of_2(num_experts)
+    block_tiles = max(16, 8192 // block_e)
+    row_tiles_kernel[(triton.cdiv(num_tiles, block_tiles),)](
+        expert_S, num_rows, num_rows.bit_length() + 1, ends_E, tile_expert, tile_start, num_experts, num_tiles,
+        BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_TILES=block_tiles, num_warps=4)
+    return ends_E, tile_expert, tile_start
+
+
 def build_schedule(idx_Tk: torch.Tensor, num_experts: int, block_m: int) -> Schedule:
-    flat_S = idx_Tk.reshape(-1)
-    expert_S, pair_S = torch.sort(flat_S, stable=True)
-    # From the sorted ids rather than torch.bincount, whose CUDA form syncs with the host.
-    ends_E = torch.searchsorted(expert_S, torch.arange(num_experts, device=idx_Tk.device), right=True)
-    tile_expert, tile_start = _row_tiles(ends_E, flat_S.numel(), block_m)
-    return Schedule(
-        pair_S=pair_S.to(torch.int32),
-        token_S=(pair_S // idx_Tk.shape[1]).to(torch.int32),
-        expert_S=expert_S,
-        ends_E=ends_E.to(torch.int32),
-        tile_expert=tile_expert,
-        tile_start=tile_start,
-        block_m=block_m,
-        num_experts=num_experts,
-    )
+    expert_S, pair_S = torch.sort(idx_Tk.reshape(-1), stable=True)
+    ends_E, tile_expert, tile_start = _row_tiles(expert_S, num_experts, block_m)
+    return Schedule(pair_S=pair_S, expert_S=expert_S, ends_E=ends_E, tile_expert=tile_expert,
+                    tile_start=tile_start, block_m=block_m, num_experts=num_experts, top_k=idx_Tk.shape[1])
 
 
 def retiled(sched: Schedule, block_m: int) -> Schedule:
     """The same sorted rows cut into row tiles of another height, for a GEMM that runs best with
-    its own tile (a few small launches, still without a host sync)."""
-    tile_expert, tile_start = _row_tiles(sched.ends_E.long(), sched.pair_S.numel(), block_m)
+    its own tile (one more launch, still without a host sync)."""
+    _, tile_expert, tile_start = _row_tiles(sched.expert_S, sched.num_experts, block_m)
     return replace(sched, tile_expert=tile_expert, tile_start=tile_start, block_m=block_m)
-
-
-def _row_tiles(ends_E: torch.Tensor, num_rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tile_expert, tile_start), int32 [cdiv(num_rows, block_m) + E], from int64 ends_E."""
-    num_experts = ends_E.numel()
-    counts_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
-    tiles_E = (counts_E + block_m - 1) // block_m
-    tile_ends_E = torch.cumsum(tiles_E, 0)
-    num_tiles = (num_rows + block_m - 1) // block_m + num_experts
-    tile_T = torch.arange(num_tiles, device=ends_E.device)
-    tile_expert = torch.searchsorted(tile_ends_E, tile_T, right=True)
-    owner = tile_expert.clamp(max=num_experts - 1)
-    first_tile = (tile_ends_E - tiles_E)[owner]
-    tile_start = (ends_E - counts_E)[owner] + (tile_T - first_tile) * block_m
-    return tile_expert.to(torch.int32), tile_start.to(torch.int32)
