@@ -1,5 +1,6 @@
-"""MoE block benchmark: router + fused Triton experts + shared expert vs transformers'
-Qwen3NextSparseMoeBlock with grouped_mm experts, same weights, bf16, one GPU.
+"""MoE block benchmark: the runtime's MoE layer (runtime/layers/ffn.py: router, fused Triton experts,
+gated shared expert) vs transformers' Qwen3NextSparseMoeBlock with grouped_mm experts, same
+weights (the layer is built over transformers' Parameter objects), bf16, one GPU.
 
 Shape legend: T tokens, D model width, E experts, F expert width, k top-k, r LoRA rank.
 
@@ -15,39 +16,51 @@ Correctness at the real shape: the bf16 kernel vs the torch fallback run in fp64
 experts, checked against reference_ops by tests/test_ref_moe.py) with the same routing fed to
 both; routing flips between transformers' bf16 router and ours are counted separately.
 
-Variants (VARIANTS: a runtime.kernels.moe.Tuning and/or the router) are checked against the same
-fp64 reference (full fine-tune and LoRA frozen base) and timed side by side with the default path
+Variants (VARIANTS: a runtime.kernels.moe.Tuning, the routing rule, the logits' form, the shared
+expert's form, or the layer's forward as is) have their experts checked against the same fp64
+reference (full fine-tune and LoRA frozen base), and are timed side by side with the default path
 and transformers in one run, in interleaved rounds (`variant_timings`, `lora_variant_timings`).
 The `graph baseline` row replays one fwd+bwd captured in a CUDA graph: what launch gaps remain
 (a bench form only; the runtime does not capture the layer). `correctness.router` checks the fused
-router against the fp64 reference on the same bf16 logits.
+router against the fp64 reference on the same bf16 logits; `correctness.shared_expert` the shared
+expert (with its gate, adding into a routed output) against its torch form in fp64.
 
 Measured 2026-11-29 (H200, T 16384, this command): transformers 16.67 ms fwd+bwd, ours 12.28
 (1.36x), 10.9 ms of it GPU time. In the same rounds (transformers 17.04, ours 12.83): glu_bwd_m64
 12.44 (adopted), fused_x_copy 12.70 but WRONG on the GPU (out rel RMS 0.28, passed in the
 interpreter; removed), scaled_h 13.19 and wgrad split-K 29.0 (removed).
 
-Since then (predictions for this run, fwd+bwd against the 12.28 ms above):
-- baseline ~10.8 ms (10.5-11.3; 1.48-1.59x): the router is one Triton pass each way instead of
-  softmax, a 13-launch radix top-k, gather, sum, divide and their backward (~0.45 ms of GPU); the
-  schedule is one Triton launch instead of ~20 torch ops; the routing weight and the token of a
-  sorted row are read through the pair index inside the GEMMs (no w_S / token_S / index_put
-  launches); x's copy in expert order is a Triton gather (~0.2 ms against index_select's 0.33);
-  GLU backward on 64-row tiles (-0.15 to -0.4). Counted on CPU (dispatch mode, small shapes):
-  route + experts fwd+bwd went from 57 aten ops + 8 Triton launches (77 + 8 with the 64-row GLU
-  backward retile) to 6 aten ops + 12 launches, 4 of those 6 outside our ops (the router linear's
-  backward, the x-grad add); ~0.5 ms less host time, most of it where the GPU waited (the start
-  of forward and of backward). GPU time ~10.15 ms (-0.75), idle between launches ~0.5-0.9 ms.
-- torch_router ~+0.5 ms over baseline: the router's share alone.
-- glu_bwd_m128 ~+0.2 ms over baseline: 128-row GLU backward tiles spill (ptxas: 204 bytes at
-  8 warps) and pad ~20% of rows against ~10%.
-- glu_bwd_scaled_h ~-0.25 ms: the GLU backward also stores w * h (0.17 GB), so the down weight
-  gradient (1.49 ms, 230 TFLOP/s: dy's tiles scaled in registers, so not pipelined asynchronously)
-  reads both operands as is, like the gate/up one (354 TFLOP/s): ~1.15 ms.
-- m64_all ~-0.1 ms (unsure, +-0.2): every GEMM on 64-row tiles, ~10% fewer padded rows, lower
-  reuse per weight tile; new 64-row autotune candidates (256 units / 4 stages, BLOCK_K 128).
-- m64_all_scaled_h ~-0.35 ms: both.
-- graph baseline: ~0.3-0.5 ms under baseline if the remaining idle is launch gaps.
+Measured 2026-11-29 (H200, torch 2.11, triton 3.6, this command, /work/.device/2/moe.json):
+transformers 16.80 ms, ours 11.33 (1.48x); in interleaved rounds transformers 16.97, baseline
+11.59 (1.465x), torch_router 12.01, glu_bwd_m128 11.69, glu_bwd_scaled_h 11.75 (predicted -0.25:
+wrong, removed from VARIANTS), m64_all 12.60, m64_all_scaled_h 12.49 (both removed), graph baseline
+11.24; transformers graphed 16.16. GPU profile of baseline ~10.9 ms: grouped GEMMs 5.15, weight
+grads 3.35, sum_k 0.34, gather 0.30, torch elementwise 0.41 (7 launches), cuBLAS shared expert /
+router / gate ~0.65 (12 launches + split-K reduces), gate GEMV 0.06, reduce 0.02.
+
+Measured 2026-11-29, third run (same command, /work/.device/3/moe.json, the shared expert fused as
+predicted below): transformers 17.00 ms, ours 11.30 (1.505x); in the rounds transformers 17.25,
+step-by-step layer 11.46 (1.505x; predicted ~11.2), torch_router 11.82, glu_bwd_m128 11.69,
+torch_shared 12.45 (predicted +0.35: measured +0.99), fp32_router_logits 13.24 (predicted +1.9:
++1.78), MoE.forward itself 12.05 (predicted = step by step: +0.59, unexplained), graph 11.11.
+So `baseline` and `timings` now time MoE.forward itself (the runtime), `step_by_step` the same
+modules called one by one.
+What that run measured (predictions then, against 11.59):
+- the shared expert is runtime.kernels.moe.swiglu_mlp:
+  gate, up and the shared-expert gate row in one cuBLAS GEMM (N = 1032: 1024 + 1 + 7 zero rows),
+  a Triton activation pass each way that applies sigmoid(s) to h and gives d(s), and the down GEMM
+  adding into the routed output in place. Gone: the broadcast multiply fwd and bwd (0.17), the
+  y + shared add, the dy * shared product and its row reduce, silu / mul and their backward, the
+  gate GEMV fwd/bwd (~0.06), two of the four dx accumulations (~0.1): ~0.45 ms of GPU, for ~0.06
+  of Triton passes and the 4 MB weight cat: ~-0.35 GPU, ~-0.05 host launches. Counter: the router
+  logits are now fp32 from a bf16 GEMM (runtime/ops/moe.py router_logits, the layer's precision)
+  where the bench had bf16 logits: +32 MB out, one cast in backward, ~+0.02.
+- fp32_router_logits: x and the router weight upcast and multiplied in fp32 without tensor cores,
+  as the runtime layer did until then.
+- correctness.shared_expert: bf16 kernel vs fp64 torch form.
+- Not built: tile order of the grouped GEMMs for L2 reuse. Predicted < 0.05 ms: an expert has ~3
+  row tiles x 4-16 column tiles (~320 rows), all in flight together in launch order, and its
+  operands (~2 MB) fit in L2 many times over, so weights are already read about once from HBM.
 Writes moe.json under --out.
 """
 from __future__ import annotations
@@ -73,6 +86,7 @@ from runtime.kernels.moe import gather
 from runtime.kernels.moe import grouped_gemm as gg
 from runtime.kernels.moe import grouped_wgrad as gw
 from runtime.kernels.moe.schedule import build_schedule
+from runtime.layers.ffn import MoE
 from runtime.ops import moe as fallback
 from runtime.tolerances import compare, tolerance_for
 
@@ -80,17 +94,21 @@ D, E, K_TOP, F_EXPERT, F_SHARED, RANK = 2048, 512, 10, 512, 512, 16
 DEVICE = "cuda"
 T0 = time.time()
 # Kernel variants timed and checked side by side; predictions in the module docstring.
-# Each is ours_block's keyword arguments: `tuning` (runtime.kernels.moe.Tuning) and `router`.
+# Each is ours_block's keyword arguments: `tuning` (runtime.kernels.moe.Tuning), `router`, `logits`,
+# `shared` and `whole_layer` (see ours_block).
 VARIANTS = {
-    "baseline": {},
+    # the runtime's MoE.forward itself: the headline figure
+    "baseline": dict(whole_layer=True),
+    # the same modules called step by step (in one run on 2026-11-29 this was 0.6 ms faster than
+    # MoE.forward in the same rounds, which nothing in the code explains: kept to see if it repeats)
+    "step_by_step": {},
     "torch_router": dict(router=fallback.route),
     "glu_bwd_m128": dict(tuning=kernels.Tuning(glu_bwd_block_m=None)),
-    "glu_bwd_scaled_h": dict(tuning=kernels.Tuning(glu_bwd_scaled_h=True)),
-    "m64_all": dict(tuning=kernels.Tuning(block_m=64)),
-    "m64_all_scaled_h": dict(tuning=kernels.Tuning(block_m=64, glu_bwd_scaled_h=True)),
+    "torch_shared": dict(shared="torch"),
+    "fp32_router_logits": dict(logits="fp32"),
 }
 GRAPHED = ("baseline",)
-PROFILED = ("baseline", "m64_all_scaled_h")
+PROFILED = ("baseline", "torch_shared")
 
 
 def log(msg):
@@ -126,17 +144,58 @@ def build_block():
     return block
 
 
-def ours_block(block, x_TD, experts_fn=kernels.swiglu_experts, lora=None, tuning=kernels.Tuning(),
-               router=kernels.route):
-    """Our runtime form of the block: route, routed experts, sigmoid-gated shared expert."""
-    weights_Tk, idx_Tk = router(F.linear(x_TD, block.gate.weight), K_TOP, norm_topk_prob=True)
-    extra = {} if lora is None else dict(lora_gate_up=lora[0], lora_down=lora[1], lora_scale=2.0)
-    if experts_fn is kernels.swiglu_experts:
-        extra["tuning"] = tuning
-    y_TD = experts_fn(x_TD, weights_Tk, idx_Tk, block.experts.gate_up_proj, block.experts.down_proj, **extra)
-    se = block.shared_expert
-    shared_TD = fallback.swiglu_mlp(x_TD, se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight)
-    return y_TD + torch.sigmoid(F.linear(x_TD, block.shared_expert_gate.weight)) * shared_TD
+MOE_SPEC = dict(
+    num_experts=E, top_k=K_TOP, expert_intermediate_size=F_EXPERT, expert_bias=False, activation="silu",
+    swiglu_limit=None, swiglu_alpha=None, interleaved_gate_up=False, num_shared_experts=1,
+    shared_intermediate_size=F_SHARED, shared_expert_gate=True,
+    router=dict(scoring="softmax", norm_topk_prob=True, routed_scaling_factor=1.0, num_groups=1, topk_groups=1,
+                topk_before_softmax=False, bias=False, correction_bias=False))
+_RUNTIME_LAYERS = {}
+
+
+def runtime_layer(block) -> MoE:
+    """The runtime's MoE layer over transformers' parameters (the same Parameter objects, so the
+    gradients of either land on both)."""
+    if id(block) not in _RUNTIME_LAYERS:
+        # on the meta device: every parameter is replaced below, so none is allocated
+        with torch.device("meta"):
+            moe = MoE(MOE_SPEC, D)
+        se = block.shared_expert
+        moe.router.weight = block.gate.weight
+        moe.experts.w_gate_up, moe.experts.w_down = block.experts.gate_up_proj, block.experts.down_proj
+        moe.shared.gate_proj.weight, moe.shared.up_proj.weight = se.gate_proj.weight, se.up_proj.weight
+        moe.shared.down_proj.weight, moe.shared_gate.weight = se.down_proj.weight, block.shared_expert_gate.weight
+        _RUNTIME_LAYERS[id(block)] = moe
+    return _RUNTIME_LAYERS[id(block)]
+
+
+def ours_block(block, x_TD, lora=None, tuning=None, router=None, logits="layer", shared="layer", whole_layer=False):
+    """The runtime's MoE layer (runtime/layers/ffn.py MoE.forward, step by step through the same
+    modules and ops) with the settings under measurement: `router` (the routing rule applied to the
+    layer's logits; None: the layer's Router module), `logits` ("fp32": x and the router weight
+    upcast, the layer's former form), `tuning` and `lora` (the experts op; None and None: the
+    layer's Experts module), `shared` ("torch": the former torch form of the gated shared expert and
+    the add). whole_layer runs MoE.forward itself."""
+    moe = runtime_layer(block)
+    if whole_layer:
+        return moe(x_TD.view(1, *x_TD.shape)).view(x_TD.shape)
+    if router is None and logits == "layer":
+        weights_Tk, idx_Tk = moe.router(x_TD)
+    else:
+        w_ED = block.gate.weight
+        logits_TE = F.linear(x_TD.float(), w_ED.float()) if logits == "fp32" else fallback.router_logits(x_TD, w_ED)
+        weights_Tk, idx_Tk = (router or kernels.route)(logits_TE, K_TOP, norm_topk_prob=True)
+    if tuning is None and lora is None:
+        y_TD = moe.experts(x_TD, weights_Tk, idx_Tk)
+    else:
+        extra = {} if lora is None else dict(lora_gate_up=lora[0], lora_down=lora[1], lora_scale=2.0)
+        y_TD = kernels.swiglu_experts(x_TD, weights_Tk, idx_Tk, block.experts.gate_up_proj, block.experts.down_proj,
+                                      tuning=tuning or kernels.Tuning(), **extra)
+    if shared == "torch":
+        se = block.shared_expert
+        return fallback.swiglu_mlp(x_TD, se.gate_proj.weight, se.up_proj.weight, se.down_proj.weight,
+                                   gate_1D=block.shared_expert_gate.weight, residual_TD=y_TD)
+    return moe.add_shared(x_TD, y_TD)
 
 
 def make_lora(device, dtype):
@@ -158,7 +217,7 @@ def train_step(fn, x, dy, params):
 def timings(block, x, dy):
     params = list(block.parameters())
     hf = lambda t: block(t.view(1, *t.shape)).view(t.shape)  # noqa: E731
-    ours = lambda t: ours_block(block, t)  # noqa: E731
+    ours = lambda t: ours_block(block, t, whole_layer=True)  # noqa: E731  (the runtime's MoE.forward)
     res = {}
     with torch.no_grad():
         res["hf_fwd"] = time_ms(lambda: hf(x))
@@ -256,8 +315,9 @@ def lora_variant_timings(block, x, dy):
         p.requires_grad_(False)
     lora = make_lora(DEVICE, torch.bfloat16)
     adapters = [*lora[0], *lora[1]]
+    # the runtime layer as is takes no LoRA
     steps = {name: train_step(lambda t, kw=kw: ours_block(block, t, lora=lora, **kw), x, dy, adapters)
-             for name, kw in VARIANTS.items()}
+             for name, kw in VARIANTS.items() if not kw.get("whole_layer")}
     try:
         steps, failed = _runnable(steps)
         return {"ms": _rounds(steps), "failed": failed}
@@ -286,7 +346,8 @@ def frozen_timings(block, x, dy):
         "ours_lora_fwd_bwd": time_ms(train_step(lambda t: ours_block(block, t, lora=lora), x, dy, adapters)),
     }
     with torch.no_grad():
-        res["router_only"] = time_ms(lambda: kernels.route(F.linear(x, block.gate.weight), K_TOP, norm_topk_prob=True))
+        res["router_only"] = time_ms(lambda: kernels.route(fallback.router_logits(x, block.gate.weight), K_TOP,
+                                                              norm_topk_prob=True))
     log(f"frozen: hf {res['hf_frozen_fwd_bwd']:.2f}, ours {res['ours_frozen_fwd_bwd']:.2f}, ours+LoRA {res['ours_lora_fwd_bwd']:.2f}, router {res['router_only']:.2f} ms")
     for p in block.parameters():
         p.requires_grad_(True)
@@ -338,6 +399,25 @@ def _variant_errors(inputs, idx, dy, ref, fixed=None) -> dict:
             continue
         log(f"{name}: worst rel RMS {max(v['rel_rms'] for v in res[name].values()):.2e}, "
             f"all passed {all(v['passed'] for v in res[name].values())}")
+    return res
+
+
+def _shared_call(fn):
+    # the kernel writes the residual in place: each call gets its own copy
+    def call(t, idx):
+        return fn(t["x"], t["w_gate"], t["w_up"], t["w_down"], gate_1D=t["gate"], residual_TD=t["residual"].clone())
+    return call
+
+
+def _shared_errors(block, x, dy) -> dict:
+    """The runtime's shared expert (gate/up/gate-row GEMM, Triton activation, down GEMM adding into
+    the routed output) in bf16 vs its torch form in fp64: out and every gradient."""
+    se = block.shared_expert
+    inputs = dict(x=x, w_gate=se.gate_proj.weight, w_up=se.up_proj.weight, w_down=se.down_proj.weight,
+                  gate=block.shared_expert_gate.weight, residual=torch.randn_like(x))
+    ref = _reference(inputs, None, dy, _shared_call(fallback.swiglu_mlp))
+    res = _errors(_shared_call(kernels.swiglu_mlp), inputs, None, dy, ref)
+    log(f"shared expert vs fp64: {res}")
     return res
 
 
@@ -396,6 +476,7 @@ def correctness(block, x, dy):
         return torch.func.functional_call(block.experts, swapped, (t["x"], i, t["weights"].to(torch.bfloat16)))
 
     res["transformers_grouped_mm"] = _errors(hf_experts, inputs, idx, dy, ref)
+    res["shared_expert"] = _shared_errors(block, x, dy)
     log(f"transformers grouped_mm errors (same routing): {res['transformers_grouped_mm']}")
     del ref
     (A_gu, B_gu), (A_d, B_d) = make_lora(DEVICE, torch.bfloat16)
@@ -540,7 +621,7 @@ def summarize(result):
     if "hf_frozen_fwd_bwd" in frozen:
         result["frozen_speedup"] = frozen["hf_frozen_fwd_bwd"] / frozen["ours_frozen_fwd_bwd"]
     errs = [v["rel_rms"] for k, group in result.get("correctness", {}).items()
-            if k in ("full", "lora_frozen_base") for v in group.values()]
+            if k in ("full", "lora_frozen_base", "shared_expert") for v in group.values()]
     if errs:
         result["max_rel_err"] = max(errs)
     print("\n| what | ms |\n|---|---|")

@@ -103,7 +103,8 @@ OPS: dict[str, OpFamily] = {op.name: op for op in [
              _router),
     OpFamily("moe_experts", "ffn:moe", "reference_ops.moe:swiglu_experts", "runtime.ops.moe:swiglu_experts",
              "runtime.kernels.moe:swiglu_experts", _experts),
-    OpFamily("swiglu_mlp", "ffn:dense", "reference_ops.moe:swiglu_mlp", "runtime.ops.moe:swiglu_mlp", None, _always),
+    OpFamily("swiglu_mlp", "ffn:dense", "reference_ops.moe:swiglu_mlp", "runtime.ops.moe:swiglu_mlp",
+             "runtime.kernels.moe:swiglu_mlp", _always),
 ]}
 
 

@@ -5,7 +5,9 @@ with NaN-prefilled buffers, x read from a copy in expert order and gathered by t
 that receives no tokens, an expert count divisible by nothing convenient, the gpt-oss GLU (clamp,
 alpha, interleaved gate/up, transposed weight views) and frozen experts; then each `Tuning`
 setting (the GLU backward on the schedule's row tile or its own, w * h stored by the GLU backward
-for the down weight gradient, both) over the same kinds of problem.
+for the down weight gradient, both) over the same kinds of problem; the dense SwiGLU MLP / shared
+expert (with and without the sigmoid gate and the residual it adds into, leading batch dims,
+padded stacked rows), and the half-precision router logits' dtypes.
 
 Shape legend: T tokens, D model width, E experts, F expert width, k top-k, r LoRA rank.
 fp32 inputs: under the interpreter a tl.dot on bf16 operands is wrong in triton 3.9.
@@ -20,6 +22,7 @@ import torch  # noqa: E402
 from reference_ops import moe as ref  # noqa: E402
 from runtime.kernels import moe as kernels  # noqa: E402
 from runtime.kernels.moe import buffers, combine, experts, gather, router, schedule  # noqa: E402
+from runtime.ops import moe as torch_ops  # noqa: E402
 from runtime.tolerances import assert_close  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
@@ -223,3 +226,63 @@ def test_router_rules_without_a_fused_form_use_torch():
         w_ref, idx_ref = ref.route(logits.double(), 3, **kwargs)
         assert torch.equal(idx_run, idx_ref)
         assert_close(w_run, w_ref, "route", torch.float32, "out", str(kwargs))
+
+
+MLP_CASES = {
+    # leading batch dims, F 24 masks the last column block, 2F 48 needs no padding rows
+    "dense-B2-T19-F24": dict(lead=(2, 19), F=24, gated=False, residual=False),
+    # 2F + 1 = 41 stacked rows padded to 48, the routed output added in place
+    "shared-gated-residual-T63-F20": dict(lead=(63,), F=20, gated=True, residual=True),
+    "shared-gated-T63-F20": dict(lead=(63,), F=20, gated=True, residual=False),
+    "shared-residual-T63-F40": dict(lead=(63,), F=40, gated=False, residual=True),
+}
+
+
+def _mlp_reference(leaves: dict) -> torch.Tensor:
+    out = ref.swiglu_mlp(leaves["x"], leaves["w_gate"], leaves["w_up"], leaves["w_down"])
+    if "gate" in leaves:
+        out = out * torch.sigmoid(leaves["x"] @ leaves["gate"].T)
+    return out + leaves["residual"] if "residual" in leaves else out
+
+
+@pytest.mark.parametrize("case", list(MLP_CASES))
+def test_swiglu_mlp_matches_reference(case):
+    c = MLP_CASES[case]
+    torch.manual_seed(13)
+    leaves = {"x": torch.randn(*c["lead"], D), "w_gate": torch.randn(c["F"], D) * D ** -0.5,
+              "w_up": torch.randn(c["F"], D) * D ** -0.5, "w_down": torch.randn(D, c["F"]) * c["F"] ** -0.5}
+    if c["gated"]:
+        leaves["gate"] = torch.randn(1, D) * D ** -0.5
+    if c["residual"]:
+        leaves["residual"] = torch.randn(*c["lead"], D)
+    run_in = {n: t.detach().requires_grad_() for n, t in leaves.items()}
+    ref_in = {n: t.detach().double().requires_grad_() for n, t in leaves.items()}
+    # the kernel writes the residual in place: hand it a non-leaf, as the MoE block does
+    residual = run_in["residual"].clone() if c["residual"] else None
+    out = kernels.swiglu_mlp(run_in["x"], run_in["w_gate"], run_in["w_up"], run_in["w_down"],
+                             gate_1D=run_in.get("gate"), residual_TD=residual)
+    expected = _mlp_reference(ref_in)
+    assert_close(out, expected, "swiglu_mlp", torch.float32, "out")
+    cot = torch.randn_like(expected)
+    out.backward(cot.float())
+    expected.backward(cot)
+    for name in leaves:
+        assert_close(run_in[name].grad, ref_in[name].grad, "swiglu_mlp", torch.float32, "grad", name)
+
+
+def test_swiglu_mlp_other_activations_use_torch():
+    torch.manual_seed(14)
+    x, wg, wu, wd = torch.randn(9, D), torch.randn(8, D), torch.randn(8, D), torch.randn(D, 8)
+    out = kernels.swiglu_mlp(x, wg, wu, wd, "gelu")
+    assert_close(out, ref.swiglu_mlp(x.double(), wg, wu, wd, "gelu"), "swiglu_mlp", torch.float32, "out")
+
+
+def test_half_router_logits_keep_fp32_and_give_half_grads():
+    # mm with an fp32 output has no CPU kernel: shapes and dtypes on the meta device
+    x = torch.empty(5, 8, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    w = torch.empty(3, 8, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    logits = torch_ops._HalfLogitsInFp32.apply(x, w)
+    assert logits.dtype == torch.float32 and logits.shape == (5, 3)
+    logits.backward(torch.empty(5, 3, device="meta"))
+    assert (x.grad.dtype, x.grad.shape) == (torch.bfloat16, x.shape)
+    assert (w.grad.dtype, w.grad.shape) == (torch.bfloat16, w.shape)

@@ -7,10 +7,10 @@ weight map stacks the release's per-expert tensors into them.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from runtime.dispatch import op
+from runtime.ops.moe import router_logits
 
 
 class GatedMLP(nn.Module):
@@ -21,9 +21,13 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(width, hidden_size, bias=False)
         self.activation = activation
 
-    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, gate_1D: torch.Tensor | None = None,
+                residual_BTD: torch.Tensor | None = None) -> torch.Tensor:
+        """down(act(gate(x)) * up(x)), times sigmoid(x @ gate_1D^T) and plus residual_BTD when given
+        (the shared expert: the kernel folds both into its passes; it may write residual_BTD in place)."""
         mlp = op("swiglu_mlp", x_BTD.device)
-        return mlp(x_BTD, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.activation)
+        return mlp(x_BTD, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.activation,
+                   gate_1D=gate_1D, residual_TD=residual_BTD)
 
 
 class Router(nn.Module):
@@ -43,8 +47,7 @@ class Router(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights_Tk fp32, idx_Tk). Logits in fp32: routing decisions are precision-sensitive."""
-        bias = None if self.bias is None else self.bias.float()
-        logits_TE = F.linear(x_TD.float(), self.weight.float(), bias)
+        logits_TE = router_logits(x_TD, self.weight, self.bias)
         if self.pinned_idx is not None:
             return self._weights_for(logits_TE, self.pinned_idx), self.pinned_idx
         r = self.spec
@@ -99,9 +102,12 @@ class MoE(nn.Module):
         weights_Tk, idx_Tk = self.router(x_TD)
         self.last_routing = idx_Tk.detach()
         y_TD = self.experts(x_TD, weights_Tk, idx_Tk)
-        if self.shared is not None:
-            shared_TD = self.shared(x_TD)
-            if self.shared_gate is not None:
-                shared_TD = shared_TD * torch.sigmoid(self.shared_gate(x_TD))
-            y_TD = y_TD + shared_TD
-        return y_TD.view(B, T, D)
+        return self.add_shared(x_TD, y_TD).view(B, T, D)
+
+    def add_shared(self, x_TD: torch.Tensor, routed_TD: torch.Tensor) -> torch.Tensor:
+        """routed + (sigmoid-gated) shared expert of x; routed_TD may be overwritten with the sum.
+        (bench/bench_moe.py times the block through this too.)"""
+        if self.shared is None:
+            return routed_TD
+        gate_1D = None if self.shared_gate is None else self.shared_gate.weight
+        return self.shared(x_TD, gate_1D, routed_TD)

@@ -1,4 +1,5 @@
-"""Torch fallback for MoE routing, routed SwiGLU experts and the dense SwiGLU MLP.
+"""Torch fallback for MoE routing (and the fp32 router logits the runtime layer always computes
+in torch), routed SwiGLU experts and the dense SwiGLU MLP (with the shared-expert gate and add).
 
 The experts sort the (token, choice) pairs by expert and run two grouped matmuls
 (torch._grouped_mm where this build and dtype support it, else one matmul per expert),
@@ -32,6 +33,38 @@ def _group_mask(choice_TE: torch.Tensor, num_groups: int, topk_groups: int, top2
     best_TG = group_score_TG.topk(topk_groups, dim=-1).indices
     keep_TG = torch.zeros_like(group_score_TG, dtype=torch.bool).scatter_(1, best_TG, True)
     return keep_TG.repeat_interleave(E // num_groups, dim=1)
+
+
+class _HalfLogitsInFp32(torch.autograd.Function):
+    """x [T, D] @ w [E, D]^T with bf16/fp16 operands, fp32 products summed in fp32 and an fp32
+    result: the same logits as upcasting both first (the upcast is exact), at tensor-core speed.
+    The gradient is rounded to x's dtype for the two backward GEMMs, as any half-precision
+    linear's is."""
+
+    @staticmethod
+    def forward(ctx, x_TD, w_ED):
+        ctx.save_for_backward(x_TD, w_ED)
+        return torch.mm(x_TD, w_ED.T, out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, d_logits_TE):
+        x_TD, w_ED = ctx.saved_tensors
+        g_TE = d_logits_TE.to(x_TD.dtype)
+        dx = g_TE @ w_ED if ctx.needs_input_grad[0] else None
+        dw = g_TE.T @ x_TD if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
+def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor, b_E: torch.Tensor | None = None) -> torch.Tensor:
+    """Router logits [T, E] in fp32 (routing decisions are precision-sensitive). On CUDA with half
+    inputs one GEMM with an fp32 output: upcasting x and w and multiplying in fp32 runs ~15x slower
+    than the bf16 GEMM would (no tensor cores: at T 16384, D 2048, E 512 about 2 ms fwd+bwd on an
+    H200, estimated from peak rates; bench/bench_moe.py's fp32_router_logits variant times it)."""
+    half = (torch.bfloat16, torch.float16)
+    if x_TD.is_cuda and x_TD.dtype in half and w_ED.dtype == x_TD.dtype:
+        logits_TE = _HalfLogitsInFp32.apply(x_TD, w_ED)
+        return logits_TE if b_E is None else logits_TE + b_E.float()
+    return F.linear(x_TD.float(), w_ED.float(), None if b_E is None else b_E.float())
 
 
 def route(
@@ -165,7 +198,18 @@ def swiglu_experts(
 
 
 def swiglu_mlp(
-    x_TD: torch.Tensor, w_gate_FD: torch.Tensor, w_up_FD: torch.Tensor, w_down_DF: torch.Tensor, activation: str = "silu"
+    x_TD: torch.Tensor,
+    w_gate_FD: torch.Tensor,
+    w_up_FD: torch.Tensor,
+    w_down_DF: torch.Tensor,
+    activation: str = "silu",
+    *,
+    gate_1D: torch.Tensor | None = None,
+    residual_TD: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dense gated MLP (also the shared expert): down(act(gate(x)) * up(x))."""
-    return F.linear(_ACTIVATIONS[activation](F.linear(x_TD, w_gate_FD)) * F.linear(x_TD, w_up_FD), w_down_DF)
+    """Dense gated MLP (also the shared expert): down(act(gate(x)) * up(x)); with the shared-expert
+    gate gate_1D [1, D] times sigmoid(x @ gate_1D^T), plus residual_TD (the routed experts' output)."""
+    out_TD = F.linear(_ACTIVATIONS[activation](F.linear(x_TD, w_gate_FD)) * F.linear(x_TD, w_up_FD), w_down_DF)
+    if gate_1D is not None:
+        out_TD = out_TD * torch.sigmoid(F.linear(x_TD, gate_1D))
+    return out_TD if residual_TD is None else residual_TD + out_TD
