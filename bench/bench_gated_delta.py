@@ -13,38 +13,21 @@ the same fp64 reference and its per-launch breakdown; "default" is timed again i
 promising first; each kind's variants stop at its share of --budget-s (JSON is written after every
 step), so one run fits the device's 10-minute limit with what matters measured.
 
-Predictions at B1 T8192 H32 K=V=128 bf16 (default measured 2026-11-29: GDN fwd 2.80 / fwd+bwd 8.77 ms,
-KDA 52.0 ms fwd+bwd). A [T, H, 128] fp32 tile is 134 MB; 4.24 TB/s moves it in 32 us. Register figures
-are ptxas's for sm_90 with triton 3.9 on the CPU (the device image has triton 3.6; they may differ).
-- bf16_tiles: qg, kbar, w, u, P, v_new, dv_new in bf16: about 1.1 GB fewer bytes per fwd+bwd. The scans
-  run 64 programs (one per head and V block of 64) and are bound by per-program bytes, so scan ~1.03 ->
-  ~0.75 ms, scan_bwd 1.64 -> ~1.2 ms, output 0.34 -> ~0.25 ms; prep and grad are compute-bound and gain
-  little. GDN fwd+bwd ~8.8 -> ~7.5 ms (1.15x); KDA ~52 -> ~50.5 ms.
-- bf16_tiles_states: also h, dh [NC, H, K, V] in bf16 (268 MB each in fp32, written by the scans and
-  read by output and grad): a further ~0.6 GB; GDN ~7.5 -> ~7.0 ms (1.25x over default).
-- scan_w8: the scans with 8 warps instead of 4. With 4 the fp32 state block and the [C, K] tiles spill
-  (752 B of stack in the scan, 1496 B in scan_bwd; 128 B and 256 B with 8 warps): scan ~1.03 -> ~0.8,
-  scan_bwd ~1.64 -> ~1.2 ms. GDN ~8.8 -> ~8.1 ms (1.1x).
-- bf16_scan: bf16 tiles and states, scans with value blocks of 32 (128 programs on 132 SMs instead of
-  64), 2-stage pipelined loads (33-41 KB of shared memory once tiles are bf16) and 8 warps (80 / 208 B
-  of stack): per-program bytes fall ~2.6x; scan -> ~0.4 ms, scan_bwd -> ~0.6 ms. GDN ~8.8 -> ~5.8 ms
-  (1.5x); KDA ~52 -> ~48 ms.
-- split_diagonal: the 16x16 diagonal blocks of L, (I+L)^-1 and P in a kernel on [16, K] tiles
-  (NC*4*H = 16384 programs, 158 registers, no spills) instead of [4, 16, 128] tiles walked column by
-  column inside each chunk program, where every column costs full-tile masked reductions and layout
-  shuffles: that loop is what makes KDA prep 12.5 ms against GDN's 1.15 ms, and grad 22.4 ms against
-  2.3 ms. The backward's diagonal share moves to a per-chunk kernel on [16, K] tiles (about 0.9 GB of
-  fp32 partials written and read, ~0.2 ms). KDA prep ~12.5 -> ~2 ms (twice per fwd+bwd), grad ~22.4
-  -> ~5 ms: KDA ~52 -> ~14 ms (3.7x). GDN: only the 4-D reshapes of the block inverse leave prep,
-  ~1.15 -> ~0.9 ms: GDN ~8.8 -> ~8.3 ms.
-- keep_forward: the backward reuses the forward's tiles, Tinv, h and v_new instead of running prep and
-  scan again (about 1.1 GB per layer kept in fp32, half in bf16): GDN -2.2 ms (8.8 -> ~6.6 ms, 1.33x),
-  KDA -13.5 ms with today's prep (-2.5 ms after split_diagonal). Costs activation memory.
-- all_but_keep / all: bf16_scan + split_diagonal (+ keep_forward): GDN ~5.3 / ~4.2 ms (1.7x / 2.1x),
-  KDA ~10 / ~8 ms (5x / 6.5x). Neither reaches the targets (GDN 2.6 ms, KDA 5.3 ms): grad (GDN 2.3 ms,
-  2.9 KB of stack spills at 8 warps) stays the largest launch.
-Precision: bf16 storage adds rounding; under the interpreter at T=63 (fp32 inputs) the bf16 variants
-reach 8.5e-3 relative RMS on o against the 1e-2 bar (fp32 storage: 2e-7), so check "precision" here.
+--backward-settings times the default with each launch-constant set of gated_delta.backward.SETTINGS.
+Per-kernel GPU times come from torch.profiler (`kernel_profile`), also for fla's forward.
+
+History at B1 T8192 H32 K=V=128 bf16 (predicted -> measured, H200, 2026-11-29, fwd+bwd ms):
+- first default (fp32 tiles, in-chunk diagonals, recomputation): GDN 8.77, KDA 52.0.
+- variants run (bench/results/2026-11-29-gdn-kda-variants.json): bf16_tiles 7.5 -> 7.41, bf16 tiles and
+  states 7.0 -> 7.14, 8-warp scans 8.1 -> 9.01 (worse), bf16 pipelined scans 5.8 -> 6.59, split
+  diagonal 8.3 -> 8.24, keep_forward 6.6 -> 6.83, all of them 4.2 -> 4.70 (GDN fwd 1.68; per kernel:
+  prep 0.80, scan 0.45, output 0.22, scan_bwd 0.65, grad 2.30); KDA keep_forward 38.6 (predicted
+  38.5). "all" became the default. fla 0.6.0's forward in the same run: GDN 0.90 ms (h-scan 0.157,
+  output 0.133, kkt+solve 0.099, w/u 0.083, l2norm 0.064 GPU ms), KDA 1.37 ms.
+- since then the forward (prep in [C, 64] column blocks with a doubling inverse, bf16 products in the
+  scan and output kernels, u kept fp32) and the backward (grad_kernel split into state_grad, wy_grad
+  and finish kernels; diag_grad for KDA): predictions in runtime/kernels/gated_delta/forward.py and
+  backward.py docstrings.
 
 Shape legend: B batch, T tokens, H heads, K key dim, V value dim.
 """
@@ -63,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 import runtime.kernels.gated_delta as kernels
+from runtime.kernels.gated_delta import backward
 import runtime.ops.gated_delta as chunked
 from runtime.tolerances import compare, tolerance_for
 
@@ -173,7 +157,8 @@ def errors(kind: str, got: list, ref: list) -> dict:
     return result
 
 
-def run_kind(kind: str, x: dict, report: dict, variants: list[str], save, deadline: float) -> None:
+def run_kind(kind: str, x: dict, report: dict, variants: list[str], save, deadline: float,
+             backward_settings: list[str] = ()) -> None:
     """Our timings first, then precision, then the baselines, then the variants (none starts after
     deadline, a time.monotonic() value): a run cut short keeps what matters most."""
     r = report.setdefault(kind, {})
@@ -190,6 +175,8 @@ def run_kind(kind: str, x: dict, report: dict, variants: list[str], save, deadli
     ]
     steps += [(f"variant_{name}", lambda name=name: run_variant(kind, x, name, ref.get(), deadline))
               for name in variants]
+    steps += [(f"bwd_settings_{name}", lambda name=name: run_backward_settings(kind, x, name, ref.get(), deadline))
+              for name in backward_settings]
     for key, compute in steps:
         section(r, key, compute)
         torch.cuda.empty_cache()
@@ -251,6 +238,21 @@ def run_variant(kind: str, x: dict, name: str, ref: list, deadline: float) -> di
             "settings": dataclasses.asdict(kernels.VARIANTS[name])}
 
 
+def run_backward_settings(kind: str, x: dict, name: str, ref: list, deadline: float) -> dict | str:
+    """The default variant with the backward kernels' launch constants set to backward.SETTINGS[name]."""
+    if time.monotonic() > deadline:
+        return "skipped: --budget-s spent"
+    backward.use_settings(name)
+    try:
+        precision = errors(kind, outputs_and_grads(ours(kind), x), ref)
+        fwdbwd, peak = time_forward_backward(ours(kind), x)
+        return {"fwdbwd_ms": fwdbwd, "peak_mem_gib": peak, "breakdown_ms": breakdown(kind, x),
+                "all_passed": all(e["passed"] for e in precision.values()), "precision_vs_fp64": precision,
+                "settings": backward.SETTINGS[name]}
+    finally:
+        backward.use_settings("default")
+
+
 def section(r: dict, key: str, compute) -> None:
     """One measurement; a failure is recorded and printed, the rest still runs."""
     try:
@@ -290,7 +292,8 @@ def variants_file(report: dict, shape: str, device: str) -> dict:
     for kind, r in report.items():
         base = r.get("baseline_fwdbwd")
         base_ms = base[0] if isinstance(base, tuple | list) else None
-        rows = {k.removeprefix("variant_"): v for k, v in r.items() if k.startswith("variant_")}
+        rows = {k.removeprefix("variant_").replace("bwd_settings_", "bwd:"): v for k, v in r.items()
+                if k.startswith(("variant_", "bwd_settings_"))}
         default_ms = (rows.get("default") or {}).get("fwdbwd_ms") if isinstance(rows.get("default"), dict) else None
         for row in rows.values():
             if isinstance(row, dict):
@@ -306,14 +309,15 @@ def print_variants(report: dict) -> None:
           f"{'peak GiB':>9} precision")
     for kind, r in report.items():
         for key, row in r.items():
-            if not key.startswith("variant_"):
+            if not key.startswith(("variant_", "bwd_settings_")):
                 continue
-            name = key.removeprefix("variant_")
+            name = key.removeprefix("variant_").replace("bwd_settings_", "bwd:")
             if not isinstance(row, dict):
                 print(f"{kind:5} {name:24} {str(row)[:70]}")
                 continue
             ratio = lambda v: f"{v:.2f}" if v else "-"
-            print(f"{kind:5} {name:24} {row['fwd_ms']:8.3f} {row['fwdbwd_ms']:11.3f} "
+            fwd = f"{row['fwd_ms']:8.3f}" if "fwd_ms" in row else "       -"
+            print(f"{kind:5} {name:24} {fwd} {row['fwdbwd_ms']:11.3f} "
                   f"{ratio(row.get('speedup_vs_default')):>10} {ratio(row.get('speedup_vs_baseline')):>11} "
                   f"{row['peak_mem_gib']:9.2f} {'ok' if row['all_passed'] else 'FAIL'}")
 
@@ -346,8 +350,14 @@ def main() -> None:
                         help="comma-separated names of runtime.kernels.gated_delta.VARIANTS (all when bare)")
     parser.add_argument("--budget-s", type=float, default=450.0,
                         help="seconds from the start after which no further variant starts (split across kinds)")
+    parser.add_argument("--backward-settings", nargs="?", default="",
+                        const=",".join(name for name in backward.SETTINGS if name != "default"),
+                        help="comma-separated names of gated_delta.backward.SETTINGS (all when bare), timed after the variants")
     args = parser.parse_args()
     variants = [name for name in args.variants.split(",") if name]
+    backward_settings = [name for name in args.backward_settings.split(",") if name]
+    if set(backward_settings) - set(backward.SETTINGS):
+        parser.error(f"--backward-settings: unknown {sorted(set(backward_settings) - set(backward.SETTINGS))}")
     unknown = set(variants) - set(kernels.VARIANTS)
     if unknown:
         parser.error(f"--variants: unknown {sorted(unknown)}; known: {sorted(kernels.VARIANTS)}")
@@ -367,7 +377,8 @@ def main() -> None:
                 (out / "variants.json").write_text(json.dumps(variants_file(report, shape, device), indent=2))
 
         deadline = start + args.budget_s * (i + 1) / len(kinds)
-        run_kind(kind, make_inputs(kind, args.seq_len, args.heads, args.dim), report, variants, save, deadline)
+        run_kind(kind, make_inputs(kind, args.seq_len, args.heads, args.dim), report, variants, save, deadline,
+                 backward_settings)
     print_table(report)
     print_variants(report)
 

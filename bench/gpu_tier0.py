@@ -41,8 +41,9 @@ def main() -> None:
                   f"{time.time() - start:.0f} s", flush=True)
             for name in failed[:10]:
                 print("  FAIL", name, flush=True)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "gpu_tier0.json").write_text(json.dumps(results, indent=1))
+            # after every family: a run stopped by its time limit keeps what it checked
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "gpu_tier0.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -9,19 +9,28 @@ from __future__ import annotations
 
 import torch
 
-from runtime.kernels.gated_delta.function import KernelVariant, chunk_delta_rule
+from runtime.kernels.gated_delta.function import FP32_TILES, KernelVariant, chunk_delta_rule
 
-_BF16_SCAN = dict(bf16_tiles=True, bf16_states=True, scan_value_block=32, scan_stages=2, scan_warps=8)
+# "default" (KernelVariant()) is the fastest measured path, or for the forward settings of 2026-11-29 11:00
+# (blocked prep, doubling inverse, bf16 scan/output products, fp32 u) the predicted fastest; the others
+# switch one of its choices back. "forward_before" is the forward measured at GDN 1.68 ms (prep_kernel with
+# diag_kernel's row-substitution inverse, tf32 products, bf16 u, output in value blocks of 64, 8-warp scan).
 VARIANTS: dict[str, KernelVariant] = {
     "default": KernelVariant(),
-    "bf16_tiles": KernelVariant(bf16_tiles=True),
-    "bf16_tiles_states": KernelVariant(bf16_tiles=True, bf16_states=True),
-    "scan_w8": KernelVariant(scan_warps=8),
-    "bf16_scan": KernelVariant(**_BF16_SCAN),
-    "split_diagonal": KernelVariant(split_diagonal=True),
-    "keep_forward": KernelVariant(keep_forward=True),
-    "all_but_keep": KernelVariant(**_BF16_SCAN, split_diagonal=True),
-    "all": KernelVariant(**_BF16_SCAN, split_diagonal=True, keep_forward=True),
+    "fp32_tiles": FP32_TILES,
+    "recompute": KernelVariant(keep_forward=False),
+    "in_chunk_diagonal": KernelVariant(split_diagonal=False),
+    "forward_before": KernelVariant(blocked_prep=False, doubling_inverse=False, bf16_dots=False, fp32_u=False,
+                                    output_value_block=64, forward_scan_warps=8),
+    "prep_w4": KernelVariant(prep_warps=4),
+    "unblocked_prep": KernelVariant(blocked_prep=False),
+    "scan_w8": KernelVariant(forward_scan_warps=8),
+    "scan_halves": KernelVariant(scan_halves=True),
+    "scan_halves_w8": KernelVariant(scan_halves=True, forward_scan_warps=8),
+    "scan_bv16": KernelVariant(scan_value_block=16),
+    "output_bv64": KernelVariant(output_value_block=64),
+    "tf32_dots": KernelVariant(bf16_dots=False),
+    "bf16_u": KernelVariant(fp32_u=False),
 }
 
 

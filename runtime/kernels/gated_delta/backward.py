@@ -1,31 +1,76 @@
 """Backward Triton kernels of the chunked gated delta rule (GDN / KDA).
 
-The backward recomputes the forward's chunk-local quantities (prep_kernel with Tinv, scan_kernel for
-the chunk states) instead of keeping them from the forward (the keep_forward variant keeps them), then
-runs two launches:
-`scan_bwd_kernel` (per sequence, head and V block, chunks in reverse: the state gradient dh entering
-each chunk from its end, and dv_new = P^T do + kbar dh) and `grad_kernel` (every chunk in parallel:
-all input gradients, through the UT inverse, the decayed Gram matrices, the decay cumsum and l2norm;
-in the split-diagonal variant for KDA, diagonal.py's `diag_grad_kernel` adds the diagonal blocks'
-share and finishes the cumsum and l2norm).
+The backward takes the forward's chunk-local quantities (prep_kernel's tiles with Tinv, scan_kernel's
+states and v_new: kept from the forward, or recomputed when keep_forward is off), then runs:
+`scan_bwd_kernel` (per sequence, head and V block, chunks in reverse: the state gradient dh leaving
+each chunk, and dv_new = P^T do + kbar dh), then every chunk in parallel:
+`state_grad_kernel` (per chunk, head and K block: the state-side and P-path gradients, dq from
+  do h^T and dP, dk from v_new dh^T and dP^T, dw = -dv_new h^T, dgc and dgc_last shares; the K blocks
+  keep the fp32 accumulators at [C, BK]),
+`wy_grad_kernel` (per chunk and head: dv, dbeta, dTinv -> dL, and their share of dk and dgc through
+  w, Tinv and the decayed Gram of k),
+and to finish `finish_kernel` (scalar decay: l2norm backward of q and k, dg as a reverse cumsum) or, per
+channel, diagonal.py's `diag_grad_kernel` (the diagonal blocks' share, then the same finish).
+Intermediates between the three go through HBM in fp32 ([T, H, K]: 134 MB, 32 us each way at the
+benchmark shape), cheaper than the register spills of one kernel holding them all (the kernel these
+replace, one program per chunk and head with three [C, K] fp32 accumulators: 255 registers, 3.6 KB of
+spills, 200 KB of shared memory, 2.30 ms GDN / 22.6 ms KDA on the H200).
+
+Predictions (H200, B1 T8192 H32 K=V=128 bf16, not yet measured; 4.24 TB/s, 132 SMs, 4096 chunk-heads):
+  scan_bwd_kernel   0.65 -> ~0.40 ms: bf16 tiles straight to the tensor cores (common.mm "bf16") instead
+                    of fp32 copies in tf32; 128 programs, a two-product dependent chain per chunk.
+  state_grad_kernel ~0.35 ms GDN, ~0.45 KDA: 8192 programs, ~130 KB each (h, dh, do, v_new, dv_new bf16
+                    in; dq, dk, dw fp32 out) = 1.07 GB, 0.25 ms at peak; one 8-warp program per SM.
+  wy_grad_kernel    ~0.30 ms GDN, ~0.40 KDA: ~250 KB per chunk-head (dw and dk fp32 read, dk written back).
+  finish_kernel     ~0.12 ms (GDN): q, k bf16 and dq, dk fp32 in, dq, dk bf16 out: 470 MB.
+  diag_grad_kernel  ~0.6-1.0 ms (KDA): 1.1 G exps at the SFU's ~4 T/s plus the [S, K] elementwise sums.
+  GDN backward ~1.2 ms (was 2.95), KDA ~2.3 ms (was 24.3).
 
 Chunk algebra (runtime/ops/gated_delta.py): L = beta * gram(k, k), Tinv = (I + L)^-1,
 w = Tinv (beta k e^gc), u = Tinv (beta v), v_new = u - w h, o = q e^gc h + P v_new,
 h_next = e^gc_last h + kbar^T v_new, kbar = k e^(gc_last - gc).
 
 Shape legend: T packed tokens, H heads, K key dim, V value dim, C chunk size, S sub-chunk size,
-BV value block, X 1 (GDN) or K (KDA).
+BK key block, BV value block, NK = K / BK, NC chunks over all sequences, X 1 (GDN) or K (KDA).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from runtime.kernels.gated_delta.common import decayed_gram_bwd, row_of, store_diag
-from runtime.kernels.gated_delta.forward import (
-    chunk_inputs, chunk_tokens, load_block, load_chunk_decay, load_rows, state_offsets, store_block, store_last,
-    store_rows,
-)
+from runtime.kernels.gated_delta.common import decayed_gram_bwd, l2norm_rows, mm, row_of, store_diag
+from runtime.kernels.gated_delta.forward import chunk_tokens, load_chunk_decay, rows_at, state_offsets
+
+# Launch settings of the gradient kernels (not yet timed on the H200; ptxas for sm_90a at H32 K=V=128,
+# bf16 tiles: registers / spill bytes). Key block of state_grad_kernel and wy_grad_kernel: 64 keeps
+# state_grad's four fp32 accumulators at [C, 64] (GDN 8 warps 255 / 72 B, KDA 255 / 544 B; 4 warps
+# spill 2.1-2.6 KB); 32 gets GDN to 187 / 0 at 8 warps but reads do, v_new, dv_new and recomputes dP 4 times.
+KEY_BLOCK = 64
+STATE_GRAD_WARPS = 8
+STATE_GRAD_STAGES = 1
+# register cap (ptxas maxnreg, None: up to 255): 128 at 8 warps lets two programs share an SM (GDN at key
+# block 32: 64 B of spills; at 64: 1.4 KB)
+STATE_GRAD_MAXNREG = None
+# wy_grad_kernel: GDN 242 / 0 B, KDA 255 / 560 B at 8 warps (4 warps: 400 B and 2.1 KB)
+WY_GRAD_WARPS = 8
+WY_GRAD_STAGES = 1
+# finish_kernel: [C, K] tiles, 237 / 0 B at 8 warps (4 warps: 472 B)
+FINISH_WARPS = 8
+# Alternatives to time, as changes from the constants above (use_settings(name) before a run)
+SETTINGS: dict[str, dict] = {
+    "default": {},
+    "key_block_32": dict(KEY_BLOCK=32),
+    "key_block_32_r128": dict(KEY_BLOCK=32, STATE_GRAD_MAXNREG=128),
+    "state_stages_2": dict(STATE_GRAD_STAGES=2),
+    "w4": dict(STATE_GRAD_WARPS=4, WY_GRAD_WARPS=4),
+}
+_DEFAULT_SETTINGS = {name: globals()[name] for name in (
+    "KEY_BLOCK", "STATE_GRAD_WARPS", "STATE_GRAD_STAGES", "STATE_GRAD_MAXNREG", "WY_GRAD_WARPS")}
+
+
+def use_settings(name: str) -> None:
+    """Sets this module's launch constants to SETTINGS[name] (function._input_grads reads them per call)."""
+    globals().update(_DEFAULT_SETTINGS, **SETTINGS[name])
 
 
 @triton.jit
@@ -33,9 +78,11 @@ def scan_bwd_kernel(do_ptr, p_ptr, kbar_ptr, qg_ptr, w_ptr, glast_ptr, dht_ptr, 
                     dh_ptr, dvnew_ptr, dh0_ptr,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
                     PER_CHANNEL: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                    PREC: tl.constexpr):
+                    DOTS: tl.constexpr):
     """Per (sequence, head, V block), last chunk first: store dh (gradient of the state leaving the chunk),
-    dv_new = P^T do + kbar dh, then dh <- e^gc_last dh + qg^T do - w^T dv_new."""
+    dv_new = P^T do + kbar dh, then dh <- e^gc_last dh + qg^T do - w^T dv_new. dh in fp32 registers; the
+    products take their operands as common.mm's DOTS says ("bf16" rounds dh and dv_new as their stored
+    copies are) and the tiles load in their stored dtype."""
     seq, head, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos = tl.load(cu_ptr + seq), tl.load(cu_ptr + seq + 1)
     first_chunk = tl.load(chunk_offsets_ptr + seq)
@@ -48,119 +95,21 @@ def scan_bwd_kernel(do_ptr, p_ptr, kbar_ptr, qg_ptr, w_ptr, glast_ptr, dht_ptr, 
     for i in range(num_chunks):
         c = num_chunks - 1 - i
         chunk = first_chunk + c
-        tok = bos + c * C + tl.arange(0, C)
-        valid = tok < eos
+        row0 = bos + c * C
+        valid = (row0 + tl.arange(0, C) < eos)[:, None]
         tl.store(dh_ptr + state_offsets(chunk, head, col0, H, K, V, BV), dh.to(dh_ptr.dtype.element_ty))
-        do = load_block(do_ptr, tok, valid, H, V, head, col0, BV)
-        p = load_rows(p_ptr, tok, valid, H, C, head)
-        kbar = load_rows(kbar_ptr, tok, valid, H, K, head)
-        dv_new = tl.dot(tl.trans(p), do, input_precision=PREC) + tl.dot(kbar, dh, input_precision=PREC)
-        store_block(dvnew_ptr, dv_new, tok, valid, H, V, head, col0, BV)
-        qg = load_rows(qg_ptr, tok, valid, H, K, head)
-        w = load_rows(w_ptr, tok, valid, H, K, head)
+        do = tl.load(rows_at(do_ptr, row0, head, H, V, col0, C, BV), mask=valid, other=0.0)
+        p = tl.load(rows_at(p_ptr, row0, head, H, C, 0, C, C), mask=valid, other=0.0)
+        kbar = tl.load(rows_at(kbar_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
+        dv_new = mm(tl.trans(p), do, DOTS) + mm(kbar, dh, DOTS)
+        tl.store(rows_at(dvnew_ptr, row0, head, H, V, col0, C, BV), dv_new.to(dvnew_ptr.dtype.element_ty),
+                 mask=valid)
+        qg = tl.load(rows_at(qg_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
+        w = tl.load(rows_at(w_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
         decay = load_chunk_decay(glast_ptr, chunk, head, H, K, PER_CHANNEL)
-        dh = decay * dh + tl.dot(tl.trans(qg), do, input_precision=PREC) - tl.dot(tl.trans(w), dv_new, input_precision=PREC)
+        dh = decay * dh + mm(tl.trans(qg), do, DOTS) - mm(tl.trans(w), dv_new, DOTS)
     if STORE_DH0:
         tl.store(dh0_ptr + seq_offs, dh)
-
-
-@triton.jit
-def value_side_grads(v_ptr, do_ptr, vnew_ptr, dvnew_ptr, h_ptr, dh_ptr, dv_ptr, tinv, beta, tok, valid, chunk, head,
-                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-                     PREC: tl.constexpr):
-    """Loops over V blocks: stores dv; returns (dqg, dkbar, dw, dP, dTinv, dbeta part, sum_v h dh)."""
-    dqg = tl.zeros([C, K], tl.float32)
-    dkbar = tl.zeros([C, K], tl.float32)
-    dw = tl.zeros([C, K], tl.float32)
-    dp = tl.zeros([C, C], tl.float32)
-    dtinv = tl.zeros([C, C], tl.float32)
-    db = tl.zeros([C], tl.float32)
-    dlam = tl.zeros([K], tl.float32)
-    for vb in range(V // BV):
-        col0 = vb * BV
-        h = tl.load(h_ptr + state_offsets(chunk, head, col0, H, K, V, BV)).to(tl.float32)
-        dh = tl.load(dh_ptr + state_offsets(chunk, head, col0, H, K, V, BV)).to(tl.float32)
-        do = load_block(do_ptr, tok, valid, H, V, head, col0, BV)
-        v_new = load_block(vnew_ptr, tok, valid, H, V, head, col0, BV)
-        dv_new = load_block(dvnew_ptr, tok, valid, H, V, head, col0, BV)
-        dqg += tl.dot(do, tl.trans(h), input_precision=PREC)
-        dkbar += tl.dot(v_new, tl.trans(dh), input_precision=PREC)
-        dw -= tl.dot(dv_new, tl.trans(h), input_precision=PREC)
-        dp += tl.dot(do, tl.trans(v_new), input_precision=PREC)
-        dlam += tl.sum(h * dh, 1)
-        # u = Tinv (beta v) and du = dv_new
-        dbv = tl.dot(tl.trans(tinv), dv_new, input_precision=PREC)
-        v = load_block(v_ptr, tok, valid, H, V, head, col0, BV)
-        store_block(dv_ptr, beta[:, None] * dbv, tok, valid, H, V, head, col0, BV)
-        db += tl.sum(dbv * v, 1)
-        dtinv += tl.dot(dv_new, tl.trans(beta[:, None] * v), input_precision=PREC)
-    return dqg, dkbar, dw, dp, dtinv, db, dlam
-
-
-@triton.jit
-def grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, do_ptr,
-                chunk_start_ptr, chunk_end_ptr, dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr,
-                dldiag_ptr, dpdiag_ptr, part_dq_ptr, part_dk_ptr, part_dgc_ptr, part_db_ptr, dgl_ptr, scale,
-                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
-                BV: tl.constexpr, PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr, SPLIT_DIAG: tl.constexpr,
-                PREC: tl.constexpr):
-    """Per (chunk, head): dq, dk, dv, dg, dbeta of the chunk. With SPLIT_DIAG (per channel only) it
-    stores dv, the diagonal blocks of dL and dP and the fp32 partials (dq, dk, dgc, dbeta before the
-    diagonal blocks' share, dgc_last) for diagonal.diag_grad_kernel to finish."""
-    chunk, head = tl.program_id(0), tl.program_id(1)
-    tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
-    q, k, gc, beta, q_inv, k_inv = chunk_inputs(q_ptr, k_ptr, g_ptr, beta_ptr, tok, valid, head, scale,
-                                                H, K, PER_CHANNEL, L2NORM)
-    tinv = load_rows(tinv_ptr, tok, valid, H, C, head)
-    dqg, dkbar, dw, dp, dtinv, db, dlam = value_side_grads(
-        v_ptr, do_ptr, vnew_ptr, dvnew_ptr, h_ptr, dh_ptr, dv_ptr, tinv, beta, tok, valid, chunk, head,
-        H, K, V, C, BV, PREC)
-    rows = tl.arange(0, C)
-    eg = tl.exp(gc)
-    # w = Tinv (beta k e^gc)
-    kt = k * eg
-    dtinv += tl.dot(dw, tl.trans(beta[:, None] * kt), input_precision=PREC)
-    dbk = tl.dot(tl.trans(tinv), dw, input_precision=PREC)
-    db += tl.sum(dbk * kt, 1)
-    dkt = beta[:, None] * dbk
-    # Tinv = (I + L)^-1: dL = -Tinv^T dTinv Tinv^T on L's strictly lower pattern
-    dl = -tl.dot(tl.dot(tl.trans(tinv), dtinv, input_precision=PREC), tl.trans(tinv), input_precision=PREC)
-    dl = tl.where(rows[:, None] > rows[None, :], dl, 0.0)
-    da, dc = decayed_gram_bwd(dl, beta[:, None] * k, k, gc, PER_CHANNEL, C, S, PREC, not SPLIT_DIAG)
-    db += tl.sum(da * k, 1)
-    dk = beta[:, None] * da + dc
-    dgc = beta[:, None] * k * da - k * dc
-    dp = tl.where(rows[:, None] >= rows[None, :], dp, 0.0)
-    da, dc = decayed_gram_bwd(dp, q, k, gc, PER_CHANNEL, C, S, PREC, not SPLIT_DIAG)
-    dq = da + dqg * eg
-    dk += dc + dkt * eg
-    dgc += q * da - k * dc + q * eg * dqg + kt * dkt
-    gl = row_of(gc, C - 1, C)
-    ebar = tl.exp(gl[None, :] - gc)
-    dk += dkbar * ebar
-    dgc -= k * ebar * dkbar
-    dgl = tl.sum(k * ebar * dkbar, 0) + tl.exp(gl) * dlam
-    if SPLIT_DIAG:
-        store_diag(dldiag_ptr, dl, tok, valid, head, H, C, S)
-        store_diag(dpdiag_ptr, dp, tok, valid, head, H, C, S)
-        store_partials(part_dq_ptr, part_dk_ptr, part_dgc_ptr, part_db_ptr, dgl_ptr, dq, dk, dgc, db, dgl,
-                       tok, valid, chunk, head, H, K)
-    else:
-        store_dg(dg_ptr, dgc, dgl, tok, valid, head, H, K, C, PER_CHANNEL)
-        tl.store(dbeta_ptr + tok.to(tl.int64) * H + head, db.to(dbeta_ptr.dtype.element_ty), mask=valid)
-        store_rows(dq_ptr, l2norm_bwd(q / scale, q_inv, dq * scale, L2NORM), tok, valid, H, K, head)
-        store_rows(dk_ptr, l2norm_bwd(k, k_inv, dk, L2NORM), tok, valid, H, K, head)
-
-
-@triton.jit
-def store_partials(part_dq_ptr, part_dk_ptr, part_dgc_ptr, part_db_ptr, dgl_ptr, dq, dk, dgc, db, dgl,
-                   tok, valid, chunk, head, H: tl.constexpr, K: tl.constexpr):
-    """fp32 gradients of the scaled normalized q and k, of gc and beta, and of gc_last [NC, H, K]."""
-    store_rows(part_dq_ptr, dq, tok, valid, H, K, head)
-    store_rows(part_dk_ptr, dk, tok, valid, H, K, head)
-    store_rows(part_dgc_ptr, dgc, tok, valid, H, K, head)
-    tl.store(part_db_ptr + tok.to(tl.int64) * H + head, db, mask=valid)
-    store_last(dgl_ptr, dgl, chunk, head, H, K, True)
 
 
 @triton.jit
@@ -174,15 +123,198 @@ def l2norm_bwd(y, inv, dy, USE: tl.constexpr):
 
 
 @triton.jit
-def store_dg(dg_ptr, dgc, dgl, tok, valid, head, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
-             PER_CHANNEL: tl.constexpr):
-    """dg from dgc (gradient of the in-chunk cumsum) plus dgl on the last row: a reverse cumsum."""
-    rows = tl.arange(0, C)
-    if PER_CHANNEL:
-        dgc += tl.where(rows[:, None] == C - 1, dgl[None, :], 0.0)
-        dg = tl.sum(dgc, 0)[None, :] - tl.cumsum(dgc, 0) + dgc
-        store_rows(dg_ptr, dg, tok, valid, H, K, head)
+def load_cols(ptr, start, valid_R, head, col0, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+              BD: tl.constexpr):
+    """x_R,BD in fp32: rows start .. start + R, columns col0 .. col0 + BD of a packed [T, H, D] tensor (see
+    forward.rows_at); rows past the sequence end read as 0."""
+    return tl.load(rows_at(ptr, start, head, H, D, col0, R, BD), mask=valid_R[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_cols(ptr, x, start, valid_R, head, col0, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+               BD: tl.constexpr):
+    tl.store(rows_at(ptr, start, head, H, D, col0, R, BD), x.to(ptr.dtype.element_ty), mask=valid_R[:, None])
+
+
+@triton.jit
+def inv_norms(x_ptr, start, valid_C, head, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+              USE: tl.constexpr):
+    """1 / sqrt(sum x^2 + eps) of each row over all K, read in K blocks (ones when USE is off), as l2norm_rows."""
+    sq_C = tl.zeros([C], tl.float32)
+    if USE:
+        for kb in tl.static_range(K // BK):
+            x = load_cols(x_ptr, start, valid_C, head, kb * BK, H, K, C, BK)
+            sq_C += tl.sum(x * x, 1)
+        inv_C = 1.0 / tl.sqrt(sq_C + 1e-6)
     else:
-        dgc_C = tl.sum(dgc, 1) + tl.where(rows == C - 1, tl.sum(dgl, 0), 0.0)
-        dg = tl.sum(dgc_C, 0) - tl.cumsum(dgc_C, 0) + dgc_C
-        tl.store(dg_ptr + tok.to(tl.int64) * H + head, dg.to(dg_ptr.dtype.element_ty), mask=valid)
+        inv_C = sq_C + 1.0
+    return inv_C
+
+
+@triton.jit
+def gc_block(g_ptr, tok_C, valid_C, start, head, col0, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+             BK: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """In-chunk cumulative log decay of key columns col0 .. col0 + BK: [C, BK] per channel, else [C, 1]."""
+    if PER_CHANNEL:
+        gc = tl.cumsum(load_cols(g_ptr, start, valid_C, head, col0, H, K, C, BK), 0)
+    else:
+        g = tl.load(g_ptr + tok_C.to(tl.int64) * H + head, mask=valid_C, other=0.0).to(tl.float32)
+        gc = tl.cumsum(g, 0)[:, None]
+    return gc
+
+
+@triton.jit
+def state_block_offsets(chunk, head, row0, col0, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                        BK: tl.constexpr, BV: tl.constexpr):
+    """Offsets of the [BK, BV] block at (row0, col0) of state `chunk` (of [NC, H, K, V]) for this head."""
+    base = (chunk.to(tl.int64) * H + head) * K * V
+    return base + (row0 + tl.arange(0, BK))[:, None] * V + col0 + tl.arange(0, BV)[None, :]
+
+
+@triton.jit
+def state_grad_kernel(q_ptr, k_ptr, g_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, do_ptr, chunk_start_ptr, chunk_end_ptr,
+                      dq_ptr, dk_ptr, dw_ptr, dgc_ptr, dgl_ptr, dpdiag_ptr, scale,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
+                      PREC: tl.constexpr, DOTS: tl.constexpr):
+    """Per (chunk and K block, head): the state-side and P-path gradients (fp32, see the module docstring).
+    Stores dq (complete before l2norm), dk's and dgc's shares, dw and dgc_last; per channel also the
+    diagonal blocks of dP (the K block 0 program). GDN stores dgc summed over the block's channels in
+    slot kb of dgc [T, H, NK + 1] and dgc_last in slot kb of dgl [NC, H, NK]."""
+    NK: tl.constexpr = K // BK
+    # the K blocks of one chunk run side by side: the later ones read do, v_new and dv_new from L2
+    chunk, kb, head = tl.program_id(0) // NK, tl.program_id(0) % NK, tl.program_id(1)
+    tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
+    start = tl.load(chunk_start_ptr + chunk)
+    col0 = kb * BK
+    dqg = tl.zeros([C, BK], tl.float32)
+    dkbar = tl.zeros([C, BK], tl.float32)
+    dw = tl.zeros([C, BK], tl.float32)
+    dp = tl.zeros([C, C], tl.float32)
+    dlam = tl.zeros([BK], tl.float32)
+    for vb in range(V // BV):
+        offs = state_block_offsets(chunk, head, col0, vb * BV, H, K, V, BK, BV)
+        h = tl.load(h_ptr + offs)
+        dh = tl.load(dh_ptr + offs)
+        do = tl.load(rows_at(do_ptr, start, head, H, V, vb * BV, C, BV), mask=valid[:, None], other=0.0)
+        v_new = tl.load(rows_at(vnew_ptr, start, head, H, V, vb * BV, C, BV), mask=valid[:, None], other=0.0)
+        dv_new = tl.load(rows_at(dvnew_ptr, start, head, H, V, vb * BV, C, BV), mask=valid[:, None], other=0.0)
+        dqg += mm(do, tl.trans(h), DOTS)
+        dkbar += mm(v_new, tl.trans(dh), DOTS)
+        dw -= mm(dv_new, tl.trans(h), DOTS)
+        dp += mm(do, tl.trans(v_new), DOTS)
+        dlam += tl.sum(h.to(tl.float32) * dh.to(tl.float32), 1)
+    store_cols(dw_ptr, dw, start, valid, head, col0, H, K, C, BK)
+    q = load_cols(q_ptr, start, valid, head, col0, H, K, C, BK) * (
+        inv_norms(q_ptr, start, valid, head, H, K, C, BK, L2NORM) * scale)[:, None]
+    k = load_cols(k_ptr, start, valid, head, col0, H, K, C, BK) * inv_norms(
+        k_ptr, start, valid, head, H, K, C, BK, L2NORM)[:, None]
+    gc = gc_block(g_ptr, tok, valid, start, head, col0, H, K, C, BK, PER_CHANNEL)
+    rows = tl.arange(0, C)
+    dp = tl.where(rows[:, None] >= rows[None, :], dp, 0.0)
+    if PER_CHANNEL:
+        if kb == 0:
+            store_diag(dpdiag_ptr, dp, tok, valid, head, H, C, S)
+    # o = qg h + P v_new with qg = q e^gc; h_next = e^gc_last h + kbar^T v_new with kbar = k e^(gc_last - gc)
+    da, dc = decayed_gram_bwd(dp, q, k, gc, PER_CHANNEL, C, S, PREC, False)
+    dq = da + dqg * tl.exp(gc)
+    gl = row_of(gc, C - 1, C)
+    dk_state = dkbar * tl.exp(gl[None, :] - gc)
+    dgc = q * dq - k * (dc + dk_state)
+    dgl = tl.sum(k * dk_state, 0) + tl.exp(gl) * dlam
+    store_cols(dq_ptr, dq, start, valid, head, col0, H, K, C, BK)
+    store_cols(dk_ptr, dc + dk_state, start, valid, head, col0, H, K, C, BK)
+    if PER_CHANNEL:
+        store_cols(dgc_ptr, dgc, start, valid, head, col0, H, K, C, BK)
+        tl.store(dgl_ptr + (chunk.to(tl.int64) * H + head) * K + col0 + tl.arange(0, BK), dgl)
+    else:
+        tl.store(dgc_ptr + (tok.to(tl.int64) * H + head) * (NK + 1) + kb, tl.sum(dgc, 1), mask=valid)
+        tl.store(dgl_ptr + (chunk.to(tl.int64) * H + head) * NK + kb, tl.sum(dgl, 0))
+
+
+@triton.jit
+def wy_grad_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, dvnew_ptr, dw_ptr, chunk_start_ptr, chunk_end_ptr,
+                   dv_ptr, dk_ptr, dgc_ptr, db_ptr, dldiag_ptr,
+                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
+                   BK: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
+                   PREC: tl.constexpr):
+    """Per (chunk, head): gradients through u = Tinv (beta v), w = Tinv (beta k e^gc) and Tinv = (I + L)^-1.
+    Stores dv and dbeta (per channel: dbeta's share before the diagonal blocks, in fp32, and the diagonal
+    blocks of dL); adds its share to dk and dgc (per channel [T, H, K], else slot NK of [T, H, NK + 1])."""
+    chunk, head = tl.program_id(0), tl.program_id(1)
+    NK: tl.constexpr = K // BK
+    tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
+    start = tl.load(chunk_start_ptr + chunk)
+    beta = tl.load(beta_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32)
+    tinv = load_cols(tinv_ptr, start, valid, head, 0, H, C, C, C)
+    k_inv = inv_norms(k_ptr, start, valid, head, H, K, C, BK, L2NORM)
+    db = tl.zeros([C], tl.float32)
+    dtinv = tl.zeros([C, C], tl.float32)
+    for vb in range(V // BV):
+        # u = Tinv (beta v) and du = dv_new
+        du = load_cols(dvnew_ptr, start, valid, head, vb * BV, H, V, C, BV)
+        v = load_cols(v_ptr, start, valid, head, vb * BV, H, V, C, BV)
+        dtinv += tl.dot(du, tl.trans(beta[:, None] * v), input_precision=PREC)
+        dbv = tl.dot(tl.trans(tinv), du, input_precision=PREC)
+        store_cols(dv_ptr, beta[:, None] * dbv, start, valid, head, vb * BV, H, V, C, BV)
+        db += tl.sum(dbv * v, 1)
+    for kb in range(NK):
+        k = load_cols(k_ptr, start, valid, head, kb * BK, H, K, C, BK) * k_inv[:, None]
+        kt = k * tl.exp(gc_block(g_ptr, tok, valid, start, head, kb * BK, H, K, C, BK, PER_CHANNEL))
+        dw = load_cols(dw_ptr, start, valid, head, kb * BK, H, K, C, BK)
+        dtinv += tl.dot(dw, tl.trans(beta[:, None] * kt), input_precision=PREC)
+        db += tl.sum(tl.dot(tl.trans(tinv), dw, input_precision=PREC) * kt, 1)
+    rows = tl.arange(0, C)
+    # dL = -Tinv^T dTinv Tinv^T on L's strictly lower pattern
+    dl = -tl.dot(tl.dot(tl.trans(tinv), dtinv, input_precision=PREC), tl.trans(tinv), input_precision=PREC)
+    dl = tl.where(rows[:, None] > rows[None, :], dl, 0.0)
+    dgc_rows = tl.zeros([C], tl.float32)
+    for kb in range(NK):
+        k = load_cols(k_ptr, start, valid, head, kb * BK, H, K, C, BK) * k_inv[:, None]
+        gc = gc_block(g_ptr, tok, valid, start, head, kb * BK, H, K, C, BK, PER_CHANNEL)
+        eg = tl.exp(gc)
+        # w's share, Tinv^T dw recomputed rather than kept over the dL products
+        dkt = beta[:, None] * tl.dot(tl.trans(tinv), load_cols(dw_ptr, start, valid, head, kb * BK, H, K, C, BK),
+                                     input_precision=PREC)
+        da, dc = decayed_gram_bwd(dl, beta[:, None] * k, k, gc, PER_CHANNEL, C, S, PREC, False)
+        db += tl.sum(da * k, 1)
+        dk = beta[:, None] * da + dc + dkt * eg
+        dgc = k * (beta[:, None] * da - dc + eg * dkt)
+        dk += load_cols(dk_ptr, start, valid, head, kb * BK, H, K, C, BK)
+        store_cols(dk_ptr, dk, start, valid, head, kb * BK, H, K, C, BK)
+        if PER_CHANNEL:
+            dgc += load_cols(dgc_ptr, start, valid, head, kb * BK, H, K, C, BK)
+            store_cols(dgc_ptr, dgc, start, valid, head, kb * BK, H, K, C, BK)
+        else:
+            dgc_rows += tl.sum(dgc, 1)
+    if PER_CHANNEL:
+        store_diag(dldiag_ptr, dl, tok, valid, head, H, C, S)
+    else:
+        tl.store(dgc_ptr + (tok.to(tl.int64) * H + head) * (NK + 1) + NK, dgc_rows, mask=valid)
+    tl.store(db_ptr + tok.to(tl.int64) * H + head, db.to(db_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def finish_kernel(q_ptr, k_ptr, part_dq_ptr, part_dk_ptr, dgc_ptr, dgl_ptr, chunk_start_ptr, chunk_end_ptr,
+                  dq_ptr, dk_ptr, dg_ptr, scale, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                  NK: tl.constexpr, L2NORM: tl.constexpr):
+    """Per (chunk, head), scalar decay: dq and dk through l2norm, dg = dgc_last + reverse cumsum of dgc
+    (the NK + 1 slots of dgc and the NK of dgl summed)."""
+    chunk, head = tl.program_id(0), tl.program_id(1)
+    tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
+    start = tl.load(chunk_start_ptr + chunk)
+    q, q_inv = l2norm_rows(load_cols(q_ptr, start, valid, head, 0, H, K, C, K), 1e-6, L2NORM)
+    dq = l2norm_bwd(q, q_inv, load_cols(part_dq_ptr, start, valid, head, 0, H, K, C, K) * scale, L2NORM)
+    store_cols(dq_ptr, dq, start, valid, head, 0, H, K, C, K)
+    k, k_inv = l2norm_rows(load_cols(k_ptr, start, valid, head, 0, H, K, C, K), 1e-6, L2NORM)
+    dk = l2norm_bwd(k, k_inv, load_cols(part_dk_ptr, start, valid, head, 0, H, K, C, K), L2NORM)
+    store_cols(dk_ptr, dk, start, valid, head, 0, H, K, C, K)
+    row_offs = (tok.to(tl.int64) * H + head) * (NK + 1)
+    dgc = tl.zeros([C], tl.float32)
+    for slot in tl.static_range(NK + 1):
+        dgc += tl.load(dgc_ptr + row_offs + slot, mask=valid, other=0.0)
+    dgl = 0.0
+    for slot in tl.static_range(NK):
+        dgl += tl.load(dgl_ptr + (chunk.to(tl.int64) * H + head) * NK + slot)
+    dg = dgl + tl.sum(dgc, 0) - tl.cumsum(dgc, 0) + dgc
+    tl.store(dg_ptr + tok.to(tl.int64) * H + head, dg.to(dg_ptr.dtype.element_ty), mask=valid)

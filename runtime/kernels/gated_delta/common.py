@@ -182,3 +182,61 @@ def store_diag(ptr, x_CC, tok_C, valid_C, head, H: tl.constexpr, C: tl.constexpr
     same = (rows[:, None] // S) == (rows[None, :] // S)
     offs = (tok_C.to(tl.int64) * H + head)[:, None] * S + (rows % S)[None, :]
     tl.store(ptr + offs, x_CC.to(ptr.dtype.element_ty), mask=same & valid_C[:, None])
+
+
+@triton.jit
+def mm(a, b, PREC: tl.constexpr):
+    """a @ b accumulated in fp32. PREC "bf16": bf16 operands on the tensor cores; "bf16_rounded": the same
+    rounding with an fp32 product (the interpreter's bf16 tl.dot is wrong); otherwise tl.dot's
+    input_precision on fp32 operands ("tf32", "tf32x3", "ieee")."""
+    if PREC == "bf16":
+        out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    elif PREC == "bf16_rounded":
+        out = tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PREC)
+    return out
+
+
+@triton.jit
+def diag_block_inverse(l_BSS, S: tl.constexpr, PREC: tl.constexpr):
+    """(I + L)^-1 of each strictly lower S x S block of l_BSS [NB, S, S], by doubling: with L^S = 0,
+    (I + L)^-1 = (I - L)(I + L^2)(I + L^4) ... (I + L^(S/2)). Batched tensor-core products instead of
+    S - 1 dependent row steps; PREC should be "tf32x3" (the partial products cancel where keys repeat,
+    so they want fp32 accuracy)."""
+    ii = tl.arange(0, S)
+    power = -tl.where((ii[:, None] > ii[None, :])[None, :, :], l_BSS, 0.0)
+    t_BSS = (ii[:, None] == ii[None, :]).to(tl.float32)[None, :, :] + power
+    for j in tl.static_range(1, 8):
+        if (1 << j) < S:
+            power = tl.dot(power, power, input_precision=PREC)
+            t_BSS += tl.dot(t_BSS, power, input_precision=PREC)
+    return t_BSS
+
+
+@triton.jit
+def block_diagonal(x_BSS, C: tl.constexpr, S: tl.constexpr):
+    """[C, C] with the C / S blocks of x_BSS [C / S, S, S] on its diagonal, 0 elsewhere."""
+    NS: tl.constexpr = C // S
+    blk = tl.arange(0, NS)
+    same = blk[:, None, None, None] == blk[None, None, :, None]
+    return tl.reshape(tl.where(same, tl.reshape(x_BSS, [NS, S, 1, S]), 0.0), [C, C])
+
+
+@triton.jit
+def merge_block_inverse(l_CC, td_CC, C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr):
+    """(I + L)^-1 from td_CC, the inverses of the S x S diagonal blocks of I + L, merging neighbouring
+    blocks level by level (S -> 2S -> ... -> C): for M = [[A, 0], [N, B]], M^-1 = T - T N T with
+    T = blockdiag(A^-1, B^-1). Two products per level, log2(C / S) levels (block_substitution: two
+    per block row, C / S - 1 rows)."""
+    rows = tl.arange(0, C)
+    t_CC = td_CC
+    for level in tl.static_range(0, 7):
+        if (S << level) < C:
+            pair_r = rows[:, None] // (2 * (S << level))
+            pair_c = rows[None, :] // (2 * (S << level))
+            lower_r = (rows[:, None] // (S << level)) % 2 == 1
+            upper_c = (rows[None, :] // (S << level)) % 2 == 0
+            n_CC = tl.where((pair_r == pair_c) & lower_r & upper_c, l_CC, 0.0)
+            t_CC = t_CC - tl.dot(t_CC, tl.dot(n_CC, t_CC, input_precision=PREC), input_precision=PREC)
+    return t_CC

@@ -4,13 +4,13 @@ One program per (sub-chunk, head) on [S, K] tiles, instead of every chunk progra
 tiles column by column: S / C of the registers per program and C / S times the programs. Stores, as
 rows of [T, H, S] (row t holds its entries against the S tokens of its own sub-chunk):
   L diagonal blocks (beta gram(k, k), strict)  -- per channel only,
-  (I + L)^-1 diagonal blocks                   -- both decays,
+  (I + L)^-1 diagonal blocks                   -- with INVERSE (prep_kernel's split-diagonal path),
   P diagonal blocks (gram(q, k), j <= i)       -- per channel only.
 Only differences of the cumulative decay inside one sub-chunk enter, so a sub-chunk-local cumsum
 gives the same blocks (and the same gradients) as the chunk's.
 `diag_grad_kernel` (per chunk and head, per-channel decay only) adds the diagonal blocks' share of the
-gradients to the partials backward.grad_kernel stored, walking the sub-chunks last to first on [S, K]
-tiles, and finishes dg (reverse cumsum), dbeta, and dq, dk (through l2norm).
+gradients to the partials backward.py's state_grad_kernel and wy_grad_kernel stored, walking the
+sub-chunks last to first on [S, K] tiles, and finishes dg (reverse cumsum), dbeta, and dq, dk (through l2norm).
 
 Shape legend: T packed tokens, H heads, K key dim, C chunk size, S sub-chunk size, X 1 (GDN) or K (KDA).
 """
@@ -67,8 +67,9 @@ def unit_lower_inverse_small(l_SS, S: tl.constexpr):
 @triton.jit
 def diag_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_ptr, ldiag_ptr, tdiag_ptr, pdiag_ptr,
                 scale, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
-                PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr, PREC: tl.constexpr):
-    """Per (sub-chunk, head): the diagonal blocks of L, (I + L)^-1 and P (see the module docstring)."""
+                PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr, INVERSE: tl.constexpr, PREC: tl.constexpr):
+    """Per (sub-chunk, head): the diagonal blocks of L, P (per channel) and, with INVERSE, (I + L)^-1
+    (see the module docstring; without INVERSE prep inverts them by doubling)."""
     sub, head = tl.program_id(0), tl.program_id(1)
     tok, valid = sub_chunk_tokens(chunk_start_ptr, chunk_end_ptr, sub, C, S)
     q, k, gc, beta, _, _ = chunk_inputs(q_ptr, k_ptr, g_ptr, beta_ptr, tok, valid, head, scale,
@@ -83,23 +84,8 @@ def diag_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_ptr, l
         g_S = tl.sum(gc, 1)
         decay = tl.exp(tl.where(ii[:, None] > ii[None, :], g_S[:, None] - g_S[None, :], float("-inf")))
         l_SS = beta[:, None] * tl.dot(k, tl.trans(k), input_precision=PREC) * decay
-    store_rows(tdiag_ptr, unit_lower_inverse_small(l_SS, S), tok, valid, H, S, head)
-
-
-@triton.jit
-def exact_diag_gram_bwd(dm_SS, a_SK, c_SK, gc_SK, S: tl.constexpr):
-    """(da_SK, dc_SK) of M_ij = sum_d a_id c_jd exp(gc_id - gc_jd) (j <= i) given dM masked to M's pattern."""
-    ii = tl.arange(0, S)
-    da = tl.zeros_like(a_SK)
-    dc = tl.zeros_like(c_SK)
-    for jj in range(S):
-        c_j = row_of(c_SK, jj, S)
-        g_j = row_of(gc_SK, jj, S)
-        coef_S = tl.sum(tl.where(ii[None, :] == jj, dm_SS, 0.0), 1)
-        coef_e = coef_S[:, None] * tl.exp(tl.where(ii[:, None] >= jj, gc_SK - g_j[None, :], float("-inf")))
-        da += coef_e * c_j[None, :]
-        dc += tl.where(ii[:, None] == jj, tl.sum(coef_e * a_SK, 0)[None, :], 0.0)
-    return da, dc
+    if INVERSE:
+        store_rows(tdiag_ptr, unit_lower_inverse_small(l_SS, S), tok, valid, H, S, head)
 
 
 @triton.jit
@@ -117,15 +103,36 @@ def diag_grad_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_p
         valid = tok < chunk_end
         q, k, gc, beta, q_inv, k_inv = chunk_inputs(q_ptr, k_ptr, g_ptr, beta_ptr, tok, valid, head, scale,
                                                     H, K, True, L2NORM)
-        da_l, dc_l = exact_diag_gram_bwd(load_rows(dldiag_ptr, tok, valid, H, S, head), beta[:, None] * k, k, gc, S)
-        da_p, dc_p = exact_diag_gram_bwd(load_rows(dpdiag_ptr, tok, valid, H, S, head), q, k, gc, S)
+        da_l, da_p, dc = exact_diag_grams_bwd(load_rows(dldiag_ptr, tok, valid, H, S, head),
+                                              load_rows(dpdiag_ptr, tok, valid, H, S, head), beta, q, k, gc, S)
         dq = load_rows(part_dq_ptr, tok, valid, H, K, head) + da_p
-        dk = load_rows(part_dk_ptr, tok, valid, H, K, head) + beta[:, None] * da_l + dc_l + dc_p
-        dgc = load_rows(part_dgc_ptr, tok, valid, H, K, head) + beta[:, None] * k * da_l - k * dc_l
-        dgc += q * da_p - k * dc_p
+        dk = load_rows(part_dk_ptr, tok, valid, H, K, head) + beta[:, None] * da_l + dc
+        dgc = load_rows(part_dgc_ptr, tok, valid, H, K, head) + beta[:, None] * k * da_l + q * da_p - k * dc
         db = tl.load(part_db_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0) + tl.sum(da_l * k, 1)
         store_rows(dg_ptr, carry_K[None, :] + tl.sum(dgc, 0)[None, :] - tl.cumsum(dgc, 0) + dgc, tok, valid, H, K, head)
         carry_K += tl.sum(dgc, 0)
         tl.store(dbeta_ptr + tok.to(tl.int64) * H + head, db.to(dbeta_ptr.dtype.element_ty), mask=valid)
         store_rows(dq_ptr, l2norm_bwd(q / scale, q_inv, dq * scale, L2NORM), tok, valid, H, K, head)
         store_rows(dk_ptr, l2norm_bwd(k, k_inv, dk, L2NORM), tok, valid, H, K, head)
+
+
+@triton.jit
+def exact_diag_grams_bwd(dl_SS, dp_SS, beta_S, q_SK, k_SK, gc_SK, S: tl.constexpr):
+    """Gradients through the exact diagonal blocks M_ij = sum_d a_id k_jd exp(gc_id - gc_jd) (j <= i) of
+    L (a = beta k) and P (a = q), given dL and dP masked to their patterns, in one pass sharing each
+    column's decay factors: (da of L, da of P, the sum of both dk_j shares)."""
+    ii = tl.arange(0, S)
+    da_l = tl.zeros_like(k_SK)
+    da_p = tl.zeros_like(k_SK)
+    dc = tl.zeros_like(k_SK)
+    bk_SK = beta_S[:, None] * k_SK
+    for jj in range(S):
+        k_j = row_of(k_SK, jj, S)
+        g_j = row_of(gc_SK, jj, S)
+        e_SK = tl.exp(tl.where(ii[:, None] >= jj, gc_SK - g_j[None, :], float("-inf")))
+        coef_l = tl.sum(tl.where(ii[None, :] == jj, dl_SS, 0.0), 1)[:, None] * e_SK
+        coef_p = tl.sum(tl.where(ii[None, :] == jj, dp_SS, 0.0), 1)[:, None] * e_SK
+        da_l += coef_l * k_j[None, :]
+        da_p += coef_p * k_j[None, :]
+        dc += tl.where(ii[:, None] == jj, tl.sum(coef_l * bk_SK + coef_p * q_SK, 0)[None, :], 0.0)
+    return da_l, da_p, dc

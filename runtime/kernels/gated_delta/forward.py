@@ -1,13 +1,29 @@
 """Forward Triton kernels of the chunked gated delta rule (GDN scalar decay / KDA per-channel decay).
 
-Three launches: `prep_kernel` (every chunk in parallel: l2norm, decay cumsum, UT inverse, w, u, P;
-after diagonal.py's `diag_kernel` in the split-diagonal variant),
-`scan_kernel` (one program per sequence, head and V block walks the chunks: states and v_new),
-`output_kernel` (every chunk in parallel: o = (q exp(gc)) h + P v_new). See runtime/ops/gated_delta.py
-for the algebra. Tokens are packed [T, H, *] (batch folded into T, sequences given by cu_seqlens).
+Three launches (KDA: four): `prep_blocked_kernel` (every chunk in parallel, on [C, 64] column blocks:
+l2norm, decay cumsum, the UT inverse Tinv, w, u, P, qg, kbar; KDA after diagonal.py's `diag_kernel`
+for the exact per-channel diagonal blocks of L and P), `scan_kernel` (one program per sequence, head
+and V block walks the chunks: states and v_new; `scan_halves_kernel` holds the state as two K halves),
+`output_kernel` (every chunk in parallel: o = qg h + P v_new). `prep_kernel` is the earlier prep on
+whole [C, K] fp32 tiles (KernelVariant.blocked_prep=False). See runtime/ops/gated_delta.py for the
+algebra. Tokens are packed [T, H, *] (batch folded into T, sequences given by cu_seqlens).
+
+Predicted H200 times at B1 T8192 H32 K=V=128 bf16 (not measured yet; 262144 token-heads, 4096 chunk
+programs, 4.24 TB/s), default KernelVariant, against the measured forward of 1.68 ms (GDN):
+  prep_blocked (GDN) ~0.25-0.30 ms (was 0.62 + diag 0.18): ~2.4 KB per token-head to DRAM (q, k, v in;
+    qg, kbar, w, P bf16, u and Tinv fp32 out) = 0.64 GB = 0.15 ms; ~26 GFLOP of 64^3 products; no diag
+    launch; ptxas: 255 registers, 464 B spilled (was 1748 B), 32 KB shared at 8 warps.
+  prep_blocked + diag_kernel (KDA) ~0.45-0.6 ms (was 12.8 with in-chunk diagonals): 608 B spilled
+    (prep_kernel with split diagonal: 3328 B); diag_kernel without its row-substitution inverse.
+  scan ~0.20-0.25 ms (was 0.45): bf16 operands, 32-bit tile offsets, 4 warps (244 registers, no spill;
+    was 255 with spills at 4 warps), 128 programs x 128 chunks, bound by the two dependent products
+    per chunk (~1.5 us); reads 0.34 GB (w, kbar bf16, u fp32), writes h 0.13 GB and v_new 0.07 GB.
+  output ~0.11-0.13 ms (was 0.22): one program per chunk and head (value block V: qg and P read once),
+    bf16 operands, 4 warps, 128 registers, 72 KB shared (3 programs per SM); 0.37 GB = 87 us at peak.
+  GDN forward ~0.6-0.7 ms, KDA forward ~0.9-1.1 ms.
 
 Shape legend: T packed tokens, H heads, K key dim, V value dim, C chunk size, S sub-chunk size,
-BV value block, X 1 (GDN) or K (KDA), NC chunks over all sequences.
+BD column block, BV value block, X 1 (GDN) or K (KDA), NC chunks over all sequences, NS = C / S.
 """
 from __future__ import annotations
 
@@ -15,7 +31,8 @@ import triton
 import triton.language as tl
 
 from runtime.kernels.gated_delta.common import (
-    block_substitution, decayed_gram, l2norm_rows, load_diag, row_of, unit_lower_inverse,
+    block_diagonal, block_substitution, decayed_gram, diag_block_inverse, l2norm_rows, load_diag, merge_block_inverse,
+    mm, row_of, unit_lower_inverse,
 )
 
 
@@ -65,22 +82,53 @@ def chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C: tl.constexpr):
 
 
 @triton.jit
-def chunk_matrices(q, k, gc, beta, tok, valid, head, ldiag_ptr, tdiag_ptr, pdiag_ptr, H: tl.constexpr,
-                   C: tl.constexpr, S: tl.constexpr, PER_CHANNEL: tl.constexpr, SPLIT_DIAG: tl.constexpr,
-                   PREC: tl.constexpr):
-    """(Tinv_CC, P_CC) of one chunk; with SPLIT_DIAG the diagonal blocks come from diagonal.py's kernel."""
+def rows_at(ptr, row0, head, H: tl.constexpr, D: tl.constexpr, col0, R: tl.constexpr, BD: tl.constexpr):
+    """Pointers to rows row0 .. row0 + R, columns col0 .. col0 + BD of a packed [T, H, D] tensor for one
+    head: a 64-bit scalar base plus 32-bit in-tile offsets (fewer registers than 64-bit offsets per element)."""
+    base = ptr + (row0.to(tl.int64) * H + head) * D + col0
+    return base + tl.arange(0, R)[:, None] * (H * D) + tl.arange(0, BD)[None, :]
+
+
+@triton.jit
+def scalar_diag_blocks(k_CK, gc_C, beta_C, C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr):
+    """The S x S diagonal blocks of L (scalar decay), beta_i exp(gc_i - gc_j) k_i . k_j for j < i, as a
+    [C / S, S, S] batch."""
+    NS: tl.constexpr = C // S
+    K: tl.constexpr = k_CK.shape[1]
+    k_BSK = tl.reshape(k_CK, [NS, S, K])
+    g_BS = tl.reshape(gc_C, [NS, S])
+    ii = tl.arange(0, S)
+    decay = tl.exp(tl.where((ii[:, None] > ii[None, :])[None, :, :], g_BS[:, :, None] - g_BS[:, None, :],
+                            float("-inf")))
+    gram = tl.dot(k_BSK, tl.permute(k_BSK, (0, 2, 1)), input_precision=PREC)
+    return tl.reshape(beta_C, [NS, S])[:, :, None] * gram * decay
+
+
+@triton.jit
+def chunk_inverse(k, gc, beta, start, tok, valid, head, ldiag_ptr, tdiag_ptr, H: tl.constexpr, C: tl.constexpr,
+                  S: tl.constexpr, PER_CHANNEL: tl.constexpr, SPLIT_DIAG: tl.constexpr, DOUBLING: tl.constexpr,
+                  PREC: tl.constexpr):
+    """Tinv_CC = (I + L)^-1 of one chunk, L = beta gram(k, k) strictly lower. The inverses of its S x S
+    diagonal blocks: by doubling here (DOUBLING; per channel it needs SPLIT_DIAG), else from diagonal.py's
+    kernel (SPLIT_DIAG), else by row substitution here. SPLIT_DIAG also reads L's per-channel diagonal
+    blocks from diagonal.py's kernel."""
     if SPLIT_DIAG:
         l_mat = beta[:, None] * decayed_gram(k, k, gc, True, PER_CHANNEL, C, S, PREC, False)
-        p_mat = decayed_gram(q, k, gc, False, PER_CHANNEL, C, S, PREC, False)
         if PER_CHANNEL:
             l_mat += load_diag(ldiag_ptr, tok, valid, head, H, C, S)
-            p_mat += load_diag(pdiag_ptr, tok, valid, head, H, C, S)
-        tinv = block_substitution(l_mat, load_diag(tdiag_ptr, tok, valid, head, H, C, S), C, S, PREC)
     else:
         l_mat = beta[:, None] * decayed_gram(k, k, gc, True, PER_CHANNEL, C, S, PREC, True)
+    if DOUBLING:
+        if PER_CHANNEL:
+            l_BSS = tl.reshape(load_cols(ldiag_ptr, start, valid, head, H, S, 0, C, S), [C // S, S, S])
+        else:
+            l_BSS = scalar_diag_blocks(k, tl.sum(gc, 1), beta, C, S, PREC)
+        tinv = merge_block_inverse(l_mat, block_diagonal(diag_block_inverse(l_BSS, S, "tf32x3"), C, S), C, S, PREC)
+    elif SPLIT_DIAG:
+        tinv = block_substitution(l_mat, load_diag(tdiag_ptr, tok, valid, head, H, C, S), C, S, PREC)
+    else:
         tinv = unit_lower_inverse(l_mat, C, S, PREC)
-        p_mat = decayed_gram(q, k, gc, False, PER_CHANNEL, C, S, PREC, True)
-    return tinv, p_mat
+    return tinv
 
 
 @triton.jit
@@ -88,41 +136,156 @@ def prep_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end
                 qg_ptr, kbar_ptr, w_ptr, u_ptr, p_ptr, glast_ptr, tinv_ptr, ldiag_ptr, tdiag_ptr, pdiag_ptr, scale,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
                 PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr, STORE_TINV: tl.constexpr,
-                SPLIT_DIAG: tl.constexpr, PREC: tl.constexpr):
+                SPLIT_DIAG: tl.constexpr, DOUBLING: tl.constexpr, PREC: tl.constexpr):
     """Per (chunk, head): qg = q exp(gc), kbar = k exp(gc_last - gc), w, u, P, gc_last [, Tinv], each
-    stored in its buffer's dtype; SPLIT_DIAG reads the diagonal blocks diagonal.py's kernel stored."""
+    stored in its buffer's dtype (see chunk_inverse for the diagonal blocks' sources).
+    Ordered so that few [C, K] tiles are live at once: k first (through L, Tinv, w and P), v only for u,
+    q only for qg and P."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
-    q, k, gc, beta, _, _ = chunk_inputs(q_ptr, k_ptr, g_ptr, beta_ptr, tok, valid, head, scale,
-                                        H, K, PER_CHANNEL, L2NORM)
+    start = tl.load(chunk_start_ptr + chunk)
+    k, _ = l2norm_rows(load_cols(k_ptr, start, valid, head, H, K, 0, C, K).to(tl.float32), 1e-6, L2NORM)
+    gc = load_gc(g_ptr, tok, valid, H, K, head, PER_CHANNEL)
+    beta = tl.load(beta_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32)
     gl = row_of(gc, C - 1, C)
     store_last(glast_ptr, gl, chunk, head, H, K, PER_CHANNEL)
-    store_rows(qg_ptr, q * tl.exp(gc), tok, valid, H, K, head)
-    store_rows(kbar_ptr, k * tl.exp(gl[None, :] - gc), tok, valid, H, K, head)
-    tinv, p_mat = chunk_matrices(q, k, gc, beta, tok, valid, head, ldiag_ptr, tdiag_ptr, pdiag_ptr, H, C, S,
-                                 PER_CHANNEL, SPLIT_DIAG, PREC)
-    w = tl.dot(tinv, beta[:, None] * k * tl.exp(gc), input_precision=PREC)
-    store_rows(w_ptr, w, tok, valid, H, K, head)
-    v = load_rows(v_ptr, tok, valid, H, V, head)
-    store_rows(u_ptr, tl.dot(tinv, beta[:, None] * v, input_precision=PREC), tok, valid, H, V, head)
-    store_rows(p_ptr, p_mat, tok, valid, H, C, head)
+    store_cols(kbar_ptr, k * tl.exp(gl[None, :] - gc), start, valid, head, H, K, 0, K)
+    tinv = chunk_inverse(k, gc, beta, start, tok, valid, head, ldiag_ptr, tdiag_ptr, H, C, S, PER_CHANNEL,
+                         SPLIT_DIAG, DOUBLING, PREC)
     if STORE_TINV:
-        store_rows(tinv_ptr, tinv, tok, valid, H, C, head)
+        store_cols(tinv_ptr, tinv, start, valid, head, H, C, 0, C)
+    w = tl.dot(tinv, beta[:, None] * k * tl.exp(gc), input_precision=PREC)
+    store_cols(w_ptr, w, start, valid, head, H, K, 0, K)
+    v = load_cols(v_ptr, start, valid, head, H, V, 0, C, V).to(tl.float32)
+    store_cols(u_ptr, tl.dot(tinv, beta[:, None] * v, input_precision=PREC), start, valid, head, H, V, 0, V)
+    q, _ = l2norm_rows(load_cols(q_ptr, start, valid, head, H, K, 0, C, K).to(tl.float32), 1e-6, L2NORM)
+    q = q * scale
+    store_cols(qg_ptr, q * tl.exp(gc), start, valid, head, H, K, 0, K)
+    if SPLIT_DIAG:
+        p_mat = decayed_gram(q, k, gc, False, PER_CHANNEL, C, S, PREC, False)
+        if PER_CHANNEL:
+            p_mat += load_diag(pdiag_ptr, tok, valid, head, H, C, S)
+    else:
+        p_mat = decayed_gram(q, k, gc, False, PER_CHANNEL, C, S, PREC, True)
+    store_cols(p_ptr, p_mat, start, valid, head, H, C, 0, C)
 
 
 @triton.jit
-def load_block(ptr, tok_C, valid_C, H: tl.constexpr, D: tl.constexpr, head, col0, BD: tl.constexpr):
-    """x_C,BD: columns col0 .. col0 + BD of a packed [T, H, D] tensor, in fp32."""
-    cols = col0 + tl.arange(0, BD)
-    offs = (tok_C.to(tl.int64) * H + head)[:, None] * D + cols[None, :]
-    return tl.load(ptr + offs, mask=valid_C[:, None], other=0.0).to(tl.float32)
+def load_cols(ptr, row0, valid_C, head, H: tl.constexpr, D: tl.constexpr, col0, C: tl.constexpr, BD: tl.constexpr):
+    """x_C,BD in its stored dtype: columns col0 .. col0 + BD of rows row0 .. row0 + C; invalid rows read 0."""
+    return tl.load(rows_at(ptr, row0, head, H, D, col0, C, BD), mask=valid_C[:, None], other=0.0)
 
 
 @triton.jit
-def store_block(ptr, x, tok_C, valid_C, H: tl.constexpr, D: tl.constexpr, head, col0, BD: tl.constexpr):
-    cols = col0 + tl.arange(0, BD)
-    offs = (tok_C.to(tl.int64) * H + head)[:, None] * D + cols[None, :]
-    tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=valid_C[:, None])
+def store_cols(ptr, x, row0, valid_C, head, H: tl.constexpr, D: tl.constexpr, col0, BD: tl.constexpr):
+    C: tl.constexpr = x.shape[0]
+    tl.store(rows_at(ptr, row0, head, H, D, col0, C, BD), x.to(ptr.dtype.element_ty), mask=valid_C[:, None])
+
+
+@triton.jit
+def raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+              S: tl.constexpr, BD: tl.constexpr, PER_CHANNEL: tl.constexpr, GRAM_PREC: tl.constexpr,
+              PREC: tl.constexpr):
+    """(k k^T, q k^T, the S x S diagonal blocks of k k^T as [C / S, S, S], |k|^2, |q|^2) of the raw (not
+    normalized) rows, summed over [C, BD] column blocks. Per channel the Gram products carry the decay
+    and leave their diagonal blocks 0 (diagonal.py's kernel sums those exactly; the third is then 0);
+    the scalar decay multiplies it in afterwards."""
+    NS: tl.constexpr = C // S
+    kk_BSS = tl.zeros([NS, S, S], tl.float32)
+    kk = tl.zeros([C, C], tl.float32)
+    qk = tl.zeros([C, C], tl.float32)
+    k_sq = tl.zeros([C], tl.float32)
+    q_sq = tl.zeros([C], tl.float32)
+    for col0 in tl.static_range(0, K, BD):
+        k_blk = load_cols(k_ptr, start, valid, head, H, K, col0, C, BD)
+        q_blk = load_cols(q_ptr, start, valid, head, H, K, col0, C, BD)
+        k_sq += tl.sum(k_blk.to(tl.float32) * k_blk.to(tl.float32), 1)
+        q_sq += tl.sum(q_blk.to(tl.float32) * q_blk.to(tl.float32), 1)
+        if PER_CHANNEL:
+            # the cumsum runs down each column: a column block's is the chunk's
+            gc_blk = tl.cumsum(load_cols(g_ptr, start, valid, head, H, K, col0, C, BD).to(tl.float32), 0)
+            kk += decayed_gram(k_blk.to(tl.float32), k_blk.to(tl.float32), gc_blk, True, True, C, S, PREC, False)
+            qk += decayed_gram(q_blk.to(tl.float32), k_blk.to(tl.float32), gc_blk, False, True, C, S, PREC, False)
+        else:
+            kk += mm(k_blk, tl.trans(k_blk), GRAM_PREC)
+            qk += mm(q_blk, tl.trans(k_blk), GRAM_PREC)
+            # the diagonal blocks again as a batch: the doubling inverse wants them apart from kk
+            k_BSD = tl.reshape(k_blk, [NS, S, BD])
+            kk_BSS += mm(k_BSD, tl.permute(k_BSD, (0, 2, 1)), GRAM_PREC)
+    return kk, qk, kk_BSS, k_sq, q_sq
+
+
+@triton.jit
+def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_ptr,
+                        qg_ptr, kbar_ptr, w_ptr, u_ptr, p_ptr, glast_ptr, tinv_ptr, ldiag_ptr, pdiag_ptr, scale,
+                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
+                        BD: tl.constexpr, PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
+                        STORE_TINV: tl.constexpr, GRAM_PREC: tl.constexpr, DIAG_PREC: tl.constexpr,
+                        PREC: tl.constexpr):
+    """prep_kernel's outputs on [C, BD] column blocks: no [C, K] fp32 tile is live across the chunk's
+    matrices. The Gram products take the raw inputs (bf16 operands are exact for bf16 inputs) and the
+    l2norm scales them afterwards: gram(k_hat)_ij = (k_i . k_j) / (|k_i| |k_j|). The inverses of Tinv's
+    diagonal blocks come from doubling (DIAG_PREC); per channel, L's and P's diagonal blocks from
+    diagonal.py's kernel (run without its inverse)."""
+    chunk, head = tl.program_id(0), tl.program_id(1)
+    start, end = tl.load(chunk_start_ptr + chunk), tl.load(chunk_end_ptr + chunk)
+    rows = tl.arange(0, C)
+    tok = start + rows
+    valid = tok < end
+    kk, qk, kk_BSS, k_sq, q_sq = raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H, K, C, S, BD, PER_CHANNEL,
+                                   GRAM_PREC, PREC)
+    k_inv = tl.full([C], 1.0, tl.float32)
+    q_inv = tl.full([C], 1.0, tl.float32)
+    if L2NORM:
+        k_inv = 1.0 / tl.sqrt(k_sq + 1e-6)
+        q_inv = 1.0 / tl.sqrt(q_sq + 1e-6)
+    q_inv = q_inv * scale
+    beta = tl.load(beta_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32)
+    l_mat = (beta * k_inv)[:, None] * kk * k_inv[None, :]
+    p_mat = q_inv[:, None] * qk * k_inv[None, :]
+    # L's diagonal blocks apart, [C / S, S, S]: the merge below reads only l_mat's other blocks
+    NS: tl.constexpr = C // S
+    if PER_CHANNEL:
+        l_BSS = tl.reshape(load_cols(ldiag_ptr, start, valid, head, H, S, 0, C, S), [NS, S, S])
+        p_mat += load_diag(pdiag_ptr, tok, valid, head, H, C, S)
+        gc = tl.zeros([C], tl.float32)
+    else:
+        gc = tl.cumsum(tl.load(g_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32), 0)
+        decay = tl.exp(tl.where(rows[:, None] >= rows[None, :], gc[:, None] - gc[None, :], float("-inf")))
+        l_mat = tl.where(rows[:, None] > rows[None, :], l_mat * decay, 0.0)
+        p_mat = p_mat * decay
+        tl.store(glast_ptr + chunk.to(tl.int64) * H + head, tl.sum(tl.where(rows == C - 1, gc, 0.0), 0))
+        g_BS = tl.reshape(gc, [NS, S])
+        row_scale = tl.reshape(beta * k_inv, [NS, S])
+        col_scale = tl.reshape(k_inv, [NS, S])
+        ii = tl.arange(0, S)
+        diag_decay = tl.exp(tl.where((ii[:, None] > ii[None, :])[None, :, :], g_BS[:, :, None] - g_BS[:, None, :],
+                                     float("-inf")))
+        l_BSS = row_scale[:, :, None] * kk_BSS * col_scale[:, None, :] * diag_decay
+    store_cols(p_ptr, p_mat, start, valid, head, H, C, 0, C)
+    tinv = merge_block_inverse(l_mat, block_diagonal(diag_block_inverse(l_BSS, S, DIAG_PREC), C, S), C, S, PREC)
+    if STORE_TINV:
+        store_cols(tinv_ptr, tinv, start, valid, head, H, C, 0, C)
+    for col0 in tl.static_range(0, K, BD):
+        if PER_CHANNEL:
+            gc_blk = tl.cumsum(load_cols(g_ptr, start, valid, head, H, K, col0, C, BD).to(tl.float32), 0)
+            gl_blk = row_of(gc_blk, C - 1, C)
+            tl.store(glast_ptr + (chunk.to(tl.int64) * H + head) * K + col0 + tl.arange(0, BD), gl_blk)
+            kbar_decay = tl.exp(gl_blk[None, :] - gc_blk)
+        else:
+            gc_blk = gc[:, None]
+            kbar_decay = tl.exp(tl.sum(tl.where(rows == C - 1, gc, 0.0), 0) - gc_blk)
+        e_g = tl.exp(gc_blk)
+        k_hat = load_cols(k_ptr, start, valid, head, H, K, col0, C, BD).to(tl.float32) * k_inv[:, None]
+        store_cols(kbar_ptr, k_hat * kbar_decay, start, valid, head, H, K, col0, BD)
+        w_blk = tl.dot(tinv, beta[:, None] * k_hat * e_g, input_precision=PREC)
+        store_cols(w_ptr, w_blk, start, valid, head, H, K, col0, BD)
+        q_blk = load_cols(q_ptr, start, valid, head, H, K, col0, C, BD).to(tl.float32)
+        store_cols(qg_ptr, q_blk * q_inv[:, None] * e_g, start, valid, head, H, K, col0, BD)
+    for col0 in tl.static_range(0, V, BD):
+        v_blk = load_cols(v_ptr, start, valid, head, H, V, col0, C, BD).to(tl.float32)
+        u_blk = tl.dot(tinv, beta[:, None] * v_blk, input_precision=PREC)
+        store_cols(u_ptr, u_blk, start, valid, head, H, V, col0, BD)
 
 
 @triton.jit
@@ -158,7 +321,8 @@ def scan_kernel(w_ptr, u_ptr, kbar_ptr, glast_ptr, h0_ptr, cu_ptr, chunk_offsets
                 PER_CHANNEL: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
                 PREC: tl.constexpr):
     """Per (sequence, head, V block), chunk by chunk: store the entering state h, then
-    v_new = u - w h and h <- exp(gc_last) h + kbar^T v_new. State in fp32 registers."""
+    v_new = u - w h and h <- exp(gc_last) h + kbar^T v_new. State in fp32 registers; the products
+    take their operands in PREC (see common.mm: "bf16" rounds h and v_new as their stored copies are)."""
     seq, head, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos = tl.load(cu_ptr + seq), tl.load(cu_ptr + seq + 1)
     first_chunk = tl.load(chunk_offsets_ptr + seq)
@@ -169,30 +333,90 @@ def scan_kernel(w_ptr, u_ptr, kbar_ptr, glast_ptr, h0_ptr, cu_ptr, chunk_offsets
         h += tl.load(h0_ptr + seq_offs)
     for c in range(tl.cdiv(eos - bos, C)):
         chunk = first_chunk + c
-        tok = bos + c * C + tl.arange(0, C)
-        valid = tok < eos
         tl.store(h_ptr + state_offsets(chunk, head, col0, H, K, V, BV), h.to(h_ptr.dtype.element_ty))
-        w = load_rows(w_ptr, tok, valid, H, K, head)
-        v_new = load_block(u_ptr, tok, valid, H, V, head, col0, BV) - tl.dot(w, h, input_precision=PREC)
-        store_block(vnew_ptr, v_new, tok, valid, H, V, head, col0, BV)
-        kbar = load_rows(kbar_ptr, tok, valid, H, K, head)
+        row0 = bos + c * C
+        valid = (row0 + tl.arange(0, C) < eos)[:, None]
+        w = tl.load(rows_at(w_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
+        u = tl.load(rows_at(u_ptr, row0, head, H, V, col0, C, BV), mask=valid, other=0.0)
+        v_new = u.to(tl.float32) - mm(w, h, PREC)
+        tl.store(rows_at(vnew_ptr, row0, head, H, V, col0, C, BV), v_new.to(vnew_ptr.dtype.element_ty), mask=valid)
+        kbar = tl.load(rows_at(kbar_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
         decay = load_chunk_decay(glast_ptr, chunk, head, H, K, PER_CHANNEL)
-        h = decay * h + tl.dot(tl.trans(kbar), v_new, input_precision=PREC)
+        h = decay * h + mm(tl.trans(kbar), v_new, PREC)
     if STORE_FINAL:
         tl.store(ht_ptr + seq_offs, h)
+
+
+@triton.jit
+def state_rows(index, head, row0, col0, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, R: tl.constexpr,
+               BV: tl.constexpr):
+    """Offsets of rows row0 .. row0 + R, columns col0 .. col0 + BV of state `index` (of [*, H, K, V])."""
+    base = (index.to(tl.int64) * H + head) * K * V + row0 * V + col0
+    return base + tl.arange(0, R)[:, None] * V + tl.arange(0, BV)[None, :]
+
+
+@triton.jit
+def half_decay(glast_ptr, chunk, head, row0, H: tl.constexpr, K: tl.constexpr, KH: tl.constexpr,
+               PER_CHANNEL: tl.constexpr):
+    """exp(gc_last) for key rows row0 .. row0 + KH of the state: [KH, 1] per channel, else [1, 1]."""
+    if PER_CHANNEL:
+        offs = (chunk.to(tl.int64) * H + head) * K + row0 + tl.arange(0, KH)
+        decay = tl.exp(tl.load(glast_ptr + offs))[:, None]
+    else:
+        decay = tl.exp(tl.load(glast_ptr + chunk.to(tl.int64) * H + head + tl.zeros([1, 1], tl.int32)))
+    return decay
+
+
+@triton.jit
+def scan_halves_kernel(w_ptr, u_ptr, kbar_ptr, glast_ptr, h0_ptr, cu_ptr, chunk_offsets_ptr,
+                       h_ptr, vnew_ptr, ht_ptr,
+                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
+                       PER_CHANNEL: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
+                       PREC: tl.constexpr):
+    """scan_kernel with the [K, BV] state held as two [K / 2, BV] halves: w h = w_1 h_1 + w_2 h_2 and the
+    halves' updates kbar_i^T v_new are independent products, which the tensor cores can overlap."""
+    KH: tl.constexpr = K // 2
+    seq, head, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, eos = tl.load(cu_ptr + seq), tl.load(cu_ptr + seq + 1)
+    first_chunk = tl.load(chunk_offsets_ptr + seq)
+    col0 = vb * BV
+    h1 = tl.zeros([KH, BV], tl.float32)
+    h2 = tl.zeros([KH, BV], tl.float32)
+    if HAS_H0:
+        h1 += tl.load(h0_ptr + state_rows(seq, head, 0, col0, H, K, V, KH, BV))
+        h2 += tl.load(h0_ptr + state_rows(seq, head, KH, col0, H, K, V, KH, BV))
+    for c in range(tl.cdiv(eos - bos, C)):
+        chunk = first_chunk + c
+        tl.store(h_ptr + state_rows(chunk, head, 0, col0, H, K, V, KH, BV), h1.to(h_ptr.dtype.element_ty))
+        tl.store(h_ptr + state_rows(chunk, head, KH, col0, H, K, V, KH, BV), h2.to(h_ptr.dtype.element_ty))
+        row0 = bos + c * C
+        valid = (row0 + tl.arange(0, C) < eos)[:, None]
+        w1 = tl.load(rows_at(w_ptr, row0, head, H, K, 0, C, KH), mask=valid, other=0.0)
+        w2 = tl.load(rows_at(w_ptr, row0, head, H, K, KH, C, KH), mask=valid, other=0.0)
+        u = tl.load(rows_at(u_ptr, row0, head, H, V, col0, C, BV), mask=valid, other=0.0)
+        v_new = u.to(tl.float32) - mm(w1, h1, PREC) - mm(w2, h2, PREC)
+        tl.store(rows_at(vnew_ptr, row0, head, H, V, col0, C, BV), v_new.to(vnew_ptr.dtype.element_ty), mask=valid)
+        kbar1 = tl.load(rows_at(kbar_ptr, row0, head, H, K, 0, C, KH), mask=valid, other=0.0)
+        kbar2 = tl.load(rows_at(kbar_ptr, row0, head, H, K, KH, C, KH), mask=valid, other=0.0)
+        h1 = half_decay(glast_ptr, chunk, head, 0, H, K, KH, PER_CHANNEL) * h1 + mm(tl.trans(kbar1), v_new, PREC)
+        h2 = half_decay(glast_ptr, chunk, head, KH, H, K, KH, PER_CHANNEL) * h2 + mm(tl.trans(kbar2), v_new, PREC)
+    if STORE_FINAL:
+        tl.store(ht_ptr + state_rows(seq, head, 0, col0, H, K, V, KH, BV), h1)
+        tl.store(ht_ptr + state_rows(seq, head, KH, col0, H, K, V, KH, BV), h2)
 
 
 @triton.jit
 def output_kernel(qg_ptr, p_ptr, h_ptr, vnew_ptr, chunk_start_ptr, chunk_end_ptr, o_ptr,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
                   PREC: tl.constexpr):
-    """Per (chunk, head, V block): o = qg h + P v_new."""
+    """Per (chunk, head, V block): o = qg h + P v_new, operands in their stored dtype (see common.mm)."""
     chunk, head, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
+    start, end = tl.load(chunk_start_ptr + chunk), tl.load(chunk_end_ptr + chunk)
+    valid = (start + tl.arange(0, C) < end)[:, None]
     col0 = vb * BV
-    h = tl.load(h_ptr + state_offsets(chunk, head, col0, H, K, V, BV)).to(tl.float32)
-    qg = load_rows(qg_ptr, tok, valid, H, K, head)
-    p = load_rows(p_ptr, tok, valid, H, C, head)
-    v_new = load_block(vnew_ptr, tok, valid, H, V, head, col0, BV)
-    o = tl.dot(qg, h, input_precision=PREC) + tl.dot(p, v_new, input_precision=PREC)
-    store_block(o_ptr, o, tok, valid, H, V, head, col0, BV)
+    h = tl.load(h_ptr + state_offsets(chunk, head, col0, H, K, V, BV))
+    qg = tl.load(rows_at(qg_ptr, start, head, H, K, 0, C, K), mask=valid, other=0.0)
+    p = tl.load(rows_at(p_ptr, start, head, H, C, 0, C, C), mask=valid, other=0.0)
+    v_new = tl.load(rows_at(vnew_ptr, start, head, H, V, col0, C, BV), mask=valid, other=0.0)
+    o = mm(qg, h, PREC) + mm(p, v_new, PREC)
+    tl.store(rows_at(o_ptr, start, head, H, V, col0, C, BV), o.to(o_ptr.dtype.element_ty), mask=valid)

@@ -9,6 +9,7 @@ sequences, C chunk size, X 1 (GDN) or K (KDA).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -27,30 +28,61 @@ DOT_PRECISION = "tf32"
 
 @dataclass(frozen=True)
 class KernelVariant:
-    """Selectable launch settings; the defaults are the path measured on the H200 (bench/results/2026-11-29-*)."""
+    """Selectable launch settings. The defaults are the fastest path measured on the H200 (2026-11-29,
+    bench/bench_gated_delta.py --variants: GDN fwd+bwd 4.70 ms against 8.64 ms with fp32 tiles, no split
+    diagonal and recomputation; FP32_TILES below is that earlier path), except the forward settings from
+    bf16_dots on, which are predictions awaiting that measurement (see forward.py's docstring)."""
 
     # qg, kbar, w, u, P, v_new and dv_new stored in bf16 (computed and accumulated in fp32 all the same):
     # halves the bytes the scans and the output and gradient kernels read
-    bf16_tiles: bool = False
+    bf16_tiles: bool = True
     # the per-chunk states h and dh [NC, H, K, V] stored in bf16 (the scans carry them in fp32)
-    bf16_states: bool = False
+    bf16_states: bool = True
     # value block of the two scans (None: VALUE_BLOCK): smaller blocks run more programs, V / block
-    # per sequence and head
-    scan_value_block: int | None = None
+    # per sequence and head (32: 128 programs on the 132 SMs at H32 V128)
+    scan_value_block: int | None = 32
     # software pipelining of the scans' chunk loads (1 = none; more needs bf16 tiles to fit shared memory)
-    scan_stages: int = 1
+    scan_stages: int = 2
     # warps of the two scans: with 4 the [K, V-block] fp32 state and the [C, K] tiles spill registers
-    # (ptxas for sm_90: 752 B of stack in the scan, 1496 B in scan_bwd; 8 warps: 128 B and 256 B)
-    scan_warps: int = 4
+    scan_warps: int = 8
     # the S x S diagonal blocks of L, (I + L)^-1 and P in diagonal.py's sub-chunk-parallel kernel, and
     # (KDA) their share of the gradients in its per-chunk kernel on [S, K] tiles
-    split_diagonal: bool = False
+    split_diagonal: bool = True
     # keep the forward's chunk tiles, Tinv, states and v_new for the backward instead of recomputing
     # them (prep + scan again): trades about (3K + 2V + 2C) T H + NC H K V stored values per layer for time
-    keep_forward: bool = False
+    keep_forward: bool = True
+    # the forward scan's and the output's products on bf16 operands (fp32 accumulation) when tiles and
+    # states are bf16: they round h and v_new exactly as their stored copies are; else DOT_PRECISION
+    bf16_dots: bool = True
+    # u = Tinv beta v stored in fp32 whatever bf16_tiles says: v_new = u - w h cancels where the state
+    # explains v, and u's bf16 rounding then dominates o's error (KDA at K=16: 1.05e-2 rel RMS)
+    fp32_u: bool = True
+    # value block of the output kernel (None: V, one program per chunk and head reads qg and P once)
+    output_value_block: int | None = None
+    # warps of the forward scan (None: scan_warps): one warpgroup matches its M=64 product w h, and with
+    # bf16 operands and 32-bit tile offsets ptxas fits it in 244 registers without spilling (8 warps: 240)
+    forward_scan_warps: int | None = 4
+    # the forward scan's state as two [K / 2, V-block] halves (forward.scan_halves_kernel; K >= 32):
+    # independent products per half; ptxas: 44 B spilled at 4 warps, none (203 registers) at 8
+    scan_halves: bool = False
+    # prep in forward.prep_blocked_kernel: [C, 64] column blocks, Gram products on the raw inputs scaled
+    # by the l2norm afterwards, the diagonal blocks of Tinv by doubling (split_diagonal then doesn't apply
+    # to the forward); GDN launches no diag_kernel, KDA one without its inverse
+    blocked_prep: bool = True
+    # without blocked_prep: prep_kernel inverts the diagonal blocks by doubling too (GDN then launches no
+    # diag_kernel, and ptxas spills 24 B against blocked prep's 464 B; KDA's diag_kernel runs without its
+    # inverse, and needs split_diagonal)
+    doubling_inverse: bool = True
+    # warps of prep_blocked_kernel (ptxas for sm_90a, GDN / KDA: 8 warps spill 464 / 608 B at 255
+    # registers, one program per SM; 4 warps spill 1748 / 1556 B but fit two programs per SM)
+    prep_warps: int = 8
 
 
 DEFAULT_VARIANT = KernelVariant()
+# the path measured first (GDN fwd+bwd 8.64 ms): fp32 intermediates, in-chunk diagonals, recomputation
+FP32_TILES = KernelVariant(bf16_tiles=False, bf16_states=False, scan_value_block=None, scan_stages=1, scan_warps=4,
+                           split_diagonal=False, keep_forward=False, blocked_prep=False, doubling_inverse=False,
+                           output_value_block=VALUE_BLOCK, forward_scan_warps=None)
 
 
 def empty(*shape, dtype, device) -> torch.Tensor:
@@ -104,8 +136,16 @@ def _scan_block(variant: KernelVariant, value_dim: int) -> int:
     return min(variant.scan_value_block or VALUE_BLOCK, value_dim)
 
 
-def _diagonals(q, k, g, beta, layout, scale, per_channel, l2norm):
-    """Diagonal blocks of L, (I + L)^-1 and P as rows [T, H, S] (fp32) from diagonal.diag_kernel."""
+def _forward_dots(variant: KernelVariant) -> str:
+    """common.mm's PREC for the forward scan and the output kernel."""
+    if not (variant.bf16_dots and variant.bf16_tiles and variant.bf16_states):
+        return DOT_PRECISION
+    # the interpreter's bf16 tl.dot is wrong: it gets the same operand rounding with an fp32 product
+    return "bf16_rounded" if os.environ.get("TRITON_INTERPRET") == "1" else "bf16"
+
+
+def _diagonals(q, k, g, beta, layout, scale, per_channel, l2norm, inverse=True):
+    """Diagonal blocks of L, (I + L)^-1 (with inverse) and P as rows [T, H, S] (fp32) from diagonal.diag_kernel."""
     num_tokens, num_heads, key_dim = q.shape
     cfg = _config()
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -115,7 +155,7 @@ def _diagonals(q, k, g, beta, layout, scale, per_channel, l2norm):
     pdiag = empty(num_tokens, num_heads, cfg["S"], **f32) if per_channel else tdiag
     diagonal.diag_kernel[(layout.num_chunks * (cfg["C"] // cfg["S"]), num_heads)](
         q, k, g, beta, layout.chunk_start, layout.chunk_end, ldiag, tdiag, pdiag, scale,
-        H=num_heads, K=key_dim, PER_CHANNEL=per_channel, L2NORM=l2norm, num_warps=4, **cfg)
+        H=num_heads, K=key_dim, PER_CHANNEL=per_channel, L2NORM=l2norm, INVERSE=inverse, num_warps=4, **cfg)
     return ldiag, tdiag, pdiag
 
 
@@ -126,17 +166,44 @@ def _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_tinv, vari
     f32 = dict(dtype=torch.float32, device=q.device)
     tiles = dict(dtype=_tile_dtype(variant), device=q.device)
     out = {name: empty(num_tokens, num_heads, key_dim, **tiles) for name in ("qg", "kbar", "w")}
-    out["u"] = empty(*v.shape, **tiles)
+    out["u"] = empty(*v.shape, **(f32 if variant.fp32_u else tiles))
     out["p"] = empty(num_tokens, num_heads, cfg["C"], **tiles)
     out["tinv"] = empty(num_tokens, num_heads, cfg["C"], **f32) if store_tinv else out["p"]
     out["glast"] = empty(layout.num_chunks, num_heads, key_dim if per_channel else 1, **f32)
-    diags = _diagonals(q, k, g, beta, layout, scale, per_channel, l2norm) if variant.split_diagonal else (q, q, q)
+    if variant.blocked_prep:
+        _prep_blocked(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_tinv, variant, out)
+        return out
+    doubling = variant.doubling_inverse and (variant.split_diagonal or not per_channel)
+    diags = (q, q, q)
+    if variant.split_diagonal and (per_channel or not doubling):
+        diags = _diagonals(q, k, g, beta, layout, scale, per_channel, l2norm, inverse=not doubling)
     forward.prep_kernel[(layout.num_chunks, num_heads)](
         q, k, v, g, beta, layout.chunk_start, layout.chunk_end,
         out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], *diags, scale,
         H=num_heads, K=key_dim, V=v.shape[-1], PER_CHANNEL=per_channel, L2NORM=l2norm,
-        STORE_TINV=store_tinv, SPLIT_DIAG=variant.split_diagonal, num_warps=8, **cfg)
+        STORE_TINV=store_tinv, SPLIT_DIAG=variant.split_diagonal and (per_channel or not doubling),
+        DOUBLING=doubling, num_warps=8, **cfg)
     return out
+
+
+def _prep_blocked(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_tinv, variant, out):
+    """prep in forward.prep_blocked_kernel, writing the buffers of out."""
+    num_heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[-1]
+    cfg = _config()
+    diags = (q, q)
+    if per_channel:
+        ldiag, _, pdiag = _diagonals(q, k, g, beta, layout, scale, per_channel, l2norm, inverse=False)
+        diags = (ldiag, pdiag)
+    # bf16 operands are exact for bf16 inputs; the interpreter gets the same rounding in fp32 (see common.mm)
+    gram = DOT_PRECISION
+    if q.dtype == torch.bfloat16:
+        gram = "bf16_rounded" if os.environ.get("TRITON_INTERPRET") == "1" else "bf16"
+    forward.prep_blocked_kernel[(layout.num_chunks, num_heads)](
+        q, k, v, g, beta, layout.chunk_start, layout.chunk_end,
+        out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], *diags, scale,
+        H=num_heads, K=key_dim, V=value_dim, BD=min(64, key_dim, value_dim), PER_CHANNEL=per_channel,
+        L2NORM=l2norm, STORE_TINV=store_tinv, GRAM_PREC=gram, DIAG_PREC="tf32x3", num_warps=variant.prep_warps,
+        **cfg)
 
 
 def _scan(prep, h0, layout, per_channel, store_final, variant=DEFAULT_VARIANT):
@@ -150,23 +217,24 @@ def _scan(prep, h0, layout, per_channel, store_final, variant=DEFAULT_VARIANT):
     if store_final:
         final = empty(layout.num_seqs, num_heads, key_dim, value_dim, dtype=torch.float32, device=device)
     block = _scan_block(variant, value_dim)
-    forward.scan_kernel[(layout.num_seqs, num_heads, value_dim // block)](
+    kernel = forward.scan_halves_kernel if variant.scan_halves and key_dim >= 32 else forward.scan_kernel
+    kernel[(layout.num_seqs, num_heads, value_dim // block)](
         prep["w"], prep["u"], prep["kbar"], prep["glast"], h0 if h0 is not None else final,
         layout.cu_seqlens, layout.chunk_offsets, h, v_new, final,
         H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE, BV=block, PER_CHANNEL=per_channel,
-        HAS_H0=h0 is not None, STORE_FINAL=store_final, PREC=DOT_PRECISION, num_warps=variant.scan_warps,
-        num_stages=variant.scan_stages)
+        HAS_H0=h0 is not None, STORE_FINAL=store_final, PREC=_forward_dots(variant),
+        num_warps=variant.forward_scan_warps or variant.scan_warps, num_stages=variant.scan_stages)
     return h, v_new, final if store_final else None
 
 
-def _output(prep, h, v_new, layout, out_dtype):
+def _output(prep, h, v_new, layout, out_dtype, variant=DEFAULT_VARIANT):
     num_tokens, num_heads, key_dim = prep["qg"].shape
     value_dim = v_new.shape[-1]
     o = empty(num_tokens, num_heads, value_dim, dtype=out_dtype, device=v_new.device)
-    block = min(VALUE_BLOCK, value_dim)
+    block = min(variant.output_value_block or value_dim, value_dim)
     forward.output_kernel[(layout.num_chunks, num_heads, value_dim // block)](
         prep["qg"], prep["p"], h, v_new, layout.chunk_start, layout.chunk_end, o,
-        H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE, BV=block, PREC=DOT_PRECISION, num_warps=4)
+        H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE, BV=block, PREC=_forward_dots(variant), num_warps=4)
     return o
 
 
@@ -183,39 +251,63 @@ def _scan_bwd(prep, do, dht, layout, per_channel, want_dh0, variant=DEFAULT_VARI
         do, prep["p"], prep["kbar"], prep["qg"], prep["w"], prep["glast"], dht if dht is not None else dh0,
         layout.cu_seqlens, layout.chunk_offsets, dh, dv_new, dh0,
         H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE, BV=block, PER_CHANNEL=per_channel,
-        HAS_DHT=dht is not None, STORE_DH0=want_dh0, PREC=DOT_PRECISION, num_warps=variant.scan_warps,
+        HAS_DHT=dht is not None, STORE_DH0=want_dh0, DOTS=_forward_dots(variant), num_warps=variant.scan_warps,
         num_stages=variant.scan_stages)
     return dh, dv_new, dh0 if want_dh0 else None
 
 
 def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale, per_channel, l2norm,
                  variant=DEFAULT_VARIANT):
-    """(dq, dk, dv, dg, dbeta) in the inputs' dtypes."""
+    """(dq, dk, dv, dg, dbeta) in the inputs' dtypes: backward.py's state_grad_kernel, wy_grad_kernel,
+    then finish_kernel (scalar decay) or diagonal.diag_grad_kernel (per channel, whatever the variant's
+    forward did with the diagonal blocks: the exact per-channel blocks need [S, K] tiles)."""
     num_tokens, num_heads, key_dim = q.shape
+    value_dim = v.shape[-1]
     cfg = _config()
-    grads = [empty(*t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v, g, beta)]
-    split = variant.split_diagonal and per_channel
-    scratch = _split_scratch(q, layout, cfg["S"]) if split else [q] * 7
-    backward.grad_kernel[(layout.num_chunks, num_heads)](
-        q, k, v, g, beta, prep["tinv"], h, dh, v_new, dv_new, do, layout.chunk_start, layout.chunk_end,
-        *grads, *scratch, scale, H=num_heads, K=key_dim, V=v.shape[-1], BV=min(VALUE_BLOCK, v.shape[-1]),
-        PER_CHANNEL=per_channel, L2NORM=l2norm, SPLIT_DIAG=split, num_warps=8, num_stages=1, **cfg)
-    if split:
-        dq, dk, _, dg, dbeta = grads
+    dq, dk, dv, dg, dbeta = [empty(*t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v, g, beta)]
+    blocks = dict(BK=min(backward.KEY_BLOCK, key_dim), BV=min(VALUE_BLOCK, value_dim))
+    num_key_blocks = key_dim // blocks["BK"]
+    s = _grad_scratch(q, layout, per_channel, num_key_blocks, cfg["S"])
+    dims = dict(H=num_heads, K=key_dim, C=cfg["C"], L2NORM=l2norm)
+    bounds = (layout.chunk_start, layout.chunk_end)
+    backward.state_grad_kernel[(layout.num_chunks * num_key_blocks, num_heads)](
+        q, k, g, h, dh, v_new, dv_new, do, *bounds, s["dq"], s["dk"], s["dw"], s["dgc"], s["dgl"], s["dpdiag"],
+        scale, V=value_dim, S=cfg["S"], PER_CHANNEL=per_channel, PREC=cfg["PREC"], DOTS=_forward_dots(variant),
+        **blocks, **dims, num_warps=backward.STATE_GRAD_WARPS, num_stages=backward.STATE_GRAD_STAGES,
+        maxnreg=backward.STATE_GRAD_MAXNREG)
+    backward.wy_grad_kernel[(layout.num_chunks, num_heads)](
+        k, v, g, beta, prep["tinv"], dv_new, s["dw"], *bounds, dv, s["dk"], s["dgc"],
+        s["db"] if per_channel else dbeta, s["dldiag"], V=value_dim, S=cfg["S"], PER_CHANNEL=per_channel,
+        PREC=cfg["PREC"], **blocks, **dims, num_warps=backward.WY_GRAD_WARPS, num_stages=backward.WY_GRAD_STAGES)
+    if per_channel:
         diagonal.diag_grad_kernel[(layout.num_chunks, num_heads)](
-            q, k, g, beta, layout.chunk_start, layout.chunk_end, *scratch, dq, dk, dg, dbeta, scale,
-            H=num_heads, K=key_dim, C=cfg["C"], S=cfg["S"], L2NORM=l2norm, num_warps=4)
-    return grads
+            q, k, g, beta, *bounds, s["dldiag"], s["dpdiag"], s["dq"], s["dk"], s["dgc"], s["db"], s["dgl"],
+            dq, dk, dg, dbeta, scale, S=cfg["S"], **dims, num_warps=4)
+    else:
+        backward.finish_kernel[(layout.num_chunks, num_heads)](
+            q, k, s["dq"], s["dk"], s["dgc"], s["dgl"], *bounds, dq, dk, dg, scale, NK=num_key_blocks, **dims,
+            num_warps=backward.FINISH_WARPS)
+    return dq, dk, dv, dg, dbeta
 
 
-def _split_scratch(q, layout, sub_chunk):
-    """fp32 buffers grad_kernel hands diag_grad_kernel: dL and dP diagonal blocks [T, H, S], partial
-    dq, dk, dgc [T, H, K] and dbeta [T, H], and dgc_last [NC, H, K]."""
+def _grad_scratch(q, layout, per_channel, num_key_blocks, sub_chunk):
+    """fp32 buffers between the gradient kernels: dq, dk, dw [T, H, K]; dgc [T, H, K] per channel, else
+    [T, H, NK + 1] (a slot per K block of state_grad_kernel and one for wy_grad_kernel); dgc_last
+    [NC, H, K], else [NC, H, NK]; per channel also dbeta's share [T, H] and dL, dP diagonal blocks [T, H, S]."""
     num_tokens, num_heads, key_dim = q.shape
     f32 = dict(dtype=torch.float32, device=q.device)
-    diags = [empty(num_tokens, num_heads, sub_chunk, **f32) for _ in range(2)]
-    parts = [empty(num_tokens, num_heads, key_dim, **f32) for _ in range(3)]
-    return diags + parts + [empty(num_tokens, num_heads, **f32), empty(layout.num_chunks, num_heads, key_dim, **f32)]
+    s = {name: empty(num_tokens, num_heads, key_dim, **f32) for name in ("dq", "dk", "dw")}
+    if per_channel:
+        s["dgc"] = empty(num_tokens, num_heads, key_dim, **f32)
+        s["dgl"] = empty(layout.num_chunks, num_heads, key_dim, **f32)
+        s["db"] = empty(num_tokens, num_heads, **f32)
+        s["dldiag"], s["dpdiag"] = (empty(num_tokens, num_heads, sub_chunk, **f32) for _ in range(2))
+    else:
+        s["dgc"] = empty(num_tokens, num_heads, num_key_blocks + 1, **f32)
+        s["dgl"] = empty(layout.num_chunks, num_heads, num_key_blocks, **f32)
+        # unused by the scalar decay's kernels (their pointer arguments only)
+        s["db"] = s["dldiag"] = s["dpdiag"] = s["dgl"]
+    return s
 
 
 class ChunkDeltaRule(torch.autograd.Function):
@@ -227,7 +319,7 @@ class ChunkDeltaRule(torch.autograd.Function):
         per_channel = g.dim() == 3
         prep = _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, variant.keep_forward, variant)
         h, v_new, final = _scan(prep, h0, layout, per_channel, True, variant)
-        o = _output(prep, h, v_new, layout, q.dtype)
+        o = _output(prep, h, v_new, layout, q.dtype, variant)
         ctx.save_for_backward(q, k, v, g, beta, h0)
         ctx.settings = (layout, scale, l2norm, per_channel, variant)
         # intermediates, not inputs or outputs: held on ctx, freed with the graph

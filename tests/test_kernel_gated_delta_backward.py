@@ -1,0 +1,45 @@
+"""The GDN/KDA backward kernels with two key blocks (backward.KEY_BLOCK 8 at K=16), so the per-K-block
+partials of state_grad_kernel and wy_grad_kernel are summed as at the benchmark shape (K=128 in blocks
+of 64); the interpreter, fp32 inputs and NaN-filled buffers as in tests/test_kernel_gated_delta.py.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import runtime.kernels.gated_delta.backward as backward_kernels  # noqa: E402
+import runtime.kernels.gated_delta.function as kernel_config  # noqa: E402
+from tests.test_kernel_gated_delta import check, make_inputs, small_chunks_nan_buffers  # noqa: E402, F401
+
+pytestmark = pytest.mark.interpreter
+
+
+@pytest.fixture(autouse=True)
+def two_key_blocks(monkeypatch):
+    monkeypatch.setattr(backward_kernels, "KEY_BLOCK", 8)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("variant", ["fp32_tiles", "default"])
+def test_backward_two_key_blocks_cu_seqlens(kind, variant):
+    """Three packed sequences with initial states; fp32 tiles hold the fp32 tolerance."""
+    x = make_inputs(kind, T=63, V=32 if variant == "default" else 16, num_states=3)
+    check(kind, x, variant=variant, cu_seqlens=torch.tensor([0, 5, 40, 63]))
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_backward_two_key_blocks_strong_decay(kind):
+    """B=2, no qk l2norm, decays up to ~-15 per token."""
+    check(kind, make_inputs(kind, B=2, T=40, decay=15.0), variant="fp32_tiles", use_qk_l2norm=False, scale=0.3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_backward_benchmark_chunk_size(kind, monkeypatch):
+    """The benchmark's chunk of 64 (sub-chunks of 16) over two sequences, K=32 in key blocks of 16."""
+    monkeypatch.setattr(kernel_config, "CHUNK_SIZE", 64)
+    monkeypatch.setattr(backward_kernels, "KEY_BLOCK", 16)
+    x = make_inputs(kind, T=150, K=32, V=32, num_states=2)
+    check(kind, x, variant="default", cu_seqlens=torch.tensor([0, 70, 150]))

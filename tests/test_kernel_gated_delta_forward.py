@@ -1,0 +1,98 @@
+"""Forward pieces of the GDN/KDA Triton kernels under TRITON_INTERPRET=1 that the op-level tests
+(tests/test_kernel_gated_delta.py, K=16) do not reach: the unit lower inverse (I + L)^-1 by doubling on
+the diagonal blocks and level-by-level merging at the real chunk size, against an fp64 solve, on keys
+drawn at random and on keys that repeat (where the doubling's partial products cancel); and the
+forward scan on state halves, which needs K >= 32.
+
+Shape legend: T tokens, H heads, C chunk size, S sub-chunk size, K key dim, V value dim.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import runtime.kernels.gated_delta as kernels  # noqa: E402
+import runtime.kernels.gated_delta.function as kernel_config  # noqa: E402
+from reference_ops.gated_delta import gated_delta_rule as ref_gdn  # noqa: E402
+from reference_ops.kda import kda as ref_kda  # noqa: E402
+from runtime.kernels.gated_delta.common import (  # noqa: E402
+    block_diagonal, diag_block_inverse, merge_block_inverse,
+)
+from runtime.kernels.gated_delta.function import KernelVariant  # noqa: E402
+from runtime.tolerances import assert_close  # noqa: E402
+
+pytestmark = pytest.mark.interpreter
+
+
+@triton.jit
+def inverse_kernel(l_ptr, t_ptr, C: tl.constexpr, S: tl.constexpr):
+    """As prep_blocked_kernel inverts: the diagonal blocks as a [C / S, S, S] batch, then the merges."""
+    rows = tl.arange(0, C)
+    offs = rows[:, None] * C + rows[None, :]
+    l_CC = tl.load(l_ptr + offs)
+    blk, ii = tl.arange(0, C // S), tl.arange(0, S)
+    l_BSS = tl.load(l_ptr + ((blk * S)[:, None, None] + ii[None, :, None]) * C + (blk * S)[:, None, None]
+                    + ii[None, None, :])
+    td_CC = block_diagonal(diag_block_inverse(l_BSS, S, "tf32x3"), C, S)
+    tl.store(t_ptr + offs, merge_block_inverse(l_CC, td_CC, C, S, "tf32"))
+
+
+def strictly_lower_gram(k_CK, beta_C, g_C):
+    """beta_i exp(g_i - g_j) k_i . k_j for j < i, as the prep kernels build L (fp64)."""
+    k_hat = torch.nn.functional.normalize(k_CK, dim=-1)
+    decay = torch.exp(g_C[:, None] - g_C[None, :])
+    return torch.tril(beta_C[:, None] * (k_hat @ k_hat.T) * decay, -1)
+
+
+@pytest.mark.parametrize("keys", ["random", "repeated"])
+def test_unit_lower_inverse_by_doubling_and_merging(keys):
+    C, S, K = 64, 16, 128
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(C, K, generator=gen, dtype=torch.float64)
+    if keys == "repeated":
+        # every token of a sub-chunk nearly the same key: L's blocks near all-ones, powers up to C(14, 7)
+        k = k[::S].repeat_interleave(S, 0) + 0.01 * torch.randn(C, K, generator=gen, dtype=torch.float64)
+    beta = torch.rand(C, generator=gen, dtype=torch.float64) * 0.5 + 0.5
+    g = torch.cumsum(-0.05 * torch.rand(C, generator=gen, dtype=torch.float64), 0)
+    l_CC = strictly_lower_gram(k, beta, g)
+    expected = torch.linalg.inv(torch.eye(C, dtype=torch.float64) + l_CC)
+    got = torch.empty(C, C)
+    inverse_kernel[(1,)](l_CC.float(), got, C=C, S=S)
+    rel = (got.double() - expected).norm() / expected.norm()
+    # tf32 merges (~5e-4 per product) bound the error; the doubling's tf32x3 keeps its own near fp32
+    assert rel < 2e-3, rel
+
+
+@pytest.fixture
+def chunk32_nan_buffers(monkeypatch):
+    """Chunk 32 in sub-chunks of 16 and NaN-filled buffers, as in tests/test_kernel_gated_delta.py."""
+    monkeypatch.setattr(kernel_config, "CHUNK_SIZE", 32)
+    monkeypatch.setattr(kernel_config, "SUB_CHUNK", 16)
+    monkeypatch.setattr(kernel_config, "empty", lambda *s, dtype, device: torch.full(s, float("nan"), dtype=dtype,
+                                                                                      device=device))
+
+
+@pytest.mark.parametrize("K,V", [(32, 16), (16, 32)], ids=["K32-V16", "K16-V32"])
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_column_blocks_and_scan_halves(kind, K, V, chunk32_nan_buffers):
+    """prep_blocked_kernel over two column blocks of K (or of V: its blocks are min(64, K, V) wide) and
+    forward.scan_halves_kernel (K >= 32), which the main tests (K = V = 16) do not reach: o and the final
+    state over three packed sequences with initial states vs the fp64 reference, at the bf16 bar."""
+    T, H = 63, 2
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    g = F.logsigmoid(rand(1, T, H, K) if kind == "kda" else rand(1, T, H))
+    args = [rand(1, T, H, K), rand(1, T, H, K), rand(1, T, H, V), g, torch.sigmoid(rand(1, T, H))]
+    kw = dict(initial_state_BHKV=rand(3, H, K, V), cu_seqlens=torch.tensor([0, 5, 40, 63]))
+    op, ref = {"gdn": ("gated_delta_rule", ref_gdn), "kda": ("kda", ref_kda)}[kind]
+    with torch.no_grad():
+        o, state = getattr(kernels, op)(*args, **kw, variant=KernelVariant(scan_halves=True))
+    o_ref, state_ref = ref(*[a.double() for a in args], initial_state_BHKV=kw["initial_state_BHKV"].double(),
+                           cu_seqlens=kw["cu_seqlens"])
+    assert_close(o, o_ref, op, torch.bfloat16, name="o")
+    assert_close(state, state_ref, op, torch.bfloat16, name="final_state")
