@@ -189,6 +189,8 @@ def kernel_profile(fn, x: dict, backward: bool = False, reps: int = 5) -> dict:
     leaves = [x[n].detach().requires_grad_(backward) for n in ("q", "k", "v", "g", "beta")]
 
     def step():
+        for t in leaves:
+            t.grad = None  # else the profile holds the grads' accumulation, which no training step has here
         with torch.set_grad_enabled(backward):
             o = fn(*leaves)
             if backward:
