@@ -43,3 +43,32 @@ def test_backward_benchmark_chunk_size(kind, monkeypatch):
     monkeypatch.setattr(backward_kernels, "KEY_BLOCK", 16)
     x = make_inputs(kind, T=150, K=32, V=32, num_states=2)
     check(kind, x, variant="default", cu_seqlens=torch.tensor([0, 70, 150]))
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_backward_bf16_grad_dots(kind, monkeypatch):
+    """KernelVariant.bf16_grad_dots (bf16 operands in the gradient kernels, dw's scratch in bf16), with
+    three packed sequences and initial states, and B=2 strong decay without the qk l2norm."""
+    from tests.test_kernel_gated_delta import VARIANTS
+    monkeypatch.setitem(VARIANTS, "bf16_grads", kernel_config.KernelVariant(bf16_grad_dots=True))
+    check(kind, make_inputs(kind, T=63, V=32, num_states=3), variant="bf16_grads",
+          cu_seqlens=torch.tensor([0, 5, 40, 63]))
+    check(kind, make_inputs(kind, B=2, T=40, V=32, decay=15.0), variant="bf16_grads", use_qk_l2norm=False, scale=0.3)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_backward_state_key_block_apart(kind, monkeypatch):
+    """backward.STATE_KEY_BLOCK: GDN's state_grad_kernel in four key blocks, wy_grad_kernel in two (KDA
+    ignores it)."""
+    monkeypatch.setattr(backward_kernels, "STATE_KEY_BLOCK", 4)
+    check(kind, make_inputs(kind, T=63, V=32, num_states=3), variant="default", cu_seqlens=torch.tensor([0, 5, 40, 63]))
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_prep_runtime_loops(kind, monkeypatch):
+    """KernelVariant.prep_runtime_loops: prep_blocked_kernel's column loops as runtime loops, here over two
+    column blocks of K (blocks are min(64, K, V) wide), forward and backward."""
+    from tests.test_kernel_gated_delta import VARIANTS
+    monkeypatch.setitem(VARIANTS, "prep_loops", kernel_config.KernelVariant(prep_runtime_loops=True))
+    check(kind, make_inputs(kind, T=63, K=32, V=16, num_states=3), variant="prep_loops",
+          cu_seqlens=torch.tensor([0, 5, 40, 63]))

@@ -17,12 +17,21 @@ from runtime.kernels.gated_delta.function import FP32_TILES, KernelVariant, chun
 # diag_kernel's row-substitution inverse, tf32 products, bf16 u, output in value blocks of 64, 8-warp scan).
 VARIANTS: dict[str, KernelVariant] = {
     "default": KernelVariant(),
+    # the gradient kernels' remaining tf32 products on bf16 operands (GDN and KDA)
+    "bf16_grads": KernelVariant(bf16_grad_dots=True),
+    # prep_blocked_kernel's column loops not unrolled (fewer spills at 4 warps)
+    "prep_loops": KernelVariant(prep_runtime_loops=True),
+    # KDA only (GDN runs the default's kernels): the exact per-channel diagonal blocks token-parallel
+    "token_diag": KernelVariant(token_parallel_diag=True),
+    "token_diag_unblocked": KernelVariant(token_parallel_diag=True, blocked_prep=False),
+    "token_diag_h8": KernelVariant(token_parallel_diag=True, token_diag_heads=8),
     "fp32_tiles": FP32_TILES,
     "recompute": KernelVariant(keep_forward=False),
     "in_chunk_diagonal": KernelVariant(split_diagonal=False),
     "forward_before": KernelVariant(blocked_prep=False, doubling_inverse=False, bf16_dots=False, fp32_u=False,
                                     output_value_block=64, forward_scan_warps=8),
-    "prep_w4": KernelVariant(prep_warps=4),
+    # the default's prep ran 8 warps until 11:28 (GDN prep 0.63 ms against 0.42 with 4)
+    "prep_w8": KernelVariant(prep_warps=8),
     "unblocked_prep": KernelVariant(blocked_prep=False),
     "scan_w8": KernelVariant(forward_scan_warps=8),
     "scan_halves": KernelVariant(scan_halves=True),

@@ -16,15 +16,28 @@ benchmark shape), cheaper than the register spills of one kernel holding them al
 replace, one program per chunk and head with three [C, K] fp32 accumulators: 255 registers, 3.6 KB of
 spills, 200 KB of shared memory, 2.30 ms GDN / 22.6 ms KDA on the H200).
 
-Predictions (H200, B1 T8192 H32 K=V=128 bf16, not yet measured; 4.24 TB/s, 132 SMs, 4096 chunk-heads):
-  scan_bwd_kernel   0.65 -> ~0.40 ms: bf16 tiles straight to the tensor cores (common.mm "bf16") instead
-                    of fp32 copies in tf32; 128 programs, a two-product dependent chain per chunk.
-  state_grad_kernel ~0.35 ms GDN, ~0.45 KDA: 8192 programs, ~130 KB each (h, dh, do, v_new, dv_new bf16
-                    in; dq, dk, dw fp32 out) = 1.07 GB, 0.25 ms at peak; one 8-warp program per SM.
-  wy_grad_kernel    ~0.30 ms GDN, ~0.40 KDA: ~250 KB per chunk-head (dw and dk fp32 read, dk written back).
-  finish_kernel     ~0.12 ms (GDN): q, k bf16 and dq, dk fp32 in, dq, dk bf16 out: 470 MB.
-  diag_grad_kernel  ~0.6-1.0 ms (KDA): 1.1 G exps at the SFU's ~4 T/s plus the [S, K] elementwise sums.
-  GDN backward ~1.2 ms (was 2.95), KDA ~2.3 ms (was 24.3).
+Measured on the H200 (2026-11-29 11:28, B1 T8192 H32 K=V=128 bf16; GDN / KDA ms): scan_bwd 0.35 / 0.36,
+state_grad 0.88 / 1.66, wy_grad 0.88 / 1.97, finish 0.14 (GDN). Round 1 predicted state_grad 0.35 and
+wy_grad 0.30 from bytes alone (~1 GB, 0.25 ms at 4.24 TB/s): both run one 8-warp program per SM (227-255
+registers) through 31-62 waves, so each program's serial chain is exposed: 14 us per state_grad program,
+28 us per wy_grad program (about ten dependent load rounds plus ~15 small products, tf32 on fp32 operands
+staged through up to 80 KB of shared memory). state_grad got faster with a smaller key block (0.75 at 32)
+despite reading do, v_new and dv_new twice as often, so its time follows the per-program chain, not bytes.
+Predictions for the next run (GDN state_grad / wy_grad ms; the default's wy_grad loads and sums the
+scalar gc once instead of in each of its four key steps, 244 -> 227 registers: ~0.83):
+  SETTINGS "state_key_block_32"  0.75 / ~0.83 (state_grad measured at 0.748 and 0.756 with key block 32;
+                                 wy_grad keeps 64; KDA keeps 64 for both: unchanged).
+  SETTINGS "state_kb32_wy_r128"  0.75 / ~0.70-0.85: wy_grad capped at 128 registers (512 B of spills to L1)
+                                 fits two programs per SM, one's loads under the other's products (uncertain:
+                                 the cap gained nothing for state_grad at key block 32, 0.756 vs 0.748).
+  SETTINGS "wy_r128"             0.88 / as above.
+  SETTINGS "state_key_block_16"  ~0.70-0.85 / ~0.83: 32768 programs, 214 registers, no spill; do, v_new and
+                                 dv_new read 8 times (1.6 GB from L2).
+  SETTINGS "r128"                ~0.9 (1.2 KB of spills at key block 64) / as wy_r128.
+  VARIANT "bf16_grads"           0.88 / ~0.65-0.75 (KDA ~1.6-1.8): wy_grad's products on bf16 operands, 32 KB of
+                                 shared memory instead of 80 and half the wgmma instructions (tf32 takes k=8
+                                 per instruction, bf16 k=16), a transposed Tinv operand native in bf16; dw's
+                                 scratch bf16 (67 MB less written, 134 MB less read: ~50 us over both kernels).
 
 Chunk algebra (runtime/ops/gated_delta.py): L = beta * gram(k, k), Tinv = (I + L)^-1,
 w = Tinv (beta k e^gc), u = Tinv (beta v), v_new = u - w h, o = q e^gc h + P v_new,
@@ -38,7 +51,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime.kernels.gated_delta.common import decayed_gram_bwd, l2norm_rows, mm, row_of, store_diag
+from runtime.kernels.gated_delta.common import decayed_gram_bwd, l2norm_rows, mm, row_of, scalar_gram_bwd, store_diag
 from runtime.kernels.gated_delta.forward import chunk_tokens, load_chunk_decay, rows_at, state_offsets
 
 # Launch settings of the gradient kernels (not yet timed on the H200; ptxas for sm_90a at H32 K=V=128,
@@ -46,26 +59,41 @@ from runtime.kernels.gated_delta.forward import chunk_tokens, load_chunk_decay, 
 # state_grad's four fp32 accumulators at [C, 64] (GDN 8 warps 255 / 72 B, KDA 255 / 544 B; 4 warps
 # spill 2.1-2.6 KB); 32 gets GDN to 187 / 0 at 8 warps but reads do, v_new, dv_new and recomputes dP 4 times.
 KEY_BLOCK = 64
+# key block of state_grad_kernel alone, scalar decay only (None: KEY_BLOCK). Measured 11:28 with KEY_BLOCK
+# 32 for both: GDN state_grad 0.75 against 0.88 ms at 64 (dP recomputed, do, v_new and dv_new read 4 times,
+# still faster; 183 registers, no spill), wy_grad 1.09 against 0.88 (4 sequential key steps in each of its
+# two loops); KDA state_grad 1.78 against 1.66, so per channel it keeps KEY_BLOCK
+STATE_KEY_BLOCK = None
 STATE_GRAD_WARPS = 8
 STATE_GRAD_STAGES = 1
 # register cap (ptxas maxnreg, None: up to 255): 128 at 8 warps lets two programs share an SM (GDN at key
 # block 32: 64 B of spills; at 64: 1.4 KB)
 STATE_GRAD_MAXNREG = None
-# wy_grad_kernel: GDN 242 / 0 B, KDA 255 / 560 B at 8 warps (4 warps: 400 B and 2.1 KB)
+# wy_grad_kernel: GDN 227 / 0 B (244 before gc was hoisted out of its key loops), KDA 255 / 560 B at 8 warps
+# (4 warps: 400 B and 2.1 KB)
 WY_GRAD_WARPS = 8
 WY_GRAD_STAGES = 1
+# register cap of wy_grad_kernel (as STATE_GRAD_MAXNREG): 128 at 8 warps, two programs per SM, spills 512 B
+# (GDN; with KernelVariant.bf16_grad_dots 596 B)
+WY_GRAD_MAXNREG = None
 # finish_kernel: [C, K] tiles, 237 / 0 B at 8 warps (4 warps: 472 B)
 FINISH_WARPS = 8
-# Alternatives to time, as changes from the constants above (use_settings(name) before a run)
+# Alternatives to time, as changes from the constants above (use_settings(name) before a run), most
+# promising first; predictions (GDN state_grad / wy_grad ms, default 0.88 / ~0.83) in the module docstring.
+# Dropped after the 11:28 run: KEY_BLOCK 32 for both kernels (fwd+bwd 4.21 ms, with state_grad's register cap
+# 128: 4.07, against 3.82); state_grad with 2 stages (ptxas: the same 64 KB of shared memory, nothing
+# pipelined) and 4 warps (1.9 KB of spills)
 SETTINGS: dict[str, dict] = {
     "default": {},
-    "key_block_32": dict(KEY_BLOCK=32),
-    "key_block_32_r128": dict(KEY_BLOCK=32, STATE_GRAD_MAXNREG=128),
-    "state_stages_2": dict(STATE_GRAD_STAGES=2),
-    "w4": dict(STATE_GRAD_WARPS=4, WY_GRAD_WARPS=4),
+    "state_key_block_32": dict(STATE_KEY_BLOCK=32),
+    "state_kb32_wy_r128": dict(STATE_KEY_BLOCK=32, WY_GRAD_MAXNREG=128),
+    "wy_r128": dict(WY_GRAD_MAXNREG=128),
+    "state_key_block_16": dict(STATE_KEY_BLOCK=16),
+    "r128": dict(STATE_GRAD_MAXNREG=128, WY_GRAD_MAXNREG=128),
 }
 _DEFAULT_SETTINGS = {name: globals()[name] for name in (
-    "KEY_BLOCK", "STATE_GRAD_WARPS", "STATE_GRAD_STAGES", "STATE_GRAD_MAXNREG", "WY_GRAD_WARPS")}
+    "KEY_BLOCK", "STATE_KEY_BLOCK", "STATE_GRAD_WARPS", "STATE_GRAD_STAGES", "STATE_GRAD_MAXNREG", "WY_GRAD_WARPS",
+    "WY_GRAD_STAGES", "WY_GRAD_MAXNREG", "FINISH_WARPS")}
 
 
 def use_settings(name: str) -> None:
@@ -237,10 +265,13 @@ def wy_grad_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, dvnew_ptr, dw_ptr, c
                    dv_ptr, dk_ptr, dgc_ptr, db_ptr, dldiag_ptr,
                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
-                   PREC: tl.constexpr):
+                   PREC: tl.constexpr, GRAD_DOTS: tl.constexpr, SLOT: tl.constexpr):
     """Per (chunk, head): gradients through u = Tinv (beta v), w = Tinv (beta k e^gc) and Tinv = (I + L)^-1.
+    The products take common.mm's GRAD_DOTS (PREC: fp32 operands; "bf16": Tinv, dw, dTinv rounded, and for
+    the scalar decay dL's products on the raw k).
     Stores dv and dbeta (per channel: dbeta's share before the diagonal blocks, in fp32, and the diagonal
-    blocks of dL); adds its share to dk and dgc (per channel [T, H, K], else slot NK of [T, H, NK + 1])."""
+    blocks of dL); adds its share to dk and dgc (per channel [T, H, K], else slot SLOT of [T, H, SLOT + 1],
+    SLOT the number of state_grad_kernel's key blocks)."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     NK: tl.constexpr = K // BK
     tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
@@ -248,35 +279,50 @@ def wy_grad_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, dvnew_ptr, dw_ptr, c
     beta = tl.load(beta_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32)
     tinv = load_cols(tinv_ptr, start, valid, head, 0, H, C, C, C)
     k_inv = inv_norms(k_ptr, start, valid, head, H, K, C, BK, L2NORM)
+    # the scalar decay's [C, 1] gc serves every key block: loaded and summed once, off the loops' chains
+    gc_rows = tl.zeros([C, 1], tl.float32)
+    if not PER_CHANNEL:
+        gc_rows = gc_block(g_ptr, tok, valid, start, head, 0, H, K, C, 1, False)
     db = tl.zeros([C], tl.float32)
     dtinv = tl.zeros([C, C], tl.float32)
     for vb in range(V // BV):
         # u = Tinv (beta v) and du = dv_new
         du = load_cols(dvnew_ptr, start, valid, head, vb * BV, H, V, C, BV)
         v = load_cols(v_ptr, start, valid, head, vb * BV, H, V, C, BV)
-        dtinv += tl.dot(du, tl.trans(beta[:, None] * v), input_precision=PREC)
-        dbv = tl.dot(tl.trans(tinv), du, input_precision=PREC)
+        dtinv += mm(du, tl.trans(beta[:, None] * v), GRAD_DOTS)
+        dbv = mm(tl.trans(tinv), du, GRAD_DOTS)
         store_cols(dv_ptr, beta[:, None] * dbv, start, valid, head, vb * BV, H, V, C, BV)
         db += tl.sum(dbv * v, 1)
     for kb in range(NK):
         k = load_cols(k_ptr, start, valid, head, kb * BK, H, K, C, BK) * k_inv[:, None]
-        kt = k * tl.exp(gc_block(g_ptr, tok, valid, start, head, kb * BK, H, K, C, BK, PER_CHANNEL))
+        if PER_CHANNEL:
+            gc = gc_block(g_ptr, tok, valid, start, head, kb * BK, H, K, C, BK, PER_CHANNEL)
+        else:
+            gc = gc_rows
+        kt = k * tl.exp(gc)
         dw = load_cols(dw_ptr, start, valid, head, kb * BK, H, K, C, BK)
-        dtinv += tl.dot(dw, tl.trans(beta[:, None] * kt), input_precision=PREC)
-        db += tl.sum(tl.dot(tl.trans(tinv), dw, input_precision=PREC) * kt, 1)
+        dtinv += mm(dw, tl.trans(beta[:, None] * kt), GRAD_DOTS)
+        db += tl.sum(mm(tl.trans(tinv), dw, GRAD_DOTS) * kt, 1)
     rows = tl.arange(0, C)
     # dL = -Tinv^T dTinv Tinv^T on L's strictly lower pattern
-    dl = -tl.dot(tl.dot(tl.trans(tinv), dtinv, input_precision=PREC), tl.trans(tinv), input_precision=PREC)
+    dl = -mm(mm(tl.trans(tinv), dtinv, GRAD_DOTS), tl.trans(tinv), GRAD_DOTS)
     dl = tl.where(rows[:, None] > rows[None, :], dl, 0.0)
     dgc_rows = tl.zeros([C], tl.float32)
     for kb in range(NK):
         k = load_cols(k_ptr, start, valid, head, kb * BK, H, K, C, BK) * k_inv[:, None]
-        gc = gc_block(g_ptr, tok, valid, start, head, kb * BK, H, K, C, BK, PER_CHANNEL)
+        if PER_CHANNEL:
+            gc = gc_block(g_ptr, tok, valid, start, head, kb * BK, H, K, C, BK, PER_CHANNEL)
+        else:
+            gc = gc_rows
         eg = tl.exp(gc)
         # w's share, Tinv^T dw recomputed rather than kept over the dL products
-        dkt = beta[:, None] * tl.dot(tl.trans(tinv), load_cols(dw_ptr, start, valid, head, kb * BK, H, K, C, BK),
-                                     input_precision=PREC)
-        da, dc = decayed_gram_bwd(dl, beta[:, None] * k, k, gc, PER_CHANNEL, C, S, PREC, False)
+        dkt = beta[:, None] * mm(tl.trans(tinv), load_cols(dw_ptr, start, valid, head, kb * BK, H, K, C, BK),
+                                 GRAD_DOTS)
+        if PER_CHANNEL or GRAD_DOTS == PREC:
+            da, dc = decayed_gram_bwd(dl, beta[:, None] * k, k, gc, PER_CHANNEL, C, S, PREC, False)
+        else:
+            k_raw = tl.load(rows_at(k_ptr, start, head, H, K, kb * BK, C, BK), mask=valid[:, None], other=0.0)
+            da, dc = scalar_gram_bwd(dl, k_raw, k_raw, beta * k_inv, k_inv, tl.sum(gc, 1), GRAD_DOTS)
         db += tl.sum(da * k, 1)
         dk = beta[:, None] * da + dc + dkt * eg
         dgc = k * (beta[:, None] * da - dc + eg * dkt)
@@ -290,7 +336,7 @@ def wy_grad_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, dvnew_ptr, dw_ptr, c
     if PER_CHANNEL:
         store_diag(dldiag_ptr, dl, tok, valid, head, H, C, S)
     else:
-        tl.store(dgc_ptr + (tok.to(tl.int64) * H + head) * (NK + 1) + NK, dgc_rows, mask=valid)
+        tl.store(dgc_ptr + (tok.to(tl.int64) * H + head) * (SLOT + 1) + SLOT, dgc_rows, mask=valid)
     tl.store(db_ptr + tok.to(tl.int64) * H + head, db.to(db_ptr.dtype.element_ty), mask=valid)
 
 

@@ -112,6 +112,18 @@ def decayed_gram_bwd(dm_CC, a_CK, c_CK, gc_CX, PER_CHANNEL: tl.constexpr,
 
 
 @triton.jit
+def scalar_gram_bwd(dm_CC, a_raw_CK, c_raw_CK, a_scale_C, c_scale_C, g_C, DOTS: tl.constexpr):
+    """decayed_gram_bwd for the scalar decay with a = a_scale a_raw, c = c_scale c_raw (row scales, e.g. the
+    l2norm): the scales go onto dM's rows and columns so that the products take the raw inputs as operands
+    (exact in bf16 for bf16 inputs; common.mm's DOTS), and only the scaled dM is rounded."""
+    rows = tl.arange(0, dm_CC.shape[0])
+    dme = dm_CC * tl.exp(tl.where(rows[:, None] >= rows[None, :], g_C[:, None] - g_C[None, :], float("-inf")))
+    da = mm(dme * c_scale_C[None, :], c_raw_CK, DOTS)
+    dc = mm(tl.trans(dme * a_scale_C[:, None]), a_raw_CK, DOTS)
+    return da, dc
+
+
+@triton.jit
 def _diag_blocks_bwd(dm_CC, a_CK, c_CK, gc_CK, C: tl.constexpr, S: tl.constexpr):
     """Gradients through the diagonal blocks of _diag_blocks (dM masked, so strictness is in dM)."""
     NS: tl.constexpr = C // S

@@ -13,6 +13,12 @@ programs, 4.24 TB/s), default KernelVariant, against the measured forward of 1.6
   prep_blocked (GDN) ~0.25-0.30 ms (was 0.62 + diag 0.18): ~2.4 KB per token-head to DRAM (q, k, v in;
     qg, kbar, w, P bf16, u and Tinv fp32 out) = 0.64 GB = 0.15 ms; ~26 GFLOP of 64^3 products; no diag
     launch; ptxas: 255 registers, 464 B spilled (was 1748 B), 32 KB shared at 8 warps.
+    Measured 11:28: 0.63 ms at 8 warps, 0.42 at 4 (1748 B spilled, but two programs per SM), KDA 1.74 / 1.45:
+    4 warps (KernelVariant.prep_warps) is now the default. Like the gradient kernels (backward.py's
+    docstring), prep's time follows its per-program dependent chain at one or two programs per SM, not bytes.
+    Predicted: KernelVariant "prep_loops" (column loops after the inverse not unrolled, 668 B spilled instead of
+    1724 at 4 warps; KDA 1412 instead of 1628) GDN prep ~0.36-0.40 ms, KDA ~1.35-1.45 (less spill traffic,
+    but the two column blocks' loads no longer overlap).
   prep_blocked + diag_kernel (KDA) ~0.45-0.6 ms (was 12.8 with in-chunk diagonals): 608 B spilled
     (prep_kernel with split diagonal: 3328 B); diag_kernel without its row-substitution inverse.
   scan ~0.20-0.25 ms (was 0.45): bf16 operands, 32-bit tile offsets, 4 warps (244 registers, no spill;
@@ -221,7 +227,7 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
                         BD: tl.constexpr, PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
                         STORE_TINV: tl.constexpr, GRAM_PREC: tl.constexpr, DIAG_PREC: tl.constexpr,
-                        PREC: tl.constexpr):
+                        PREC: tl.constexpr, RUNTIME_LOOPS: tl.constexpr = False):
     """prep_kernel's outputs on [C, BD] column blocks: no [C, K] fp32 tile is live across the chunk's
     matrices. The Gram products take the raw inputs (bf16 operands are exact for bf16 inputs) and the
     l2norm scales them afterwards: gram(k_hat)_ij = (k_i . k_j) / (|k_i| |k_j|). The inverses of Tinv's
@@ -266,27 +272,53 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
     tinv = merge_block_inverse(l_mat, block_diagonal(diag_block_inverse(l_BSS, S, DIAG_PREC), C, S), C, S, PREC)
     if STORE_TINV:
         store_cols(tinv_ptr, tinv, start, valid, head, H, C, 0, C)
-    for col0 in tl.static_range(0, K, BD):
-        if PER_CHANNEL:
-            gc_blk = tl.cumsum(load_cols(g_ptr, start, valid, head, H, K, col0, C, BD).to(tl.float32), 0)
-            gl_blk = row_of(gc_blk, C - 1, C)
-            tl.store(glast_ptr + (chunk.to(tl.int64) * H + head) * K + col0 + tl.arange(0, BD), gl_blk)
-            kbar_decay = tl.exp(gl_blk[None, :] - gc_blk)
-        else:
-            gc_blk = gc[:, None]
-            kbar_decay = tl.exp(tl.sum(tl.where(rows == C - 1, gc, 0.0), 0) - gc_blk)
-        e_g = tl.exp(gc_blk)
-        k_hat = load_cols(k_ptr, start, valid, head, H, K, col0, C, BD).to(tl.float32) * k_inv[:, None]
-        store_cols(kbar_ptr, k_hat * kbar_decay, start, valid, head, H, K, col0, BD)
-        w_blk = tl.dot(tinv, beta[:, None] * k_hat * e_g, input_precision=PREC)
-        store_cols(w_ptr, w_blk, start, valid, head, H, K, col0, BD)
-        q_blk = load_cols(q_ptr, start, valid, head, H, K, col0, C, BD).to(tl.float32)
-        store_cols(qg_ptr, q_blk * q_inv[:, None] * e_g, start, valid, head, H, K, col0, BD)
-    for col0 in tl.static_range(0, V, BD):
-        v_blk = load_cols(v_ptr, start, valid, head, H, V, col0, C, BD).to(tl.float32)
-        u_blk = tl.dot(tinv, beta[:, None] * v_blk, input_precision=PREC)
-        store_cols(u_ptr, u_blk, start, valid, head, H, V, col0, BD)
+    # runtime loops (RUNTIME_LOOPS) keep one column block's tiles live at a time: ptxas at 4 warps spills
+    # 668 B instead of 1724 (GDN); unrolled, it may overlap the blocks' loads
+    if RUNTIME_LOOPS:
+        for col0 in range(0, K, BD):
+            key_columns(q_ptr, k_ptr, g_ptr, kbar_ptr, w_ptr, qg_ptr, glast_ptr, tinv, beta, k_inv, q_inv, gc, start,
+                        valid, chunk, head, col0, H, K, C, BD, PER_CHANNEL, PREC)
+        for col0 in range(0, V, BD):
+            value_columns(v_ptr, u_ptr, tinv, beta, start, valid, head, col0, H, V, BD, PREC)
+    else:
+        for col0 in tl.static_range(0, K, BD):
+            key_columns(q_ptr, k_ptr, g_ptr, kbar_ptr, w_ptr, qg_ptr, glast_ptr, tinv, beta, k_inv, q_inv, gc, start,
+                        valid, chunk, head, col0, H, K, C, BD, PER_CHANNEL, PREC)
+        for col0 in tl.static_range(0, V, BD):
+            value_columns(v_ptr, u_ptr, tinv, beta, start, valid, head, col0, H, V, BD, PREC)
 
+
+@triton.jit
+def key_columns(q_ptr, k_ptr, g_ptr, kbar_ptr, w_ptr, qg_ptr, glast_ptr, tinv, beta, k_inv, q_inv, gc, start, valid,
+                chunk, head, col0, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BD: tl.constexpr,
+                PER_CHANNEL: tl.constexpr, PREC: tl.constexpr):
+    """prep_blocked_kernel's key-side outputs of columns col0 .. col0 + BD: kbar, w, qg (per channel gc_last)."""
+    rows = tl.arange(0, C)
+    if PER_CHANNEL:
+        gc_blk = tl.cumsum(load_cols(g_ptr, start, valid, head, H, K, col0, C, BD).to(tl.float32), 0)
+        gl_blk = row_of(gc_blk, C - 1, C)
+        tl.store(glast_ptr + (chunk.to(tl.int64) * H + head) * K + col0 + tl.arange(0, BD), gl_blk)
+        kbar_decay = tl.exp(gl_blk[None, :] - gc_blk)
+    else:
+        gc_blk = gc[:, None]
+        kbar_decay = tl.exp(tl.sum(tl.where(rows == C - 1, gc, 0.0), 0) - gc_blk)
+    e_g = tl.exp(gc_blk)
+    k_hat = load_cols(k_ptr, start, valid, head, H, K, col0, C, BD).to(tl.float32) * k_inv[:, None]
+    store_cols(kbar_ptr, k_hat * kbar_decay, start, valid, head, H, K, col0, BD)
+    w_blk = tl.dot(tinv, beta[:, None] * k_hat * e_g, input_precision=PREC)
+    store_cols(w_ptr, w_blk, start, valid, head, H, K, col0, BD)
+    q_blk = load_cols(q_ptr, start, valid, head, H, K, col0, C, BD).to(tl.float32)
+    store_cols(qg_ptr, q_blk * q_inv[:, None] * e_g, start, valid, head, H, K, col0, BD)
+
+
+@triton.jit
+def value_columns(v_ptr, u_ptr, tinv, beta, start, valid, head, col0, H: tl.constexpr, V: tl.constexpr,
+                  BD: tl.constexpr, PREC: tl.constexpr):
+    """u = Tinv (beta v) of columns col0 .. col0 + BD."""
+    C: tl.constexpr = tinv.shape[0]
+    v_blk = load_cols(v_ptr, start, valid, head, H, V, col0, C, BD).to(tl.float32)
+    u_blk = tl.dot(tinv, beta[:, None] * v_blk, input_precision=PREC)
+    store_cols(u_ptr, u_blk, start, valid, head, H, V, col0, BD)
 
 @triton.jit
 def state_offsets(index, head, col0, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):

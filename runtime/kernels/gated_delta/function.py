@@ -74,8 +74,27 @@ class KernelVariant:
     # inverse, and needs split_diagonal)
     doubling_inverse: bool = True
     # warps of prep_blocked_kernel (ptxas for sm_90a, GDN / KDA: 8 warps spill 464 / 608 B at 255
-    # registers, one program per SM; 4 warps spill 1748 / 1556 B but fit two programs per SM)
-    prep_warps: int = 8
+    # registers, one program per SM; 4 warps spill 1748 / 1556 B but fit two programs per SM, and measured
+    # faster on the H200 at 11:28: GDN prep 0.42 against 0.63 ms, fwd+bwd 3.61 against 3.82)
+    prep_warps: int = 4
+    # prep_blocked_kernel's column-block loops after the inverse as runtime loops instead of unrolled: one
+    # block's tiles live at a time (ptxas at 4 warps, GDN: 668 B spilled instead of 1724)
+    prep_runtime_loops: bool = False
+    # wy_grad_kernel's products on bf16 operands, fp32 accumulation (Tinv, dTinv and dw rounded, dw's
+    # scratch buffer bf16; for the scalar decay dL's Gram backward on the raw k, see common.scalar_gram_bwd):
+    # 24 KB of shared memory instead of 80. The same in state_grad's dP Gram backward failed the strong
+    # decay test (dg 2.3e-2 rel RMS against 1.6e-2, bar 2e-2), so it stays tf32 there
+    bf16_grad_dots: bool = False
+    # KDA's exact per-channel diagonal blocks token-parallel (diagonal.diag_token_kernel, and for the
+    # backward diag_grad_token_kernel + dg_finish_kernel): one program per token and token_diag_heads heads
+    # walking its sub-chunk's rows from memory, instead of a program per sub-chunk walking [S, K] register
+    # tiles column by column (diag_kernel / diag_grad_kernel). The row-substitution inverse (without
+    # doubling_inverse) stays with diag_kernel
+    token_parallel_diag: bool = False
+    # heads per program of the token-parallel diagonal kernels, one warp each (the reductions over K stay in
+    # a warp); fewer where H is not a multiple. ptxas, K=128, forward / backward: 4 heads 48 / 93 registers,
+    # 8 heads 64 / 122, no spills
+    token_diag_heads: int = 4
 
 
 DEFAULT_VARIANT = KernelVariant()
@@ -144,11 +163,28 @@ def _forward_dots(variant: KernelVariant) -> str:
     return "bf16_rounded" if os.environ.get("TRITON_INTERPRET") == "1" else "bf16"
 
 
-def _diagonals(q, k, g, beta, layout, scale, per_channel, l2norm, inverse=True):
-    """Diagonal blocks of L, (I + L)^-1 (with inverse) and P as rows [T, H, S] (fp32) from diagonal.diag_kernel."""
+def _token_diag_heads(num_heads: int, variant: KernelVariant) -> int:
+    """Heads per program of the token-parallel diagonal kernels: the variant's token_diag_heads or the
+    largest power of two below it dividing H."""
+    heads = variant.token_diag_heads
+    while num_heads % heads:
+        heads //= 2
+    return heads
+
+
+def _diagonals(q, k, g, beta, layout, scale, per_channel, l2norm, inverse=True, variant=DEFAULT_VARIANT):
+    """Diagonal blocks of L, (I + L)^-1 (with inverse) and P as rows [T, H, S] (fp32) from diagonal.diag_kernel,
+    or (per channel, no inverse, variant.token_parallel_diag) diagonal.diag_token_kernel (no tdiag: None)."""
     num_tokens, num_heads, key_dim = q.shape
     cfg = _config()
     f32 = dict(dtype=torch.float32, device=q.device)
+    if per_channel and variant.token_parallel_diag and not inverse:
+        ldiag, pdiag = (empty(num_tokens, num_heads, cfg["S"], **f32) for _ in range(2))
+        heads = _token_diag_heads(num_heads, variant)
+        diagonal.diag_token_kernel[(layout.num_chunks * cfg["C"], num_heads // heads)](
+            q, k, g, beta, layout.chunk_start, layout.chunk_end, ldiag, pdiag, scale,
+            H=num_heads, K=key_dim, C=cfg["C"], S=cfg["S"], BH=heads, L2NORM=l2norm, num_warps=heads)
+        return ldiag, None, pdiag
     tdiag = empty(num_tokens, num_heads, cfg["S"], **f32)
     # the scalar decay's L and P diagonals come whole from prep's Gram products: no buffers for them
     ldiag = empty(num_tokens, num_heads, cfg["S"], **f32) if per_channel else tdiag
@@ -176,7 +212,8 @@ def _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_tinv, vari
     doubling = variant.doubling_inverse and (variant.split_diagonal or not per_channel)
     diags = (q, q, q)
     if variant.split_diagonal and (per_channel or not doubling):
-        diags = _diagonals(q, k, g, beta, layout, scale, per_channel, l2norm, inverse=not doubling)
+        diags = _diagonals(q, k, g, beta, layout, scale, per_channel, l2norm, inverse=not doubling, variant=variant)
+        diags = tuple(q if d is None else d for d in diags)
     forward.prep_kernel[(layout.num_chunks, num_heads)](
         q, k, v, g, beta, layout.chunk_start, layout.chunk_end,
         out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], *diags, scale,
@@ -192,7 +229,8 @@ def _prep_blocked(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_ti
     cfg = _config()
     diags = (q, q)
     if per_channel:
-        ldiag, _, pdiag = _diagonals(q, k, g, beta, layout, scale, per_channel, l2norm, inverse=False)
+        ldiag, _, pdiag = _diagonals(q, k, g, beta, layout, scale, per_channel, l2norm, inverse=False,
+                                     variant=variant)
         diags = (ldiag, pdiag)
     # bf16 operands are exact for bf16 inputs; the interpreter gets the same rounding in fp32 (see common.mm)
     gram = DOT_PRECISION
@@ -202,7 +240,8 @@ def _prep_blocked(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_ti
         q, k, v, g, beta, layout.chunk_start, layout.chunk_end,
         out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], *diags, scale,
         H=num_heads, K=key_dim, V=value_dim, BD=min(64, key_dim, value_dim), PER_CHANNEL=per_channel,
-        L2NORM=l2norm, STORE_TINV=store_tinv, GRAM_PREC=gram, DIAG_PREC="tf32x3", num_warps=variant.prep_warps,
+        L2NORM=l2norm, STORE_TINV=store_tinv, GRAM_PREC=gram, DIAG_PREC="tf32x3",
+        RUNTIME_LOOPS=variant.prep_runtime_loops, num_warps=variant.prep_warps,
         **cfg)
 
 
@@ -260,26 +299,39 @@ def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale
                  variant=DEFAULT_VARIANT):
     """(dq, dk, dv, dg, dbeta) in the inputs' dtypes: backward.py's state_grad_kernel, wy_grad_kernel,
     then finish_kernel (scalar decay) or diagonal.diag_grad_kernel (per channel, whatever the variant's
-    forward did with the diagonal blocks: the exact per-channel blocks need [S, K] tiles)."""
+    forward did with the diagonal blocks: the exact per-channel blocks need [S, K] tiles; with
+    token_parallel_diag diagonal.diag_grad_token_kernel and dg_finish_kernel instead)."""
     num_tokens, num_heads, key_dim = q.shape
     value_dim = v.shape[-1]
     cfg = _config()
     dq, dk, dv, dg, dbeta = [empty(*t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v, g, beta)]
     blocks = dict(BK=min(backward.KEY_BLOCK, key_dim), BV=min(VALUE_BLOCK, value_dim))
-    num_key_blocks = key_dim // blocks["BK"]
-    s = _grad_scratch(q, layout, per_channel, num_key_blocks, cfg["S"])
+    state_key_block = backward.KEY_BLOCK if per_channel else backward.STATE_KEY_BLOCK or backward.KEY_BLOCK
+    state_blocks = dict(blocks, BK=min(state_key_block, key_dim))
+    # state_grad_kernel's key blocks: the slots of dgc and dgl it writes
+    num_key_blocks = key_dim // state_blocks["BK"]
+    s = _grad_scratch(q, layout, per_channel, num_key_blocks, cfg["S"], variant)
     dims = dict(H=num_heads, K=key_dim, C=cfg["C"], L2NORM=l2norm)
     bounds = (layout.chunk_start, layout.chunk_end)
     backward.state_grad_kernel[(layout.num_chunks * num_key_blocks, num_heads)](
         q, k, g, h, dh, v_new, dv_new, do, *bounds, s["dq"], s["dk"], s["dw"], s["dgc"], s["dgl"], s["dpdiag"],
         scale, V=value_dim, S=cfg["S"], PER_CHANNEL=per_channel, PREC=cfg["PREC"], DOTS=_forward_dots(variant),
-        **blocks, **dims, num_warps=backward.STATE_GRAD_WARPS, num_stages=backward.STATE_GRAD_STAGES,
+        **state_blocks, **dims, num_warps=backward.STATE_GRAD_WARPS, num_stages=backward.STATE_GRAD_STAGES,
         maxnreg=backward.STATE_GRAD_MAXNREG)
     backward.wy_grad_kernel[(layout.num_chunks, num_heads)](
         k, v, g, beta, prep["tinv"], dv_new, s["dw"], *bounds, dv, s["dk"], s["dgc"],
         s["db"] if per_channel else dbeta, s["dldiag"], V=value_dim, S=cfg["S"], PER_CHANNEL=per_channel,
-        PREC=cfg["PREC"], **blocks, **dims, num_warps=backward.WY_GRAD_WARPS, num_stages=backward.WY_GRAD_STAGES)
-    if per_channel:
+        PREC=cfg["PREC"], GRAD_DOTS=_grad_dots(variant), SLOT=num_key_blocks, **blocks, **dims,
+        num_warps=backward.WY_GRAD_WARPS, num_stages=backward.WY_GRAD_STAGES, maxnreg=backward.WY_GRAD_MAXNREG)
+    if per_channel and variant.token_parallel_diag:
+        heads = _token_diag_heads(num_heads, variant)
+        diagonal.diag_grad_token_kernel[(layout.num_chunks * cfg["C"], num_heads // heads)](
+            q, k, g, beta, *bounds, s["dldiag"], s["dpdiag"], s["dq"], s["dk"], s["dgc"], s["db"], dq, dk, dbeta,
+            scale, S=cfg["S"], BH=heads, **dims, num_warps=heads)
+        finish_block = min(32, key_dim)
+        diagonal.dg_finish_kernel[(layout.num_chunks, num_heads, key_dim // finish_block)](
+            s["dgc"], s["dgl"], *bounds, dg, H=num_heads, K=key_dim, C=cfg["C"], BK=finish_block, num_warps=4)
+    elif per_channel:
         diagonal.diag_grad_kernel[(layout.num_chunks, num_heads)](
             q, k, g, beta, *bounds, s["dldiag"], s["dpdiag"], s["dq"], s["dk"], s["dgc"], s["db"], s["dgl"],
             dq, dk, dg, dbeta, scale, S=cfg["S"], **dims, num_warps=4)
@@ -290,13 +342,23 @@ def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale
     return dq, dk, dv, dg, dbeta
 
 
-def _grad_scratch(q, layout, per_channel, num_key_blocks, sub_chunk):
-    """fp32 buffers between the gradient kernels: dq, dk, dw [T, H, K]; dgc [T, H, K] per channel, else
-    [T, H, NK + 1] (a slot per K block of state_grad_kernel and one for wy_grad_kernel); dgc_last
-    [NC, H, K], else [NC, H, NK]; per channel also dbeta's share [T, H] and dL, dP diagonal blocks [T, H, S]."""
+def _grad_dots(variant: KernelVariant) -> str:
+    """common.mm's PREC for wy_grad_kernel's products."""
+    if not variant.bf16_grad_dots:
+        return DOT_PRECISION
+    return "bf16_rounded" if os.environ.get("TRITON_INTERPRET") == "1" else "bf16"
+
+
+def _grad_scratch(q, layout, per_channel, num_key_blocks, sub_chunk, variant=DEFAULT_VARIANT):
+    """fp32 buffers between the gradient kernels (dw bf16 with bf16_grad_dots): dq, dk, dw [T, H, K]; dgc
+    [T, H, K] per channel, else [T, H, NK + 1] (a slot per K block of state_grad_kernel and one for
+    wy_grad_kernel); dgc_last [NC, H, K], else [NC, H, NK]; per channel also dbeta's share [T, H] and dL, dP
+    diagonal blocks [T, H, S]."""
     num_tokens, num_heads, key_dim = q.shape
     f32 = dict(dtype=torch.float32, device=q.device)
-    s = {name: empty(num_tokens, num_heads, key_dim, **f32) for name in ("dq", "dk", "dw")}
+    s = {name: empty(num_tokens, num_heads, key_dim, **f32) for name in ("dq", "dk")}
+    s["dw"] = empty(num_tokens, num_heads, key_dim, dtype=torch.bfloat16 if variant.bf16_grad_dots else torch.float32,
+                    device=q.device)
     if per_channel:
         s["dgc"] = empty(num_tokens, num_heads, key_dim, **f32)
         s["dgl"] = empty(layout.num_chunks, num_heads, key_dim, **f32)

@@ -1,0 +1,60 @@
+"""KDA with the token-parallel diagonal kernels (KernelVariant.token_parallel_diag: diagonal.diag_token_kernel,
+diag_grad_token_kernel, dg_finish_kernel) against the fp64 reference, as tests/test_kernel_gated_delta.py
+checks the other variants: the interpreter, fp32 inputs (bf16 once), NaN-filled buffers, chunk 32 in
+sub-chunks of 16 (chunk 64 once), H=2 (one program per head pair at TOKEN_DIAG_HEADS 4: BH 2) and H=3 (BH 1).
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import runtime.kernels.gated_delta.function as kernel_config  # noqa: E402
+import tests.test_kernel_gated_delta as shared  # noqa: E402
+from runtime.kernels.gated_delta.function import KernelVariant  # noqa: E402
+from tests.test_kernel_gated_delta import check, make_inputs, small_chunks_nan_buffers  # noqa: E402, F401
+
+pytestmark = pytest.mark.interpreter
+
+TOKEN_VARIANTS = {
+    "token_diag": KernelVariant(token_parallel_diag=True),
+    "token_diag_unblocked": KernelVariant(token_parallel_diag=True, blocked_prep=False),
+    "token_diag_fp32_tiles": KernelVariant(token_parallel_diag=True, bf16_tiles=False, bf16_states=False),
+}
+
+
+@pytest.fixture(autouse=True)
+def token_variants(monkeypatch):
+    """check() looks its variant up in the shared table."""
+    monkeypatch.setattr(shared, "VARIANTS", {**shared.VARIANTS, **TOKEN_VARIANTS})
+
+
+@pytest.mark.parametrize("variant", list(TOKEN_VARIANTS))
+def test_kda_token_diag_T63_initial_state(variant):
+    check("kda", make_inputs("kda", V=32), variant=variant)
+
+
+def test_kda_token_diag_cu_seqlens_three_heads():
+    """Three packed sequences (one shorter than a sub-chunk, one spanning two chunks), one state each; H=3."""
+    x = make_inputs("kda", T=63, H=3, V=32, num_states=3)
+    check("kda", x, variant="token_diag", cu_seqlens=torch.tensor([0, 5, 40, 63]))
+
+
+def test_kda_token_diag_batch2_no_l2norm_strong_decay():
+    """B=2 folded into time; no qk l2norm, an explicit scale, decays up to ~-15 per token."""
+    check("kda", make_inputs("kda", B=2, T=40, V=32, decay=15.0), variant="token_diag", use_qk_l2norm=False,
+          scale=0.3)
+
+
+@pytest.mark.slow
+def test_kda_token_diag_bf16_inputs():
+    check("kda", make_inputs("kda", V=32), dtype=torch.bfloat16, variant="token_diag")
+
+
+@pytest.mark.slow
+def test_kda_token_diag_benchmark_chunk_size(monkeypatch):
+    """The benchmark's chunk 64 (four sub-chunks), two packed sequences."""
+    monkeypatch.setattr(kernel_config, "CHUNK_SIZE", 64)
+    x = make_inputs("kda", T=150, V=32, num_states=2)
+    check("kda", x, variant="token_diag", cu_seqlens=torch.tensor([0, 70, 150]))
