@@ -135,9 +135,26 @@ def test_kernel_bf16_inputs_kda():
 
 
 def test_variant_names_resolve_to_the_default_path():
-    """The name "default" is KernelVariant(), the path variant=None runs (today's validated one)."""
-    assert kernels.VARIANTS["default"] == KernelVariant()
-    assert set(kernels.VARIANTS) >= {"default", "fp32_tiles"}
+    """"base" is KernelVariant(); "default" and None mean the measured fastest settings of the decay kind,
+    with fp32 intermediates for fp32 inputs."""
+    assert kernels.VARIANTS["base"] == KernelVariant()
+    assert kernels._resolve("default") is None
+    assert kernel_config.default_variant(False, torch.bfloat16) == kernel_config.SCALAR_DECAY_DEFAULT
+    assert kernel_config.default_variant(True, torch.bfloat16) == kernel_config.PER_CHANNEL_DECAY_DEFAULT
+    fp32 = kernel_config.default_variant(True, torch.float32)
+    assert not (fp32.bf16_tiles or fp32.bf16_states or fp32.bf16_grad_dots)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_runtime_default_fp32_inputs_keep_fp32_precision(kind):
+    """variant=None with fp32 inputs (what the runtime and tier 0 run): the measured default settings with fp32
+    intermediates, held to the fp32 tolerance against the fp64 reference, forward and backward."""
+    op, ref, kernel = OPS[kind]
+    x = make_inputs(kind, V=32, num_states=None)
+    expected = outputs_and_grads(ref, x, torch.float64)
+    actual = outputs_and_grads(kernel, x, torch.float32)
+    for name, a, e in zip(NAMES, actual, expected):
+        assert_close(a, e, op, torch.float32, kind="out" if name in ("o", "final_state") else "grad", name=name)
 
 
 def test_keep_forward_without_grad_gdn():
@@ -147,6 +164,6 @@ def test_keep_forward_without_grad_gdn():
     with torch.no_grad():
         o, state = kernels.gated_delta_rule(*args, initial_state_BHKV=x["h0"], variant="default")
     o_ref, state_ref = ref_gdn(*args, initial_state_BHKV=x["h0"])
-    # the default stores its intermediates in bf16: the bar of check() for such variants
-    assert_close(o, o_ref, "gated_delta_rule", torch.bfloat16, name="o")
-    assert_close(state, state_ref, "gated_delta_rule", torch.bfloat16, name="final_state")
+    # fp32 inputs: the default keeps fp32 intermediates, so the fp32 bar
+    assert_close(o, o_ref, "gated_delta_rule", torch.float32, name="o")
+    assert_close(state, state_ref, "gated_delta_rule", torch.float32, name="final_state")

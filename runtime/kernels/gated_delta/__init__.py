@@ -3,7 +3,8 @@
 Same signatures and return values as reference_ops/gated_delta.py and reference_ops/kda.py:
 o in q's dtype, final state in fp32. Inputs bf16 or fp32; accumulation and state in fp32.
 `variant` (keyword only, a KernelVariant or a name in VARIANTS) selects launch settings under
-measurement; None is the validated default path.
+measurement; None (or "default") is function.default_variant: the fastest measured settings for the decay
+kind, with fp32 intermediates for fp32 inputs.
 """
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ import torch
 
 from runtime.kernels.gated_delta.function import FP32_TILES, KernelVariant, chunk_delta_rule
 
-# "default" (KernelVariant()) is the fastest measured path, or for the forward settings of 2026-11-29 11:00
-# (blocked prep, doubling inverse, bf16 scan/output products, fp32 u) the predicted fastest; the others
-# switch one of its choices back. "forward_before" is the forward measured at GDN 1.68 ms (prep_kernel with
-# diag_kernel's row-substitution inverse, tf32 products, bf16 u, output in value blocks of 64, 8-warp scan).
+# Named settings the benchmark times side by side. "base" (KernelVariant()) is the path the others change one
+# choice of; "forward_before" is the forward measured at GDN 1.68 ms (prep_kernel with diag_kernel's
+# row-substitution inverse, tf32 products, bf16 u, output in value blocks of 64, 8-warp scan).
 VARIANTS: dict[str, KernelVariant] = {
-    "default": KernelVariant(),
+    "base": KernelVariant(),
     # the gradient kernels' remaining tf32 products on bf16 operands (GDN and KDA)
     "bf16_grads": KernelVariant(bf16_grad_dots=True),
     # prep_blocked_kernel's column loops not unrolled (fewer spills at 4 warps)
@@ -44,6 +44,9 @@ VARIANTS: dict[str, KernelVariant] = {
 
 
 def _resolve(variant: KernelVariant | str | None) -> KernelVariant | None:
+    """None for "default" (chunk_delta_rule then picks function.default_variant)."""
+    if variant == "default":
+        return None
     return VARIANTS[variant] if isinstance(variant, str) else variant
 
 

@@ -28,10 +28,9 @@ DOT_PRECISION = "tf32"
 
 @dataclass(frozen=True)
 class KernelVariant:
-    """Selectable launch settings. The defaults are the fastest path measured on the H200 (2026-11-29,
-    bench/bench_gated_delta.py --variants: GDN fwd+bwd 4.70 ms against 8.64 ms with fp32 tiles, no split
-    diagonal and recomputation; FP32_TILES below is that earlier path), except the forward settings from
-    bf16_dots on, which are predictions awaiting that measurement (see forward.py's docstring)."""
+    """Selectable launch settings. KernelVariant() is the base the benchmark's named variants change one
+    choice of; what the runtime runs is default_variant() below (the fastest measured per decay kind).
+    FP32_TILES is the first path measured (GDN fwd+bwd 8.64 ms on the H200, 2026-11-29)."""
 
     # qg, kbar, w, u, P, v_new and dv_new stored in bf16 (computed and accumulated in fp32 all the same):
     # halves the bytes the scans and the output and gradient kernels read
@@ -405,6 +404,23 @@ class ChunkDeltaRule(torch.autograd.Function):
         return dq, dk, dv, dg, dbeta, dh0, None, None, None, None
 
 
+# The fastest settings measured per decay kind (H200, 2026-11-29 12:00, bench/bench_gated_delta.py --variants,
+# bench/results/2026-11-29-gdn.json and -kda.json): GDN "bf16_grads" 3.43 ms fwd+bwd (KernelVariant() 3.87),
+# KDA "token_diag_unblocked" 7.57 ms (KernelVariant() 12.63)
+SCALAR_DECAY_DEFAULT = KernelVariant(bf16_grad_dots=True)
+PER_CHANNEL_DECAY_DEFAULT = KernelVariant(token_parallel_diag=True, blocked_prep=False)
+
+
+def default_variant(per_channel: bool, dtype: torch.dtype) -> KernelVariant:
+    """The measured fastest settings for the decay kind. fp32 inputs keep fp32 intermediates: bf16 storage
+    holds an fp32 run to bf16 precision (on the H200 an fp32 tier-0 check of GDN's dg reached 5.5e-3 rel RMS
+    with bf16 tiles, against the TF32 bound of 5e-3)."""
+    chosen = PER_CHANNEL_DECAY_DEFAULT if per_channel else SCALAR_DECAY_DEFAULT
+    if dtype == torch.float32:
+        chosen = replace(chosen, bf16_tiles=False, bf16_states=False, bf16_grad_dots=False)
+    return chosen
+
+
 def chunk_delta_rule(q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, scale, initial_state_BHKV, use_qk_l2norm, cu_seqlens,
                      variant=None):
     """Shared entry of gated_delta_rule and kda: checks, packs the batch into time, unpacks the output."""
@@ -418,7 +434,7 @@ def chunk_delta_rule(q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, scale, initial_state_B
     scale = key_dim**-0.5 if scale is None else float(scale)
     packed = [t.flatten(0, 1).contiguous() for t in (q_BTHK, k_BTHK, v_BTHV, g, beta_BTH)]
     h0 = None if initial_state_BHKV is None else initial_state_BHKV.float().contiguous()
-    variant = variant or DEFAULT_VARIANT
+    variant = variant or default_variant(g.dim() == 4, q_BTHK.dtype)
     if variant.keep_forward and not torch.is_grad_enabled():
         # no backward will run: skip storing Tinv for it
         variant = replace(variant, keep_forward=False)
