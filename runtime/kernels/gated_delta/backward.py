@@ -244,7 +244,7 @@ def state_grad_kernel(q_ptr, k_ptr, g_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, d
         if kb == 0:
             store_diag(dpdiag_ptr, dp, tok, valid, head, H, C, S)
     # o = qg h + P v_new with qg = q e^gc; h_next = e^gc_last h + kbar^T v_new with kbar = k e^(gc_last - gc)
-    da, dc = decayed_gram_bwd(dp, q, k, gc, PER_CHANNEL, C, S, PREC, False)
+    da, dc = decayed_gram_bwd(dp, q, k, gc, PER_CHANNEL, C, S, PREC)
     dq = da + dqg * tl.exp(gc)
     gl = row_of(gc, C - 1, C)
     dk_state = dkbar * tl.exp(gl[None, :] - gc)
@@ -319,7 +319,7 @@ def wy_grad_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, dvnew_ptr, dw_ptr, c
         dkt = beta[:, None] * mm(tl.trans(tinv), load_cols(dw_ptr, start, valid, head, kb * BK, H, K, C, BK),
                                  GRAD_DOTS)
         if PER_CHANNEL or GRAD_DOTS == PREC:
-            da, dc = decayed_gram_bwd(dl, beta[:, None] * k, k, gc, PER_CHANNEL, C, S, PREC, False)
+            da, dc = decayed_gram_bwd(dl, beta[:, None] * k, k, gc, PER_CHANNEL, C, S, PREC)
         else:
             k_raw = tl.load(rows_at(k_ptr, start, head, H, K, kb * BK, C, BK), mask=valid[:, None], other=0.0)
             da, dc = scalar_gram_bwd(dl, k_raw, k_raw, beta * k_inv, k_inv, tl.sum(gc, 1), GRAD_DOTS)

@@ -85,16 +85,13 @@ def _diag_blocks(a_CK, c_CK, gc_CK, STRICT: tl.constexpr, C: tl.constexpr, S: tl
 
 @triton.jit
 def decayed_gram_bwd(dm_CC, a_CK, c_CK, gc_CX, PER_CHANNEL: tl.constexpr,
-                     C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr, DIAG: tl.constexpr):
+                     C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr):
     """(da_CK, dc_CK) of M = decayed_gram(a, c, gc) given dM already masked to M's pattern.
-    Per channel without DIAG, the diagonal blocks' share is left out (diagonal.py adds it)."""
+    Per channel, the S x S diagonal blocks' share is left out (diagonal.py's kernels add it)."""
     rows = tl.arange(0, C)
     if PER_CHANNEL:
-        if DIAG:
-            da, dc = _diag_blocks_bwd(dm_CC, a_CK, c_CK, gc_CX, C, S)
-        else:
-            da = tl.zeros_like(a_CK)
-            dc = tl.zeros_like(c_CK)
+        da = tl.zeros_like(a_CK)
+        dc = tl.zeros_like(c_CK)
         sub = rows // S
         for s in tl.static_range(1, C // S):
             ref_K = row_of(gc_CX, s * S, C)
@@ -121,31 +118,6 @@ def scalar_gram_bwd(dm_CC, a_raw_CK, c_raw_CK, a_scale_C, c_scale_C, g_C, DOTS: 
     da = mm(dme * c_scale_C[None, :], c_raw_CK, DOTS)
     dc = mm(tl.trans(dme * a_scale_C[:, None]), a_raw_CK, DOTS)
     return da, dc
-
-
-@triton.jit
-def _diag_blocks_bwd(dm_CC, a_CK, c_CK, gc_CK, C: tl.constexpr, S: tl.constexpr):
-    """Gradients through the diagonal blocks of _diag_blocks (dM masked, so strictness is in dM)."""
-    NS: tl.constexpr = C // S
-    K: tl.constexpr = a_CK.shape[1]
-    a3 = tl.reshape(a_CK, [NS, S, K])
-    c3 = tl.reshape(c_CK, [NS, S, K])
-    g3 = tl.reshape(gc_CK, [NS, S, K])
-    ii = tl.arange(0, S)
-    rows = tl.arange(0, C)
-    da3 = tl.zeros([NS, S, K], tl.float32)
-    dc3 = tl.zeros([NS, S, K], tl.float32)
-    for jj in range(S):
-        sel = (ii == jj)[None, :, None]
-        c_j = tl.sum(tl.where(sel, c3, 0.0), 1)
-        g_j = tl.sum(tl.where(sel, g3, 0.0), 1)
-        col_C = (rows // S) * S + jj
-        coef_C = tl.sum(tl.where(rows[None, :] == col_C[:, None], dm_CC, 0.0), 1)
-        coef3 = tl.reshape(coef_C, [NS, S])[:, :, None]
-        e3 = tl.exp(tl.where((ii >= jj)[None, :, None], g3 - g_j[:, None, :], float("-inf")))
-        da3 += coef3 * c_j[:, None, :] * e3
-        dc3 += tl.where(sel, tl.sum(coef3 * a3 * e3, 1)[:, None, :], 0.0)
-    return tl.reshape(da3, [C, K]), tl.reshape(dc3, [C, K])
 
 
 @triton.jit
