@@ -30,7 +30,7 @@ Measured 2026-11-29 (H200, T 16384, this command): transformers 16.67 ms fwd+bwd
 12.44 (adopted), fused_x_copy 12.70 but WRONG on the GPU (out rel RMS 0.28, passed in the
 interpreter; removed), scaled_h 13.19 and wgrad split-K 29.0 (removed).
 
-Measured 2026-11-29 (H200, torch 2.11, triton 3.6, this command, /work/.device/2/moe.json):
+Measured 2026-11-29 (H200, torch 2.11, triton 3.6, this command, bench/results/2026-11-29-moe-run2.json):
 transformers 16.80 ms, ours 11.33 (1.48x); in interleaved rounds transformers 16.97, baseline
 11.59 (1.465x), torch_router 12.01, glu_bwd_m128 11.69, glu_bwd_scaled_h 11.75 (predicted -0.25:
 wrong, removed from VARIANTS), m64_all 12.60, m64_all_scaled_h 12.49 (both removed), graph baseline
@@ -38,7 +38,7 @@ wrong, removed from VARIANTS), m64_all 12.60, m64_all_scaled_h 12.49 (both remov
 grads 3.35, sum_k 0.34, gather 0.30, torch elementwise 0.41 (7 launches), cuBLAS shared expert /
 router / gate ~0.65 (12 launches + split-K reduces), gate GEMV 0.06, reduce 0.02.
 
-Measured 2026-11-29, third run (same command, /work/.device/3/moe.json, the shared expert fused as
+Measured 2026-11-29, third run (same command, bench/results/2026-11-29-moe-run3.json, the shared expert fused as
 predicted below): transformers 17.00 ms, ours 11.30 (1.505x); in the rounds transformers 17.25,
 step-by-step layer 11.46 (1.505x; predicted ~11.2), torch_router 11.82, glu_bwd_m128 11.69,
 torch_shared 12.45 (predicted +0.35: measured +0.99), fp32_router_logits 13.24 (predicted +1.9:
