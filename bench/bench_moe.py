@@ -33,7 +33,7 @@ interpreter; removed), scaled_h 13.19 and wgrad split-K 29.0 (removed).
 Measured 2026-11-29 (H200, torch 2.11, triton 3.6, this command, bench/results/2026-11-29-moe-run2.json):
 transformers 16.80 ms, ours 11.33 (1.48x); in interleaved rounds transformers 16.97, baseline
 11.59 (1.465x), torch_router 12.01, glu_bwd_m128 11.69, glu_bwd_scaled_h 11.75 (predicted -0.25:
-wrong, removed from VARIANTS), m64_all 12.60, m64_all_scaled_h 12.49 (both removed), graph baseline
+wrong, removed), m64_all 12.60, m64_all_scaled_h 12.49 (both removed), graph baseline
 11.24; transformers graphed 16.16. GPU profile of baseline ~10.9 ms: grouped GEMMs 5.15, weight
 grads 3.35, sum_k 0.34, gather 0.30, torch elementwise 0.41 (7 launches), cuBLAS shared expert /
 router / gate ~0.65 (12 launches + split-K reduces), gate GEMV 0.06, reduce 0.02.

@@ -64,11 +64,3 @@ def test_backward_state_key_block_apart(kind, monkeypatch):
     check(kind, make_inputs(kind, T=63, V=32, num_states=3), variant="default", cu_seqlens=torch.tensor([0, 5, 40, 63]))
 
 
-@pytest.mark.parametrize("kind", ["gdn", "kda"])
-def test_prep_runtime_loops(kind, monkeypatch):
-    """KernelVariant.prep_runtime_loops: prep_blocked_kernel's column loops as runtime loops, here over two
-    column blocks of K (blocks are min(64, K, V) wide), forward and backward."""
-    from tests.test_kernel_gated_delta import VARIANTS
-    monkeypatch.setitem(VARIANTS, "prep_loops", kernel_config.KernelVariant(prep_runtime_loops=True))
-    check(kind, make_inputs(kind, T=63, K=32, V=16, num_states=3), variant="prep_loops",
-          cu_seqlens=torch.tensor([0, 5, 40, 63]))

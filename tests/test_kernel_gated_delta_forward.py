@@ -79,10 +79,10 @@ def chunk32_nan_buffers(monkeypatch):
 
 @pytest.mark.parametrize("K,V", [(32, 16), (16, 32)], ids=["K32-V16", "K16-V32"])
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
-def test_column_blocks_and_scan_halves(kind, K, V, chunk32_nan_buffers):
-    """prep_blocked_kernel over two column blocks of K (or of V: its blocks are min(64, K, V) wide) and
-    forward.scan_halves_kernel (K >= 32), which the main tests (K = V = 16) do not reach: o and the final
-    state over three packed sequences with initial states vs the fp64 reference, at the bf16 bar."""
+def test_column_blocks(kind, K, V, chunk32_nan_buffers):
+    """prep_blocked_kernel over two column blocks of K (or of V: its blocks are min(64, K, V) wide), which
+    the main tests (K = V = 16) do not reach: o and the final state over three packed sequences with
+    initial states vs the fp64 reference, at the bf16 bar (bf16 tiles and states)."""
     T, H = 63, 2
     gen = torch.Generator().manual_seed(0)
     rand = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
@@ -91,7 +91,7 @@ def test_column_blocks_and_scan_halves(kind, K, V, chunk32_nan_buffers):
     kw = dict(initial_state_BHKV=rand(3, H, K, V), cu_seqlens=torch.tensor([0, 5, 40, 63]))
     op, ref = {"gdn": ("gated_delta_rule", ref_gdn), "kda": ("kda", ref_kda)}[kind]
     with torch.no_grad():
-        o, state = getattr(kernels, op)(*args, **kw, variant=KernelVariant(scan_halves=True))
+        o, state = getattr(kernels, op)(*args, **kw, variant=KernelVariant())
     o_ref, state_ref = ref(*[a.double() for a in args], initial_state_BHKV=kw["initial_state_BHKV"].double(),
                            cu_seqlens=kw["cu_seqlens"])
     assert_close(o, o_ref, op, torch.bfloat16, name="o")

@@ -164,8 +164,6 @@ TUNINGS = {
     "glu-bwd-schedule-tile": experts.Tuning(glu_bwd_block_m=None),
     # 16-row tiles split the larger experts here into two tiles, unlike the schedule's 64
     "glu-bwd-m16": experts.Tuning(glu_bwd_block_m=16),
-    "glu-bwd-scaled-h": experts.Tuning(glu_bwd_scaled_h=True),
-    "all": experts.Tuning(glu_bwd_block_m=16, glu_bwd_scaled_h=True),
 }
 GPT_OSS = dict(clamp=1.5, glu_alpha=1.702, interleaved_gate_up=True)
 TUNING_PROBLEMS = {

@@ -19,8 +19,6 @@ VARIANTS: dict[str, KernelVariant] = {
     "base": KernelVariant(),
     # the gradient kernels' remaining tf32 products on bf16 operands (GDN and KDA)
     "bf16_grads": KernelVariant(bf16_grad_dots=True),
-    # prep_blocked_kernel's column loops not unrolled (fewer spills at 4 warps)
-    "prep_loops": KernelVariant(prep_runtime_loops=True),
     # KDA only (GDN runs the default's kernels): the exact per-channel diagonal blocks token-parallel
     "token_diag": KernelVariant(token_parallel_diag=True),
     "token_diag_unblocked": KernelVariant(token_parallel_diag=True, blocked_prep=False),
@@ -34,8 +32,6 @@ VARIANTS: dict[str, KernelVariant] = {
     "prep_w8": KernelVariant(prep_warps=8),
     "unblocked_prep": KernelVariant(blocked_prep=False),
     "scan_w8": KernelVariant(forward_scan_warps=8),
-    "scan_halves": KernelVariant(scan_halves=True),
-    "scan_halves_w8": KernelVariant(scan_halves=True, forward_scan_warps=8),
     "scan_bv16": KernelVariant(scan_value_block=16),
     "output_bv64": KernelVariant(output_value_block=64),
     "tf32_dots": KernelVariant(bf16_dots=False),

@@ -3,30 +3,23 @@
 Three launches (KDA: four): `prep_blocked_kernel` (every chunk in parallel, on [C, 64] column blocks:
 l2norm, decay cumsum, the UT inverse Tinv, w, u, P, qg, kbar; KDA after diagonal.py's `diag_kernel`
 for the exact per-channel diagonal blocks of L and P), `scan_kernel` (one program per sequence, head
-and V block walks the chunks: states and v_new; `scan_halves_kernel` holds the state as two K halves),
+and V block walks the chunks: states and v_new),
 `output_kernel` (every chunk in parallel: o = qg h + P v_new). `prep_kernel` is the earlier prep on
 whole [C, K] fp32 tiles (KernelVariant.blocked_prep=False). See runtime/ops/gated_delta.py for the
 algebra. Tokens are packed [T, H, *] (batch folded into T, sequences given by cu_seqlens).
 
-Predicted H200 times at B1 T8192 H32 K=V=128 bf16 (not measured yet; 262144 token-heads, 4096 chunk
-programs, 4.24 TB/s), default KernelVariant, against the measured forward of 1.68 ms (GDN):
-  prep_blocked (GDN) ~0.25-0.30 ms (was 0.62 + diag 0.18): ~2.4 KB per token-head to DRAM (q, k, v in;
-    qg, kbar, w, P bf16, u and Tinv fp32 out) = 0.64 GB = 0.15 ms; ~26 GFLOP of 64^3 products; no diag
-    launch; ptxas: 255 registers, 464 B spilled (was 1748 B), 32 KB shared at 8 warps.
-    Measured 11:28: 0.63 ms at 8 warps, 0.42 at 4 (1748 B spilled, but two programs per SM), KDA 1.74 / 1.45:
-    4 warps (KernelVariant.prep_warps) is now the default. Like the gradient kernels (backward.py's
-    docstring), prep's time follows its per-program dependent chain at one or two programs per SM, not bytes.
-    Predicted: KernelVariant "prep_loops" (column loops after the inverse not unrolled, 668 B spilled instead of
-    1724 at 4 warps; KDA 1412 instead of 1628) GDN prep ~0.36-0.40 ms, KDA ~1.35-1.45 (less spill traffic,
-    but the two column blocks' loads no longer overlap).
-  prep_blocked + diag_kernel (KDA) ~0.45-0.6 ms (was 12.8 with in-chunk diagonals): 608 B spilled
-    (prep_kernel with split diagonal: 3328 B); diag_kernel without its row-substitution inverse.
-  scan ~0.20-0.25 ms (was 0.45): bf16 operands, 32-bit tile offsets, 4 warps (244 registers, no spill;
-    was 255 with spills at 4 warps), 128 programs x 128 chunks, bound by the two dependent products
-    per chunk (~1.5 us); reads 0.34 GB (w, kbar bf16, u fp32), writes h 0.13 GB and v_new 0.07 GB.
-  output ~0.11-0.13 ms (was 0.22): one program per chunk and head (value block V: qg and P read once),
-    bf16 operands, 4 warps, 128 registers, 72 KB shared (3 programs per SM); 0.37 GB = 87 us at peak.
-  GDN forward ~0.6-0.7 ms, KDA forward ~0.9-1.1 ms.
+H200 at B1 T8192 H32 K=V=128 bf16, predicted -> measured (GPU ms, 2026-11-29; the forward before this
+structure took 1.68 ms for GDN):
+  prep_blocked (GDN): 0.25-0.30 -> 0.63 at 8 warps, 0.42 at 4 (now the default: two programs per SM
+    despite 1748 B spilled). Predicted from bytes (0.64 GB = 0.15 ms); its time follows each program's
+    chain of dependent steps at one or two programs per SM, not bytes (as backward.py's kernels).
+    Column loops not unrolled (668 B spilled) measured no faster and were removed.
+  prep (KDA): 0.45-0.6 -> prep_blocked 1.45 + diag_kernel 2.50; the per-channel default now takes
+    prep_kernel (1.16) with diagonal.py's token-parallel diag_token_kernel (0.38).
+  scan: 0.20-0.25 -> 0.27 (bf16 operands, 32-bit tile offsets, 4 warps, 244 registers). Holding the
+    state as two K halves measured no faster (3.84 vs 3.82 ms fwd+bwd) and was removed.
+  output: 0.11-0.13 -> 0.10.
+  GDN forward 0.6-0.7 -> 1.35-1.52 ms wall (fla 0.6.0: 0.87-0.90), KDA 0.9-1.1 -> 2.48 ms.
 
 Shape legend: T packed tokens, H heads, K key dim, V value dim, C chunk size, S sub-chunk size,
 BD column block, BV value block, X 1 (GDN) or K (KDA), NC chunks over all sequences, NS = C / S.
@@ -227,7 +220,7 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
                         BD: tl.constexpr, PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
                         STORE_TINV: tl.constexpr, GRAM_PREC: tl.constexpr, DIAG_PREC: tl.constexpr,
-                        PREC: tl.constexpr, RUNTIME_LOOPS: tl.constexpr = False):
+                        PREC: tl.constexpr):
     """prep_kernel's outputs on [C, BD] column blocks: no [C, K] fp32 tile is live across the chunk's
     matrices. The Gram products take the raw inputs (bf16 operands are exact for bf16 inputs) and the
     l2norm scales them afterwards: gram(k_hat)_ij = (k_i . k_j) / (|k_i| |k_j|). The inverses of Tinv's
@@ -272,20 +265,11 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
     tinv = merge_block_inverse(l_mat, block_diagonal(diag_block_inverse(l_BSS, S, DIAG_PREC), C, S), C, S, PREC)
     if STORE_TINV:
         store_cols(tinv_ptr, tinv, start, valid, head, H, C, 0, C)
-    # runtime loops (RUNTIME_LOOPS) keep one column block's tiles live at a time: ptxas at 4 warps spills
-    # 668 B instead of 1724 (GDN); unrolled, it may overlap the blocks' loads
-    if RUNTIME_LOOPS:
-        for col0 in range(0, K, BD):
-            key_columns(q_ptr, k_ptr, g_ptr, kbar_ptr, w_ptr, qg_ptr, glast_ptr, tinv, beta, k_inv, q_inv, gc, start,
-                        valid, chunk, head, col0, H, K, C, BD, PER_CHANNEL, PREC)
-        for col0 in range(0, V, BD):
-            value_columns(v_ptr, u_ptr, tinv, beta, start, valid, head, col0, H, V, BD, PREC)
-    else:
-        for col0 in tl.static_range(0, K, BD):
-            key_columns(q_ptr, k_ptr, g_ptr, kbar_ptr, w_ptr, qg_ptr, glast_ptr, tinv, beta, k_inv, q_inv, gc, start,
-                        valid, chunk, head, col0, H, K, C, BD, PER_CHANNEL, PREC)
-        for col0 in tl.static_range(0, V, BD):
-            value_columns(v_ptr, u_ptr, tinv, beta, start, valid, head, col0, H, V, BD, PREC)
+    for col0 in tl.static_range(0, K, BD):
+        key_columns(q_ptr, k_ptr, g_ptr, kbar_ptr, w_ptr, qg_ptr, glast_ptr, tinv, beta, k_inv, q_inv, gc, start,
+                    valid, chunk, head, col0, H, K, C, BD, PER_CHANNEL, PREC)
+    for col0 in tl.static_range(0, V, BD):
+        value_columns(v_ptr, u_ptr, tinv, beta, start, valid, head, col0, H, V, BD, PREC)
 
 
 @triton.jit
@@ -377,64 +361,6 @@ def scan_kernel(w_ptr, u_ptr, kbar_ptr, glast_ptr, h0_ptr, cu_ptr, chunk_offsets
         h = decay * h + mm(tl.trans(kbar), v_new, PREC)
     if STORE_FINAL:
         tl.store(ht_ptr + seq_offs, h)
-
-
-@triton.jit
-def state_rows(index, head, row0, col0, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, R: tl.constexpr,
-               BV: tl.constexpr):
-    """Offsets of rows row0 .. row0 + R, columns col0 .. col0 + BV of state `index` (of [*, H, K, V])."""
-    base = (index.to(tl.int64) * H + head) * K * V + row0 * V + col0
-    return base + tl.arange(0, R)[:, None] * V + tl.arange(0, BV)[None, :]
-
-
-@triton.jit
-def half_decay(glast_ptr, chunk, head, row0, H: tl.constexpr, K: tl.constexpr, KH: tl.constexpr,
-               PER_CHANNEL: tl.constexpr):
-    """exp(gc_last) for key rows row0 .. row0 + KH of the state: [KH, 1] per channel, else [1, 1]."""
-    if PER_CHANNEL:
-        offs = (chunk.to(tl.int64) * H + head) * K + row0 + tl.arange(0, KH)
-        decay = tl.exp(tl.load(glast_ptr + offs))[:, None]
-    else:
-        decay = tl.exp(tl.load(glast_ptr + chunk.to(tl.int64) * H + head + tl.zeros([1, 1], tl.int32)))
-    return decay
-
-
-@triton.jit
-def scan_halves_kernel(w_ptr, u_ptr, kbar_ptr, glast_ptr, h0_ptr, cu_ptr, chunk_offsets_ptr,
-                       h_ptr, vnew_ptr, ht_ptr,
-                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-                       PER_CHANNEL: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
-                       PREC: tl.constexpr):
-    """scan_kernel with the [K, BV] state held as two [K / 2, BV] halves: w h = w_1 h_1 + w_2 h_2 and the
-    halves' updates kbar_i^T v_new are independent products, which the tensor cores can overlap."""
-    KH: tl.constexpr = K // 2
-    seq, head, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, eos = tl.load(cu_ptr + seq), tl.load(cu_ptr + seq + 1)
-    first_chunk = tl.load(chunk_offsets_ptr + seq)
-    col0 = vb * BV
-    h1 = tl.zeros([KH, BV], tl.float32)
-    h2 = tl.zeros([KH, BV], tl.float32)
-    if HAS_H0:
-        h1 += tl.load(h0_ptr + state_rows(seq, head, 0, col0, H, K, V, KH, BV))
-        h2 += tl.load(h0_ptr + state_rows(seq, head, KH, col0, H, K, V, KH, BV))
-    for c in range(tl.cdiv(eos - bos, C)):
-        chunk = first_chunk + c
-        tl.store(h_ptr + state_rows(chunk, head, 0, col0, H, K, V, KH, BV), h1.to(h_ptr.dtype.element_ty))
-        tl.store(h_ptr + state_rows(chunk, head, KH, col0, H, K, V, KH, BV), h2.to(h_ptr.dtype.element_ty))
-        row0 = bos + c * C
-        valid = (row0 + tl.arange(0, C) < eos)[:, None]
-        w1 = tl.load(rows_at(w_ptr, row0, head, H, K, 0, C, KH), mask=valid, other=0.0)
-        w2 = tl.load(rows_at(w_ptr, row0, head, H, K, KH, C, KH), mask=valid, other=0.0)
-        u = tl.load(rows_at(u_ptr, row0, head, H, V, col0, C, BV), mask=valid, other=0.0)
-        v_new = u.to(tl.float32) - mm(w1, h1, PREC) - mm(w2, h2, PREC)
-        tl.store(rows_at(vnew_ptr, row0, head, H, V, col0, C, BV), v_new.to(vnew_ptr.dtype.element_ty), mask=valid)
-        kbar1 = tl.load(rows_at(kbar_ptr, row0, head, H, K, 0, C, KH), mask=valid, other=0.0)
-        kbar2 = tl.load(rows_at(kbar_ptr, row0, head, H, K, KH, C, KH), mask=valid, other=0.0)
-        h1 = half_decay(glast_ptr, chunk, head, 0, H, K, KH, PER_CHANNEL) * h1 + mm(tl.trans(kbar1), v_new, PREC)
-        h2 = half_decay(glast_ptr, chunk, head, KH, H, K, KH, PER_CHANNEL) * h2 + mm(tl.trans(kbar2), v_new, PREC)
-    if STORE_FINAL:
-        tl.store(ht_ptr + state_rows(seq, head, 0, col0, H, K, V, KH, BV), h1)
-        tl.store(ht_ptr + state_rows(seq, head, KH, col0, H, K, V, KH, BV), h2)
 
 
 @triton.jit

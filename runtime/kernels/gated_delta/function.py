@@ -61,9 +61,6 @@ class KernelVariant:
     # warps of the forward scan (None: scan_warps): one warpgroup matches its M=64 product w h, and with
     # bf16 operands and 32-bit tile offsets ptxas fits it in 244 registers without spilling (8 warps: 240)
     forward_scan_warps: int | None = 4
-    # the forward scan's state as two [K / 2, V-block] halves (forward.scan_halves_kernel; K >= 32):
-    # independent products per half; ptxas: 44 B spilled at 4 warps, none (203 registers) at 8
-    scan_halves: bool = False
     # prep in forward.prep_blocked_kernel: [C, 64] column blocks, Gram products on the raw inputs scaled
     # by the l2norm afterwards, the diagonal blocks of Tinv by doubling (split_diagonal then doesn't apply
     # to the forward); GDN launches no diag_kernel, KDA one without its inverse
@@ -76,9 +73,6 @@ class KernelVariant:
     # registers, one program per SM; 4 warps spill 1748 / 1556 B but fit two programs per SM, and measured
     # faster on the H200 at 11:28: GDN prep 0.42 against 0.63 ms, fwd+bwd 3.61 against 3.82)
     prep_warps: int = 4
-    # prep_blocked_kernel's column-block loops after the inverse as runtime loops instead of unrolled: one
-    # block's tiles live at a time (ptxas at 4 warps, GDN: 668 B spilled instead of 1724)
-    prep_runtime_loops: bool = False
     # wy_grad_kernel's products on bf16 operands, fp32 accumulation (Tinv, dTinv and dw rounded, dw's
     # scratch buffer bf16; for the scalar decay dL's Gram backward on the raw k, see common.scalar_gram_bwd):
     # 24 KB of shared memory instead of 80. The same in state_grad's dP Gram backward failed the strong
@@ -240,7 +234,7 @@ def _prep_blocked(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_ti
         out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], *diags, scale,
         H=num_heads, K=key_dim, V=value_dim, BD=min(64, key_dim, value_dim), PER_CHANNEL=per_channel,
         L2NORM=l2norm, STORE_TINV=store_tinv, GRAM_PREC=gram, DIAG_PREC="tf32x3",
-        RUNTIME_LOOPS=variant.prep_runtime_loops, num_warps=variant.prep_warps,
+        num_warps=variant.prep_warps,
         **cfg)
 
 
@@ -255,8 +249,7 @@ def _scan(prep, h0, layout, per_channel, store_final, variant=DEFAULT_VARIANT):
     if store_final:
         final = empty(layout.num_seqs, num_heads, key_dim, value_dim, dtype=torch.float32, device=device)
     block = _scan_block(variant, value_dim)
-    kernel = forward.scan_halves_kernel if variant.scan_halves and key_dim >= 32 else forward.scan_kernel
-    kernel[(layout.num_seqs, num_heads, value_dim // block)](
+    forward.scan_kernel[(layout.num_seqs, num_heads, value_dim // block)](
         prep["w"], prep["u"], prep["kbar"], prep["glast"], h0 if h0 is not None else final,
         layout.cu_seqlens, layout.chunk_offsets, h, v_new, final,
         H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE, BV=block, PER_CHANNEL=per_channel,

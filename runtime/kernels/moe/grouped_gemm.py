@@ -8,7 +8,7 @@ One kernel, three epilogues (MODE):
   the backward) and h = glu(gate, up), with no reshuffling of the accumulator.
 - GLU_BWD: acc = dy @ W_down[e] = dh / w; recomputes h from the saved gate/up, adds the routing
   weight gradient sum(acc * h) at the row's pair (atomically, one add per column tile), and
-  stores d(gate/up); with STORE_SCALED_H also w * h, for a down weight gradient without a row scale.
+  stores d(gate/up).
 With GATHER_A row s of A is A[pair(s) // k], the sorted row's token, so x and dy need no copy in
 expert order; the row scale (the routing weight) is read at pair(s), in the router's [T * k]
 order. The optional low-rank term is LoRA: scale * L[s] @ R[e]^T with L [S, r].
@@ -149,11 +149,11 @@ def grouped_gemm_kernel(
     c_ptr, stride_cm,
     scale_ptr, bias_ptr, stride_be,
     l_ptr, stride_lm, r_ptr, stride_re, stride_rn, stride_rr, rank, lora_scale,
-    gu_ptr, stride_gum, dw_ptr, hs_ptr, stride_hsm,
+    gu_ptr, stride_gum, dw_ptr,
     pair_ptr, tile_expert_ptr, tile_start_ptr, ends_ptr,
     N, K, num_experts, row_mult, up_offset, limit, alpha,
     TOP_K: tl.constexpr, MODE: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, ROW_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, WANT_DW: tl.constexpr, STORE_SCALED_H: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, WANT_DW: tl.constexpr,
     CLAMP: tl.constexpr, HAS_ALPHA: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
@@ -198,9 +198,6 @@ def grouped_gemm_kernel(
         h, d_gate, d_up = _glu_backward(gate0, up0, dh, CLAMP, limit, HAS_ALPHA, alpha)
         if WANT_DW:
             tl.atomic_add(dw_ptr + pairs, tl.sum(acc * h, axis=1), mask=row_ok)
-        if STORE_SCALED_H:
-            tl.store(hs_ptr + rows[:, None].to(tl.int64) * stride_hsm + units[None, :],
-                     (h * row_scale).to(hs_ptr.dtype.element_ty), mask=mask)
         _store_pair(c_ptr, stride_cm, rows, units * row_mult, up_offset, mask, d_gate, d_up)
 
 
@@ -231,7 +228,7 @@ _even_k_kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLO
 # The dw buffer is accumulated atomically, so autotuning must undo its trial runs on it.
 _tuned_kernel = triton.autotune(
     configs=_tuned_configs(),
-    key=["N", "K", "MODE", "BLOCK_M", "HAS_LORA", "GATHER_A", "SCATTER_C", "STORE_SCALED_H"],
+    key=["N", "K", "MODE", "BLOCK_M", "HAS_LORA", "GATHER_A", "SCATTER_C"],
     restore_value=["dw_ptr"],
 )(_even_k_kernel)
 # Narrow outputs (the rank-r LoRA projections) take one fixed config sized to N.
@@ -290,8 +287,8 @@ def _dw_placeholder(device: torch.device) -> torch.Tensor:
 
 def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, gather_a=False, scatter_out=False,
                  row_scale_P=None, bias_EN=None, low_rank: LowRank | None = None, gate_up=None, dw_P=None,
-                 scaled_h=None, glu: Glu = Glu(), config: dict | None = None):
-    """Runs the kernel over every row tile of `sched`; writes `out` (and gate_up / dw_P / scaled_h by mode).
+                 glu: Glu = Glu(), config: dict | None = None):
+    """Runs the kernel over every row tile of `sched`; writes `out` (and gate_up / dw_P by mode).
     gather_a: A is [T, K], sorted row s reads A[pair(s) // k]; scatter_out: row s lands at out[pair(s)].
     row_scale_P and dw_P are in pair order ([T * k], the router's). `config` (BLOCK_N, BLOCK_K,
     num_warps, num_stages) bypasses the autotuner (benchmark sweeps)."""
@@ -310,7 +307,6 @@ def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, gath
         lr.left_Sr, lr.left_Sr.stride(0), lr.right.data, *lr.right.strides(), lr.left_Sr.shape[1], lr.scale,
         gate_up if gate_up is not None else dummy, gate_up.stride(0) if gate_up is not None else 0,
         dw_P if dw_P is not None else _dw_placeholder(a_SK.device),
-        scaled_h if scaled_h is not None else dummy, scaled_h.stride(0) if scaled_h is not None else 0,
         sched.pair_S, sched.tile_expert, sched.tile_start, sched.ends_E,
         N, K, sched.num_experts, row_mult, up_offset,
         glu.clamp if glu.clamp is not None else 0.0, glu.alpha if glu.alpha is not None else 1.0,
@@ -318,7 +314,6 @@ def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, gath
     flags = dict(
         TOP_K=sched.top_k, MODE=mode, GATHER_A=gather_a, SCATTER_C=scatter_out, ROW_SCALE=row_scale_P is not None,
         HAS_BIAS=bias_EN is not None, HAS_LORA=low_rank is not None, WANT_DW=dw_P is not None,
-        STORE_SCALED_H=scaled_h is not None,
         CLAMP=glu.clamp is not None, HAS_ALPHA=glu.alpha is not None, PRECISION=_dot_precision(a_SK.dtype),
         BLOCK_M=sched.block_m, BLOCK_R=_small_block(lr.left_Sr.shape[1]),
     )
