@@ -135,6 +135,29 @@ def time_forward_backward(fn, x: dict, warmup=3, reps=10) -> tuple[float, float]
     return ms, torch.cuda.max_memory_allocated() / 2**30
 
 
+def host_issue_ms(fn, x: dict, backward: bool, reps: int = 10) -> float:
+    """Host milliseconds to issue one forward (or forward+backward) without waiting for the GPU: where it
+    exceeds the step's GPU time, wall time follows the host (launch-bound), not the kernels."""
+    leaves = [x[n].detach().requires_grad_(backward) for n in ("q", "k", "v", "g", "beta")]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        with torch.set_grad_enabled(backward):
+            o = fn(*leaves)
+            if backward:
+                o.backward(x["do"])
+
+    step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        step()
+    issued = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return issued / reps * 1000
+
+
 def outputs_and_grads(fn, x: dict, dtype=None) -> list[torch.Tensor]:
     """[o, dq, dk, dv, dg, dbeta] of fn, optionally with the inputs cast to dtype first."""
     leaves = [(x[n] if dtype is None else x[n].to(dtype)).detach().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
@@ -181,6 +204,10 @@ def run_kind(kind: str, x: dict, report: dict, variants: list[str], save, deadli
         ("baseline_fwdbwd", lambda: time_forward_backward(transformers_torch(kind), x, 1, 3 if kind == "kda" else 10)),
         ("fla_fwd_ms", lambda: time_forward(fla_forward(kind), x)),
         ("fla_fwd_kernels_ms", lambda: kernel_profile(fla_forward(kind), x)),
+        ("ours_fwd_kernels_ms", lambda: kernel_profile(ours(kind), x)),
+        ("host_issue_ms", lambda: {"ours_fwd": host_issue_ms(ours(kind), x, False),
+                                   "ours_fwdbwd": host_issue_ms(ours(kind), x, True),
+                                   "fla_fwd": host_issue_ms(fla_forward(kind), x, False)}),
     ]
     steps += [(f"variant_{name}", lambda name=name: run_variant(kind, x, name, ref.get(), deadline))
               for name in variants]

@@ -598,6 +598,7 @@ def main():
               "command": "PYTHONUNBUFFERED=1 python bench/bench_moe.py --out $OUT" + (" --sweep" if args.sweep else ""),
               "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
                            "triton": __import__("triton").__version__}}
+    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "moe.json")
     stages = (timings, variant_timings, correctness, frozen_timings, lora_variant_timings, profile, hf_graph)
     for stage in ((sweep,) if args.sweep else ()) + stages:
