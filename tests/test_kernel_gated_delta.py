@@ -167,3 +167,23 @@ def test_keep_forward_without_grad_gdn():
     # fp32 inputs: the default keeps fp32 intermediates, so the fp32 bar
     assert_close(o, o_ref, "gated_delta_rule", torch.float32, name="o")
     assert_close(state, state_ref, "gated_delta_rule", torch.float32, name="final_state")
+
+
+@pytest.mark.parametrize("used", ["o", "final_state"])
+def test_one_output_unused_gdn(used):
+    """A loss of o alone (the final state's gradient arrives as None: no dht read) or of the final state alone
+    (o's gradient None, taken as zeros): the gradients still match the reference's."""
+    x = make_inputs("gdn")
+    grads = []
+    for fn, dtype in ((ref_gdn, torch.float64), (kernels.gated_delta_rule, torch.float32)):
+        leaves = {n: t.to(dtype).detach().requires_grad_() for n, t in x.items()}
+        o, s = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], initial_state_BHKV=leaves["h0"])
+        out = o if used == "o" else s
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(dtype)).sum().backward()
+        grads.append([leaves[n].grad for n in ("q", "k", "v", "g", "beta", "h0")])
+    for name, e, a in zip(NAMES[2:], *grads):
+        if e is None:
+            # no path from the input to the loss (q to the final state): the kernel's gradient is exactly zero
+            assert a is None or torch.equal(a, torch.zeros_like(a)), name
+        else:
+            assert_close(a, e, "gated_delta_rule", torch.float32, kind="grad", name=name)

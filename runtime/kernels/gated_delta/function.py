@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from runtime.kernels.gated_delta import backward, diagonal, forward
+from runtime.kernels.launch import fast
 
 CHUNK_SIZE = 64
 SUB_CHUNK = 16
@@ -182,7 +183,7 @@ def _diagonals(q, k, g, beta, layout, scale, per_channel, l2norm, inverse=True, 
     if per_channel and variant.token_parallel_diag and not inverse:
         ldiag, pdiag = (empty(num_tokens, num_heads, cfg["S"], **f32) for _ in range(2))
         heads = _token_diag_heads(num_heads, variant)
-        diagonal.diag_token_kernel[(layout.num_chunks * cfg["C"], num_heads // heads)](
+        fast(diagonal.diag_token_kernel)[(layout.num_chunks * cfg["C"], num_heads // heads)](
             q, k, g, beta, layout.chunk_start, layout.chunk_end, ldiag, pdiag, scale,
             H=num_heads, K=key_dim, C=cfg["C"], S=cfg["S"], BH=heads, L2NORM=l2norm, num_warps=heads)
         return ldiag, None, pdiag
@@ -190,7 +191,7 @@ def _diagonals(q, k, g, beta, layout, scale, per_channel, l2norm, inverse=True, 
     # the scalar decay's L and P diagonals come whole from prep's Gram products: no buffers for them
     ldiag = empty(num_tokens, num_heads, cfg["S"], **f32) if per_channel else tdiag
     pdiag = empty(num_tokens, num_heads, cfg["S"], **f32) if per_channel else tdiag
-    diagonal.diag_kernel[(layout.num_chunks * (cfg["C"] // cfg["S"]), num_heads)](
+    fast(diagonal.diag_kernel)[(layout.num_chunks * (cfg["C"] // cfg["S"]), num_heads)](
         q, k, g, beta, layout.chunk_start, layout.chunk_end, ldiag, tdiag, pdiag, scale,
         H=num_heads, K=key_dim, PER_CHANNEL=per_channel, L2NORM=l2norm, INVERSE=inverse, num_warps=4, **cfg)
     return ldiag, tdiag, pdiag
@@ -215,7 +216,7 @@ def _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_tinv, vari
     if variant.split_diagonal and (per_channel or not doubling):
         diags = _diagonals(q, k, g, beta, layout, scale, per_channel, l2norm, inverse=not doubling, variant=variant)
         diags = tuple(q if d is None else d for d in diags)
-    forward.prep_kernel[(layout.num_chunks, num_heads)](
+    fast(forward.prep_kernel)[(layout.num_chunks, num_heads)](
         q, k, v, g, beta, layout.chunk_start, layout.chunk_end,
         out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], *diags, scale,
         H=num_heads, K=key_dim, V=v.shape[-1], PER_CHANNEL=per_channel, L2NORM=l2norm,
@@ -237,7 +238,7 @@ def _prep_blocked(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_ti
     gram = DOT_PRECISION
     if q.dtype == torch.bfloat16:
         gram = "bf16_rounded" if os.environ.get("TRITON_INTERPRET") == "1" else "bf16"
-    forward.prep_blocked_kernel[(layout.num_chunks, num_heads)](
+    fast(forward.prep_blocked_kernel)[(layout.num_chunks, num_heads)](
         q, k, v, g, beta, layout.chunk_start, layout.chunk_end,
         out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], *diags, scale,
         H=num_heads, K=key_dim, V=value_dim, BD=min(64, key_dim, value_dim), PER_CHANNEL=per_channel,
@@ -257,7 +258,7 @@ def _scan(prep, h0, layout, per_channel, store_final, variant=DEFAULT_VARIANT):
     if store_final:
         final = empty(layout.num_seqs, num_heads, key_dim, value_dim, dtype=torch.float32, device=device)
     block = _scan_block(variant, value_dim)
-    forward.scan_kernel[(layout.num_seqs, num_heads, value_dim // block)](
+    fast(forward.scan_kernel)[(layout.num_seqs, num_heads, value_dim // block)](
         prep["w"], prep["u"], prep["kbar"], prep["glast"], h0 if h0 is not None else final,
         layout.cu_seqlens, layout.chunk_offsets, h, v_new, final,
         H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE, BV=block, PER_CHANNEL=per_channel,
@@ -271,7 +272,7 @@ def _output(prep, h, v_new, layout, out_dtype, variant=DEFAULT_VARIANT):
     value_dim = v_new.shape[-1]
     o = empty(num_tokens, num_heads, value_dim, dtype=out_dtype, device=v_new.device)
     block = min(variant.output_value_block or value_dim, value_dim)
-    forward.output_kernel[(layout.num_chunks, num_heads, value_dim // block)](
+    fast(forward.output_kernel)[(layout.num_chunks, num_heads, value_dim // block)](
         prep["qg"], prep["p"], h, v_new, layout.chunk_start, layout.chunk_end, o,
         H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE, BV=block, PREC=_forward_dots(variant), num_warps=4)
     return o
@@ -286,7 +287,7 @@ def _scan_bwd(prep, do, dht, layout, per_channel, want_dh0, variant=DEFAULT_VARI
     dv_new = empty(num_tokens, num_heads, value_dim, dtype=_tile_dtype(variant), device=device)
     dh0 = empty(layout.num_seqs, num_heads, key_dim, value_dim, dtype=torch.float32, device=device) if want_dh0 else dh
     block = _scan_block(variant, value_dim)
-    backward.scan_bwd_kernel[(layout.num_seqs, num_heads, value_dim // block)](
+    fast(backward.scan_bwd_kernel)[(layout.num_seqs, num_heads, value_dim // block)](
         do, prep["p"], prep["kbar"], prep["qg"], prep["w"], prep["glast"], dht if dht is not None else dh0,
         layout.cu_seqlens, layout.chunk_offsets, dh, dv_new, dh0,
         H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE, BV=block, PER_CHANNEL=per_channel,
@@ -313,30 +314,30 @@ def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale
     s = _grad_scratch(q, layout, per_channel, num_key_blocks, cfg["S"], variant)
     dims = dict(H=num_heads, K=key_dim, C=cfg["C"], L2NORM=l2norm)
     bounds = (layout.chunk_start, layout.chunk_end)
-    backward.state_grad_kernel[(layout.num_chunks * num_key_blocks, num_heads)](
+    fast(backward.state_grad_kernel)[(layout.num_chunks * num_key_blocks, num_heads)](
         q, k, g, h, dh, v_new, dv_new, do, *bounds, s["dq"], s["dk"], s["dw"], s["dgc"], s["dgl"], s["dpdiag"],
         scale, V=value_dim, S=cfg["S"], PER_CHANNEL=per_channel, PREC=cfg["PREC"], DOTS=_forward_dots(variant),
         **state_blocks, **dims, num_warps=backward.STATE_GRAD_WARPS, num_stages=backward.STATE_GRAD_STAGES,
         maxnreg=backward.STATE_GRAD_MAXNREG)
-    backward.wy_grad_kernel[(layout.num_chunks, num_heads)](
+    fast(backward.wy_grad_kernel)[(layout.num_chunks, num_heads)](
         k, v, g, beta, prep["tinv"], dv_new, s["dw"], *bounds, dv, s["dk"], s["dgc"],
         s["db"] if per_channel else dbeta, s["dldiag"], V=value_dim, S=cfg["S"], PER_CHANNEL=per_channel,
         PREC=cfg["PREC"], GRAD_DOTS=_grad_dots(variant), SLOT=num_key_blocks, **blocks, **dims,
         num_warps=backward.WY_GRAD_WARPS, num_stages=backward.WY_GRAD_STAGES, maxnreg=backward.WY_GRAD_MAXNREG)
     if per_channel and variant.token_parallel_diag:
         heads = _token_diag_heads(num_heads, variant)
-        diagonal.diag_grad_token_kernel[(layout.num_chunks * cfg["C"], num_heads // heads)](
+        fast(diagonal.diag_grad_token_kernel)[(layout.num_chunks * cfg["C"], num_heads // heads)](
             q, k, g, beta, *bounds, s["dldiag"], s["dpdiag"], s["dq"], s["dk"], s["dgc"], s["db"], dq, dk, dbeta,
             scale, S=cfg["S"], BH=heads, **dims, num_warps=heads)
         finish_block = min(32, key_dim)
-        diagonal.dg_finish_kernel[(layout.num_chunks, num_heads, key_dim // finish_block)](
+        fast(diagonal.dg_finish_kernel)[(layout.num_chunks, num_heads, key_dim // finish_block)](
             s["dgc"], s["dgl"], *bounds, dg, H=num_heads, K=key_dim, C=cfg["C"], BK=finish_block, num_warps=4)
     elif per_channel:
-        diagonal.diag_grad_kernel[(layout.num_chunks, num_heads)](
+        fast(diagonal.diag_grad_kernel)[(layout.num_chunks, num_heads)](
             q, k, g, beta, *bounds, s["dldiag"], s["dpdiag"], s["dq"], s["dk"], s["dgc"], s["db"], s["dgl"],
             dq, dk, dg, dbeta, scale, S=cfg["S"], **dims, num_warps=4)
     else:
-        backward.finish_kernel[(layout.num_chunks, num_heads)](
+        fast(backward.finish_kernel)[(layout.num_chunks, num_heads)](
             q, k, s["dq"], s["dk"], s["dgc"], s["dgl"], *bounds, dq, dk, dg, scale, NK=num_key_blocks, **dims,
             num_warps=backward.FINISH_WARPS)
     return dq, dk, dv, dg, dbeta
@@ -383,6 +384,8 @@ class ChunkDeltaRule(torch.autograd.Function):
         h, v_new, final = _scan(prep, h0, layout, per_channel, True, variant)
         o = _output(prep, h, v_new, layout, q.dtype, variant)
         ctx.save_for_backward(q, k, v, g, beta, h0)
+        # an unused output's gradient comes as None, not as zeros autograd would fill: no dfinal to read
+        ctx.set_materialize_grads(False)
         ctx.settings = (layout, scale, l2norm, per_channel, variant)
         # intermediates, not inputs or outputs: held on ctx, freed with the graph
         ctx.kept = (prep, h, v_new) if variant.keep_forward else None
@@ -392,7 +395,7 @@ class ChunkDeltaRule(torch.autograd.Function):
     def backward(ctx, do, dfinal):
         q, k, v, g, beta, h0 = ctx.saved_tensors
         layout, scale, l2norm, per_channel, variant = ctx.settings
-        do = do.contiguous()
+        do = torch.zeros_like(v) if do is None else do.contiguous()
         if ctx.kept is None:
             prep = _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, True, variant)
             h, v_new, _ = _scan(prep, h0, layout, per_channel, False, variant)

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.launch import fast
 from runtime.kernels.moe import buffers
 
 
@@ -30,5 +31,5 @@ def sum_k(rows_SD: torch.Tensor, k: int) -> torch.Tensor:
     S, D = rows_SD.shape
     out_TD = buffers.empty((S // k, D), rows_SD.dtype, rows_SD.device)
     block_d = min(1024, triton.next_power_of_2(D))
-    sum_k_kernel[(S // k, triton.cdiv(D, block_d))](rows_SD, out_TD, D, k, BLOCK_D=block_d, num_warps=4)
+    fast(sum_k_kernel)[(S // k, triton.cdiv(D, block_d))](rows_SD, out_TD, D, k, BLOCK_D=block_d, num_warps=4)
     return out_TD

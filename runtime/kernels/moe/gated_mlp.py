@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.launch import fast
 from runtime.kernels.moe import buffers
 from runtime.ops import moe as torch_ops
 
@@ -108,7 +109,7 @@ def _activation(gus_TN, F: int, gated: bool) -> torch.Tensor:
     block_f = min(128, triton.next_power_of_2(F))
     grid = (triton.cdiv(T, 32), triton.cdiv(F, block_f))
     # 8 warps: 74 registers a thread for sm_90a (162 with 4), no spills (bench/kernel_resources.py)
-    swiglu_forward_kernel[grid](gus_TN, h_TF, T, F, gus_TN.stride(0), HAS_GATE=gated, BLOCK_T=32, BLOCK_F=block_f,
+    fast(swiglu_forward_kernel)[grid](gus_TN, h_TF, T, F, gus_TN.stride(0), HAS_GATE=gated, BLOCK_T=32, BLOCK_F=block_f,
                                 num_warps=8)
     return h_TF
 
@@ -119,7 +120,7 @@ def _activation_backward(gus_TN, dh_TF, F: int, gated: bool) -> torch.Tensor:
     block_f = min(128, triton.next_power_of_2(F))
     # one program per 16 rows walks all F units (d(s) sums over them); 8 warps: 109 registers a thread
     # for sm_90a (250 with 4, which would leave two programs an SM), no spills
-    swiglu_backward_kernel[(triton.cdiv(T, 16),)](
+    fast(swiglu_backward_kernel)[(triton.cdiv(T, 16),)](
         gus_TN, dh_TF.contiguous(), dgus_TN, T, F, N, gus_TN.stride(0), HAS_GATE=gated, BLOCK_T=16, BLOCK_F=block_f,
         BLOCK_PAD=max(1, triton.next_power_of_2(N - 2 * F)), num_warps=8)
     return dgus_TN

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.launch import fast
 from runtime.kernels.moe import buffers
 from runtime.kernels.moe.schedule import Schedule
 
@@ -36,6 +37,6 @@ def gather_tokens(x_TD: torch.Tensor, sched: Schedule) -> torch.Tensor:
     out_SD = buffers.empty((S, D), x_TD.dtype, x_TD.device)
     block_d = min(1024, triton.next_power_of_2(D))
     block_s = max(1, 8192 // block_d)
-    gather_tokens_kernel[(triton.cdiv(S, block_s),)](x_TD, out_SD, sched.pair_S, S, D, TOP_K=sched.top_k,
+    fast(gather_tokens_kernel)[(triton.cdiv(S, block_s),)](x_TD, out_SD, sched.pair_S, S, D, TOP_K=sched.top_k,
                                                      BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)
     return out_SD

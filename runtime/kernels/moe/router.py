@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.launch import fast
 from runtime.kernels.moe import buffers
 from runtime.ops import moe as torch_ops
 
@@ -85,7 +86,7 @@ class _TopkSoftmax(torch.autograd.Function):
         weights_Tk = buffers.empty((T, top_k), torch.float32, logits_TE.device)
         idx_Tk = buffers.empty((T, top_k), torch.int64, logits_TE.device)
         blocks = _blocks(E, top_k)
-        topk_softmax_kernel[(triton.cdiv(T, blocks["BLOCK_T"]),)](
+        fast(topk_softmax_kernel)[(triton.cdiv(T, blocks["BLOCK_T"]),)](
             logits_TE, logits_TE.stride(0), weights_Tk, idx_Tk, T, E, scale, **blocks, num_warps=4)
         ctx.save_for_backward(weights_Tk, idx_Tk)
         ctx.mark_non_differentiable(idx_Tk)
@@ -102,7 +103,7 @@ class _TopkSoftmax(torch.autograd.Function):
         T, E = ctx.shape
         d_logits = buffers.empty((T, E), ctx.dtype, weights_Tk.device)
         blocks = _blocks(E, idx_Tk.shape[1])
-        topk_softmax_backward_kernel[(triton.cdiv(T, blocks["BLOCK_T"]),)](
+        fast(topk_softmax_backward_kernel)[(triton.cdiv(T, blocks["BLOCK_T"]),)](
             dw_Tk.contiguous(), weights_Tk, idx_Tk, d_logits, d_logits.stride(0), T, E, 1.0 / ctx.scale,
             **blocks, num_warps=4)
         return d_logits, None, None

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.launch import fast
 from runtime.kernels.moe import buffers
 
 
@@ -87,7 +88,7 @@ def _row_tiles(expert_S: torch.Tensor, num_experts: int, block_m: int):
     tile_start = buffers.empty((num_tiles,), torch.int32, device)
     block_e = triton.next_power_of_2(num_experts)
     block_tiles = max(16, 8192 // block_e)
-    row_tiles_kernel[(triton.cdiv(num_tiles, block_tiles),)](
+    fast(row_tiles_kernel)[(triton.cdiv(num_tiles, block_tiles),)](
         expert_S, num_rows, num_rows.bit_length() + 1, ends_E, tile_expert, tile_start, num_experts, num_tiles,
         BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_TILES=block_tiles, num_warps=4)
     return ends_E, tile_expert, tile_start
