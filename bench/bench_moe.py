@@ -570,6 +570,7 @@ def _apply(best):
     gg._tuned_kernel.configs = _unique([as_config(c) for n, (_, c) in best.items() if not n.startswith("wgrad")])
     gw._tuned_kernel.configs = _unique([as_config(c) for n, (_, c) in best.items() if n.startswith("wgrad")])
     gg._tuned_kernel.cache.clear()
+    gg.CHOSEN_CONFIGS.clear()
     gw._tuned_kernel.cache.clear()
     log(f"gemm configs {[str(c) for c in gg._tuned_kernel.configs]}; wgrad configs {[str(c) for c in gw._tuned_kernel.configs]}")
 

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels.launch import fast
 from runtime.kernels.moe.schedule import Schedule
 
 MODE_PLAIN, MODE_GLU_FWD, MODE_GLU_BWD = 0, 1, 2
@@ -231,6 +232,10 @@ _tuned_kernel = triton.autotune(
     key=["N", "K", "MODE", "BLOCK_M", "HAS_LORA", "GATHER_A", "SCATTER_C"],
     restore_value=["dw_ptr"],
 )(_even_k_kernel)
+# The autotuner's choice per GEMM shape and flags, launched afterwards without the autotuner and the
+# EVEN_K heuristic in between (their per-call Python work is host time the GPU can wait on; see
+# runtime/kernels/launch.py). Cleared together with _tuned_kernel.cache where that is retuned.
+CHOSEN_CONFIGS: dict = {}
 # Narrow outputs (the rank-r LoRA projections) take one fixed config sized to N.
 SMALL_N = 64
 
@@ -317,11 +322,15 @@ def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, gath
         CLAMP=glu.clamp is not None, HAS_ALPHA=glu.alpha is not None, PRECISION=_dot_precision(a_SK.dtype),
         BLOCK_M=sched.block_m, BLOCK_R=_small_block(lr.left_Sr.shape[1]),
     )
-    grid = lambda meta: (sched.num_tiles * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    if config is None and N <= SMALL_N:
+        config = dict(BLOCK_N=_small_block(N), BLOCK_K=32, num_warps=4)
+    tuned_key = (N, K, a_SK.dtype, w.data.dtype, out.dtype, *flags.values())
+    if config is None and tuned_key in CHOSEN_CONFIGS:
+        config = CHOSEN_CONFIGS[tuned_key].all_kwargs()
     if config is not None:
-        _even_k_kernel[grid](*args, **flags, **config)
-    elif N <= SMALL_N:
-        _even_k_kernel[grid](*args, **flags, BLOCK_N=_small_block(N), BLOCK_K=32, num_warps=4)
+        grid = (sched.num_tiles * triton.cdiv(N, config["BLOCK_N"]),)
+        fast(grouped_gemm_kernel)[grid](*args, **flags, **config, EVEN_K=K % config["BLOCK_K"] == 0)
     else:
-        _tuned_kernel[grid](*args, **flags)
+        _tuned_kernel[lambda meta: (sched.num_tiles * triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags)
+        CHOSEN_CONFIGS[tuned_key] = _tuned_kernel.best_config
     return out
