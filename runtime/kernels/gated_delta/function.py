@@ -415,6 +415,13 @@ SCALAR_DECAY_DEFAULT = KernelVariant(bf16_grad_dots=True)
 PER_CHANNEL_DECAY_DEFAULT = KernelVariant(token_parallel_diag=True, blocked_prep=False)
 
 
+@functools.lru_cache(maxsize=64)
+def _without_backward(variant: KernelVariant) -> KernelVariant:
+    """variant with keep_forward off (cached: dataclasses.replace is host time on every no-grad layer call)."""
+    return replace(variant, keep_forward=False)
+
+
+@functools.lru_cache(maxsize=8)
 def default_variant(per_channel: bool, dtype: torch.dtype) -> KernelVariant:
     """The measured fastest settings for the decay kind. fp32 inputs keep fp32 intermediates: bf16 storage
     holds an fp32 run to bf16 precision (on the H200 an fp32 tier-0 check of GDN's dg reached 5.5e-3 rel RMS
@@ -441,6 +448,6 @@ def chunk_delta_rule(q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, scale, initial_state_B
     variant = variant or default_variant(g.dim() == 4, q_BTHK.dtype)
     if variant.keep_forward and not torch.is_grad_enabled():
         # no backward will run: skip storing Tinv for it
-        variant = replace(variant, keep_forward=False)
+        variant = _without_backward(variant)
     o, final = ChunkDeltaRule.apply(*packed, h0, layout, scale, use_qk_l2norm, variant)
     return o.unflatten(0, (batch, num_tokens)), final
