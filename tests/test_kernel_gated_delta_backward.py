@@ -64,3 +64,16 @@ def test_backward_state_key_block_apart(kind, monkeypatch):
     check(kind, make_inputs(kind, T=63, V=32, num_states=3), variant="default", cu_seqlens=torch.tensor([0, 5, 40, 63]))
 
 
+
+
+def test_backward_gram_apart_two_key_blocks(monkeypatch):
+    """KDA with KernelVariant.gram_grad_apart (on the KDA default): state_grad_kernel stores gc and wy_grad_kernel
+    reads it per key block of 8, gram_grad_kernel on the whole K; three packed sequences with initial states, then
+    B=2 strong decay without the qk l2norm."""
+    from tests.test_kernel_gated_delta import VARIANTS
+    monkeypatch.setitem(VARIANTS, "gram_apart", kernel_config.KernelVariant(
+        token_parallel_diag=True, blocked_prep=False, gram_grad_apart=True))
+    check("kda", make_inputs("kda", T=63, V=32, num_states=3), variant="gram_apart",
+          cu_seqlens=torch.tensor([0, 5, 40, 63]))
+    check("kda", make_inputs("kda", B=2, T=40, V=32, decay=15.0), variant="gram_apart", use_qk_l2norm=False,
+          scale=0.3)
