@@ -39,6 +39,36 @@ scalar gc once instead of in each of its four key steps, 244 -> 227 registers: ~
                                  per instruction, bf16 k=16), a transposed Tinv operand native in bf16; dw's
                                  scratch bf16 (67 MB less written, 134 MB less read: ~50 us over both kernels).
 
+KDA (per-channel decay) with KernelVariant.gram_grad_apart: why KDA's wy_grad took 1.94 ms against GDN's 0.49
+(and state_grad 1.65 against 0.81): the per-channel decayed Gram backward (common.decayed_gram_bwd) runs inside
+both, per key block three rounds of a row_of reduction (cross-warp), two [C, BK] exps and two [C, C] x [C, BK]
+tf32 products on fp32 operands staged through shared memory (12 such products per wy_grad program, 6 per
+state_grad program, 16 times the useful work: only the blocks below the diagonal count), with a cumsum per
+key block, and that leaves ptxas at 255 registers with 560 B (wy_grad) / 496 B (state_grad) of spills. With
+the flag, state_grad and wy_grad store dP and dL whole ([T, H, C] fp32) and gc ([T, H, K] fp32, from
+state_grad's cumsum) and do no Gram backward; `gram_grad_kernel` (per sub-chunk and head, [S, K] tiles read
+from L2) does the off-diagonal blocks of both matrices with [S, S] x [S, K] products against the earlier
+(rows) and later (columns) sub-chunks, with the same sub-chunk reference rows as before (every exponent <= 0,
+tf32 as before: the same numerics), and adds its share to the partial dq, dk, dgc, dbeta in place. wy_grad
+then runs one key loop (w's share of dk and dgc beside dTinv's products, Tinv^T dw formed once).
+ptxas (sm_90a, H32 K=V=128, bf16 tiles; registers / spills / shared memory), before -> with the flag:
+  state_grad (8 warps, key block 64)  255 / 496 B / 40 KB -> 255 / 48 B / 40 KB (key block 32: 240 / 0 / 32 KB)
+  wy_grad (8 warps) tf32              255 / 560 B / 80 KB -> 228 / 0 / 80 KB
+  wy_grad (8 warps) bf16_grad_dots    255 / 584 B / 32 KB -> 244 / 0 / 16 KB
+  gram_grad (new)                     4 warps 255 / 32 B / 9 KB (two programs per SM); 8 warps 179 / 0 / 9 KB
+Predictions at B1 T8192 H32 K=V=128 bf16 (ms; measured before: wy_grad 1.94, state_grad 1.65):
+  "kda_gram_apart"            wy_grad 0.75-0.9 (GDN's tf32 wy_grad measured 0.81-0.88 with its Gram backward and
+                              a second key loop; here the dk / dgc read-modify-writes instead), state_grad 0.9-1.0
+                              (GDN's 0.81 plus the gc and dP stores, 200 MB: ~50 us), gram_grad 0.3-0.45 (16384
+                              programs, ~1.2 GB from HBM: the dq, dk, dgc partials read and written 0.8 GB, gc,
+                              dL, dP, q, k 0.4 GB, at ~4 TB/s 0.3 ms; <= 3 dependent load-product rounds each).
+                              Gradient kernels 3.59 -> ~2.0-2.3: KDA fwd+bwd 7.57 -> ~6.0-6.3.
+  "kda_gram_apart_bf16"       wy_grad 0.45-0.6 (GDN's bf16 wy_grad 0.49; dw's scratch bf16 also halves its
+                              write in state_grad), the rest as above: fwd+bwd ~5.7-6.0.
+  "kda_gram_apart_bf16_w8"    gram_grad at 8 warps (one program per SM, no spill): 0.3-0.5, uncertain which wins.
+  "kda_gram_apart_bf16_skb32" state_grad in key blocks of 32 (240 registers, no spill; GDN went 0.88 -> 0.75 at
+                              32): state_grad ~0.8-0.9.
+
 Chunk algebra (runtime/ops/gated_delta.py): L = beta * gram(k, k), Tinv = (I + L)^-1,
 w = Tinv (beta k e^gc), u = Tinv (beta v), v_new = u - w h, o = q e^gc h + P v_new,
 h_next = e^gc_last h + kbar^T v_new, kbar = k e^(gc_last - gc).

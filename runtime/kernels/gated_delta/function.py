@@ -98,6 +98,11 @@ class KernelVariant:
     # warps of gram_grad_kernel ([S, K] tiles; ptxas at K=128: 4 warps 255 registers / 32 B of spills, two
     # programs per SM; 8 warps 179 / 0 B, one per SM; 9 KB of shared memory either way)
     gram_grad_warps: int = 4
+    # key block of state_grad_kernel (None: backward.KEY_BLOCK per channel, backward.STATE_KEY_BLOCK or KEY_BLOCK
+    # for the scalar decay). With gram_grad_apart KDA's state_grad is GDN's plus the dgc, gc and dP stores, and
+    # GDN measured 0.75 ms at 32 against 0.88 at 64; ptxas, KDA with gram_grad_apart, 8 warps: 32 240 registers
+    # / 0 B of spills, 32 KB of shared memory; 64 255 / 48 B, 40 KB (without gram_grad_apart 255 / 496 B)
+    state_grad_key_block: int | None = None
 
 
 DEFAULT_VARIANT = KernelVariant()
@@ -309,6 +314,7 @@ def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale
     dq, dk, dv, dg, dbeta = [empty(*t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v, g, beta)]
     blocks = dict(BK=min(backward.KEY_BLOCK, key_dim), BV=min(VALUE_BLOCK, value_dim))
     state_key_block = backward.KEY_BLOCK if per_channel else backward.STATE_KEY_BLOCK or backward.KEY_BLOCK
+    state_key_block = variant.state_grad_key_block or state_key_block
     state_blocks = dict(blocks, BK=min(state_key_block, key_dim))
     # state_grad_kernel's key blocks: the slots of dgc and dgl it writes
     num_key_blocks = key_dim // state_blocks["BK"]
