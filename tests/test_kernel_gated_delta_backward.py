@@ -3,6 +3,7 @@ partials of state_grad_kernel and wy_grad_kernel are summed as at the benchmark 
 of 64); the interpreter, fp32 inputs and NaN-filled buffers as in tests/test_kernel_gated_delta.py.
 """
 import os
+from dataclasses import replace
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -64,3 +65,18 @@ def test_backward_state_key_block_apart(kind, monkeypatch):
     check(kind, make_inputs(kind, T=63, V=32, num_states=3), variant="default", cu_seqlens=torch.tensor([0, 5, 40, 63]))
 
 
+
+
+def test_backward_gram_apart_two_key_blocks(monkeypatch):
+    """KDA with KernelVariant.gram_grad_apart (on the KDA default): state_grad_kernel stores gc per key block and
+    wy_grad_kernel reads it per key block of 8, gram_grad_kernel on the whole K. Three packed sequences with
+    initial states and state_grad in key blocks of 4 (state_grad_key_block), then B=2 strong decay without the
+    qk l2norm."""
+    from tests.test_kernel_gated_delta import VARIANTS
+    gram_apart = kernel_config.KernelVariant(token_parallel_diag=True, blocked_prep=False, gram_grad_apart=True)
+    monkeypatch.setitem(VARIANTS, "gram_apart", gram_apart)
+    monkeypatch.setitem(VARIANTS, "gram_apart_skb4", replace(gram_apart, state_grad_key_block=4))
+    check("kda", make_inputs("kda", T=63, V=32, num_states=3), variant="gram_apart_skb4",
+          cu_seqlens=torch.tensor([0, 5, 40, 63]))
+    check("kda", make_inputs("kda", B=2, T=40, V=32, decay=15.0), variant="gram_apart", use_qk_l2norm=False,
+          scale=0.3)

@@ -21,6 +21,10 @@ TOKEN_VARIANTS = {
     "token_diag": KernelVariant(token_parallel_diag=True),
     "token_diag_unblocked": KernelVariant(token_parallel_diag=True, blocked_prep=False),
     "token_diag_fp32_tiles": KernelVariant(token_parallel_diag=True, bf16_tiles=False, bf16_states=False),
+    # the per-channel Gram backward in backward.gram_grad_kernel, on the KDA default, with bf16 wy_grad products
+    "gram_apart": KernelVariant(token_parallel_diag=True, blocked_prep=False, gram_grad_apart=True),
+    "gram_apart_bf16": KernelVariant(token_parallel_diag=True, blocked_prep=False, gram_grad_apart=True,
+                                     bf16_grad_dots=True),
 }
 
 
@@ -41,10 +45,20 @@ def test_kda_token_diag_cu_seqlens_three_heads():
     check("kda", x, variant="token_diag", cu_seqlens=torch.tensor([0, 5, 40, 63]))
 
 
-def test_kda_token_diag_batch2_no_l2norm_strong_decay():
+# gram_apart's tf32 path runs strong decay in tests/test_kernel_gated_delta_backward.py (two key blocks)
+@pytest.mark.parametrize("variant", ["token_diag", "gram_apart_bf16"])
+def test_kda_token_diag_batch2_no_l2norm_strong_decay(variant):
     """B=2 folded into time; no qk l2norm, an explicit scale, decays up to ~-15 per token."""
-    check("kda", make_inputs("kda", B=2, T=40, V=32, decay=15.0), variant="token_diag", use_qk_l2norm=False,
-          scale=0.3)
+    check("kda", make_inputs("kda", B=2, T=40, V=32, decay=15.0), variant=variant, use_qk_l2norm=False, scale=0.3)
+
+
+@pytest.mark.parametrize("variant", ["gram_apart", pytest.param("gram_apart_bf16", marks=pytest.mark.slow)])
+def test_kda_gram_apart_four_sub_chunks(variant, monkeypatch):
+    """gram_grad_kernel's loops over several earlier and later sub-chunks: chunk 32 in sub-chunks of 8 (the
+    interpreter's products take any size), three packed sequences, the last chunk of one ending mid-sub-chunk."""
+    monkeypatch.setattr(kernel_config, "SUB_CHUNK", 8)
+    x = make_inputs("kda", T=50, V=32, num_states=3)
+    check("kda", x, variant=variant, cu_seqlens=torch.tensor([0, 3, 45, 50]))
 
 
 @pytest.mark.slow

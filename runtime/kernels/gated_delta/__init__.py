@@ -23,6 +23,16 @@ VARIANTS: dict[str, KernelVariant] = {
     "token_diag": KernelVariant(token_parallel_diag=True),
     "token_diag_unblocked": KernelVariant(token_parallel_diag=True, blocked_prep=False),
     "token_diag_h8": KernelVariant(token_parallel_diag=True, token_diag_heads=8),
+    # KDA only: the per-channel Gram backward of dL and dP in backward.gram_grad_kernel (gram_grad_apart), on the
+    # KDA default ("kda_gram_apart"), with wy_grad's products on bf16 operands too ("kda_gram_apart_bf16"), that
+    # with gram_grad_kernel at 8 warps ("..._w8") or state_grad_kernel in key blocks of 32 ("..._skb32")
+    "kda_gram_apart": KernelVariant(token_parallel_diag=True, blocked_prep=False, gram_grad_apart=True),
+    "kda_gram_apart_bf16": KernelVariant(token_parallel_diag=True, blocked_prep=False, gram_grad_apart=True,
+                                         bf16_grad_dots=True),
+    "kda_gram_apart_bf16_w8": KernelVariant(token_parallel_diag=True, blocked_prep=False, gram_grad_apart=True,
+                                            bf16_grad_dots=True, gram_grad_warps=8),
+    "kda_gram_apart_bf16_skb32": KernelVariant(token_parallel_diag=True, blocked_prep=False, gram_grad_apart=True,
+                                               bf16_grad_dots=True, state_grad_key_block=32),
     "fp32_tiles": FP32_TILES,
     "recompute": KernelVariant(keep_forward=False),
     "in_chunk_diagonal": KernelVariant(split_diagonal=False),

@@ -39,6 +39,36 @@ scalar gc once instead of in each of its four key steps, 244 -> 227 registers: ~
                                  per instruction, bf16 k=16), a transposed Tinv operand native in bf16; dw's
                                  scratch bf16 (67 MB less written, 134 MB less read: ~50 us over both kernels).
 
+KDA (per-channel decay) with KernelVariant.gram_grad_apart: why KDA's wy_grad took 1.94 ms against GDN's 0.49
+(and state_grad 1.65 against 0.81): the per-channel decayed Gram backward (common.decayed_gram_bwd) runs inside
+both, per key block three rounds of a row_of reduction (cross-warp), two [C, BK] exps and two [C, C] x [C, BK]
+tf32 products on fp32 operands staged through shared memory (12 such products per wy_grad program, 6 per
+state_grad program, 16 times the useful work: only the blocks below the diagonal count), with a cumsum per
+key block, and that leaves ptxas at 255 registers with 560 B (wy_grad) / 496 B (state_grad) of spills. With
+the flag, state_grad and wy_grad store dP and dL whole ([T, H, C] fp32) and gc ([T, H, K] fp32, from
+state_grad's cumsum) and do no Gram backward; `gram_grad_kernel` (per sub-chunk and head, [S, K] tiles read
+from L2) does the off-diagonal blocks of both matrices with [S, S] x [S, K] products against the earlier
+(rows) and later (columns) sub-chunks, with the same sub-chunk reference rows as before (every exponent <= 0,
+tf32 as before: the same numerics), and adds its share to the partial dq, dk, dgc, dbeta in place. wy_grad
+then runs one key loop (w's share of dk and dgc beside dTinv's products, Tinv^T dw formed once).
+ptxas (sm_90a, H32 K=V=128, bf16 tiles; registers / spills / shared memory), before -> with the flag:
+  state_grad (8 warps, key block 64)  255 / 496 B / 40 KB -> 255 / 48 B / 40 KB (key block 32: 240 / 0 / 32 KB)
+  wy_grad (8 warps) tf32              255 / 560 B / 80 KB -> 228 / 0 / 80 KB
+  wy_grad (8 warps) bf16_grad_dots    255 / 584 B / 32 KB -> 244 / 0 / 16 KB
+  gram_grad (new)                     4 warps 255 / 32 B / 9 KB (two programs per SM); 8 warps 179 / 0 / 9 KB
+Predictions at B1 T8192 H32 K=V=128 bf16 (ms; measured before: wy_grad 1.94, state_grad 1.65):
+  "kda_gram_apart"            wy_grad 0.75-0.9 (GDN's tf32 wy_grad measured 0.81-0.88 with its Gram backward and
+                              a second key loop; here the dk / dgc read-modify-writes instead), state_grad 0.9-1.0
+                              (GDN's 0.81 plus the gc and dP stores, 200 MB: ~50 us), gram_grad 0.3-0.45 (16384
+                              programs, ~1.2 GB from HBM: the dq, dk, dgc partials read and written 0.8 GB, gc,
+                              dL, dP, q, k 0.4 GB, at ~4 TB/s 0.3 ms; <= 3 dependent load-product rounds each).
+                              Gradient kernels 3.59 -> ~2.0-2.3: KDA fwd+bwd 7.57 -> ~6.0-6.3.
+  "kda_gram_apart_bf16"       wy_grad 0.45-0.6 (GDN's bf16 wy_grad 0.49; dw's scratch bf16 also halves its
+                              write in state_grad), the rest as above: fwd+bwd ~5.7-6.0.
+  "kda_gram_apart_bf16_w8"    gram_grad at 8 warps (one program per SM, no spill): 0.3-0.5, uncertain which wins.
+  "kda_gram_apart_bf16_skb32" state_grad in key blocks of 32 (240 registers, no spill; GDN went 0.88 -> 0.75 at
+                              32): state_grad ~0.8-0.9.
+
 Chunk algebra (runtime/ops/gated_delta.py): L = beta * gram(k, k), Tinv = (I + L)^-1,
 w = Tinv (beta k e^gc), u = Tinv (beta v), v_new = u - w h, o = q e^gc h + P v_new,
 h_next = e^gc_last h + kbar^T v_new, kbar = k e^(gc_last - gc).
@@ -165,6 +195,13 @@ def store_cols(ptr, x, start, valid_R, head, col0, H: tl.constexpr, D: tl.conste
 
 
 @triton.jit
+def add_cols(ptr, x, start, valid_R, head, col0, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr):
+    """Adds x_R,BD to the fp32 rows of a packed [T, H, D] tensor (load_cols' block), in place."""
+    store_cols(ptr, x + load_cols(ptr, start, valid_R, head, col0, H, D, R, BD), start, valid_R, head, col0, H, D,
+               R, BD)
+
+
+@triton.jit
 def inv_norms(x_ptr, start, valid_C, head, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
               USE: tl.constexpr):
     """1 / sqrt(sum x^2 + eps) of each row over all K, read in K blocks (ones when USE is off), as l2norm_rows."""
@@ -201,14 +238,16 @@ def state_block_offsets(chunk, head, row0, col0, H: tl.constexpr, K: tl.constexp
 
 @triton.jit
 def state_grad_kernel(q_ptr, k_ptr, g_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, do_ptr, chunk_start_ptr, chunk_end_ptr,
-                      dq_ptr, dk_ptr, dw_ptr, dgc_ptr, dgl_ptr, dpdiag_ptr, scale,
+                      dq_ptr, dk_ptr, dw_ptr, dgc_ptr, dgl_ptr, dpdiag_ptr, dpfull_ptr, gcs_ptr, scale,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
-                      PREC: tl.constexpr, DOTS: tl.constexpr):
+                      PREC: tl.constexpr, DOTS: tl.constexpr, GRAM_APART: tl.constexpr):
     """Per (chunk and K block, head): the state-side and P-path gradients (fp32, see the module docstring).
     Stores dq (complete before l2norm), dk's and dgc's shares, dw and dgc_last; per channel also the
     diagonal blocks of dP (the K block 0 program). GDN stores dgc summed over the block's channels in
-    slot kb of dgc [T, H, NK + 1] and dgc_last in slot kb of dgl [NC, H, NK]."""
+    slot kb of dgc [T, H, NK + 1] and dgc_last in slot kb of dgl [NC, H, NK].
+    GRAM_APART (per channel): P's decayed Gram backward is left to gram_grad_kernel, which gets the whole
+    masked dP as rows [T, H, C] (dpfull) and the in-chunk cumulative decay gc [T, H, K] (gcs), both fp32."""
     NK: tl.constexpr = K // BK
     # the K blocks of one chunk run side by side: the later ones read do, v_new and dv_new from L2
     chunk, kb, head = tl.program_id(0) // NK, tl.program_id(0) % NK, tl.program_id(1)
@@ -243,15 +282,22 @@ def state_grad_kernel(q_ptr, k_ptr, g_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, d
     if PER_CHANNEL:
         if kb == 0:
             store_diag(dpdiag_ptr, dp, tok, valid, head, H, C, S)
+            if GRAM_APART:
+                store_cols(dpfull_ptr, dp, start, valid, head, 0, H, C, C, C)
+        if GRAM_APART:
+            store_cols(gcs_ptr, gc, start, valid, head, col0, H, K, C, BK)
     # o = qg h + P v_new with qg = q e^gc; h_next = e^gc_last h + kbar^T v_new with kbar = k e^(gc_last - gc)
-    da, dc = decayed_gram_bwd(dp, q, k, gc, PER_CHANNEL, C, S, PREC)
-    dq = da + dqg * tl.exp(gc)
+    dq = dqg * tl.exp(gc)
     gl = row_of(gc, C - 1, C)
-    dk_state = dkbar * tl.exp(gl[None, :] - gc)
-    dgc = q * dq - k * (dc + dk_state)
-    dgl = tl.sum(k * dk_state, 0) + tl.exp(gl) * dlam
+    dk = dkbar * tl.exp(gl[None, :] - gc)
+    dgl = tl.sum(k * dk, 0) + tl.exp(gl) * dlam
+    if not (PER_CHANNEL and GRAM_APART):
+        da, dc = decayed_gram_bwd(dp, q, k, gc, PER_CHANNEL, C, S, PREC)
+        dq += da
+        dk += dc
+    dgc = q * dq - k * dk
     store_cols(dq_ptr, dq, start, valid, head, col0, H, K, C, BK)
-    store_cols(dk_ptr, dc + dk_state, start, valid, head, col0, H, K, C, BK)
+    store_cols(dk_ptr, dk, start, valid, head, col0, H, K, C, BK)
     if PER_CHANNEL:
         store_cols(dgc_ptr, dgc, start, valid, head, col0, H, K, C, BK)
         tl.store(dgl_ptr + (chunk.to(tl.int64) * H + head) * K + col0 + tl.arange(0, BK), dgl)
@@ -262,16 +308,19 @@ def state_grad_kernel(q_ptr, k_ptr, g_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, d
 
 @triton.jit
 def wy_grad_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, dvnew_ptr, dw_ptr, chunk_start_ptr, chunk_end_ptr,
-                   dv_ptr, dk_ptr, dgc_ptr, db_ptr, dldiag_ptr,
+                   dv_ptr, dk_ptr, dgc_ptr, db_ptr, dldiag_ptr, dlfull_ptr, gcs_ptr,
                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
-                   PREC: tl.constexpr, GRAD_DOTS: tl.constexpr, SLOT: tl.constexpr):
+                   PREC: tl.constexpr, GRAD_DOTS: tl.constexpr, SLOT: tl.constexpr, GRAM_APART: tl.constexpr):
     """Per (chunk, head): gradients through u = Tinv (beta v), w = Tinv (beta k e^gc) and Tinv = (I + L)^-1.
     The products take common.mm's GRAD_DOTS (PREC: fp32 operands; "bf16": Tinv, dw, dTinv rounded, and for
     the scalar decay dL's products on the raw k).
     Stores dv and dbeta (per channel: dbeta's share before the diagonal blocks, in fp32, and the diagonal
     blocks of dL); adds its share to dk and dgc (per channel [T, H, K], else slot SLOT of [T, H, SLOT + 1],
-    SLOT the number of state_grad_kernel's key blocks)."""
+    SLOT the number of state_grad_kernel's key blocks).
+    GRAM_APART (per channel): gc comes from state_grad_kernel's gcs [T, H, K] instead of a cumsum, w's
+    share of dk and dgc is added in the same key loop as dTinv's, and dL's decayed Gram backward is left
+    to gram_grad_kernel (dL stored whole, masked, as rows [T, H, C] in dlfull): one key loop instead of two."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     NK: tl.constexpr = K // BK
     tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
@@ -295,49 +344,149 @@ def wy_grad_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, dvnew_ptr, dw_ptr, c
         db += tl.sum(dbv * v, 1)
     for kb in range(NK):
         k = load_cols(k_ptr, start, valid, head, kb * BK, H, K, C, BK) * k_inv[:, None]
-        if PER_CHANNEL:
+        if GRAM_APART:
+            gc = load_cols(gcs_ptr, start, valid, head, kb * BK, H, K, C, BK)
+        elif PER_CHANNEL:
             gc = gc_block(g_ptr, tok, valid, start, head, kb * BK, H, K, C, BK, PER_CHANNEL)
         else:
             gc = gc_rows
-        kt = k * tl.exp(gc)
+        eg = tl.exp(gc)
+        kt = k * eg
         dw = load_cols(dw_ptr, start, valid, head, kb * BK, H, K, C, BK)
         dtinv += mm(dw, tl.trans(beta[:, None] * kt), GRAD_DOTS)
-        db += tl.sum(mm(tl.trans(tinv), dw, GRAD_DOTS) * kt, 1)
+        tdw = mm(tl.trans(tinv), dw, GRAD_DOTS)
+        db += tl.sum(tdw * kt, 1)
+        if GRAM_APART:
+            # w = Tinv (beta k e^gc): dk += beta e^gc Tinv^T dw, dgc += k e^gc beta Tinv^T dw
+            dkt = beta[:, None] * tdw
+            add_cols(dk_ptr, dkt * eg, start, valid, head, kb * BK, H, K, C, BK)
+            add_cols(dgc_ptr, kt * dkt, start, valid, head, kb * BK, H, K, C, BK)
     rows = tl.arange(0, C)
     # dL = -Tinv^T dTinv Tinv^T on L's strictly lower pattern
     dl = -mm(mm(tl.trans(tinv), dtinv, GRAD_DOTS), tl.trans(tinv), GRAD_DOTS)
     dl = tl.where(rows[:, None] > rows[None, :], dl, 0.0)
     dgc_rows = tl.zeros([C], tl.float32)
-    for kb in range(NK):
-        k = load_cols(k_ptr, start, valid, head, kb * BK, H, K, C, BK) * k_inv[:, None]
-        if PER_CHANNEL:
-            gc = gc_block(g_ptr, tok, valid, start, head, kb * BK, H, K, C, BK, PER_CHANNEL)
-        else:
-            gc = gc_rows
-        eg = tl.exp(gc)
-        # w's share, Tinv^T dw recomputed rather than kept over the dL products
-        dkt = beta[:, None] * mm(tl.trans(tinv), load_cols(dw_ptr, start, valid, head, kb * BK, H, K, C, BK),
-                                 GRAD_DOTS)
-        if PER_CHANNEL or GRAD_DOTS == PREC:
-            da, dc = decayed_gram_bwd(dl, beta[:, None] * k, k, gc, PER_CHANNEL, C, S, PREC)
-        else:
-            k_raw = tl.load(rows_at(k_ptr, start, head, H, K, kb * BK, C, BK), mask=valid[:, None], other=0.0)
-            da, dc = scalar_gram_bwd(dl, k_raw, k_raw, beta * k_inv, k_inv, tl.sum(gc, 1), GRAD_DOTS)
-        db += tl.sum(da * k, 1)
-        dk = beta[:, None] * da + dc + dkt * eg
-        dgc = k * (beta[:, None] * da - dc + eg * dkt)
-        dk += load_cols(dk_ptr, start, valid, head, kb * BK, H, K, C, BK)
-        store_cols(dk_ptr, dk, start, valid, head, kb * BK, H, K, C, BK)
-        if PER_CHANNEL:
-            dgc += load_cols(dgc_ptr, start, valid, head, kb * BK, H, K, C, BK)
-            store_cols(dgc_ptr, dgc, start, valid, head, kb * BK, H, K, C, BK)
-        else:
-            dgc_rows += tl.sum(dgc, 1)
+    if GRAM_APART:
+        store_cols(dlfull_ptr, dl, start, valid, head, 0, H, C, C, C)
+    else:
+        for kb in range(NK):
+            k = load_cols(k_ptr, start, valid, head, kb * BK, H, K, C, BK) * k_inv[:, None]
+            if PER_CHANNEL:
+                gc = gc_block(g_ptr, tok, valid, start, head, kb * BK, H, K, C, BK, PER_CHANNEL)
+            else:
+                gc = gc_rows
+            eg = tl.exp(gc)
+            # w's share, Tinv^T dw recomputed rather than kept over the dL products
+            dkt = beta[:, None] * mm(tl.trans(tinv), load_cols(dw_ptr, start, valid, head, kb * BK, H, K, C, BK),
+                                     GRAD_DOTS)
+            if PER_CHANNEL or GRAD_DOTS == PREC:
+                da, dc = decayed_gram_bwd(dl, beta[:, None] * k, k, gc, PER_CHANNEL, C, S, PREC)
+            else:
+                k_raw = tl.load(rows_at(k_ptr, start, head, H, K, kb * BK, C, BK), mask=valid[:, None], other=0.0)
+                da, dc = scalar_gram_bwd(dl, k_raw, k_raw, beta * k_inv, k_inv, tl.sum(gc, 1), GRAD_DOTS)
+            db += tl.sum(da * k, 1)
+            dk = beta[:, None] * da + dc + dkt * eg
+            dgc = k * (beta[:, None] * da - dc + eg * dkt)
+            dk += load_cols(dk_ptr, start, valid, head, kb * BK, H, K, C, BK)
+            store_cols(dk_ptr, dk, start, valid, head, kb * BK, H, K, C, BK)
+            if PER_CHANNEL:
+                dgc += load_cols(dgc_ptr, start, valid, head, kb * BK, H, K, C, BK)
+                store_cols(dgc_ptr, dgc, start, valid, head, kb * BK, H, K, C, BK)
+            else:
+                dgc_rows += tl.sum(dgc, 1)
     if PER_CHANNEL:
         store_diag(dldiag_ptr, dl, tok, valid, head, H, C, S)
     else:
         tl.store(dgc_ptr + (tok.to(tl.int64) * H + head) * (SLOT + 1) + SLOT, dgc_rows, mask=valid)
     tl.store(db_ptr + tok.to(tl.int64) * H + head, db.to(db_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def sub_chunk_keys(ptr, start, valid_S, head, H: tl.constexpr, K: tl.constexpr, S: tl.constexpr,
+                   L2NORM: tl.constexpr):
+    """x_SK in fp32, l2-normalized over K (with L2NORM): the S rows of a sub-chunk of a packed [T, H, K] tensor."""
+    return l2norm_rows(load_cols(ptr, start, valid_S, head, 0, H, K, S, K), 1e-6, L2NORM)
+
+
+@triton.jit
+def gram_grad_kernel(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, chunk_start_ptr, chunk_end_ptr,
+                     part_dq_ptr, part_dk_ptr, part_dgc_ptr, part_db_ptr, scale,
+                     H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, S: tl.constexpr, L2NORM: tl.constexpr,
+                     PREC: tl.constexpr):
+    """Per (sub-chunk b of a chunk, head), per-channel decay with KernelVariant.gram_grad_apart: the share of the
+    off-diagonal S x S blocks of L = beta gram(k, k) and P = gram(q, k) in the gradients of sub-chunk b's rows,
+    added in place to the partial dq, dk, dgc [T, H, K] and dbeta [T, H] (each program owns its rows; the
+    diagonal blocks stay with diagonal.py). dL and dP come whole as rows [T, H, C] (masked to their
+    patterns), gc as [T, H, K]: all fp32.
+    As a row (a = beta k or q): da_i = e^(gc_i - r) sum_{j < bS} dM_ij k_j e^(r - gc_j), r the gc of row bS;
+    as a column: dc_j = sum over later sub-chunks c (reference r_c, the gc of row cS) of
+    e^(r_c - gc_j) sum_i dM_ij a_i e^(gc_i - r_c). Every exponent is <= 0, so no factor overflows for any
+    decay; [S, S] x [S, K] tf32 products (PREC) over whole-K tiles loaded from L2."""
+    NS: tl.constexpr = C // S
+    chunk, b, head = tl.program_id(0) // NS, tl.program_id(0) % NS, tl.program_id(1)
+    chunk_start, chunk_end = tl.load(chunk_start_ptr + chunk), tl.load(chunk_end_ptr + chunk)
+    start = chunk_start + b * S
+    if start < chunk_end:
+        valid = start + tl.arange(0, S) < chunk_end
+        k, _ = sub_chunk_keys(k_ptr, start, valid, head, H, K, S, L2NORM)
+        q, _ = sub_chunk_keys(q_ptr, start, valid, head, H, K, S, L2NORM)
+        q = q * scale
+        beta = tl.load(beta_ptr + (start + tl.arange(0, S)).to(tl.int64) * H + head, mask=valid,
+                       other=0.0).to(tl.float32)
+        gc = load_cols(gcs_ptr, start, valid, head, 0, H, K, S, K)
+        da_l, da_p = gram_rows_grad(k_ptr, gcs_ptr, dl_ptr, dp_ptr, chunk_start, start, valid, gc, head, b, H, K, C,
+                                    S, L2NORM, PREC)
+        dc = gram_cols_grad(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, chunk_start, chunk_end, start, gc,
+                            head, b, scale, H, K, C, S, L2NORM, PREC)
+        add_cols(part_dq_ptr, da_p, start, valid, head, 0, H, K, S, K)
+        add_cols(part_dk_ptr, beta[:, None] * da_l + dc, start, valid, head, 0, H, K, S, K)
+        add_cols(part_dgc_ptr, k * (beta[:, None] * da_l - dc) + q * da_p, start, valid, head, 0, H, K, S, K)
+        db_offs = (start + tl.arange(0, S)).to(tl.int64) * H + head
+        db = tl.load(part_db_ptr + db_offs, mask=valid, other=0.0) + tl.sum(da_l * k, 1)
+        tl.store(part_db_ptr + db_offs, db, mask=valid)
+
+
+@triton.jit
+def gram_rows_grad(k_ptr, gcs_ptr, dl_ptr, dp_ptr, chunk_start, start, valid_S, gc_SK, head, b,
+                   H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, S: tl.constexpr, L2NORM: tl.constexpr,
+                   PREC: tl.constexpr):
+    """(da of L, da of P) of sub-chunk b's rows against the earlier sub-chunks (see gram_grad_kernel)."""
+    ref_K = tl.load(gcs_ptr + (start.to(tl.int64) * H + head) * K + tl.arange(0, K))
+    acc_l = tl.zeros([S, K], tl.float32)
+    acc_p = tl.zeros([S, K], tl.float32)
+    every = tl.full([S], 1, tl.int1)
+    for jb in range(b):
+        row0 = chunk_start + jb * S
+        k_j, _ = sub_chunk_keys(k_ptr, row0, every, head, H, K, S, L2NORM)
+        kc = k_j * tl.exp(ref_K[None, :] - load_cols(gcs_ptr, row0, every, head, 0, H, K, S, K))
+        acc_l += tl.dot(load_cols(dl_ptr, start, valid_S, head, jb * S, H, C, S, S), kc, input_precision=PREC)
+        acc_p += tl.dot(load_cols(dp_ptr, start, valid_S, head, jb * S, H, C, S, S), kc, input_precision=PREC)
+    # rows past the chunk's end read gc 0: their factor is held at 0 instead of e^-ref
+    fa = tl.where(valid_S[:, None], tl.exp(gc_SK - ref_K[None, :]), 0.0)
+    return acc_l * fa, acc_p * fa
+
+
+@triton.jit
+def gram_cols_grad(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, chunk_start, chunk_end, start, gc_SK, head, b,
+                   scale, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, S: tl.constexpr, L2NORM: tl.constexpr,
+                   PREC: tl.constexpr):
+    """dc (both matrices' share of dk as the column key) of sub-chunk b's rows against the later sub-chunks."""
+    dc = tl.zeros([S, K], tl.float32)
+    for ib in range(b + 1, tl.cdiv(chunk_end - chunk_start, S)):
+        row0 = chunk_start + ib * S
+        valid_i = row0 + tl.arange(0, S) < chunk_end
+        ref_K = tl.load(gcs_ptr + (row0.to(tl.int64) * H + head) * K + tl.arange(0, K))
+        fa = tl.where(valid_i[:, None],
+                      tl.exp(load_cols(gcs_ptr, row0, valid_i, head, 0, H, K, S, K) - ref_K[None, :]), 0.0)
+        k_i, _ = sub_chunk_keys(k_ptr, row0, valid_i, head, H, K, S, L2NORM)
+        q_i, _ = sub_chunk_keys(q_ptr, row0, valid_i, head, H, K, S, L2NORM)
+        beta_i = tl.load(beta_ptr + (row0 + tl.arange(0, S)).to(tl.int64) * H + head, mask=valid_i, other=0.0)
+        dl_t = tl.trans(load_cols(dl_ptr, row0, valid_i, head, b * S, H, C, S, S))
+        dp_t = tl.trans(load_cols(dp_ptr, row0, valid_i, head, b * S, H, C, S, S))
+        part = tl.dot(dl_t, beta_i.to(tl.float32)[:, None] * k_i * fa, input_precision=PREC)
+        part += tl.dot(dp_t, q_i * scale * fa, input_precision=PREC)
+        dc += part * tl.exp(ref_K[None, :] - gc_SK)
+    return dc
 
 
 @triton.jit

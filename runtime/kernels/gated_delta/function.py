@@ -90,6 +90,21 @@ class KernelVariant:
     # a warp); fewer where H is not a multiple. ptxas, K=128, forward / backward: 4 heads 48 / 93 registers,
     # 8 heads 64 / 122, no spills
     token_diag_heads: int = 4
+    # KDA only: the per-channel decayed Gram backward of dL and dP (their off-diagonal S x S blocks) out of
+    # state_grad_kernel and wy_grad_kernel into backward.gram_grad_kernel, one program per sub-chunk and head
+    # on [S, K] tiles loaded from L2 ([S, S] x [S, K] products, only the blocks below the diagonal), instead
+    # of three [C, C] x [C, BK] products per sub-chunk and key block in each (with a row-of reduction, a
+    # cumsum and [C, BK] exps on every step of their chains). state_grad stores dP and gc whole, wy_grad dL
+    # whole (fp32 scratch), and wy_grad's two key loops become one. Predictions in backward.py's docstring
+    gram_grad_apart: bool = False
+    # warps of gram_grad_kernel ([S, K] tiles; ptxas at K=128: 4 warps 255 registers / 32 B of spills, two
+    # programs per SM; 8 warps 179 / 0 B, one per SM; 9 KB of shared memory either way)
+    gram_grad_warps: int = 4
+    # key block of state_grad_kernel (None: backward.KEY_BLOCK per channel, backward.STATE_KEY_BLOCK or KEY_BLOCK
+    # for the scalar decay). With gram_grad_apart KDA's state_grad is GDN's plus the dgc, gc and dP stores, and
+    # GDN measured 0.75 ms at 32 against 0.88 at 64; ptxas, KDA with gram_grad_apart, 8 warps: 32 240 registers
+    # / 0 B of spills, 32 KB of shared memory; 64 255 / 48 B, 40 KB (without gram_grad_apart 255 / 496 B)
+    state_grad_key_block: int | None = None
 
 
 DEFAULT_VARIANT = KernelVariant()
@@ -308,22 +323,30 @@ def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale
     dq, dk, dv, dg, dbeta = [empty(*t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v, g, beta)]
     blocks = dict(BK=min(backward.KEY_BLOCK, key_dim), BV=min(VALUE_BLOCK, value_dim))
     state_key_block = backward.KEY_BLOCK if per_channel else backward.STATE_KEY_BLOCK or backward.KEY_BLOCK
+    state_key_block = variant.state_grad_key_block or state_key_block
     state_blocks = dict(blocks, BK=min(state_key_block, key_dim))
     # state_grad_kernel's key blocks: the slots of dgc and dgl it writes
     num_key_blocks = key_dim // state_blocks["BK"]
-    s = _grad_scratch(q, layout, per_channel, num_key_blocks, cfg["S"], variant)
+    s = _grad_scratch(q, layout, per_channel, num_key_blocks, cfg, variant)
     dims = dict(H=num_heads, K=key_dim, C=cfg["C"], L2NORM=l2norm)
     bounds = (layout.chunk_start, layout.chunk_end)
+    gram_apart = per_channel and variant.gram_grad_apart
     fast(backward.state_grad_kernel)[(layout.num_chunks * num_key_blocks, num_heads)](
         q, k, g, h, dh, v_new, dv_new, do, *bounds, s["dq"], s["dk"], s["dw"], s["dgc"], s["dgl"], s["dpdiag"],
-        scale, V=value_dim, S=cfg["S"], PER_CHANNEL=per_channel, PREC=cfg["PREC"], DOTS=_forward_dots(variant),
-        **state_blocks, **dims, num_warps=backward.STATE_GRAD_WARPS, num_stages=backward.STATE_GRAD_STAGES,
+        s["dpfull"], s["gcs"], scale, V=value_dim, S=cfg["S"], PER_CHANNEL=per_channel, PREC=cfg["PREC"],
+        DOTS=_forward_dots(variant), GRAM_APART=gram_apart, **state_blocks, **dims,
+        num_warps=backward.STATE_GRAD_WARPS, num_stages=backward.STATE_GRAD_STAGES,
         maxnreg=backward.STATE_GRAD_MAXNREG)
     fast(backward.wy_grad_kernel)[(layout.num_chunks, num_heads)](
         k, v, g, beta, prep["tinv"], dv_new, s["dw"], *bounds, dv, s["dk"], s["dgc"],
-        s["db"] if per_channel else dbeta, s["dldiag"], V=value_dim, S=cfg["S"], PER_CHANNEL=per_channel,
-        PREC=cfg["PREC"], GRAD_DOTS=_grad_dots(variant), SLOT=num_key_blocks, **blocks, **dims,
-        num_warps=backward.WY_GRAD_WARPS, num_stages=backward.WY_GRAD_STAGES, maxnreg=backward.WY_GRAD_MAXNREG)
+        s["db"] if per_channel else dbeta, s["dldiag"], s["dlfull"], s["gcs"], V=value_dim, S=cfg["S"],
+        PER_CHANNEL=per_channel, PREC=cfg["PREC"], GRAD_DOTS=_grad_dots(variant), SLOT=num_key_blocks,
+        GRAM_APART=gram_apart, **blocks, **dims, num_warps=backward.WY_GRAD_WARPS,
+        num_stages=backward.WY_GRAD_STAGES, maxnreg=backward.WY_GRAD_MAXNREG)
+    if gram_apart:
+        fast(backward.gram_grad_kernel)[(layout.num_chunks * (cfg["C"] // cfg["S"]), num_heads)](
+            q, k, beta, s["gcs"], s["dlfull"], s["dpfull"], *bounds, s["dq"], s["dk"], s["dgc"], s["db"], scale,
+            S=cfg["S"], PREC=cfg["PREC"], **dims, num_warps=variant.gram_grad_warps)
     if per_channel and variant.token_parallel_diag:
         heads = _token_diag_heads(num_heads, variant)
         fast(diagonal.diag_grad_token_kernel)[(layout.num_chunks * cfg["C"], num_heads // heads)](
@@ -350,12 +373,13 @@ def _grad_dots(variant: KernelVariant) -> str:
     return "bf16_rounded" if os.environ.get("TRITON_INTERPRET") == "1" else "bf16"
 
 
-def _grad_scratch(q, layout, per_channel, num_key_blocks, sub_chunk, variant=DEFAULT_VARIANT):
+def _grad_scratch(q, layout, per_channel, num_key_blocks, cfg, variant=DEFAULT_VARIANT):
     """fp32 buffers between the gradient kernels (dw bf16 with bf16_grad_dots): dq, dk, dw [T, H, K]; dgc
     [T, H, K] per channel, else [T, H, NK + 1] (a slot per K block of state_grad_kernel and one for
     wy_grad_kernel); dgc_last [NC, H, K], else [NC, H, NK]; per channel also dbeta's share [T, H] and dL, dP
-    diagonal blocks [T, H, S]."""
+    diagonal blocks [T, H, S], and with gram_grad_apart dL, dP whole [T, H, C] and gc [T, H, K]."""
     num_tokens, num_heads, key_dim = q.shape
+    sub_chunk = cfg["S"]
     f32 = dict(dtype=torch.float32, device=q.device)
     s = {name: empty(num_tokens, num_heads, key_dim, **f32) for name in ("dq", "dk")}
     s["dw"] = empty(num_tokens, num_heads, key_dim, dtype=torch.bfloat16 if variant.bf16_grad_dots else torch.float32,
@@ -365,11 +389,17 @@ def _grad_scratch(q, layout, per_channel, num_key_blocks, sub_chunk, variant=DEF
         s["dgl"] = empty(layout.num_chunks, num_heads, key_dim, **f32)
         s["db"] = empty(num_tokens, num_heads, **f32)
         s["dldiag"], s["dpdiag"] = (empty(num_tokens, num_heads, sub_chunk, **f32) for _ in range(2))
+    if per_channel and variant.gram_grad_apart:
+        s["dlfull"], s["dpfull"] = (empty(num_tokens, num_heads, cfg["C"], **f32) for _ in range(2))
+        s["gcs"] = empty(num_tokens, num_heads, key_dim, **f32)
+    elif per_channel:
+        # unused without gram_grad_apart (pointer arguments only)
+        s["dlfull"] = s["dpfull"] = s["gcs"] = s["dgl"]
     else:
         s["dgc"] = empty(num_tokens, num_heads, num_key_blocks + 1, **f32)
         s["dgl"] = empty(layout.num_chunks, num_heads, num_key_blocks, **f32)
         # unused by the scalar decay's kernels (their pointer arguments only)
-        s["db"] = s["dldiag"] = s["dpdiag"] = s["dgl"]
+        s["db"] = s["dldiag"] = s["dpdiag"] = s["dlfull"] = s["dpfull"] = s["gcs"] = s["dgl"]
     return s
 
 
