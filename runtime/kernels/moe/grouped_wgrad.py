@@ -20,6 +20,32 @@ from runtime.kernels.moe.schedule import Schedule
 
 
 @triton.jit
+def _rows_dot(acc, s0, end, a_ptr, stride_am, scale_ptr, b_ptr, stride_bm, pair_ptr, offs_m, m_ok, offs_n, n_ok,
+              TOP_K: tl.constexpr, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, ROW_SCALE: tl.constexpr,
+              PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + (scale * A[rows])^T B[rows] over the sorted rows [s0, min(s0 + BLOCK_K, end))."""
+    rows = s0 + tl.arange(0, BLOCK_K)
+    r_ok = rows < end
+    # int32 (S = T * k < 2**31) over a constexpr k: the division compiles to a multiply and shift
+    pairs = tl.load(pair_ptr + rows, mask=r_ok, other=0).to(tl.int32)
+    a_rows = pairs // TOP_K if GATHER_A else rows
+    b_rows = pairs // TOP_K if GATHER_B else rows
+    a = tl.load(a_ptr + a_rows[None, :].to(tl.int64) * stride_am + offs_m[:, None], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+    if ROW_SCALE:
+        row_scale = tl.load(scale_ptr + pairs, mask=r_ok, other=0.0).to(tl.float32)
+        a = (a * row_scale[None, :]).to(b_ptr.dtype.element_ty)
+    b = tl.load(b_ptr + b_rows[:, None].to(tl.int64) * stride_bm + offs_n[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+    return tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _tile_origin(pid, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """First row and column of output tile `pid` (N fastest)."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    return (pid // num_n) * BLOCK_M, (pid % num_n) * BLOCK_N
+
+
+@triton.jit
 def grouped_wgrad_kernel(
     a_ptr, stride_am, scale_ptr,
     b_ptr, stride_bm,
@@ -29,29 +55,75 @@ def grouped_wgrad_kernel(
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """One program per (output tile, expert)."""
     e = tl.program_id(1)
-    num_n = tl.cdiv(N, BLOCK_N)
-    offs_m = (tl.program_id(0) // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = (tl.program_id(0) % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m0, n0 = _tile_origin(tl.program_id(0), N, BLOCK_M, BLOCK_N)
+    offs_m, offs_n = m0 + tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N)
     m_ok, n_ok = offs_m < M, offs_n < N
     end = tl.load(ends_ptr + e)
     start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s0 in range(start, end, BLOCK_K):
-        rows = s0 + tl.arange(0, BLOCK_K)
-        r_ok = rows < end
-        # int32 (S = T * k < 2**31) over a constexpr k: the division compiles to a multiply and shift
-        pairs = tl.load(pair_ptr + rows, mask=r_ok, other=0).to(tl.int32)
-        a_rows = pairs // TOP_K if GATHER_A else rows
-        b_rows = pairs // TOP_K if GATHER_B else rows
-        a = tl.load(a_ptr + a_rows[None, :].to(tl.int64) * stride_am + offs_m[:, None], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-        if ROW_SCALE:
-            row_scale = tl.load(scale_ptr + pairs, mask=r_ok, other=0.0).to(tl.float32)
-            a = (a * row_scale[None, :]).to(b_ptr.dtype.element_ty)
-        b = tl.load(b_ptr + b_rows[:, None].to(tl.int64) * stride_bm + offs_n[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PRECISION)
+        acc = _rows_dot(acc, s0, end, a_ptr, stride_am, scale_ptr, b_ptr, stride_bm, pair_ptr, offs_m, m_ok, offs_n,
+                        n_ok, TOP_K, GATHER_A, GATHER_B, ROW_SCALE, PRECISION, BLOCK_K)
     out = out_ptr + e.to(tl.int64) * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out, (acc * alpha).to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _group_rows(ends_ptr, e0, num_experts, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Ends of experts [e0, e0 + GROUP) ([GROUP], 0 past the last expert) and their number of row
+    steps: cdiv(rows, BLOCK_K) each, and one (with no rows) for an expert that received none, so
+    that its zero gradient is stored too."""
+    experts = e0 + tl.arange(0, GROUP)
+    e_ok = experts < num_experts
+    ends = tl.load(ends_ptr + experts, mask=e_ok, other=0)
+    starts = tl.load(ends_ptr + experts - 1, mask=e_ok & (experts > 0), other=0)
+    steps = tl.maximum(tl.cdiv(ends - starts, BLOCK_K), 1)
+    return ends, tl.sum(tl.where(e_ok, steps, 0), axis=0)
+
+
+@triton.jit
+def grouped_wgrad_multi_kernel(
+    a_ptr, stride_am, scale_ptr,
+    b_ptr, stride_bm,
+    out_ptr, stride_oe, stride_om, stride_on,
+    pair_ptr, ends_ptr, M, N, alpha, num_experts,
+    TOP_K: tl.constexpr, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, ROW_SCALE: tl.constexpr,
+    PRECISION: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One program per (output tile, GROUP consecutive experts): one loop over the row steps of the
+    whole group (their sorted rows are contiguous), storing and resetting the accumulator after
+    each expert's last step, so the software pipeline keeps loading across expert boundaries. A
+    step never straddles two experts: it starts at s0 and stops at the current expert's end."""
+    e0 = tl.program_id(1) * GROUP
+    m0, n0 = _tile_origin(tl.program_id(0), N, BLOCK_M, BLOCK_N)
+    offs_m, offs_n = m0 + tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    # A TMA store (clipped at each expert's M x N bounds) inside the loop: the pointer form kept
+    # ~128 registers of tile addresses live across it (255 registers and spills at 128 x 128 with
+    # 8 warps, ptxas sm_90a) where this takes 116.
+    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[num_experts, M, N], strides=[stride_oe, stride_om, 1],
+                                         block_shape=[1, BLOCK_M, BLOCK_N])
+    ends_G, num_steps = _group_rows(ends_ptr, e0, num_experts, GROUP, BLOCK_K)
+    group_g = tl.arange(0, GROUP)
+    j = 0
+    s0 = tl.load(ends_ptr + e0 - 1, mask=e0 > 0, other=0)
+    end = tl.sum(tl.where(group_g == 0, ends_G, 0), axis=0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(num_steps):
+        acc = _rows_dot(acc, s0, end, a_ptr, stride_am, scale_ptr, b_ptr, stride_bm, pair_ptr, offs_m, m_ok, offs_n,
+                        n_ok, TOP_K, GATHER_A, GATHER_B, ROW_SCALE, PRECISION, BLOCK_K)
+        last = s0 + BLOCK_K >= end
+        if last:
+            out_desc.store([e0 + j, m0, n0], (acc * alpha).to(out_ptr.dtype.element_ty)[None, :, :])
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # The next expert's rows start at this one's end. Its end is picked from registers: loaded
+        # here, feeding the next steps' addresses, it crashed triton 3.9's pipeliner.
+        j += last.to(tl.int32)
+        s0 = tl.where(last, end, s0 + BLOCK_K)
+        end = tl.sum(tl.where(group_g == j, ends_G, 0), axis=0)
 
 
 def _tuned_configs() -> list[triton.Config]:
@@ -69,9 +141,29 @@ def _tuned_configs() -> list[triton.Config]:
     ]
 
 
-_tuned_kernel = triton.autotune(configs=_tuned_configs(), key=["M", "N", "GATHER_A", "GATHER_B", "ROW_SCALE"])(
-    grouped_wgrad_kernel
-)
+def _grouped_configs() -> list[triton.Config]:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
+    # Candidates, not yet timed (ptxas sm_90a, triton 3.9, gate/up | down gradient: registers,
+    # shared KB). A program walks ~GROUP * 5 steps, so its own pipeline must hide the load latency.
+    # 128x128, 8 warps, 3 stages (116 | 145, 160 | 113: one program per SM) and 4 stages (120 |
+    # 145, 192 | 113: one more step in flight); 128x64 (71 | 114, 104 | 65: two programs per SM,
+    # which overlap one's store with the other's MMAs, for twice the reads of the M side) with 3
+    # and 4 stages; 128x256 for the down gradient (214, 177: half the reads of the gathered dy; its
+    # gate/up form needs 240 KB and fails to launch, which the autotuner skips).
+    tile = lambda m, n: {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 64}  # noqa: E731
+    return [
+        triton.Config(tile(128, 128), num_warps=8, num_stages=3),
+        triton.Config(tile(128, 128), num_warps=8, num_stages=4),
+        triton.Config(tile(128, 64), num_warps=8, num_stages=3),
+        triton.Config(tile(128, 64), num_warps=8, num_stages=4),
+        triton.Config(tile(128, 256), num_warps=8, num_stages=3),
+    ]
+
+
+_KEY = ["M", "N", "GATHER_A", "GATHER_B", "ROW_SCALE"]
+_tuned_kernel = triton.autotune(configs=_tuned_configs(), key=_KEY)(grouped_wgrad_kernel)
+_grouped_tuned_kernel = triton.autotune(configs=_grouped_configs(), key=_KEY + ["GROUP"])(grouped_wgrad_multi_kernel)
 # Gradients with a narrow side (the rank-r LoRA factors) take one fixed config sized to it.
 SMALL = 64
 
@@ -81,22 +173,38 @@ def _small_config(M: int, N: int) -> dict:
     return dict(BLOCK_M=fit(M), BLOCK_N=fit(N), BLOCK_K=32, num_warps=4)
 
 
+def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
 def grouped_wgrad(a_SM, b_SN, sched: Schedule, *, gather_a=False, gather_b=False, row_scale_P=None, alpha=1.0,
-                  config: dict | None = None) -> torch.Tensor:
+                  group: int | None = None, config: dict | None = None) -> torch.Tensor:
     """[E, M, N] gradient in b's dtype; a (b) read by token when gather_a (gather_b), else by sorted
-    row; row_scale_P in pair order. `config` (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
-    bypasses the autotuner."""
+    row; row_scale_P in pair order. `group` (a power of two): experts per program of the grouped
+    kernel (None: one program per output tile and expert). `config` (BLOCK_M, BLOCK_N, BLOCK_K,
+    num_warps, num_stages) bypasses the autotuner."""
     M, N, E = a_SM.shape[1], b_SN.shape[1], sched.num_experts
     out = buffers.empty((E, M, N), b_SN.dtype, a_SM.device)
+    # the grouped kernel stores through TMA, whose row stride must be a multiple of 16 bytes
+    if (N * out.element_size()) % 16:
+        group = None
     if config is None and min(M, N) <= SMALL:
         config = _small_config(M, N)
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), E)  # noqa: E731
-    kernel = grouped_wgrad_kernel if config is not None else _tuned_kernel
-    kernel[grid](
-        a_SM, a_SM.stride(0), row_scale_P if row_scale_P is not None else a_SM,
-        b_SN, b_SN.stride(0),
-        out, *out.stride(), sched.pair_S, sched.ends_E, M, N, alpha,
-        TOP_K=sched.top_k, GATHER_A=gather_a, GATHER_B=gather_b, ROW_SCALE=row_scale_P is not None,
-        PRECISION="ieee" if b_SN.dtype == torch.float32 else "tf32", **(config or {}),
-    )
+    num_programs_e = E if group is None else triton.cdiv(E, group)
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), num_programs_e)  # noqa: E731
+    args = (a_SM, a_SM.stride(0), row_scale_P if row_scale_P is not None else a_SM,
+            b_SN, b_SN.stride(0),
+            out, *out.stride(), sched.pair_S, sched.ends_E, M, N, alpha)
+    flags = dict(TOP_K=sched.top_k, GATHER_A=gather_a, GATHER_B=gather_b, ROW_SCALE=row_scale_P is not None,
+                 PRECISION="ieee" if b_SN.dtype == torch.float32 else "tf32", **(config or {}))
+    if group is None:
+        kernel = grouped_wgrad_kernel if config is not None else _tuned_kernel
+        kernel[grid](*args, **flags)
+    else:
+        kernel = grouped_wgrad_multi_kernel if config is not None else _grouped_tuned_kernel
+        # its TMA descriptor is built on the device, in scratch memory from this allocator; set at
+        # each launch because triton keeps it per thread and autograd runs backward in its own
+        if out.is_cuda:
+            triton.set_allocator(_descriptor_scratch)
+        kernel[grid](*args, E, GROUP=group, **flags)
     return out
