@@ -6,7 +6,7 @@ that receives no tokens, an expert count divisible by nothing convenient, the gp
 alpha, interleaved gate/up, transposed weight views) and frozen experts; then each `Tuning`
 setting (the GLU backward on the schedule's row tile or its own, the weight gradients with 4
 experts per program) over the same kinds of problem; the grouped weight-gradient kernel alone
-(empty experts at group edges, partial groups, operands by token, its per-expert fallback); the
+(empty experts at group edges, partial groups, operands by token, its pointer-store form); the
 dense SwiGLU MLP / shared expert (with and without the sigmoid gate and the residual it adds
 into, leading batch dims, padded stacked rows), and the half-precision router logits' dtypes.
 
@@ -193,8 +193,9 @@ WGRAD_CASES = {
     "E7-group2-x-by-token": dict(E=7, empty=(3,), group=2, gather_b=True),
     "E5-group8-one-partial-group": dict(E=5, empty=(), group=8, scale=True),
     "E6-group1": dict(E=6, empty=(2,), group=1, gather_a=True),
-    # rows of 6 fp32 (24 bytes) are no multiple of TMA's 16: the per-expert kernel runs instead
-    "E7-group4-N6-per-expert-fallback": dict(E=7, empty=(1,), group=4, N=6),
+    # rows of 6 fp32 (24 bytes) are no multiple of TMA's 16: stored through pointers instead
+    "E7-group4-N6-pointer-store": dict(E=7, empty=(1,), group=4, N=6),
+    "E9-group4-pointer-store": dict(E=9, empty=(0, 4, 5, 8), group=4, gather_a=True, scale=True, tma_store=False),
 }
 
 
@@ -222,7 +223,7 @@ def test_grouped_wgrad_matches_reference(case):
     b = torch.randn(T if c.get("gather_b") else S, N, generator=g)
     scale_P = torch.rand(S, generator=g) + 0.1 if c.get("scale") else None
     out = grouped_wgrad.grouped_wgrad(a, b, sched, gather_a=c.get("gather_a", False), gather_b=c.get("gather_b", False),
-                                      row_scale_P=scale_P, alpha=0.5, group=c["group"])
+                                      row_scale_P=scale_P, alpha=0.5, group=c["group"], tma_store=c.get("tma_store", True))
     expected = 0.5 * _wgrad_reference(a, b, scale_P, sched, c.get("gather_a", False), c.get("gather_b", False))
     assert_close(out, expected, "swiglu_experts", torch.float32, "grad", case)
     assert (out[list(c["empty"])] == 0).all()

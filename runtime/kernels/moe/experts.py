@@ -52,6 +52,9 @@ class Tuning:
     # rows (~320 rows per expert), so pipeline fill and the epilogue dominate; the grouped kernel
     # walks a group's rows in one loop. Not measured yet (predictions in grouped_wgrad.py).
     wgrad_group: int | None = None
+    # the grouped kernel stores each expert's tile through TMA (False: through per-element
+    # pointers, which stay live across its loop: 255 registers and spills, ptxas sm_90a)
+    wgrad_tma_store: bool = True
 
 
 @dataclass(frozen=True)
@@ -156,8 +159,7 @@ class _SwigluExperts(torch.autograd.Function):
         if A_gu is not None and (need["x"] or need["A_gu"]):
             lg = _lora_grad_rows(d_gate_up, lora, sched)
         grads = _input_grads(d_gate_up, dw_P, w_gu, b_d, dy.data, idx_Tk, lg, lora, sched, need)
-        grads |= _weight_grads(x, dy, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg, lora, sched, need,
-                               ctx.tuning.wgrad_group)
+        grads |= _weight_grads(x, dy, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg, lora, sched, need, ctx.tuning)
         params = dict(w_gu=w_gu, w_d=w_d, A_gu=A_gu, B_gu=B_gu, A_d=A_d, B_d=B_d)
         return (*(_cast(grads.get(n), params.get(n), ctx.dtypes.get(n)) for n in need), None, None, None)
 
@@ -207,14 +209,13 @@ def _input_grads(d_gate_up, dw_P, w_gu, b_d, dy_TD, idx_Tk, lg, lora: Lora, sche
 
 
 def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg, lora: Lora, sched: Schedule,
-                  need: dict, group: int | None) -> dict:
-    """h takes the routing weight w as a row scale in the down-side gradients; `group`: experts per
-    program of the weight-gradient kernel (Tuning.wgrad_group)."""
+                  need: dict, tuning: Tuning) -> dict:
+    """h takes the routing weight w as a row scale in the down-side gradients."""
     s = lora.scale
     grads = {}
 
     def wgrad(a_SM, b_SN, **kw):
-        return grouped_wgrad(a_SM, b_SN, sched, group=group, **kw)
+        return grouped_wgrad(a_SM, b_SN, sched, group=tuning.wgrad_group, tma_store=tuning.wgrad_tma_store, **kw)
 
     if need["w_gu"]:
         grads["w_gu"] = wgrad(d_gate_up, x.data, gather_b=x.by_token)

@@ -5,6 +5,28 @@ A or B may be read by token (row pair(s) // k of a [T, .] tensor: dy is, and x w
 expert order exists), else by sorted row; an expert that received no rows gets zeros. The row
 scale (the routing weight) is read at the row's pair, in the router's [T * k] order.
 
+Two kernels. `grouped_wgrad_kernel`: one program per (output tile, expert); at ~320 rows per
+expert each reduces ~5 steps of 64 rows, so pipeline fill, drain and the epilogue dominate (gate/up
+gradient 1.94 ms = 354 TFLOP/s, down 1.49 ms = 231, H200, T 16384, k 10, E 512, D 2048, F 512).
+`grouped_wgrad_multi_kernel` (Tuning.wgrad_group): one program per (output tile, GROUP consecutive
+experts), whose sorted rows are contiguous; one loop walks all their row steps (a step never
+straddles two experts) and stores each expert's tile after its last step, so loads keep flowing
+across expert boundaries and there are GROUP times fewer programs. An expert without rows takes
+one empty step, which stores its zeros. The store is a TMA store: per-element store pointers
+stayed live across the loop.
+
+ptxas for sm_90a (triton 3.9, bench/kernel_resources.py with the launch's divisibility hints),
+GROUP 8, 8 warps, BLOCK_K 64, gate/up | down gradient: 128x128 3 stages 116 | 145 registers,
+160 | 112 KB shared (one program per SM), 4 stages 120 | 145, 192 | 112 KB; 128x64 3 stages
+71 | 114, 104 | 64 KB (two per SM); 128x256 178 | 214, 240 (does not launch) | 176 KB; no spills.
+The pointer store instead: 255 registers and 20-32 bytes of spills at 128x128 (245 | 242 at
+128x64). The per-expert kernel: 102 | 128 registers, 96 | 49 KB.
+
+Prediction (not measured), H200 at the shape above, GROUP 8: gate/up gradient ~1.35 ms (from
+1.94: ~40 steps per program at ~550 TFLOP/s of MMA issue less 10% of padded rows, its 2.1 GB of
+output written behind the next expert's MMAs), down ~1.0 ms (from 1.49: its A tile is scaled in
+registers, ~400 TFLOP/s); so ~1.1 ms off the 11.3 ms fwd+bwd. GROUP 4 / 16 within ~0.05 ms of 8.
+
 Shape legend: S sorted rows, M and N the two sides of the gradient, E experts.
 """
 from __future__ import annotations
@@ -46,6 +68,13 @@ def _tile_origin(pid, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _store_tile(out_ptr, e, stride_oe, stride_om, stride_on, offs_m, m_ok, offs_n, n_ok, tile):
+    """out[e][offs_m, offs_n] = tile, through per-element pointers."""
+    out = out_ptr + e.to(tl.int64) * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out, tile.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def grouped_wgrad_kernel(
     a_ptr, stride_am, scale_ptr,
     b_ptr, stride_bm,
@@ -66,8 +95,7 @@ def grouped_wgrad_kernel(
     for s0 in range(start, end, BLOCK_K):
         acc = _rows_dot(acc, s0, end, a_ptr, stride_am, scale_ptr, b_ptr, stride_bm, pair_ptr, offs_m, m_ok, offs_n,
                         n_ok, TOP_K, GATHER_A, GATHER_B, ROW_SCALE, PRECISION, BLOCK_K)
-    out = out_ptr + e.to(tl.int64) * stride_oe + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out, (acc * alpha).to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    _store_tile(out_ptr, e, stride_oe, stride_om, stride_on, offs_m, m_ok, offs_n, n_ok, acc * alpha)
 
 
 @triton.jit
@@ -90,22 +118,19 @@ def grouped_wgrad_multi_kernel(
     out_ptr, stride_oe, stride_om, stride_on,
     pair_ptr, ends_ptr, M, N, alpha, num_experts,
     TOP_K: tl.constexpr, GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, ROW_SCALE: tl.constexpr,
-    PRECISION: tl.constexpr, GROUP: tl.constexpr,
+    PRECISION: tl.constexpr, GROUP: tl.constexpr, TMA_STORE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One program per (output tile, GROUP consecutive experts): one loop over the row steps of the
-    whole group (their sorted rows are contiguous), storing and resetting the accumulator after
-    each expert's last step, so the software pipeline keeps loading across expert boundaries. A
-    step never straddles two experts: it starts at s0 and stops at the current expert's end."""
+    """One program per (output tile, GROUP consecutive experts), one loop over all their row steps;
+    expert e0 + j's rows are [s0, end) at its first step."""
     e0 = tl.program_id(1) * GROUP
     m0, n0 = _tile_origin(tl.program_id(0), N, BLOCK_M, BLOCK_N)
     offs_m, offs_n = m0 + tl.arange(0, BLOCK_M), n0 + tl.arange(0, BLOCK_N)
     m_ok, n_ok = offs_m < M, offs_n < N
-    # A TMA store (clipped at each expert's M x N bounds) inside the loop: the pointer form kept
-    # ~128 registers of tile addresses live across it (255 registers and spills at 128 x 128 with
-    # 8 warps, ptxas sm_90a) where this takes 116.
-    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[num_experts, M, N], strides=[stride_oe, stride_om, 1],
-                                         block_shape=[1, BLOCK_M, BLOCK_N])
+    if TMA_STORE:
+        # clipped at each expert's M x N bounds; no tile of addresses live across the loop
+        out_desc = tl.make_tensor_descriptor(out_ptr, shape=[num_experts, M, N], strides=[stride_oe, stride_om, 1],
+                                             block_shape=[1, BLOCK_M, BLOCK_N])
     ends_G, num_steps = _group_rows(ends_ptr, e0, num_experts, GROUP, BLOCK_K)
     group_g = tl.arange(0, GROUP)
     j = 0
@@ -117,7 +142,10 @@ def grouped_wgrad_multi_kernel(
                         n_ok, TOP_K, GATHER_A, GATHER_B, ROW_SCALE, PRECISION, BLOCK_K)
         last = s0 + BLOCK_K >= end
         if last:
-            out_desc.store([e0 + j, m0, n0], (acc * alpha).to(out_ptr.dtype.element_ty)[None, :, :])
+            if TMA_STORE:
+                out_desc.store([e0 + j, m0, n0], (acc * alpha).to(out_ptr.dtype.element_ty)[None, :, :])
+            else:
+                _store_tile(out_ptr, e0 + j, stride_oe, stride_om, stride_on, offs_m, m_ok, offs_n, n_ok, acc * alpha)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # The next expert's rows start at this one's end. Its end is picked from registers: loaded
         # here, feeding the next steps' addresses, it crashed triton 3.9's pipeliner.
@@ -144,13 +172,12 @@ def _tuned_configs() -> list[triton.Config]:
 def _grouped_configs() -> list[triton.Config]:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
-    # Candidates, not yet timed (ptxas sm_90a, triton 3.9, gate/up | down gradient: registers,
-    # shared KB). A program walks ~GROUP * 5 steps, so its own pipeline must hide the load latency.
-    # 128x128, 8 warps, 3 stages (116 | 145, 160 | 113: one program per SM) and 4 stages (120 |
-    # 145, 192 | 113: one more step in flight); 128x64 (71 | 114, 104 | 65: two programs per SM,
-    # which overlap one's store with the other's MMAs, for twice the reads of the M side) with 3
-    # and 4 stages; 128x256 for the down gradient (214, 177: half the reads of the gathered dy; its
-    # gate/up form needs 240 KB and fails to launch, which the autotuner skips).
+    # Candidates, not yet timed (resources in the module docstring). A program walks ~GROUP * 5
+    # steps, so its own pipeline must hide the load latency: 128x128 with 3 stages (one program per
+    # SM) and 4 (one more step in flight); 128x64, two programs per SM, so one's store and loop
+    # start overlap the other's MMAs, for twice the reads of the M side; 128x256 halves the reads
+    # of the gathered dy in the down gradient (the gate/up one needs 240 KB of shared memory and
+    # fails to launch, which the autotuner skips).
     tile = lambda m, n: {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 64}  # noqa: E731
     return [
         triton.Config(tile(128, 128), num_warps=8, num_stages=3),
@@ -163,7 +190,8 @@ def _grouped_configs() -> list[triton.Config]:
 
 _KEY = ["M", "N", "GATHER_A", "GATHER_B", "ROW_SCALE"]
 _tuned_kernel = triton.autotune(configs=_tuned_configs(), key=_KEY)(grouped_wgrad_kernel)
-_grouped_tuned_kernel = triton.autotune(configs=_grouped_configs(), key=_KEY + ["GROUP"])(grouped_wgrad_multi_kernel)
+_grouped_tuned_kernel = triton.autotune(configs=_grouped_configs(), key=_KEY + ["GROUP", "TMA_STORE"])(
+    grouped_wgrad_multi_kernel)
 # Gradients with a narrow side (the rank-r LoRA factors) take one fixed config sized to it.
 SMALL = 64
 
@@ -178,16 +206,15 @@ def _descriptor_scratch(size: int, alignment: int, stream) -> torch.Tensor:
 
 
 def grouped_wgrad(a_SM, b_SN, sched: Schedule, *, gather_a=False, gather_b=False, row_scale_P=None, alpha=1.0,
-                  group: int | None = None, config: dict | None = None) -> torch.Tensor:
+                  group: int | None = None, tma_store: bool = True, config: dict | None = None) -> torch.Tensor:
     """[E, M, N] gradient in b's dtype; a (b) read by token when gather_a (gather_b), else by sorted
     row; row_scale_P in pair order. `group` (a power of two): experts per program of the grouped
-    kernel (None: one program per output tile and expert). `config` (BLOCK_M, BLOCK_N, BLOCK_K,
-    num_warps, num_stages) bypasses the autotuner."""
+    kernel (None: one program per output tile and expert), which stores through TMA when
+    `tma_store` and rows of N are a multiple of 16 bytes (TMA's stride rule). `config` (BLOCK_M,
+    BLOCK_N, BLOCK_K, num_warps, num_stages) bypasses the autotuner."""
     M, N, E = a_SM.shape[1], b_SN.shape[1], sched.num_experts
     out = buffers.empty((E, M, N), b_SN.dtype, a_SM.device)
-    # the grouped kernel stores through TMA, whose row stride must be a multiple of 16 bytes
-    if (N * out.element_size()) % 16:
-        group = None
+    tma_store = tma_store and (N * out.element_size()) % 16 == 0
     if config is None and min(M, N) <= SMALL:
         config = _small_config(M, N)
     num_programs_e = E if group is None else triton.cdiv(E, group)
@@ -202,9 +229,9 @@ def grouped_wgrad(a_SM, b_SN, sched: Schedule, *, gather_a=False, gather_b=False
         kernel[grid](*args, **flags)
     else:
         kernel = grouped_wgrad_multi_kernel if config is not None else _grouped_tuned_kernel
-        # its TMA descriptor is built on the device, in scratch memory from this allocator; set at
+        # a TMA descriptor is built on the device, in scratch memory from this allocator; set at
         # each launch because triton keeps it per thread and autograd runs backward in its own
-        if out.is_cuda:
+        if tma_store and out.is_cuda:
             triton.set_allocator(_descriptor_scratch)
-        kernel[grid](*args, E, GROUP=group, **flags)
+        kernel[grid](*args, E, GROUP=group, TMA_STORE=tma_store, **flags)
     return out
