@@ -187,12 +187,15 @@ def test_tuning_variants_match_reference(tuning, problem):
     check_experts(leaves, idx, frozen=frozen, tuning=TUNINGS[tuning], **static)
 
 
+# Steps of 16 rows: experts of ~12-28 rows here take one or two steps, those of E3 three (37 rows).
+WGRAD_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1)
 WGRAD_CASES = {
     # empty experts first, last, and two in a row across a group boundary; the last group is partial
     "E9-group4-empty-0-4-5-8": dict(E=9, empty=(0, 4, 5, 8), group=4, gather_a=True, scale=True),
     "E7-group2-x-by-token": dict(E=7, empty=(3,), group=2, gather_b=True),
     "E5-group8-one-partial-group": dict(E=5, empty=(), group=8, scale=True),
     "E6-group1": dict(E=6, empty=(2,), group=1, gather_a=True),
+    "E3-group2-three-steps-each": dict(E=3, empty=(), group=2, gather_a=True, scale=True),
     # rows of 6 fp32 (24 bytes) are no multiple of TMA's 16: stored through pointers instead
     "E7-group4-N6-pointer-store": dict(E=7, empty=(1,), group=4, N=6),
     "E9-group4-pointer-store": dict(E=9, empty=(0, 4, 5, 8), group=4, gather_a=True, scale=True, tma_store=False),
@@ -223,7 +226,8 @@ def test_grouped_wgrad_matches_reference(case):
     b = torch.randn(T if c.get("gather_b") else S, N, generator=g)
     scale_P = torch.rand(S, generator=g) + 0.1 if c.get("scale") else None
     out = grouped_wgrad.grouped_wgrad(a, b, sched, gather_a=c.get("gather_a", False), gather_b=c.get("gather_b", False),
-                                      row_scale_P=scale_P, alpha=0.5, group=c["group"], tma_store=c.get("tma_store", True))
+                                      row_scale_P=scale_P, alpha=0.5, group=c["group"], tma_store=c.get("tma_store", True),
+                                      config=WGRAD_CONFIG)
     expected = 0.5 * _wgrad_reference(a, b, scale_P, sched, c.get("gather_a", False), c.get("gather_b", False))
     assert_close(out, expected, "swiglu_experts", torch.float32, "grad", case)
     assert (out[list(c["empty"])] == 0).all()

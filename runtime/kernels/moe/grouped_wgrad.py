@@ -20,7 +20,8 @@ GROUP 8, 8 warps, BLOCK_K 64, gate/up | down gradient: 128x128 3 stages 116 | 14
 160 | 112 KB shared (one program per SM), 4 stages 120 | 145, 192 | 112 KB; 128x64 3 stages
 71 | 114, 104 | 64 KB (two per SM); 128x256 178 | 214, 240 (does not launch) | 176 KB; no spills.
 The pointer store instead: 255 registers and 20-32 bytes of spills at 128x128 (245 | 242 at
-128x64). The per-expert kernel: 102 | 128 registers, 96 | 49 KB.
+128x64). The per-expert kernel: 102 | 128 registers, 96 | 49 KB. The LoRA factor gradients (r 16,
+their fixed narrow configs, 4 warps): 53-85 registers with the TMA store, 96-132 without.
 
 Prediction (not measured), H200 at the shape above, GROUP 8: gate/up gradient ~1.35 ms (from
 1.94: ~40 steps per program at ~550 TFLOP/s of MMA issue less 10% of padded rows, its 2.1 GB of
