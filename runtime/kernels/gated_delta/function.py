@@ -438,11 +438,13 @@ class ChunkDeltaRule(torch.autograd.Function):
         return dq, dk, dv, dg, dbeta, dh0, None, None, None, None
 
 
-# The fastest settings measured per decay kind (H200, 2026-11-29 12:00, bench/bench_gated_delta.py --variants,
-# bench/results/2026-11-29-gdn.json and -kda.json): GDN "bf16_grads" 3.43 ms fwd+bwd (KernelVariant() 3.87),
-# KDA "token_diag_unblocked" 7.57 ms (KernelVariant() 12.63)
+# The fastest settings measured per decay kind (H200, 2026-11-29, bench/bench_gated_delta.py --variants):
+# GDN "bf16_grads" 3.43 ms fwd+bwd at 12:00 (KernelVariant() 3.87, bench/results/2026-11-29-gdn.json); KDA
+# "kda_gram_apart_bf16_skb32" 6.20 ms at 13:40 against "token_diag_unblocked" (the default until then) 7.47 in
+# the same run (bench/results/2026-11-29-kda-gram-apart.json)
 SCALAR_DECAY_DEFAULT = KernelVariant(bf16_grad_dots=True)
-PER_CHANNEL_DECAY_DEFAULT = KernelVariant(token_parallel_diag=True, blocked_prep=False)
+PER_CHANNEL_DECAY_DEFAULT = KernelVariant(token_parallel_diag=True, blocked_prep=False, gram_grad_apart=True,
+                                          bf16_grad_dots=True, state_grad_key_block=32)
 
 
 @functools.lru_cache(maxsize=64)
