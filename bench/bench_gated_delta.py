@@ -36,6 +36,15 @@ History at B1 T8192 H32 K=V=128 bf16 (predicted -> measured, H200, 2026-11-29, f
   base 12.63. Those two became the per-kind defaults (function.default_variant). That run's GDN
   baseline took 217.8 ms and fla's forward 1.47 ms, ~1.5x their earlier figures (host-bound launches on
   a slower host), while ours timed as before: the 63.5x of that run is ~40x against the earlier baseline.
+- 13:05 (commit c998a58, the batched chunk layout built once per shape instead of ~15 small launches per
+  call): GDN forward 1.52 -> 1.01 ms (fla 0.94 in the same run), fwd+bwd 2.91 ms against 171.1 = 58.9x;
+  KDA 7.10 ms against 1338.8 = 188.6x. Host issue time (`host_issue_ms`): GDN forward 0.24 ms for 0.77 ms of
+  kernels, fwd+bwd 1.36 for 2.58; bench/launch_overhead.py then measured 64 us of host time per Triton launch
+  (26 through the compiled kernel's launcher: runtime/kernels/launch.py).
+- 13:40 (helper-bwd snapshot, before the layout cache): KDA gram_grad_apart, the per-channel decayed Gram
+  backward in its own kernel: 7.47 -> 6.53 ms, with bf16 wy_grad products 6.23, and state_grad key block 32
+  6.20 (state_grad 1.57 -> 0.80, wy_grad 1.93 -> 0.57, gram_grad 0.78; predicted in backward.py). Nested
+  per-channel Gram products in prep (kda_nested) were slower: prep 1.16 -> 3.22 ms (fwd+bwd 9.66).
 
 Shape legend: B batch, T tokens, H heads, K key dim, V value dim.
 """
