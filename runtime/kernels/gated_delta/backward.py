@@ -44,7 +44,7 @@ KDA (per-channel decay) with KernelVariant.gram_grad_apart: why KDA's wy_grad to
 both, per key block three rounds of a row_of reduction (cross-warp), two [C, BK] exps and two [C, C] x [C, BK]
 tf32 products on fp32 operands staged through shared memory (12 such products per wy_grad program, 6 per
 state_grad program, 16 times the useful work: only the blocks below the diagonal count), with a cumsum per
-key block, and that leaves ptxas at 255 registers with 560 B (wy_grad) / 496 B (state_grad) of spills. With
+key block, and that leaves ptxas at 255 registers with 560 B (wy_grad) / 568 B (state_grad) of spills. With
 the flag, state_grad and wy_grad store dP and dL whole ([T, H, C] fp32) and gc ([T, H, K] fp32, from
 state_grad's cumsum) and do no Gram backward; `gram_grad_kernel` (per sub-chunk and head, [S, K] tiles read
 from L2) does the off-diagonal blocks of both matrices with [S, S] x [S, K] products against the earlier
@@ -52,7 +52,8 @@ from L2) does the off-diagonal blocks of both matrices with [S, S] x [S, K] prod
 tf32 as before: the same numerics), and adds its share to the partial dq, dk, dgc, dbeta in place. wy_grad
 then runs one key loop (w's share of dk and dgc beside dTinv's products, Tinv^T dw formed once).
 ptxas (sm_90a, H32 K=V=128, bf16 tiles; registers / spills / shared memory), before -> with the flag:
-  state_grad (8 warps, key block 64)  255 / 496 B / 40 KB -> 255 / 48 B / 40 KB (key block 32: 240 / 0 / 32 KB)
+  state_grad (8 warps, key block 64)  255 / 568 B / 40 KB -> 255 / 48 B / 40 KB (key block 32: 240 / 0 / 32 KB;
+                                      without the flag now 255 / 496 B: the Gram backward added after dgl, same sums)
   wy_grad (8 warps) tf32              255 / 560 B / 80 KB -> 228 / 0 / 80 KB
   wy_grad (8 warps) bf16_grad_dots    255 / 584 B / 32 KB -> 244 / 0 / 16 KB
   gram_grad (new)                     4 warps 255 / 32 B / 9 KB (two programs per SM); 8 warps 179 / 0 / 9 KB

@@ -316,7 +316,8 @@ def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale
     """(dq, dk, dv, dg, dbeta) in the inputs' dtypes: backward.py's state_grad_kernel, wy_grad_kernel,
     then finish_kernel (scalar decay) or diagonal.diag_grad_kernel (per channel, whatever the variant's
     forward did with the diagonal blocks: the exact per-channel blocks need [S, K] tiles; with
-    token_parallel_diag diagonal.diag_grad_token_kernel and dg_finish_kernel instead)."""
+    token_parallel_diag diagonal.diag_grad_token_kernel and dg_finish_kernel instead). Per channel with
+    gram_grad_apart, backward.gram_grad_kernel runs between wy_grad_kernel and the diagonal kernels."""
     num_tokens, num_heads, key_dim = q.shape
     value_dim = v.shape[-1]
     cfg = _config()
