@@ -1,5 +1,6 @@
 """KDA with the token-parallel diagonal kernels (KernelVariant.token_parallel_diag: diagonal.diag_token_kernel,
-diag_grad_token_kernel, dg_finish_kernel) against the fp64 reference, as tests/test_kernel_gated_delta.py
+diag_grad_token_kernel, dg_finish_kernel), and with the forward's diagonal blocks from prep's nested Gram
+products instead (KernelVariant.nested_grams, split_prep), against the fp64 reference, as tests/test_kernel_gated_delta.py
 checks the other variants: the interpreter, fp32 inputs (bf16 once), NaN-filled buffers, chunk 32 in
 sub-chunks of 16 (chunk 64 once), H=2 (one program per head pair at TOKEN_DIAG_HEADS 4: BH 2) and H=3 (BH 1).
 """
@@ -21,7 +22,12 @@ TOKEN_VARIANTS = {
     "token_diag": KernelVariant(token_parallel_diag=True),
     "token_diag_unblocked": KernelVariant(token_parallel_diag=True, blocked_prep=False),
     "token_diag_fp32_tiles": KernelVariant(token_parallel_diag=True, bf16_tiles=False, bf16_states=False),
+    # the forward's diagonal blocks from prep_blocked_kernel's nested Gram products (no diag kernel), one launch
+    # or two (split_prep); the backward's token-parallel kernels as in token_diag
+    "kda_nested": KernelVariant(token_parallel_diag=True, nested_grams=True),
+    "kda_nested_split": KernelVariant(token_parallel_diag=True, nested_grams=True, split_prep=True),
 }
+NESTED = ["kda_nested", "kda_nested_split"]
 
 
 @pytest.fixture(autouse=True)
@@ -35,15 +41,17 @@ def test_kda_token_diag_T63_initial_state(variant):
     check("kda", make_inputs("kda", V=32), variant=variant)
 
 
-def test_kda_token_diag_cu_seqlens_three_heads():
+@pytest.mark.parametrize("variant", ["token_diag"] + NESTED)
+def test_kda_token_diag_cu_seqlens_three_heads(variant):
     """Three packed sequences (one shorter than a sub-chunk, one spanning two chunks), one state each; H=3."""
     x = make_inputs("kda", T=63, H=3, V=32, num_states=3)
-    check("kda", x, variant="token_diag", cu_seqlens=torch.tensor([0, 5, 40, 63]))
+    check("kda", x, variant=variant, cu_seqlens=torch.tensor([0, 5, 40, 63]))
 
 
-def test_kda_token_diag_batch2_no_l2norm_strong_decay():
+@pytest.mark.parametrize("variant", ["token_diag"] + NESTED)
+def test_kda_token_diag_batch2_no_l2norm_strong_decay(variant):
     """B=2 folded into time; no qk l2norm, an explicit scale, decays up to ~-15 per token."""
-    check("kda", make_inputs("kda", B=2, T=40, V=32, decay=15.0), variant="token_diag", use_qk_l2norm=False,
+    check("kda", make_inputs("kda", B=2, T=40, V=32, decay=15.0), variant=variant, use_qk_l2norm=False,
           scale=0.3)
 
 
@@ -53,8 +61,10 @@ def test_kda_token_diag_bf16_inputs():
 
 
 @pytest.mark.slow
-def test_kda_token_diag_benchmark_chunk_size(monkeypatch):
-    """The benchmark's chunk 64 (four sub-chunks), two packed sequences."""
+@pytest.mark.parametrize("variant", ["token_diag"] + NESTED)
+def test_kda_token_diag_benchmark_chunk_size(variant, monkeypatch):
+    """The benchmark's chunk 64 (four sub-chunks: nested_grams' levels 32 and 16 off the diagonal blocks),
+    two packed sequences."""
     monkeypatch.setattr(kernel_config, "CHUNK_SIZE", 64)
     x = make_inputs("kda", T=150, V=32, num_states=2)
-    check("kda", x, variant="token_diag", cu_seqlens=torch.tensor([0, 70, 150]))
+    check("kda", x, variant=variant, cu_seqlens=torch.tensor([0, 70, 150]))

@@ -23,6 +23,10 @@ VARIANTS: dict[str, KernelVariant] = {
     "token_diag": KernelVariant(token_parallel_diag=True),
     "token_diag_unblocked": KernelVariant(token_parallel_diag=True, blocked_prep=False),
     "token_diag_h8": KernelVariant(token_parallel_diag=True, token_diag_heads=8),
+    # KDA: the per-channel Gram products, diagonal blocks included, over nested halves in prep_blocked_kernel
+    # (no diag kernel in the forward); on top of the per-channel default's token-parallel diagonal gradients
+    "kda_nested": KernelVariant(token_parallel_diag=True, nested_grams=True),
+    "kda_nested_w8": KernelVariant(token_parallel_diag=True, nested_grams=True, prep_warps=8),
     "fp32_tiles": FP32_TILES,
     "recompute": KernelVariant(keep_forward=False),
     "in_chunk_diagonal": KernelVariant(split_diagonal=False),

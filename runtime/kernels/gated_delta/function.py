@@ -88,6 +88,16 @@ class KernelVariant:
     # a warp); fewer where H is not a multiple. ptxas, K=128, forward / backward: 4 heads 48 / 93 registers,
     # 8 heads 64 / 122, no spills
     token_diag_heads: int = 4
+    # KDA with blocked_prep: prep_blocked_kernel makes the per-channel Gram products, their exact diagonal
+    # blocks included, over nested halves of the chunk (forward.nested_grams: log2(C) levels, each one exp
+    # of a [C, 64] tile and tensor-core products, the split point between the two tokens of every pair so
+    # no exponent is positive) instead of decayed_gram's three references plus diagonal.py's kernel: the
+    # forward launches no diag kernel. Stores what the default's prep stores (the backward is unchanged)
+    nested_grams: bool = False
+    # with blocked_prep: prep in two launches, prep_blocked_kernel for the Gram products, P and Tinv (stored
+    # whether or not a backward follows), then forward.prep_columns_kernel for kbar, w, qg and u per (chunk,
+    # head, 64 columns) from the stored Tinv, as fla's recompute_w_u: neither holds the other's tiles
+    split_prep: bool = False
 
 
 DEFAULT_VARIANT = KernelVariant()
@@ -197,7 +207,8 @@ def _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_tinv, vari
     out = {name: empty(num_tokens, num_heads, key_dim, **tiles) for name in ("qg", "kbar", "w")}
     out["u"] = empty(*v.shape, **(f32 if variant.fp32_u else tiles))
     out["p"] = empty(num_tokens, num_heads, cfg["C"], **tiles)
-    out["tinv"] = empty(num_tokens, num_heads, cfg["C"], **f32) if store_tinv else out["p"]
+    keep_tinv = store_tinv or (variant.blocked_prep and variant.split_prep)
+    out["tinv"] = empty(num_tokens, num_heads, cfg["C"], **f32) if keep_tinv else out["p"]
     out["glast"] = empty(layout.num_chunks, num_heads, key_dim if per_channel else 1, **f32)
     if variant.blocked_prep:
         _prep_blocked(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_tinv, variant, out)
@@ -221,21 +232,26 @@ def _prep_blocked(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_ti
     num_heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[-1]
     cfg = _config()
     diags = (q, q)
-    if per_channel:
+    if per_channel and not variant.nested_grams:
         ldiag, _, pdiag = _diagonals(q, k, g, beta, layout, scale, per_channel, l2norm, inverse=False,
                                      variant=variant)
         diags = (ldiag, pdiag)
     # bf16 operands are exact for bf16 inputs; the interpreter gets the same rounding in fp32 (see common.mm)
+    block = min(64, key_dim, value_dim)
     gram = DOT_PRECISION
     if q.dtype == torch.bfloat16:
         gram = "bf16_rounded" if os.environ.get("TRITON_INTERPRET") == "1" else "bf16"
     forward.prep_blocked_kernel[(layout.num_chunks, num_heads)](
         q, k, v, g, beta, layout.chunk_start, layout.chunk_end,
         out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], *diags, scale,
-        H=num_heads, K=key_dim, V=value_dim, BD=min(64, key_dim, value_dim), PER_CHANNEL=per_channel,
-        L2NORM=l2norm, STORE_TINV=store_tinv, GRAM_PREC=gram, DIAG_PREC="tf32x3",
-        num_warps=variant.prep_warps,
-        **cfg)
+        H=num_heads, K=key_dim, V=value_dim, BD=block, GBD=block, PER_CHANNEL=per_channel,
+        NESTED=per_channel and variant.nested_grams, L2NORM=l2norm, STORE_TINV=store_tinv or variant.split_prep,
+        COLUMNS=not variant.split_prep, GRAM_PREC=gram, DIAG_PREC="tf32x3", num_warps=variant.prep_warps, **cfg)
+    if variant.split_prep:
+        forward.prep_columns_kernel[(layout.num_chunks, num_heads, key_dim // block + value_dim // block)](
+            q, k, v, g, beta, layout.chunk_start, layout.chunk_end, out["tinv"], out["qg"], out["kbar"], out["w"],
+            out["u"], out["glast"], scale, H=num_heads, K=key_dim, V=value_dim, C=cfg["C"], BD=block,
+            PER_CHANNEL=per_channel, L2NORM=l2norm, PREC=cfg["PREC"], num_warps=4)
 
 
 def _scan(prep, h0, layout, per_channel, store_final, variant=DEFAULT_VARIANT):
