@@ -1,8 +1,9 @@
 """KDA with the token-parallel diagonal kernels (KernelVariant.token_parallel_diag: diagonal.diag_token_kernel,
 diag_grad_token_kernel, dg_finish_kernel), and with the forward's diagonal blocks from prep's nested Gram
-products instead (KernelVariant.nested_grams, split_prep), against the fp64 reference, as tests/test_kernel_gated_delta.py
-checks the other variants: the interpreter, fp32 inputs (bf16 once), NaN-filled buffers, chunk 32 in
-sub-chunks of 16 (chunk 64 once), H=2 (one program per head pair at TOKEN_DIAG_HEADS 4: BH 2) and H=3 (BH 1).
+products instead (KernelVariant.nested_grams, split_prep), against the fp64 reference, as
+tests/test_kernel_gated_delta.py checks the other variants: the interpreter, fp32 inputs (bf16 once),
+NaN-filled buffers, chunk 32 in sub-chunks of 16 (chunk 64 once), H=2 (one program per head pair at
+TOKEN_DIAG_HEADS 4: BH 2) and H=3 (BH 1).
 """
 import os
 

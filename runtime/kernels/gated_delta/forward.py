@@ -183,12 +183,12 @@ def store_cols(ptr, x, row0, valid_C, head, H: tl.constexpr, D: tl.constexpr, co
 
 @triton.jit
 def raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
-              S: tl.constexpr, BD: tl.constexpr, PER_CHANNEL: tl.constexpr, NESTED: tl.constexpr,
-              GRAM_PREC: tl.constexpr, PREC: tl.constexpr, DIAG_PREC: tl.constexpr):
+              S: tl.constexpr, BD: tl.constexpr, PER_CHANNEL: tl.constexpr, GRAM_PREC: tl.constexpr,
+              PREC: tl.constexpr):
     """(k k^T, q k^T, the S x S diagonal blocks of k k^T as [C / S, S, S], |k|^2, |q|^2) of the raw (not
-    normalized) rows, summed over [C, BD] column blocks. Per channel the Gram products carry the decay; their
-    diagonal blocks come from nested_grams (NESTED), else are left 0 (diagonal.py's kernel sums them exactly),
-    and the third is 0. The scalar decay multiplies it in afterwards."""
+    normalized) rows, summed over [C, BD] column blocks. Per channel the Gram products carry the decay
+    and leave their diagonal blocks 0 (diagonal.py's kernel sums those exactly; the third is then 0);
+    the scalar decay multiplies it in afterwards."""
     NS: tl.constexpr = C // S
     kk_BSS = tl.zeros([NS, S, S], tl.float32)
     kk = tl.zeros([C, C], tl.float32)
@@ -203,14 +203,8 @@ def raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H: tl.constexpr, K: tl.co
         if PER_CHANNEL:
             # the cumsum runs down each column: a column block's is the chunk's
             gc_blk = tl.cumsum(load_cols(g_ptr, start, valid, head, H, K, col0, C, BD).to(tl.float32), 0)
-            if NESTED:
-                kk_blk, qk_blk = nested_grams(k_blk, q_blk, gc_blk, S, PREC, DIAG_PREC)
-                kk += kk_blk
-                qk += qk_blk
-            else:
-                kk += decayed_gram(k_blk.to(tl.float32), k_blk.to(tl.float32), gc_blk, True, True, C, S, PREC, False)
-                qk += decayed_gram(q_blk.to(tl.float32), k_blk.to(tl.float32), gc_blk, False, True, C, S, PREC,
-                                   False)
+            kk += decayed_gram(k_blk.to(tl.float32), k_blk.to(tl.float32), gc_blk, True, True, C, S, PREC, False)
+            qk += decayed_gram(q_blk.to(tl.float32), k_blk.to(tl.float32), gc_blk, False, True, C, S, PREC, False)
         else:
             kk += mm(k_blk, tl.trans(k_blk), GRAM_PREC)
             qk += mm(q_blk, tl.trans(k_blk), GRAM_PREC)
@@ -218,6 +212,28 @@ def raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H: tl.constexpr, K: tl.co
             k_BSD = tl.reshape(k_blk, [NS, S, BD])
             kk_BSS += mm(k_BSD, tl.permute(k_BSD, (0, 2, 1)), GRAM_PREC)
     return kk, qk, kk_BSS, k_sq, q_sq
+
+
+@triton.jit
+def nested_raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                     S: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, DIAG_PREC: tl.constexpr):
+    """raw_grams per channel with the diagonal blocks (nested_grams): (k k^T strictly lower, q k^T with
+    j <= i, |k|^2, |q|^2). The column blocks in a loop that is not unrolled: ptxas then spills 2180 / 1648 B
+    at 4 / 8 warps for prep_blocked_kernel without COLUMNS, against 4600 / 2840 B unrolled."""
+    kk = tl.zeros([C, C], tl.float32)
+    qk = tl.zeros([C, C], tl.float32)
+    k_sq = tl.zeros([C], tl.float32)
+    q_sq = tl.zeros([C], tl.float32)
+    for col0 in tl.range(0, K, BD, loop_unroll_factor=1):
+        k_blk = load_cols(k_ptr, start, valid, head, H, K, col0, C, BD)
+        q_blk = load_cols(q_ptr, start, valid, head, H, K, col0, C, BD)
+        k_sq += tl.sum(k_blk.to(tl.float32) * k_blk.to(tl.float32), 1)
+        q_sq += tl.sum(q_blk.to(tl.float32) * q_blk.to(tl.float32), 1)
+        gc_blk = tl.cumsum(load_cols(g_ptr, start, valid, head, H, K, col0, C, BD).to(tl.float32), 0)
+        kk_blk, qk_blk = nested_grams(k_blk, q_blk, gc_blk, S, PREC, DIAG_PREC)
+        kk += kk_blk
+        qk += qk_blk
+    return kk, qk, k_sq, q_sq
 
 
 @triton.jit
@@ -237,14 +253,15 @@ def nested_grams(k_CD, q_CD, gc_CD, S: tl.constexpr, PREC: tl.constexpr, DIAG_PR
     and q k^T with j <= i, every entry sum_d a_id k_jd exp(gc_id - gc_jd) without exp(-gc) alone. Level B
     pairs each lower B-row half with the upper half before it, split at the lower half's first row m:
     a_i exp(gc_i - gc_m) . k_j exp(gc_m - gc_j), both exponents <= 0 for j < m <= i. The levels B >= S make
-    the blocks off the S x S diagonal (PREC), B < S the pairs inside them (DIAG_PREC: the inverse by doubling
-    wants those near fp32), and i = j is P's diagonal: log2(C) exps of a [C, D] tile and two products per
-    level, against diagonal.py's walk over each sub-chunk's rows."""
+    the blocks off the S x S diagonal (PREC), B < S the pairs inside them (DIAG_PREC), and i = j is P's
+    diagonal: log2(C) exps of a [C, D] tile and two products per level, against diagonal.py's walk over each
+    sub-chunk's rows."""
     C: tl.constexpr = k_CD.shape[0]
     rows = tl.arange(0, C)
     kk = tl.zeros([C, C], tl.float32)
     # i = j: no decay, P only
-    qk = tl.where(rows[:, None] == rows[None, :], tl.sum(q_CD.to(tl.float32) * k_CD.to(tl.float32), 1)[:, None], 0.0)
+    qk_diag = tl.sum(q_CD.to(tl.float32) * k_CD.to(tl.float32), 1)
+    qk = tl.where(rows[:, None] == rows[None, :], qk_diag[:, None], 0.0)
     for level in tl.static_range(1, 8):
         if (C >> level) >= S:
             kk, qk = nested_level(k_CD, q_CD, gc_CD, kk, qk, C >> level, PREC)
@@ -281,23 +298,28 @@ def diagonal_blocks(x_CC, C: tl.constexpr, S: tl.constexpr):
 def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_ptr,
                         qg_ptr, kbar_ptr, w_ptr, u_ptr, p_ptr, glast_ptr, tinv_ptr, ldiag_ptr, pdiag_ptr, scale,
                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
-                        BD: tl.constexpr, GBD: tl.constexpr, PER_CHANNEL: tl.constexpr, NESTED: tl.constexpr,
+                        BD: tl.constexpr, PER_CHANNEL: tl.constexpr, NESTED: tl.constexpr,
                         L2NORM: tl.constexpr, STORE_TINV: tl.constexpr, COLUMNS: tl.constexpr,
-                        GRAM_PREC: tl.constexpr, DIAG_PREC: tl.constexpr, PREC: tl.constexpr):
-    """prep_kernel's outputs on [C, BD] column blocks ([C, GBD] for the Gram products): no [C, K] fp32 tile
-    is live across the chunk's matrices. The Gram products take the raw inputs (bf16 operands are exact for
-    bf16 inputs) and the l2norm scales them afterwards: gram(k_hat)_ij = (k_i . k_j) / (|k_i| |k_j|). The
-    inverses of Tinv's diagonal blocks come from doubling (DIAG_PREC); per channel, L's and P's diagonal
-    blocks from nested_grams (NESTED, its diagonal levels' products in DIAG_PREC too), else from
-    diagonal.py's kernel (run without its inverse). Without COLUMNS it stops at P and Tinv (stored, with the
-    scalar gc_last): prep_columns_kernel makes the rest."""
+                        GRAM_PREC: tl.constexpr, DIAG_PREC: tl.constexpr, NESTED_DIAG_PREC: tl.constexpr,
+                        PREC: tl.constexpr):
+    """prep_kernel's outputs on [C, BD] column blocks: no [C, K] fp32 tile is live across the chunk's
+    matrices. The Gram products take the raw inputs (bf16 operands are exact for bf16 inputs) and the
+    l2norm scales them afterwards: gram(k_hat)_ij = (k_i . k_j) / (|k_i| |k_j|). The inverses of Tinv's
+    diagonal blocks come from doubling (DIAG_PREC); per channel, L's and P's diagonal blocks from
+    nested_grams (NESTED, its levels inside them in NESTED_DIAG_PREC), else from diagonal.py's kernel (run
+    without its inverse). Without COLUMNS it stops at P and Tinv (stored, with the scalar gc_last):
+    prep_columns_kernel makes the rest."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     start, end = tl.load(chunk_start_ptr + chunk), tl.load(chunk_end_ptr + chunk)
     rows = tl.arange(0, C)
     tok = start + rows
     valid = tok < end
-    kk, qk, kk_BSS, k_sq, q_sq = raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H, K, C, S, GBD,
-                                           PER_CHANNEL, NESTED, GRAM_PREC, PREC, DIAG_PREC)
+    if NESTED:
+        kk, qk, k_sq, q_sq = nested_raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H, K, C, S, BD, PREC,
+                                              NESTED_DIAG_PREC)
+    else:
+        kk, qk, kk_BSS, k_sq, q_sq = raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H, K, C, S, BD,
+                                               PER_CHANNEL, GRAM_PREC, PREC)
     k_inv = tl.full([C], 1.0, tl.float32)
     q_inv = tl.full([C], 1.0, tl.float32)
     if L2NORM:
@@ -309,8 +331,6 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
     p_mat = q_inv[:, None] * qk * k_inv[None, :]
     # L's diagonal blocks apart, [C / S, S, S]: the merge below reads only l_mat's other blocks
     NS: tl.constexpr = C // S
-    row_scale = tl.reshape(beta * k_inv, [NS, S])
-    col_scale = tl.reshape(k_inv, [NS, S])
     if PER_CHANNEL:
         if NESTED:
             l_BSS = diagonal_blocks(l_mat, C, S)
@@ -325,6 +345,8 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
         p_mat = p_mat * decay
         tl.store(glast_ptr + chunk.to(tl.int64) * H + head, tl.sum(tl.where(rows == C - 1, gc, 0.0), 0))
         g_BS = tl.reshape(gc, [NS, S])
+        row_scale = tl.reshape(beta * k_inv, [NS, S])
+        col_scale = tl.reshape(k_inv, [NS, S])
         ii = tl.arange(0, S)
         diag_decay = tl.exp(tl.where((ii[:, None] > ii[None, :])[None, :, :], g_BS[:, :, None] - g_BS[:, None, :],
                                      float("-inf")))

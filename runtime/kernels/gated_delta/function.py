@@ -94,6 +94,10 @@ class KernelVariant:
     # no exponent is positive) instead of decayed_gram's three references plus diagonal.py's kernel: the
     # forward launches no diag kernel. Stores what the default's prep stores (the backward is unchanged)
     nested_grams: bool = False
+    # nested_grams' products inside the S x S diagonal blocks (4 of its 6 levels at C=64): "tf32x3" keeps
+    # them near the fp32 sums of diagonal.py's kernels; "tf32" takes a third of the tensor-core work (12
+    # instead of 28 [64, 64, 64] products per column block) at tf32's rounding, as the blocks off the diagonal
+    nested_diag_dots: str = "tf32x3"
     # with blocked_prep: prep in two launches, prep_blocked_kernel for the Gram products, P and Tinv (stored
     # whether or not a backward follows), then forward.prep_columns_kernel for kbar, w, qg and u per (chunk,
     # head, 64 columns) from the stored Tinv, as fla's recompute_w_u: neither holds the other's tiles
@@ -244,13 +248,17 @@ def _prep_blocked(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_ti
     forward.prep_blocked_kernel[(layout.num_chunks, num_heads)](
         q, k, v, g, beta, layout.chunk_start, layout.chunk_end,
         out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], *diags, scale,
-        H=num_heads, K=key_dim, V=value_dim, BD=block, GBD=block, PER_CHANNEL=per_channel,
+        H=num_heads, K=key_dim, V=value_dim, BD=block, PER_CHANNEL=per_channel,
         NESTED=per_channel and variant.nested_grams, L2NORM=l2norm, STORE_TINV=store_tinv or variant.split_prep,
-        COLUMNS=not variant.split_prep, GRAM_PREC=gram, DIAG_PREC="tf32x3", num_warps=variant.prep_warps, **cfg)
+        COLUMNS=not variant.split_prep, GRAM_PREC=gram, DIAG_PREC="tf32x3",
+        NESTED_DIAG_PREC=variant.nested_diag_dots, num_warps=variant.prep_warps, **cfg)
     if variant.split_prep:
-        forward.prep_columns_kernel[(layout.num_chunks, num_heads, key_dim // block + value_dim // block)](
+        # 32 columns: ptxas fits it in 160 registers at 4 warps without spilling, three programs per SM (64
+        # columns: 255 registers, 196 B spilled)
+        columns = min(32, key_dim, value_dim)
+        forward.prep_columns_kernel[(layout.num_chunks, num_heads, key_dim // columns + value_dim // columns)](
             q, k, v, g, beta, layout.chunk_start, layout.chunk_end, out["tinv"], out["qg"], out["kbar"], out["w"],
-            out["u"], out["glast"], scale, H=num_heads, K=key_dim, V=value_dim, C=cfg["C"], BD=block,
+            out["u"], out["glast"], scale, H=num_heads, K=key_dim, V=value_dim, C=cfg["C"], BD=columns,
             PER_CHANNEL=per_channel, L2NORM=l2norm, PREC=cfg["PREC"], num_warps=4)
 
 
