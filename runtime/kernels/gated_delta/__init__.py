@@ -37,6 +37,8 @@ VARIANTS: dict[str, KernelVariant] = {
     "kda_split_prep": KernelVariant(token_parallel_diag=True, split_prep=True),
     # GDN: the scalar decay's default with prep in two launches
     "gdn_split_prep": KernelVariant(bf16_grad_dots=True, split_prep=True),
+    # ptxas: GDN's Gram-and-inverse launch fits 8 warps without spilling (584 B at 4)
+    "gdn_split_prep_w8": KernelVariant(bf16_grad_dots=True, split_prep=True, prep_warps=8),
     "fp32_tiles": FP32_TILES,
     "recompute": KernelVariant(keep_forward=False),
     "in_chunk_diagonal": KernelVariant(split_diagonal=False),

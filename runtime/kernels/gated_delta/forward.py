@@ -21,6 +21,23 @@ structure took 1.68 ms for GDN):
   output: 0.11-0.13 -> 0.10.
   GDN forward 0.6-0.7 -> 1.35-1.52 ms wall (fla 0.6.0: 0.87-0.90), KDA 0.9-1.1 -> 2.48 ms.
 
+Settings to time (bench/bench_gated_delta.py --variants; ptxas for sm_90a at H32 K=V=128, registers /
+spilled bytes / shared memory; predictions in GPU ms at the shape above, not measured yet):
+  KernelVariant.nested_grams (KDA, "kda_nested*"): prep_blocked_kernel makes the per-channel Gram products
+    with their exact diagonal blocks itself (nested_grams: per [C, 64] column block six levels, each one
+    exp of the tile and two [64, 64, 64] products, tf32 off the diagonal blocks and tf32x3 inside them by
+    default), so the forward launches no diag kernel (diag_token_kernel 0.38). The column blocks loop
+    without unrolling. One launch (COLUMNS): 255 / 4260 B / 64 KB at 4 warps, 255 / 2088 / 64 KB at 8;
+    predicted 0.8-1.2 against prep_kernel 1.16 + diag_token_kernel 0.38.
+  KernelVariant.split_prep ("*_split*", "gdn_split_prep"): prep_blocked_kernel without COLUMNS stops at
+    P and Tinv, prep_columns_kernel (32 columns per program, (K + V) / 32 programs per chunk and head;
+    160 / 0 / 24 KB at 4 warps for KDA, 162 / 0 / 24 KB for GDN) makes kbar, w, qg and u from the stored
+    Tinv. Gram-and-inverse launch: KDA nested 255 / 2180 / 64 KB at 4 warps, 255 / 1648 / 64 KB at 8
+    (255 / 712 / 48 KB with tf32 inside the diagonal blocks); GDN 255 / 584 / 16 KB at 4 warps, 255 / 0 /
+    32 KB at 8 (one launch: 1724 B at 4).
+    Predicted: KDA nested 0.5-0.8 + columns 0.12-0.2 (tf32 inside the blocks: 0.35-0.6 + the same);
+    GDN 0.2-0.3 + 0.1-0.15 against 0.42 (8 warps without spills: 0.2-0.25 + the same).
+
 Shape legend: T packed tokens, H heads, K key dim, V value dim, C chunk size, S sub-chunk size,
 BD column block, BV value block, X 1 (GDN) or K (KDA), NC chunks over all sequences, NS = C / S.
 """
