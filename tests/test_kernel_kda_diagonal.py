@@ -27,6 +27,11 @@ TOKEN_VARIANTS = {
     # or two (split_prep); the backward's token-parallel kernels as in token_diag
     "kda_nested": KernelVariant(token_parallel_diag=True, nested_grams=True),
     "kda_nested_split": KernelVariant(token_parallel_diag=True, nested_grams=True, split_prep=True),
+    # the interpreter's tf32 products are fp32: this checks the path, the H200 run its precision
+    "kda_nested_split_tf32": KernelVariant(token_parallel_diag=True, nested_grams=True, split_prep=True,
+                                           nested_diag_dots="tf32"),
+    # prep in two launches after diag_token_kernel (no nested products)
+    "kda_split_prep": KernelVariant(token_parallel_diag=True, split_prep=True),
 }
 NESTED = ["kda_nested", "kda_nested_split"]
 
