@@ -37,6 +37,8 @@ VARIANTS = {
     # the forward measured before prep_blocked_kernel (prep_kernel, diag_kernel's inverse, tf32 products)
     # prep_kernel (whole [C, K] tiles) with the doubling inverse
     "unblocked_prep": KernelVariant(blocked_prep=False),
+    # prep in two launches (Gram products and Tinv, then the column outputs) on the scalar decay's default
+    "gdn_split_prep": KernelVariant(bf16_grad_dots=True, split_prep=True),
     "forward_before": KernelVariant(blocked_prep=False, doubling_inverse=False, bf16_dots=False, fp32_u=False,
                                     output_value_block=16, forward_scan_warps=8),
 }
@@ -105,7 +107,7 @@ FAST = [("gdn", "default"), ("gdn", "fp32_tiles"), ("gdn", "bv16"), ("kda", "def
 # keep_forward changes no kernel, only what the backward reuses, so GDN alone runs it with fp32 tiles
 T63_CASES = (cases(["gdn", "kda"], ["default", "bv16", "fp32_tiles", "fp32_tiles_split_diagonal",
                                     "in_chunk_diagonal", "unblocked_prep", "forward_before"], FAST)
-             + cases(["gdn"], ["fp32_tiles_keep_forward"], FAST))
+             + cases(["gdn"], ["fp32_tiles_keep_forward", "gdn_split_prep"], FAST))
 
 
 @pytest.mark.parametrize("kind,variant", T63_CASES)
@@ -113,7 +115,8 @@ def test_kernel_T63_initial_state(kind, variant):
     check(kind, make_inputs(kind, V=value_dim(variant)), variant=variant)
 
 
-@pytest.mark.parametrize("kind,variant", cases(["gdn", "kda"], ["default", "fp32_tiles"], [("kda", "default")]))
+@pytest.mark.parametrize("kind,variant", cases(["gdn", "kda"], ["default", "fp32_tiles"], [("kda", "default")])
+                         + cases(["gdn"], ["gdn_split_prep"], [("gdn", "gdn_split_prep")]))
 def test_kernel_cu_seqlens(kind, variant):
     """Three packed sequences (one shorter than a sub-chunk, one spanning two chunks), one state each."""
     x = make_inputs(kind, T=63, V=value_dim(variant), num_states=3)
@@ -121,7 +124,8 @@ def test_kernel_cu_seqlens(kind, variant):
 
 
 # Strong decays test the exact per-channel diagonal blocks, which split_diagonal moves (KDA only)
-@pytest.mark.parametrize("kind,variant", cases(["gdn", "kda"], ["default", "fp32_tiles"]))
+@pytest.mark.parametrize("kind,variant", cases(["gdn", "kda"], ["default", "fp32_tiles"])
+                         + cases(["gdn"], ["gdn_split_prep"], [("gdn", "gdn_split_prep")]))
 def test_kernel_batch2_no_l2norm_strong_decay(kind, variant):
     """B=2 folded into time; no qk l2norm, an explicit scale, decays up to ~-15 per token."""
     x = make_inputs(kind, B=2, T=40, decay=15.0)

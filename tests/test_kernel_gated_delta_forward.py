@@ -96,3 +96,28 @@ def test_column_blocks(kind, K, V, chunk32_nan_buffers):
                            cu_seqlens=kw["cu_seqlens"])
     assert_close(o, o_ref, op, torch.bfloat16, name="o")
     assert_close(state, state_ref, op, torch.bfloat16, name="final_state")
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-launch", "split"])
+def test_nested_grams_store_what_the_token_diagonals_do(split, monkeypatch):
+    """KernelVariant.nested_grams (and split_prep) store the quantities the backward reads (P, Tinv, w, u, qg,
+    kbar, gc_last) as the per-channel default's diagonal kernel does, up to fp32 rounding: the benchmark's
+    chunk 64 in sub-chunks of 16 (nested levels 32 and 16 off the diagonal blocks, 8 .. 1 inside), K=32 in
+    column blocks of 16, strong decays (up to ~-15 per token), three packed sequences."""
+    monkeypatch.setattr(kernel_config, "CHUNK_SIZE", 64)
+    monkeypatch.setattr(kernel_config, "empty", lambda *s, dtype, device: torch.full(s, float("nan"), dtype=dtype,
+                                                                                      device=device))
+    T, H, K, V = 150, 2, 32, 16
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k, v = rand(T, H, K), rand(T, H, K), rand(T, H, V)
+    g, beta = 15.0 * F.logsigmoid(rand(T, H, K) + 1.0), torch.sigmoid(rand(T, H))
+    layout = kernel_config.ChunkLayout.packed(torch.tensor([0, 5, 70, 150]), 64)
+    fp32 = dict(bf16_tiles=False, bf16_states=False)
+    args = (q, k, v, g, beta, layout, K**-0.5, True, True, True)
+    expected = kernel_config._prep(*args, KernelVariant(token_parallel_diag=True, **fp32))
+    got = kernel_config._prep(*args, KernelVariant(token_parallel_diag=True, nested_grams=True, split_prep=split,
+                                                    **fp32))
+    for name, e in expected.items():
+        assert torch.isfinite(got[name]).all(), name
+        torch.testing.assert_close(got[name], e, rtol=1e-4, atol=1e-5, msg=name)

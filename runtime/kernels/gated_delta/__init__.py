@@ -36,6 +36,22 @@ VARIANTS: dict[str, KernelVariant] = {
     # GDN's default with state_grad in key blocks of 32 (alone measured 3.61 against 3.87 ms at 12:00; never
     # with bf16 wy_grad products)
     "gdn_bf16_skb32": KernelVariant(bf16_grad_dots=True, state_grad_key_block=32),
+    # KDA: the per-channel Gram products, diagonal blocks included, over nested halves in prep_blocked_kernel
+    # (no diag kernel in the forward); on top of the per-channel default's token-parallel diagonal gradients
+    "kda_nested": KernelVariant(token_parallel_diag=True, nested_grams=True),
+    "kda_nested_w8": KernelVariant(token_parallel_diag=True, nested_grams=True, prep_warps=8),
+    # the same with prep in two launches (Gram products and Tinv, then the column outputs from the stored Tinv)
+    "kda_nested_split": KernelVariant(token_parallel_diag=True, nested_grams=True, split_prep=True),
+    "kda_nested_split_w8": KernelVariant(token_parallel_diag=True, nested_grams=True, split_prep=True, prep_warps=8),
+    # nested_grams' levels inside the diagonal blocks in tf32 (a third of its products; precision to check)
+    "kda_nested_split_w8_tf32": KernelVariant(token_parallel_diag=True, nested_grams=True, split_prep=True,
+                                              prep_warps=8, nested_diag_dots="tf32"),
+    # KDA's token-parallel diagonals with blocked prep in two launches (no nested products)
+    "kda_split_prep": KernelVariant(token_parallel_diag=True, split_prep=True),
+    # GDN: the scalar decay's default with prep in two launches
+    "gdn_split_prep": KernelVariant(bf16_grad_dots=True, split_prep=True),
+    # ptxas: GDN's Gram-and-inverse launch fits 8 warps without spilling (584 B at 4)
+    "gdn_split_prep_w8": KernelVariant(bf16_grad_dots=True, split_prep=True, prep_warps=8),
     "fp32_tiles": FP32_TILES,
     "recompute": KernelVariant(keep_forward=False),
     "in_chunk_diagonal": KernelVariant(split_diagonal=False),
