@@ -52,6 +52,12 @@ VARIANTS: dict[str, KernelVariant] = {
     "gdn_split_prep": KernelVariant(bf16_grad_dots=True, split_prep=True),
     # ptxas: GDN's Gram-and-inverse launch fits 8 warps without spilling (584 B at 4)
     "gdn_split_prep_w8": KernelVariant(bf16_grad_dots=True, split_prep=True, prep_warps=8),
+    # the forward alternatives above on the KDA default's backward (gram_grad_apart, bf16 wy_grad, key block 32)
+    "kda_split_prep_ga": KernelVariant(token_parallel_diag=True, split_prep=True, gram_grad_apart=True,
+                                       bf16_grad_dots=True, state_grad_key_block=32),
+    "kda_nested_split_w8_tf32_ga": KernelVariant(token_parallel_diag=True, nested_grams=True, split_prep=True,
+                                                 prep_warps=8, nested_diag_dots="tf32", gram_grad_apart=True,
+                                                 bf16_grad_dots=True, state_grad_key_block=32),
     "fp32_tiles": FP32_TILES,
     "recompute": KernelVariant(keep_forward=False),
     "in_chunk_diagonal": KernelVariant(split_diagonal=False),
