@@ -55,6 +55,9 @@ VARIANTS: dict[str, KernelVariant] = {
     # the forward alternatives above on the KDA default's backward (gram_grad_apart, bf16 wy_grad, key block 32)
     "kda_split_prep_ga": KernelVariant(token_parallel_diag=True, split_prep=True, gram_grad_apart=True,
                                        bf16_grad_dots=True, state_grad_key_block=32),
+    "kda_split_prep_ga_c64": KernelVariant(token_parallel_diag=True, split_prep=True, gram_grad_apart=True,
+                                           bf16_grad_dots=True, state_grad_key_block=32, prep_column_block=64),
+    "gdn_split_prep_c64": KernelVariant(bf16_grad_dots=True, split_prep=True, prep_column_block=64),
     "kda_nested_split_w8_tf32_ga": KernelVariant(token_parallel_diag=True, nested_grams=True, split_prep=True,
                                                  prep_warps=8, nested_diag_dots="tf32", gram_grad_apart=True,
                                                  bf16_grad_dots=True, state_grad_key_block=32),

@@ -313,8 +313,8 @@ def diagonal_blocks(x_CC, C: tl.constexpr, S: tl.constexpr):
 
 @triton.jit
 def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_ptr,
-                        qg_ptr, kbar_ptr, w_ptr, u_ptr, p_ptr, glast_ptr, tinv_ptr, ldiag_ptr, pdiag_ptr, scale,
-                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
+                        qg_ptr, kbar_ptr, w_ptr, u_ptr, p_ptr, glast_ptr, tinv_ptr, inv_ptr, ldiag_ptr, pdiag_ptr,
+                        scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
                         BD: tl.constexpr, PER_CHANNEL: tl.constexpr, NESTED: tl.constexpr,
                         L2NORM: tl.constexpr, STORE_TINV: tl.constexpr, COLUMNS: tl.constexpr,
                         GRAM_PREC: tl.constexpr, DIAG_PREC: tl.constexpr, NESTED_DIAG_PREC: tl.constexpr,
@@ -324,8 +324,8 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
     l2norm scales them afterwards: gram(k_hat)_ij = (k_i . k_j) / (|k_i| |k_j|). The inverses of Tinv's
     diagonal blocks come from doubling (DIAG_PREC); per channel, L's and P's diagonal blocks from
     nested_grams (NESTED, its levels inside them in NESTED_DIAG_PREC), else from diagonal.py's kernel (run
-    without its inverse). Without COLUMNS it stops at P and Tinv (stored, with the scalar gc_last):
-    prep_columns_kernel makes the rest."""
+    without its inverse). Without COLUMNS it stops at P and Tinv (stored, with the scalar gc_last and the
+    rows' inverse norms, [T, H, 2] at inv_ptr): prep_columns_kernel makes the rest."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     start, end = tl.load(chunk_start_ptr + chunk), tl.load(chunk_end_ptr + chunk)
     rows = tl.arange(0, C)
@@ -372,6 +372,11 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
     tinv = merge_block_inverse(l_mat, block_diagonal(diag_block_inverse(l_BSS, S, DIAG_PREC), C, S), C, S, PREC)
     if STORE_TINV:
         store_cols(tinv_ptr, tinv, start, valid, head, H, C, 0, C)
+    if not COLUMNS:
+        # the column kernel's programs would each re-read q and k whole for them
+        inv_offs = (tok.to(tl.int64) * H + head) * 2
+        tl.store(inv_ptr + inv_offs, k_inv, mask=valid)
+        tl.store(inv_ptr + inv_offs + 1, q_inv, mask=valid)
     if COLUMNS:
         for col0 in tl.static_range(0, K, BD):
             key_columns(q_ptr, k_ptr, g_ptr, kbar_ptr, w_ptr, qg_ptr, glast_ptr, tinv, beta, k_inv, q_inv, gc,
@@ -381,25 +386,10 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
 
 
 @triton.jit
-def inverse_norms(ptr, start, valid, head, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BD: tl.constexpr,
-                  L2NORM: tl.constexpr):
-    """1 / sqrt(|x|^2 + 1e-6) of the rows of a packed [T, H, K] tensor from [C, BD] column blocks (1 without
-    L2NORM)."""
-    inv = tl.full([C], 1.0, tl.float32)
-    if L2NORM:
-        sq = tl.zeros([C], tl.float32)
-        for col0 in tl.static_range(0, K, BD):
-            x = load_cols(ptr, start, valid, head, H, K, col0, C, BD).to(tl.float32)
-            sq += tl.sum(x * x, 1)
-        inv = 1.0 / tl.sqrt(sq + 1e-6)
-    return inv
-
-
-@triton.jit
-def prep_columns_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_ptr, tinv_ptr,
-                        qg_ptr, kbar_ptr, w_ptr, u_ptr, glast_ptr, scale, H: tl.constexpr, K: tl.constexpr,
+def prep_columns_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_ptr, tinv_ptr, inv_ptr,
+                        qg_ptr, kbar_ptr, w_ptr, u_ptr, glast_ptr, H: tl.constexpr, K: tl.constexpr,
                         V: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                        L2NORM: tl.constexpr, PREC: tl.constexpr):
+                        PREC: tl.constexpr):
     """Per (chunk, head, column block), after prep_blocked_kernel without COLUMNS (KernelVariant.split_prep):
     kbar, w, qg (per channel gc_last) of key columns, or u of value columns, from the stored Tinv. Apart, the
     Gram-and-inverse kernel holds no column tiles and this one no Gram products: fewer registers each, and
@@ -412,8 +402,10 @@ def prep_columns_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
     tinv = load_cols(tinv_ptr, start, valid, head, H, C, 0, C, C).to(tl.float32)
     beta = tl.load(beta_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32)
     if blk < K // BD:
-        k_inv = inverse_norms(k_ptr, start, valid, head, H, K, C, BD, L2NORM)
-        q_inv = inverse_norms(q_ptr, start, valid, head, H, K, C, BD, L2NORM) * scale
+        # k's and q's inverse norms (q's with the scale) as prep_blocked_kernel stored them
+        inv_offs = (tok.to(tl.int64) * H + head) * 2
+        k_inv = tl.load(inv_ptr + inv_offs, mask=valid, other=0.0)
+        q_inv = tl.load(inv_ptr + inv_offs + 1, mask=valid, other=0.0)
         gc = tl.zeros([C], tl.float32)
         if not PER_CHANNEL:
             gc = tl.cumsum(tl.load(g_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32), 0)

@@ -119,6 +119,10 @@ class KernelVariant:
     # whether or not a backward follows), then forward.prep_columns_kernel for kbar, w, qg and u per (chunk,
     # head, 64 columns) from the stored Tinv, as fla's recompute_w_u: neither holds the other's tiles
     split_prep: bool = False
+    # columns per program of prep_columns_kernel (ptxas, GDN / KDA, once it read the first launch's inverse norms
+    # instead of recomputing them from q and k: 32 at 4 warps 117 / 149 registers, 64 at 8 warps 126 / 162, no
+    # spills): 64 reads Tinv half as often
+    prep_column_block: int = 32
 
 
 DEFAULT_VARIANT = KernelVariant()
@@ -266,24 +270,26 @@ def _prep_blocked(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_ti
         diags = (ldiag, pdiag)
     # bf16 operands are exact for bf16 inputs; the interpreter gets the same rounding in fp32 (see common.mm)
     block = min(64, key_dim, value_dim)
+    # with split_prep, k's and q's inverse norms per token [T, H, 2] from the first launch to the second
+    inverse_norms = out["glast"]
+    if variant.split_prep:
+        inverse_norms = empty(q.shape[0], num_heads, 2, dtype=torch.float32, device=q.device)
     gram = DOT_PRECISION
     if q.dtype == torch.bfloat16:
         gram = "bf16_rounded" if os.environ.get("TRITON_INTERPRET") == "1" else "bf16"
     fast(forward.prep_blocked_kernel)[(layout.num_chunks, num_heads)](
         q, k, v, g, beta, layout.chunk_start, layout.chunk_end,
-        out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], *diags, scale,
-        H=num_heads, K=key_dim, V=value_dim, BD=block, PER_CHANNEL=per_channel,
+        out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], inverse_norms, *diags,
+        scale, H=num_heads, K=key_dim, V=value_dim, BD=block, PER_CHANNEL=per_channel,
         NESTED=per_channel and variant.nested_grams, L2NORM=l2norm, STORE_TINV=store_tinv or variant.split_prep,
         COLUMNS=not variant.split_prep, GRAM_PREC=gram, DIAG_PREC="tf32x3",
         NESTED_DIAG_PREC=variant.nested_diag_dots, num_warps=variant.prep_warps, **cfg)
     if variant.split_prep:
-        # 32 columns: ptxas fits it in 160 registers at 4 warps without spilling, three programs per SM (64
-        # columns: 255 registers, 196 B spilled)
-        columns = min(32, key_dim, value_dim)
+        columns = min(variant.prep_column_block, key_dim, value_dim)
         fast(forward.prep_columns_kernel)[(layout.num_chunks, num_heads, key_dim // columns + value_dim // columns)](
-            q, k, v, g, beta, layout.chunk_start, layout.chunk_end, out["tinv"], out["qg"], out["kbar"], out["w"],
-            out["u"], out["glast"], scale, H=num_heads, K=key_dim, V=value_dim, C=cfg["C"], BD=columns,
-            PER_CHANNEL=per_channel, L2NORM=l2norm, PREC=cfg["PREC"], num_warps=4)
+            q, k, v, g, beta, layout.chunk_start, layout.chunk_end, out["tinv"], inverse_norms, out["qg"],
+            out["kbar"], out["w"], out["u"], out["glast"], H=num_heads, K=key_dim, V=value_dim, C=cfg["C"],
+            BD=columns, PER_CHANNEL=per_channel, PREC=cfg["PREC"], num_warps=4 if columns <= 32 else 8)
 
 
 def _scan(prep, h0, layout, per_channel, store_final, variant=DEFAULT_VARIANT):
