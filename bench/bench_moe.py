@@ -61,12 +61,10 @@ What that run measured (predictions then, against 11.59):
 - Not built: tile order of the grouped GEMMs for L2 reuse. Predicted < 0.05 ms: an expert has ~3
   row tiles x 4-16 column tiles (~320 rows), all in flight together in launch order, and its
   operands (~2 MB) fit in L2 many times over, so weights are already read about once from HBM.
-Predicted for the next run (2026-11-29, not measured; runtime/kernels/moe/grouped_wgrad.py says
-why): wgrad_group8 ~1.1 ms below baseline fwd+bwd (gate/up weight gradient 1.94 -> ~1.35 ms, down
-1.49 -> ~1.0), wgrad_group4 / wgrad_group16 within ~0.05 ms of it, wgrad_group8_ptr_store slower
-than wgrad_group8 (255 registers, spills) but still below baseline. With --sweep, the grouped
-kernel's cases `grouped_wgrad_{gate_up,down} G{4,8,16}` time each of its configs alone (x from its
-copy in expert order, dy gathered by token, as the runtime reads them).
+Measured 2026-11-29 14:12 (bench/results/2026-11-29-moe.json), the weight gradients with 4-16
+experts per program (predicted 11.3 -> ~10.2 ms fwd+bwd): step_by_step 11.35 ms, wgrad_group4 11.94,
+wgrad_group8 11.87, wgrad_group16 11.79, wgrad_group8_ptr_store 11.37 (all passed, worst 3.44e-3);
+LoRA frozen base 10.46-10.69 vs step_by_step 10.55 (noise). No faster: removed.
 Writes moe.json under --out.
 """
 from __future__ import annotations
@@ -112,14 +110,6 @@ VARIANTS = {
     "glu_bwd_m128": dict(tuning=kernels.Tuning(glu_bwd_block_m=None)),
     "torch_shared": dict(shared="torch"),
     "fp32_router_logits": dict(logits="fp32"),
-    # the weight gradients (full fine-tune and LoRA) by the grouped kernel, 4 / 8 / 16 experts per
-    # program: 8192 / 4096 / 2048 programs for the down gradient at 128x128 tiles instead of 32768
-    "wgrad_group4": dict(tuning=kernels.Tuning(wgrad_group=4)),
-    "wgrad_group8": dict(tuning=kernels.Tuning(wgrad_group=8)),
-    "wgrad_group16": dict(tuning=kernels.Tuning(wgrad_group=16)),
-    # the same with each expert's tile stored through pointers, not TMA (and in case TMA's
-    # device-side descriptors fail under triton 3.6)
-    "wgrad_group8_ptr_store": dict(tuning=kernels.Tuning(wgrad_group=8, wgrad_tma_store=False)),
 }
 GRAPHED = ("baseline",)
 PROFILED = ("baseline", "torch_shared")
@@ -506,9 +496,6 @@ GEMM_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st) for bn,
     (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4), (256, 64, 8, 3), (128, 128, 8, 3))]
 WGRAD_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st) for bm, bn, bk, w, st in (
     (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 3))]
-# the grouped weight-gradient kernel's own candidates (grouped_wgrad.py says why), each group size
-GROUPED_WGRAD_CONFIGS = [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in gw._grouped_configs()]
-WGRAD_GROUPS = (4, 8, 16)
 BLOCK_M = 128
 
 
@@ -544,14 +531,6 @@ def _gemm_cases(block, x, dy):
             f"wgrad_down {rows}": (flops, lambda c, dyr=dyr, by_token=by_token: gw.grouped_wgrad(
                 dyr, h, sched, gather_a=by_token, row_scale_P=w_P, config=c)),
         }
-    for group in WGRAD_GROUPS:
-        # the layouts the runtime uses: x from its copy in expert order, dy gathered by token
-        cases |= {
-            f"grouped_wgrad_gate_up G{group}": (2 * flops, lambda c, g=group: gw.grouped_wgrad(
-                d_gate_up, x_S, sched, group=g, config=c)),
-            f"grouped_wgrad_down G{group}": (flops, lambda c, g=group: gw.grouped_wgrad(
-                dy, h, sched, gather_a=True, row_scale_P=w_P, group=g, config=c)),
-        }
     return cases, dict(x=x, sched=sched, y=y)
 
 
@@ -572,7 +551,7 @@ def sweep(block, x, dy):
     table, best = {}, {}
     cases, tensors = _gemm_cases(block, x, dy)
     for name, (flops, call) in cases.items():
-        for c in {"gemm": GEMM_CONFIGS, "wgrad": WGRAD_CONFIGS, "grouped_wgrad": GROUPED_WGRAD_CONFIGS}[_kind(name)]:
+        for c in WGRAD_CONFIGS if name.startswith("wgrad") else GEMM_CONFIGS:
             label = f"{name} " + " ".join(f"{k}={v}" for k, v in c.items())
             try:
                 ms = time_ms(lambda: call(c), reps=5, warmup=1)
@@ -588,24 +567,16 @@ def sweep(block, x, dy):
             "memory_passes": _memory_passes(**tensors)}
 
 
-def _kind(case: str) -> str:
-    """Which kernel a sweep case runs: 'gemm', 'wgrad' (per expert) or 'grouped_wgrad'."""
-    for kind in ("grouped_wgrad", "wgrad"):
-        if case.startswith(kind):
-            return kind
-    return "gemm"
-
-
 def _apply(best):
     """Autotune among the per-GEMM winners (the autotuner keys on the row layout too)."""
     kernel_experts._block_m = lambda rows, experts: BLOCK_M
     as_config = lambda c: triton.Config({k: v for k, v in c.items() if k.isupper()}, num_warps=c["num_warps"], num_stages=c["num_stages"])  # noqa: E731
-    tuned = {"gemm": gg._tuned_kernel, "wgrad": gw._tuned_kernel, "grouped_wgrad": gw._grouped_tuned_kernel}
-    for kind, kernel in tuned.items():
-        kernel.configs = _unique([as_config(c) for n, (_, c) in best.items() if _kind(n) == kind]) or kernel.configs
-        kernel.cache.clear()
-        log(f"{kind} configs {[str(c) for c in kernel.configs]}")
+    gg._tuned_kernel.configs = _unique([as_config(c) for n, (_, c) in best.items() if not n.startswith("wgrad")])
+    gw._tuned_kernel.configs = _unique([as_config(c) for n, (_, c) in best.items() if n.startswith("wgrad")])
+    gg._tuned_kernel.cache.clear()
     gg.CHOSEN_CONFIGS.clear()
+    gw._tuned_kernel.cache.clear()
+    log(f"gemm configs {[str(c) for c in gg._tuned_kernel.configs]}; wgrad configs {[str(c) for c in gw._tuned_kernel.configs]}")
 
 
 def _unique(configs):

@@ -4,11 +4,10 @@ SwiGLU experts forward and every gradient (x, routing weights, expert weights, b
 with NaN-prefilled buffers, x read from a copy in expert order and gathered by token, an expert
 that receives no tokens, an expert count divisible by nothing convenient, the gpt-oss GLU (clamp,
 alpha, interleaved gate/up, transposed weight views) and frozen experts; then each `Tuning`
-setting (the GLU backward on the schedule's row tile or its own, the weight gradients with 4
-experts per program) over the same kinds of problem; the grouped weight-gradient kernel alone
-(empty experts at group edges, partial groups, operands by token, its pointer-store form); the
-dense SwiGLU MLP / shared expert (with and without the sigmoid gate and the residual it adds
-into, leading batch dims, padded stacked rows), and the half-precision router logits' dtypes.
+setting (the GLU backward on the schedule's row tile or its own 16-row tile) over the same kinds
+of problem; the dense SwiGLU MLP / shared expert (with and without the sigmoid gate and the
+residual it adds into, leading batch dims, padded stacked rows), and the half-precision router
+logits' dtypes.
 
 Shape legend: T tokens, D model width, E experts, F expert width, k top-k, r LoRA rank.
 fp32 inputs: under the interpreter a tl.dot on bf16 operands is wrong in triton 3.9.
@@ -22,7 +21,7 @@ import torch  # noqa: E402
 
 from reference_ops import moe as ref  # noqa: E402
 from runtime.kernels import moe as kernels  # noqa: E402
-from runtime.kernels.moe import buffers, combine, experts, gather, grouped_wgrad, router, schedule  # noqa: E402
+from runtime.kernels.moe import buffers, combine, experts, gather, router, schedule  # noqa: E402
 from runtime.ops import moe as torch_ops  # noqa: E402
 from runtime.tolerances import assert_close  # noqa: E402
 
@@ -165,9 +164,6 @@ TUNINGS = {
     "glu-bwd-schedule-tile": experts.Tuning(glu_bwd_block_m=None),
     # 16-row tiles split the larger experts here into two tiles, unlike the schedule's 64
     "glu-bwd-m16": experts.Tuning(glu_bwd_block_m=16),
-    # the last group of 4 is partial in every problem (5, 6, 7 experts); other group sizes are
-    # tested on the kernel alone (test_grouped_wgrad_matches_reference), which is much faster
-    "wgrad-group4": experts.Tuning(wgrad_group=4),
 }
 GPT_OSS = dict(clamp=1.5, glu_alpha=1.702, interleaved_gate_up=True)
 TUNING_PROBLEMS = {
@@ -185,52 +181,6 @@ def test_tuning_variants_match_reference(tuning, problem):
     shape, frozen, static = TUNING_PROBLEMS[problem]
     leaves, idx = _problem(**shape)
     check_experts(leaves, idx, frozen=frozen, tuning=TUNINGS[tuning], **static)
-
-
-# Steps of 16 rows: experts of ~12-28 rows here take one or two steps, those of E3 three (37 rows).
-WGRAD_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=1)
-WGRAD_CASES = {
-    # empty experts first, last, and two in a row across a group boundary; the last group is partial
-    "E9-group4-empty-0-4-5-8": dict(E=9, empty=(0, 4, 5, 8), group=4, gather_a=True, scale=True),
-    "E7-group2-x-by-token": dict(E=7, empty=(3,), group=2, gather_b=True),
-    "E5-group8-one-partial-group": dict(E=5, empty=(), group=8, scale=True),
-    "E6-group1": dict(E=6, empty=(2,), group=1, gather_a=True),
-    "E3-group2-three-steps-each": dict(E=3, empty=(), group=2, gather_a=True, scale=True),
-    # rows of 6 fp32 (24 bytes) are no multiple of TMA's 16: stored through pointers instead
-    "E7-group4-N6-pointer-store": dict(E=7, empty=(1,), group=4, N=6),
-    "E9-group4-pointer-store": dict(E=9, empty=(0, 4, 5, 8), group=4, gather_a=True, scale=True, tma_store=False),
-}
-
-
-def _wgrad_reference(a, b, scale_P, sched, gather_a, gather_b):
-    """fp64 [E, M, N]: each expert's (scale * A)^T B over its sorted rows."""
-    tokens = sched.pair_S // sched.top_k
-    a_S = (a[tokens] if gather_a else a).double()
-    b_S = (b[tokens] if gather_b else b).double()
-    if scale_P is not None:
-        a_S = a_S * scale_P[sched.pair_S].double()[:, None]
-    out = torch.zeros(sched.num_experts, a.shape[1], b.shape[1], dtype=torch.float64)
-    return out.index_add_(0, sched.expert_S, a_S[:, :, None] * b_S[:, None, :])
-
-
-@pytest.mark.parametrize("case", list(WGRAD_CASES))
-def test_grouped_wgrad_matches_reference(case):
-    c = WGRAD_CASES[case]
-    g = torch.Generator().manual_seed(15)
-    allowed = torch.tensor([e for e in range(c["E"]) if e not in c["empty"]])
-    k = 3
-    idx = torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:k]] for _ in range(T)])
-    sched = schedule.build_schedule(idx, c["E"], block_m=16)
-    S, M, N = T * k, 40, c.get("N", 24)
-    a = torch.randn(T if c.get("gather_a") else S, M, generator=g)
-    b = torch.randn(T if c.get("gather_b") else S, N, generator=g)
-    scale_P = torch.rand(S, generator=g) + 0.1 if c.get("scale") else None
-    out = grouped_wgrad.grouped_wgrad(a, b, sched, gather_a=c.get("gather_a", False), gather_b=c.get("gather_b", False),
-                                      row_scale_P=scale_P, alpha=0.5, group=c["group"], tma_store=c.get("tma_store", True),
-                                      config=WGRAD_CONFIG)
-    expected = 0.5 * _wgrad_reference(a, b, scale_P, sched, c.get("gather_a", False), c.get("gather_b", False))
-    assert_close(out, expected, "swiglu_experts", torch.float32, "grad", case)
-    assert (out[list(c["empty"])] == 0).all()
 
 
 def test_gather_tokens_writes_every_sorted_row():

@@ -47,14 +47,7 @@ class Tuning:
     # 12.83 ms for the block fwd+bwd on an H200 (2026-11-29): less padding per expert (~320 rows).
     glu_bwd_block_m: int | None = 64
     # (storing w * h in the GLU backward for the down weight gradient measured 0.16 ms slower: removed)
-    # experts per program of the weight gradients (full fine-tune and LoRA; None: one program per
-    # output tile and expert). Each program of the per-expert kernel reduces only ~5 steps of 64
-    # rows (~320 rows per expert), so pipeline fill and the epilogue dominate; the grouped kernel
-    # walks a group's rows in one loop. Not measured yet (predictions in grouped_wgrad.py).
-    wgrad_group: int | None = None
-    # the grouped kernel stores each expert's tile through TMA (False: through per-element
-    # pointers, which stay live across its loop: 255 registers and spills, ptxas sm_90a)
-    wgrad_tma_store: bool = True
+    # (weight gradients with 4-16 experts per program measured no faster, 11.79-11.94 vs 11.35 ms: removed)
 
 
 @dataclass(frozen=True)
@@ -159,7 +152,7 @@ class _SwigluExperts(torch.autograd.Function):
         if A_gu is not None and (need["x"] or need["A_gu"]):
             lg = _lora_grad_rows(d_gate_up, lora, sched)
         grads = _input_grads(d_gate_up, dw_P, w_gu, b_d, dy.data, idx_Tk, lg, lora, sched, need)
-        grads |= _weight_grads(x, dy, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg, lora, sched, need, ctx.tuning)
+        grads |= _weight_grads(x, dy, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg, lora, sched, need)
         params = dict(w_gu=w_gu, w_d=w_d, A_gu=A_gu, B_gu=B_gu, A_d=A_d, B_d=B_d)
         return (*(_cast(grads.get(n), params.get(n), ctx.dtypes.get(n)) for n in need), None, None, None)
 
@@ -209,30 +202,26 @@ def _input_grads(d_gate_up, dw_P, w_gu, b_d, dy_TD, idx_Tk, lg, lora: Lora, sche
 
 
 def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg, lora: Lora, sched: Schedule,
-                  need: dict, tuning: Tuning) -> dict:
+                  need: dict) -> dict:
     """h takes the routing weight w as a row scale in the down-side gradients."""
     s = lora.scale
     grads = {}
-
-    def wgrad(a_SM, b_SN, **kw):
-        return grouped_wgrad(a_SM, b_SN, sched, group=tuning.wgrad_group, tma_store=tuning.wgrad_tma_store, **kw)
-
     if need["w_gu"]:
-        grads["w_gu"] = wgrad(d_gate_up, x.data, gather_b=x.by_token)
+        grads["w_gu"] = grouped_wgrad(d_gate_up, x.data, sched, gather_b=x.by_token)
     if need["w_d"]:
-        grads["w_d"] = wgrad(dy.data, h, gather_a=dy.by_token, row_scale_P=w_P)
+        grads["w_d"] = grouped_wgrad(dy.data, h, sched, gather_a=dy.by_token, row_scale_P=w_P)
     if need["b_gu"]:
         grads["b_gu"] = _segment_sum(d_gate_up.float(), sched)
     if need["b_d"]:
         grads["b_d"] = _routed_sum(dy.data.float(), w_P, idx_Tk, sched.num_experts)
     if need["A_gu"]:
-        grads["A_gu"] = wgrad(lg, x.data, gather_b=x.by_token, alpha=s)
+        grads["A_gu"] = grouped_wgrad(lg, x.data, sched, gather_b=x.by_token, alpha=s)
     if need["B_gu"]:
-        grads["B_gu"] = wgrad(d_gate_up, xa, alpha=s)
+        grads["B_gu"] = grouped_wgrad(d_gate_up, xa, sched, alpha=s)
     if need["A_d"]:
-        grads["A_d"] = wgrad(dyb, h, row_scale_P=w_P, alpha=s)
+        grads["A_d"] = grouped_wgrad(dyb, h, sched, row_scale_P=w_P, alpha=s)
     if need["B_d"]:
-        grads["B_d"] = wgrad(dy.data, ha, gather_a=dy.by_token, row_scale_P=w_P, alpha=s)
+        grads["B_d"] = grouped_wgrad(dy.data, ha, sched, gather_a=dy.by_token, row_scale_P=w_P, alpha=s)
     return grads
 
 
