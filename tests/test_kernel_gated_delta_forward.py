@@ -98,12 +98,12 @@ def test_column_blocks(kind, K, V, chunk32_nan_buffers):
     assert_close(state, state_ref, op, torch.bfloat16, name="final_state")
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["one-launch", "split"])
-def test_nested_grams_store_what_the_token_diagonals_do(split, monkeypatch):
-    """KernelVariant.nested_grams (and split_prep) store the quantities the backward reads (P, Tinv, w, u, qg,
-    kbar, gc_last) as the per-channel default's diagonal kernel does, up to fp32 rounding: the benchmark's
-    chunk 64 in sub-chunks of 16 (nested levels 32 and 16 off the diagonal blocks, 8 .. 1 inside), K=32 in
-    column blocks of 16, strong decays (up to ~-15 per token), three packed sequences."""
+@pytest.mark.parametrize("column_block", [16, 32], ids=["two-key-blocks", "one-key-block"])
+def test_split_prep_stores_what_one_launch_does(column_block, monkeypatch):
+    """KernelVariant.split_prep (the column kernel reading the first launch's Tinv and inverse norms) stores the
+    quantities the backward reads (P, Tinv, w, u, qg, kbar, gc_last) as the one-launch prep does, up to fp32
+    rounding: the benchmark's chunk 64 in sub-chunks of 16, K=32 in column blocks of 16 or 32, strong decays
+    (up to ~-15 per token), three packed sequences."""
     monkeypatch.setattr(kernel_config, "CHUNK_SIZE", 64)
     monkeypatch.setattr(kernel_config, "empty", lambda *s, dtype, device: torch.full(s, float("nan"), dtype=dtype,
                                                                                       device=device))
@@ -116,8 +116,8 @@ def test_nested_grams_store_what_the_token_diagonals_do(split, monkeypatch):
     fp32 = dict(bf16_tiles=False, bf16_states=False)
     args = (q, k, v, g, beta, layout, K**-0.5, True, True, True)
     expected = kernel_config._prep(*args, KernelVariant(token_parallel_diag=True, **fp32))
-    got = kernel_config._prep(*args, KernelVariant(token_parallel_diag=True, nested_grams=True, split_prep=split,
-                                                    **fp32))
+    got = kernel_config._prep(*args, KernelVariant(token_parallel_diag=True, split_prep=True,
+                                                    prep_column_block=column_block, **fp32))
     for name, e in expected.items():
         assert torch.isfinite(got[name]).all(), name
         torch.testing.assert_close(got[name], e, rtol=1e-4, atol=1e-5, msg=name)

@@ -1,6 +1,6 @@
 """KDA with the token-parallel diagonal kernels (KernelVariant.token_parallel_diag: diagonal.diag_token_kernel,
-diag_grad_token_kernel, dg_finish_kernel), and with the forward's diagonal blocks from prep's nested Gram
-products instead (KernelVariant.nested_grams, split_prep), against the fp64 reference, as
+diag_grad_token_kernel, dg_finish_kernel), with the per-channel Gram backward apart (gram_grad_apart) and prep
+in two launches (split_prep: the per-channel default), against the fp64 reference, as
 tests/test_kernel_gated_delta.py checks the other variants: the interpreter, fp32 inputs (bf16 once),
 NaN-filled buffers, chunk 32 in sub-chunks of 16 (chunk 64 once), H=2 (one program per head pair at
 TOKEN_DIAG_HEADS 4: BH 2) and H=3 (BH 1).
@@ -27,17 +27,12 @@ TOKEN_VARIANTS = {
     "gram_apart": KernelVariant(token_parallel_diag=True, blocked_prep=False, gram_grad_apart=True),
     "gram_apart_bf16": KernelVariant(token_parallel_diag=True, blocked_prep=False, gram_grad_apart=True,
                                      bf16_grad_dots=True),
-    # the forward's diagonal blocks from prep_blocked_kernel's nested Gram products (no diag kernel), one launch
-    # or two (split_prep); the backward's token-parallel kernels as in token_diag
-    "kda_nested": KernelVariant(token_parallel_diag=True, nested_grams=True),
-    "kda_nested_split": KernelVariant(token_parallel_diag=True, nested_grams=True, split_prep=True),
-    # the interpreter's tf32 products are fp32: this checks the path, the H200 run its precision
-    "kda_nested_split_tf32": KernelVariant(token_parallel_diag=True, nested_grams=True, split_prep=True,
-                                           nested_diag_dots="tf32"),
-    # prep in two launches after diag_token_kernel (no nested products)
+    # prep in two launches after diag_token_kernel (32 columns per column program at these widths)
     "kda_split_prep": KernelVariant(token_parallel_diag=True, split_prep=True),
+    # the runtime's per-channel default (function.PER_CHANNEL_DECAY_DEFAULT)
+    "kda_default": kernel_config.PER_CHANNEL_DECAY_DEFAULT,
 }
-NESTED = ["kda_nested", "kda_nested_split"]
+SPLIT = ["kda_split_prep", "kda_default"]
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +46,7 @@ def test_kda_token_diag_T63_initial_state(variant):
     check("kda", make_inputs("kda", V=32), variant=variant)
 
 
-@pytest.mark.parametrize("variant", ["token_diag"] + NESTED)
+@pytest.mark.parametrize("variant", ["token_diag"] + SPLIT)
 def test_kda_token_diag_cu_seqlens_three_heads(variant):
     """Three packed sequences (one shorter than a sub-chunk, one spanning two chunks), one state each; H=3."""
     x = make_inputs("kda", T=63, H=3, V=32, num_states=3)
@@ -59,7 +54,7 @@ def test_kda_token_diag_cu_seqlens_three_heads(variant):
 
 
 # gram_apart's tf32 path runs strong decay in tests/test_kernel_gated_delta_backward.py (two key blocks)
-@pytest.mark.parametrize("variant", ["token_diag", "gram_apart_bf16"] + NESTED)
+@pytest.mark.parametrize("variant", ["token_diag", "gram_apart_bf16"] + SPLIT)
 def test_kda_token_diag_batch2_no_l2norm_strong_decay(variant):
     """B=2 folded into time; no qk l2norm, an explicit scale, decays up to ~-15 per token."""
     check("kda", make_inputs("kda", B=2, T=40, V=32, decay=15.0), variant=variant, use_qk_l2norm=False, scale=0.3)
@@ -80,10 +75,9 @@ def test_kda_token_diag_bf16_inputs():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["token_diag"] + NESTED)
+@pytest.mark.parametrize("variant", ["token_diag"] + SPLIT)
 def test_kda_token_diag_benchmark_chunk_size(variant, monkeypatch):
-    """The benchmark's chunk 64 (four sub-chunks: nested_grams' levels 32 and 16 off the diagonal blocks),
-    two packed sequences."""
+    """The benchmark's chunk 64 (four sub-chunks), two packed sequences."""
     monkeypatch.setattr(kernel_config, "CHUNK_SIZE", 64)
     x = make_inputs("kda", T=150, V=32, num_states=2)
     check("kda", x, variant=variant, cu_seqlens=torch.tensor([0, 70, 150]))

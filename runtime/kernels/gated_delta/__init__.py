@@ -23,44 +23,18 @@ VARIANTS: dict[str, KernelVariant] = {
     "token_diag": KernelVariant(token_parallel_diag=True),
     "token_diag_unblocked": KernelVariant(token_parallel_diag=True, blocked_prep=False),
     "token_diag_h8": KernelVariant(token_parallel_diag=True, token_diag_heads=8),
-    # KDA only: the per-channel Gram backward of dL and dP in backward.gram_grad_kernel (gram_grad_apart), on the
-    # KDA default ("kda_gram_apart"), with wy_grad's products on bf16 operands too ("kda_gram_apart_bf16"), that
-    # with gram_grad_kernel at 8 warps ("..._w8") or state_grad_kernel in key blocks of 32 ("..._skb32")
-    "kda_gram_apart": KernelVariant(token_parallel_diag=True, blocked_prep=False, gram_grad_apart=True),
-    "kda_gram_apart_bf16": KernelVariant(token_parallel_diag=True, blocked_prep=False, gram_grad_apart=True,
-                                         bf16_grad_dots=True),
-    "kda_gram_apart_bf16_w8": KernelVariant(token_parallel_diag=True, blocked_prep=False, gram_grad_apart=True,
-                                            bf16_grad_dots=True, gram_grad_warps=8),
+    # KDA only: the per-channel Gram backward of dL and dP in backward.gram_grad_kernel (gram_grad_apart) with
+    # wy_grad's products on bf16 operands and state_grad in key blocks of 32, on the one-launch prep_kernel: the
+    # per-channel default from 13:50 to 14:20 (5.56 ms; tf32 wy_grad 6.53, gram_grad at 8 warps 6.51 at 13:40)
     "kda_gram_apart_bf16_skb32": KernelVariant(token_parallel_diag=True, blocked_prep=False, gram_grad_apart=True,
                                                bf16_grad_dots=True, state_grad_key_block=32),
-    # GDN's default with state_grad in key blocks of 32 (alone measured 3.61 against 3.87 ms at 12:00; never
-    # with bf16 wy_grad products)
-    "gdn_bf16_skb32": KernelVariant(bf16_grad_dots=True, state_grad_key_block=32),
-    # KDA: the per-channel Gram products, diagonal blocks included, over nested halves in prep_blocked_kernel
-    # (no diag kernel in the forward); on top of the per-channel default's token-parallel diagonal gradients
-    "kda_nested": KernelVariant(token_parallel_diag=True, nested_grams=True),
-    "kda_nested_w8": KernelVariant(token_parallel_diag=True, nested_grams=True, prep_warps=8),
-    # the same with prep in two launches (Gram products and Tinv, then the column outputs from the stored Tinv)
-    "kda_nested_split": KernelVariant(token_parallel_diag=True, nested_grams=True, split_prep=True),
-    "kda_nested_split_w8": KernelVariant(token_parallel_diag=True, nested_grams=True, split_prep=True, prep_warps=8),
-    # nested_grams' levels inside the diagonal blocks in tf32 (a third of its products; precision to check)
-    "kda_nested_split_w8_tf32": KernelVariant(token_parallel_diag=True, nested_grams=True, split_prep=True,
-                                              prep_warps=8, nested_diag_dots="tf32"),
-    # KDA's token-parallel diagonals with blocked prep in two launches (no nested products)
-    "kda_split_prep": KernelVariant(token_parallel_diag=True, split_prep=True),
-    # GDN: the scalar decay's default with prep in two launches
-    "gdn_split_prep": KernelVariant(bf16_grad_dots=True, split_prep=True),
-    # ptxas: GDN's Gram-and-inverse launch fits 8 warps without spilling (584 B at 4)
-    "gdn_split_prep_w8": KernelVariant(bf16_grad_dots=True, split_prep=True, prep_warps=8),
-    # the forward alternatives above on the KDA default's backward (gram_grad_apart, bf16 wy_grad, key block 32)
+    # the same with prep in two launches, 32 columns per column program (5.35 ms at 14:20; the default takes 64)
     "kda_split_prep_ga": KernelVariant(token_parallel_diag=True, split_prep=True, gram_grad_apart=True,
                                        bf16_grad_dots=True, state_grad_key_block=32),
-    "kda_split_prep_ga_c64": KernelVariant(token_parallel_diag=True, split_prep=True, gram_grad_apart=True,
-                                           bf16_grad_dots=True, state_grad_key_block=32, prep_column_block=64),
+    # GDN's default with state_grad in key blocks of 32 (2.82 against 2.79 ms at 14:20), or with prep in two
+    # launches as KDA's default (2.89)
+    "gdn_bf16_skb32": KernelVariant(bf16_grad_dots=True, state_grad_key_block=32),
     "gdn_split_prep_c64": KernelVariant(bf16_grad_dots=True, split_prep=True, prep_column_block=64),
-    "kda_nested_split_w8_tf32_ga": KernelVariant(token_parallel_diag=True, nested_grams=True, split_prep=True,
-                                                 prep_warps=8, nested_diag_dots="tf32", gram_grad_apart=True,
-                                                 bf16_grad_dots=True, state_grad_key_block=32),
     "fp32_tiles": FP32_TILES,
     "recompute": KernelVariant(keep_forward=False),
     "in_chunk_diagonal": KernelVariant(split_diagonal=False),

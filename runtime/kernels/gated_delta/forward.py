@@ -21,22 +21,17 @@ structure took 1.68 ms for GDN):
   output: 0.11-0.13 -> 0.10.
   GDN forward 0.6-0.7 -> 1.35-1.52 ms wall (fla 0.6.0: 0.87-0.90), KDA 0.9-1.1 -> 2.48 ms.
 
-Settings to time (bench/bench_gated_delta.py --variants; ptxas for sm_90a at H32 K=V=128, registers /
-spilled bytes / shared memory; predictions in GPU ms at the shape above, not measured yet):
-  KernelVariant.nested_grams (KDA, "kda_nested*"): prep_blocked_kernel makes the per-channel Gram products
-    with their exact diagonal blocks itself (nested_grams: per [C, 64] column block six levels, each one
-    exp of the tile and two [64, 64, 64] products, tf32 off the diagonal blocks and tf32x3 inside them by
-    default), so the forward launches no diag kernel (diag_token_kernel 0.38). The column blocks loop
-    without unrolling. One launch (COLUMNS): 255 / 4260 B / 64 KB at 4 warps, 255 / 2088 / 64 KB at 8;
-    predicted 0.8-1.2 against prep_kernel 1.16 + diag_token_kernel 0.38.
-  KernelVariant.split_prep ("*_split*", "gdn_split_prep"): prep_blocked_kernel without COLUMNS stops at
-    P and Tinv, prep_columns_kernel (32 columns per program, (K + V) / 32 programs per chunk and head;
-    160 / 0 / 24 KB at 4 warps for KDA, 162 / 0 / 24 KB for GDN) makes kbar, w, qg and u from the stored
-    Tinv. Gram-and-inverse launch: KDA nested 255 / 2180 / 64 KB at 4 warps, 255 / 1648 / 64 KB at 8
-    (255 / 712 / 48 KB with tf32 inside the diagonal blocks); GDN 255 / 584 / 16 KB at 4 warps, 255 / 0 /
-    32 KB at 8 (one launch: 1724 B at 4).
-    Predicted: KDA nested 0.5-0.8 + columns 0.12-0.2 (tf32 inside the blocks: 0.35-0.6 + the same);
-    GDN 0.2-0.3 + 0.1-0.15 against 0.42 (8 warps without spills: 0.2-0.25 + the same).
+Measured 2026-11-29 (bench/results/2026-11-29-gdn-kda-variants-1408.json and -1420.json):
+  KernelVariant.split_prep: prep_blocked_kernel without COLUMNS stops at P and Tinv (and stores the rows'
+    inverse norms), prep_columns_kernel makes kbar, w, qg and u from the stored Tinv. Predicted columns
+    0.1-0.2 ms; measured 0.60 at 32 columns while it recomputed the l2 norms from q and k in every
+    key-column program. Reading the first launch's norms instead, at 64 columns and 8 warps (126 / 162
+    registers, no spills): KDA prep 1.16 -> 0.48 + columns, fwd+bwd 5.56 -> 5.25 ms (now the per-channel
+    default); GDN 2.79 -> 2.89 (its one-launch prep stays the default).
+  Nested per-channel Gram products in prep (the exact diagonal blocks on tensor cores over nested halves
+    of the chunk, no diag kernel in the forward), predicted 0.8-1.2 ms for prep: measured 3.22 in one
+    launch, 2.43 + columns 0.60 split, 1.49 + 0.61 with tf32 inside the diagonal blocks (KDA fwd+bwd 6.24
+    against 5.76). Removed.
 
 Shape legend: T packed tokens, H heads, K key dim, V value dim, C chunk size, S sub-chunk size,
 BD column block, BV value block, X 1 (GDN) or K (KDA), NC chunks over all sequences, NS = C / S.
@@ -232,111 +227,26 @@ def raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H: tl.constexpr, K: tl.co
 
 
 @triton.jit
-def nested_raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
-                     S: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr, DIAG_PREC: tl.constexpr):
-    """raw_grams per channel with the diagonal blocks (nested_grams): (k k^T strictly lower, q k^T with
-    j <= i, |k|^2, |q|^2). The column blocks in a loop that is not unrolled: ptxas then spills 2180 / 1648 B
-    at 4 / 8 warps for prep_blocked_kernel without COLUMNS, against 4600 / 2840 B unrolled."""
-    kk = tl.zeros([C, C], tl.float32)
-    qk = tl.zeros([C, C], tl.float32)
-    k_sq = tl.zeros([C], tl.float32)
-    q_sq = tl.zeros([C], tl.float32)
-    for col0 in tl.range(0, K, BD, loop_unroll_factor=1):
-        k_blk = load_cols(k_ptr, start, valid, head, H, K, col0, C, BD)
-        q_blk = load_cols(q_ptr, start, valid, head, H, K, col0, C, BD)
-        k_sq += tl.sum(k_blk.to(tl.float32) * k_blk.to(tl.float32), 1)
-        q_sq += tl.sum(q_blk.to(tl.float32) * q_blk.to(tl.float32), 1)
-        gc_blk = tl.cumsum(load_cols(g_ptr, start, valid, head, H, K, col0, C, BD).to(tl.float32), 0)
-        kk_blk, qk_blk = nested_grams(k_blk, q_blk, gc_blk, S, PREC, DIAG_PREC)
-        kk += kk_blk
-        qk += qk_blk
-    return kk, qk, k_sq, q_sq
-
-
-@triton.jit
-def pair_midpoints(gc_CD, B: tl.constexpr):
-    """[C, D]: for every row r, gc_CD's row at the midpoint of r's pair of B-row halves, (r // 2B) 2B + B."""
-    C: tl.constexpr = gc_CD.shape[0]
-    D: tl.constexpr = gc_CD.shape[1]
-    NP: tl.constexpr = C // (2 * B)
-    gc_PRD = tl.reshape(gc_CD, [NP, 2 * B, D])
-    mid_PD = tl.sum(tl.where((tl.arange(0, 2 * B) == B)[None, :, None], gc_PRD, 0.0), 1)
-    return tl.reshape(tl.broadcast_to(mid_PD[:, None, :], [NP, 2 * B, D]), [C, D])
-
-
-@triton.jit
-def nested_grams(k_CD, q_CD, gc_CD, S: tl.constexpr, PREC: tl.constexpr, DIAG_PREC: tl.constexpr):
-    """Per-channel decayed Gram products of one [C, D] column block over nested halves, k k^T strictly lower
-    and q k^T with j <= i, every entry sum_d a_id k_jd exp(gc_id - gc_jd) without exp(-gc) alone. Level B
-    pairs each lower B-row half with the upper half before it, split at the lower half's first row m:
-    a_i exp(gc_i - gc_m) . k_j exp(gc_m - gc_j), both exponents <= 0 for j < m <= i. The levels B >= S make
-    the blocks off the S x S diagonal (PREC), B < S the pairs inside them (DIAG_PREC), and i = j is P's
-    diagonal: log2(C) exps of a [C, D] tile and two products per level, against diagonal.py's walk over each
-    sub-chunk's rows."""
-    C: tl.constexpr = k_CD.shape[0]
-    rows = tl.arange(0, C)
-    kk = tl.zeros([C, C], tl.float32)
-    # i = j: no decay, P only
-    qk_diag = tl.sum(q_CD.to(tl.float32) * k_CD.to(tl.float32), 1)
-    qk = tl.where(rows[:, None] == rows[None, :], qk_diag[:, None], 0.0)
-    for level in tl.static_range(1, 8):
-        if (C >> level) >= S:
-            kk, qk = nested_level(k_CD, q_CD, gc_CD, kk, qk, C >> level, PREC)
-        elif (C >> level) >= 1:
-            kk, qk = nested_level(k_CD, q_CD, gc_CD, kk, qk, C >> level, DIAG_PREC)
-    return kk, qk
-
-
-@triton.jit
-def nested_level(k_CD, q_CD, gc_CD, kk, qk, B: tl.constexpr, PREC: tl.constexpr):
-    """nested_grams' level B added to its two sums."""
-    rows = tl.arange(0, k_CD.shape[0])
-    lower_C = (rows // B) % 2 == 1
-    mid = pair_midpoints(gc_CD, B)
-    # rows of the lower half (a side) decay from the midpoint, those of the upper half (k side) to it
-    e_CD = tl.exp(tl.where(lower_C[:, None], gc_CD - mid, mid - gc_CD))
-    ke = k_CD.to(tl.float32) * e_CD
-    pair = (rows[:, None] // (2 * B) == rows[None, :] // (2 * B)) & lower_C[:, None] & ~lower_C[None, :]
-    kk += tl.where(pair, mm(ke, tl.trans(ke), PREC), 0.0)
-    qk += tl.where(pair, mm(q_CD.to(tl.float32) * e_CD, tl.trans(ke), PREC), 0.0)
-    return kk, qk
-
-
-@triton.jit
-def diagonal_blocks(x_CC, C: tl.constexpr, S: tl.constexpr):
-    """The S x S diagonal blocks of x_CC as [C / S, S, S]: the inverse of common.block_diagonal."""
-    NS: tl.constexpr = C // S
-    blk = tl.arange(0, NS)
-    same = blk[:, None, None, None] == blk[None, None, :, None]
-    return tl.sum(tl.where(same, tl.reshape(x_CC, [NS, S, NS, S]), 0.0), 2)
-
-
-@triton.jit
 def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_ptr,
                         qg_ptr, kbar_ptr, w_ptr, u_ptr, p_ptr, glast_ptr, tinv_ptr, inv_ptr, ldiag_ptr, pdiag_ptr,
                         scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
-                        BD: tl.constexpr, PER_CHANNEL: tl.constexpr, NESTED: tl.constexpr,
+                        BD: tl.constexpr, PER_CHANNEL: tl.constexpr,
                         L2NORM: tl.constexpr, STORE_TINV: tl.constexpr, COLUMNS: tl.constexpr,
-                        GRAM_PREC: tl.constexpr, DIAG_PREC: tl.constexpr, NESTED_DIAG_PREC: tl.constexpr,
+                        GRAM_PREC: tl.constexpr, DIAG_PREC: tl.constexpr,
                         PREC: tl.constexpr):
     """prep_kernel's outputs on [C, BD] column blocks: no [C, K] fp32 tile is live across the chunk's
     matrices. The Gram products take the raw inputs (bf16 operands are exact for bf16 inputs) and the
     l2norm scales them afterwards: gram(k_hat)_ij = (k_i . k_j) / (|k_i| |k_j|). The inverses of Tinv's
     diagonal blocks come from doubling (DIAG_PREC); per channel, L's and P's diagonal blocks from
-    nested_grams (NESTED, its levels inside them in NESTED_DIAG_PREC), else from diagonal.py's kernel (run
-    without its inverse). Without COLUMNS it stops at P and Tinv (stored, with the scalar gc_last and the
+    diagonal.py's kernel (run without its inverse). Without COLUMNS it stops at P and Tinv (stored, with the scalar gc_last and the
     rows' inverse norms, [T, H, 2] at inv_ptr): prep_columns_kernel makes the rest."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     start, end = tl.load(chunk_start_ptr + chunk), tl.load(chunk_end_ptr + chunk)
     rows = tl.arange(0, C)
     tok = start + rows
     valid = tok < end
-    if NESTED:
-        kk, qk, k_sq, q_sq = nested_raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H, K, C, S, BD, PREC,
-                                              NESTED_DIAG_PREC)
-    else:
-        kk, qk, kk_BSS, k_sq, q_sq = raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H, K, C, S, BD,
-                                               PER_CHANNEL, GRAM_PREC, PREC)
+    kk, qk, kk_BSS, k_sq, q_sq = raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H, K, C, S, BD, PER_CHANNEL,
+                                           GRAM_PREC, PREC)
     k_inv = tl.full([C], 1.0, tl.float32)
     q_inv = tl.full([C], 1.0, tl.float32)
     if L2NORM:
@@ -349,11 +259,8 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
     # L's diagonal blocks apart, [C / S, S, S]: the merge below reads only l_mat's other blocks
     NS: tl.constexpr = C // S
     if PER_CHANNEL:
-        if NESTED:
-            l_BSS = diagonal_blocks(l_mat, C, S)
-        else:
-            l_BSS = tl.reshape(load_cols(ldiag_ptr, start, valid, head, H, S, 0, C, S), [NS, S, S])
-            p_mat += load_diag(pdiag_ptr, tok, valid, head, H, C, S)
+        l_BSS = tl.reshape(load_cols(ldiag_ptr, start, valid, head, H, S, 0, C, S), [NS, S, S])
+        p_mat += load_diag(pdiag_ptr, tok, valid, head, H, C, S)
         gc = tl.zeros([C], tl.float32)
     else:
         gc = tl.cumsum(tl.load(g_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32), 0)

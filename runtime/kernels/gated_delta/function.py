@@ -105,16 +105,6 @@ class KernelVariant:
     # GDN measured 0.75 ms at 32 against 0.88 at 64; ptxas, KDA with gram_grad_apart, 8 warps: 32 240 registers
     # / 0 B of spills, 32 KB of shared memory; 64 255 / 48 B, 40 KB (without gram_grad_apart 255 / 496 B)
     state_grad_key_block: int | None = None
-    # KDA with blocked_prep: prep_blocked_kernel makes the per-channel Gram products, their exact diagonal
-    # blocks included, over nested halves of the chunk (forward.nested_grams: log2(C) levels, each one exp
-    # of a [C, 64] tile and tensor-core products, the split point between the two tokens of every pair so
-    # no exponent is positive) instead of decayed_gram's three references plus diagonal.py's kernel: the
-    # forward launches no diag kernel. Stores what the default's prep stores (the backward is unchanged)
-    nested_grams: bool = False
-    # nested_grams' products inside the S x S diagonal blocks (4 of its 6 levels at C=64): "tf32x3" keeps
-    # them near the fp32 sums of diagonal.py's kernels; "tf32" takes a third of the tensor-core work (12
-    # instead of 28 [64, 64, 64] products per column block) at tf32's rounding, as the blocks off the diagonal
-    nested_diag_dots: str = "tf32x3"
     # with blocked_prep: prep in two launches, prep_blocked_kernel for the Gram products, P and Tinv (stored
     # whether or not a backward follows), then forward.prep_columns_kernel for kbar, w, qg and u per (chunk,
     # head, 64 columns) from the stored Tinv, as fla's recompute_w_u: neither holds the other's tiles
@@ -264,7 +254,7 @@ def _prep_blocked(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_ti
     num_heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[-1]
     cfg = _config()
     diags = (q, q)
-    if per_channel and not variant.nested_grams:
+    if per_channel:
         ldiag, _, pdiag = _diagonals(q, k, g, beta, layout, scale, per_channel, l2norm, inverse=False,
                                      variant=variant)
         diags = (ldiag, pdiag)
@@ -281,9 +271,9 @@ def _prep_blocked(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_ti
         q, k, v, g, beta, layout.chunk_start, layout.chunk_end,
         out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], inverse_norms, *diags,
         scale, H=num_heads, K=key_dim, V=value_dim, BD=block, PER_CHANNEL=per_channel,
-        NESTED=per_channel and variant.nested_grams, L2NORM=l2norm, STORE_TINV=store_tinv or variant.split_prep,
+        L2NORM=l2norm, STORE_TINV=store_tinv or variant.split_prep,
         COLUMNS=not variant.split_prep, GRAM_PREC=gram, DIAG_PREC="tf32x3",
-        NESTED_DIAG_PREC=variant.nested_diag_dots, num_warps=variant.prep_warps, **cfg)
+        num_warps=variant.prep_warps, **cfg)
     if variant.split_prep:
         columns = min(variant.prep_column_block, key_dim, value_dim)
         fast(forward.prep_columns_kernel)[(layout.num_chunks, num_heads, key_dim // columns + value_dim // columns)](
