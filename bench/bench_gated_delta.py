@@ -151,9 +151,9 @@ def time_forward_backward(fn, x: dict, warmup=3, reps=10) -> tuple[float, float]
     return ms, torch.cuda.max_memory_allocated() / 2**30
 
 
-def host_issue_ms(fn, x: dict, backward: bool, reps: int = 10) -> float:
-    """Host milliseconds to issue one forward (or forward+backward) without waiting for the GPU: where it
-    exceeds the step's GPU time, wall time follows the host (launch-bound), not the kernels."""
+def training_step(fn, x: dict, backward: bool):
+    """One forward (with backward: and backward into q, k, v, g, beta) of fn, as a closure; the leaves' grads are
+    reset first, else a profile or a timing holds their accumulation, which no training step has here."""
     leaves = [x[n].detach().requires_grad_(backward) for n in ("q", "k", "v", "g", "beta")]
 
     def step():
@@ -164,6 +164,13 @@ def host_issue_ms(fn, x: dict, backward: bool, reps: int = 10) -> float:
             if backward:
                 o.backward(x["do"])
 
+    return step
+
+
+def host_issue_ms(fn, x: dict, backward: bool, reps: int = 10) -> float:
+    """Host milliseconds to issue one forward (or forward+backward) without waiting for the GPU: where it
+    exceeds the step's GPU time, wall time follows the host (launch-bound), not the kernels."""
+    step = training_step(fn, x, backward)
     step()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -238,16 +245,7 @@ def run_kind(kind: str, x: dict, report: dict, variants: list[str], save, deadli
 def kernel_profile(fn, x: dict, backward: bool = False, reps: int = 5) -> dict:
     """GPU milliseconds per step of each kernel a forward (or forward+backward) of fn launches, from
     torch.profiler: where a baseline or a variant spends its time, whatever its kernels are called."""
-    leaves = [x[n].detach().requires_grad_(backward) for n in ("q", "k", "v", "g", "beta")]
-
-    def step():
-        for t in leaves:
-            t.grad = None  # else the profile holds the grads' accumulation, which no training step has here
-        with torch.set_grad_enabled(backward):
-            o = fn(*leaves)
-            if backward:
-                o.backward(x["do"])
-
+    step = training_step(fn, x, backward)
     for _ in range(2):
         step()
     torch.cuda.synchronize()

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench.bench_gated_delta import make_inputs, ours, time_forward, time_forward_backward
+from bench.bench_gated_delta import make_inputs, ours, time_forward, time_forward_backward, training_step
 
 
 @triton.jit
@@ -62,16 +62,7 @@ def triton_launch_us(reps: int = 2000) -> dict:
 
 def timeline(fn, x: dict, backward: bool) -> dict:
     """GPU busy time, the wait for the first kernel and the gaps between kernels in one step (profiler trace)."""
-    leaves = [x[n].detach().requires_grad_(backward) for n in ("q", "k", "v", "g", "beta")]
-
-    def step():
-        for t in leaves:
-            t.grad = None
-        with torch.set_grad_enabled(backward):
-            o = fn(*leaves)
-            if backward:
-                o.backward(x["do"])
-
+    step = training_step(fn, x, backward)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
