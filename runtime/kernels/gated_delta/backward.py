@@ -69,6 +69,11 @@ Predictions at B1 T8192 H32 K=V=128 bf16 (ms; measured before: wy_grad 1.94, sta
   "kda_gram_apart_bf16_w8"    gram_grad at 8 warps (one program per SM, no spill): 0.3-0.5, uncertain which wins.
   "kda_gram_apart_bf16_skb32" state_grad in key blocks of 32 (240 registers, no spill; GDN went 0.88 -> 0.75 at
                               32): state_grad ~0.8-0.9.
+Measured (H200, 13:40, bench/results/2026-11-29-kda-gram-apart.json; fwd+bwd against 7.47 for the settings
+before): kda_gram_apart 6.53 (wy_grad 0.72, state_grad 0.93, gram_grad 0.78: the gram_grad prediction missed by
+~2x, as bytes-only predictions did before), _bf16 6.23 (wy_grad 0.58), _bf16_w8 6.51 (gram_grad 1.10 at 8
+warps), _bf16_skb32 6.20 (state_grad 0.80). gram_grad_apart with bf16 wy_grad products and key block 32 is part
+of the per-channel default since (function.PER_CHANNEL_DECAY_DEFAULT).
 
 Chunk algebra (runtime/ops/gated_delta.py): L = beta * gram(k, k), Tinv = (I + L)^-1,
 w = Tinv (beta k e^gc), u = Tinv (beta v), v_new = u - w h, o = q e^gc h + P v_new,
@@ -85,7 +90,7 @@ import triton.language as tl
 from runtime.kernels.gated_delta.common import decayed_gram_bwd, l2norm_rows, mm, row_of, scalar_gram_bwd, store_diag
 from runtime.kernels.gated_delta.forward import chunk_tokens, load_chunk_decay, rows_at, state_offsets
 
-# Launch settings of the gradient kernels (not yet timed on the H200; ptxas for sm_90a at H32 K=V=128,
+# Launch settings of the gradient kernels (timed on the H200 as SETTINGS below; ptxas for sm_90a at H32 K=V=128,
 # bf16 tiles: registers / spill bytes). Key block of state_grad_kernel and wy_grad_kernel: 64 keeps
 # state_grad's four fp32 accumulators at [C, 64] (GDN 8 warps 255 / 72 B, KDA 255 / 544 B; 4 warps
 # spill 2.1-2.6 KB); 32 gets GDN to 187 / 0 at 8 warps but reads do, v_new, dv_new and recomputes dP 4 times.
