@@ -1,11 +1,13 @@
 """Forward Triton kernels of the chunked gated delta rule (GDN scalar decay / KDA per-channel decay).
 
-Three launches (KDA: four): `prep_blocked_kernel` (every chunk in parallel, on [C, 64] column blocks:
-l2norm, decay cumsum, the UT inverse Tinv, w, u, P, qg, kbar; KDA after diagonal.py's `diag_kernel`
-for the exact per-channel diagonal blocks of L and P), `scan_kernel` (one program per sequence, head
+GDN's three launches: `prep_blocked_kernel` (every chunk in parallel, on [C, 64] column blocks: l2norm,
+decay cumsum, the UT inverse Tinv, w, u, P, qg, kbar), `scan_kernel` (one program per sequence, head
 and V block walks the chunks: states and v_new),
 `output_kernel` (every chunk in parallel: o = qg h + P v_new). `prep_kernel` is the earlier prep on
-whole [C, K] fp32 tiles (KernelVariant.blocked_prep=False). See runtime/ops/gated_delta.py for the
+whole [C, K] fp32 tiles (KernelVariant.blocked_prep=False). KDA's default runs five: diagonal.py's
+`diag_token_kernel` first (the exact per-channel diagonal blocks of L and P), and prep in two launches
+(KernelVariant.split_prep: `prep_blocked_kernel` to P, Tinv and the inverse norms, then
+`prep_columns_kernel`). See runtime/ops/gated_delta.py for the
 algebra. Tokens are packed [T, H, *] (batch folded into T, sequences given by cu_seqlens).
 
 H200 at B1 T8192 H32 K=V=128 bf16, predicted -> measured (GPU ms, 2026-11-29; the forward before this
