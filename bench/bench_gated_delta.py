@@ -44,7 +44,8 @@ History at B1 T8192 H32 K=V=128 bf16 (predicted -> measured, H200, 2026-11-29, f
 - 13:40 (helper-bwd snapshot, before the layout cache): KDA gram_grad_apart, the per-channel decayed Gram
   backward in its own kernel: 7.47 -> 6.53 ms, with bf16 wy_grad products 6.23, and state_grad key block 32
   6.20 (state_grad 1.57 -> 0.80, wy_grad 1.93 -> 0.57, gram_grad 0.78; predicted in backward.py). Nested
-  per-channel Gram products in prep (kda_nested) were slower: prep 1.16 -> 3.22 ms (fwd+bwd 9.66).
+  per-channel Gram products in prep (kda_nested) were slower: prep 1.16 -> 3.22 ms (fwd+bwd 9.66;
+  bench/results/2026-11-29-kda-nested-1340.json).
 - 14:08 and 14:20 (main with the fast launches of runtime/kernels/launch.py, gram_grad_apart the KDA default):
   GDN 2.85 / 2.79 ms against baselines of 231.1 / 146.3 ms (host-bound; 79.5x and 53.2x), forward 0.93 / 0.85
   against fla 0.94 / 1.27; state_grad key block 32 2.84 / 2.82, prep in two launches 3.20-3.38 (slower). KDA

@@ -191,3 +191,14 @@ def test_one_output_unused_gdn(used):
             assert a is None or torch.equal(a, torch.zeros_like(a)), name
         else:
             assert_close(a, e, "gated_delta_rule", torch.float32, kind="grad", name=name)
+
+
+def test_batched_layout_cache_is_per_chunk_size(monkeypatch):
+    """The layout cached per shape is also per chunk size: B=2 at chunk 64 after the same shape at chunk 32 (the
+    fixture's) must not reuse chunk 32's layout, forward and backward."""
+    x = make_inputs("gdn", B=2, T=40)
+    check("gdn", x)
+    monkeypatch.setattr(kernel_config, "CHUNK_SIZE", 64)
+    layout = kernel_config._batched_layout(2, 40, 64, torch.device("cpu"))
+    assert layout.num_chunks == 2 and layout.chunk_end.tolist() == [40, 80]
+    check("gdn", x)

@@ -160,10 +160,10 @@ class ChunkLayout:
 
 
 @functools.lru_cache(maxsize=32)
-def _batched_layout(batch: int, num_tokens: int, device: torch.device) -> ChunkLayout:
-    """The layout of B sequences of T tokens, built once per shape: its ~15 small launches cost host time on
-    every layer's forward (the kernels only read it)."""
-    return ChunkLayout.batched(batch, num_tokens, CHUNK_SIZE, device)
+def _batched_layout(batch: int, num_tokens: int, chunk_size: int, device: torch.device) -> ChunkLayout:
+    """The layout of B sequences of T tokens, built once per shape and chunk size: its ~15 small launches cost
+    host time on every layer's forward (the kernels only read it)."""
+    return ChunkLayout.batched(batch, num_tokens, chunk_size, device)
 
 
 def _config():
@@ -496,7 +496,7 @@ def chunk_delta_rule(q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, scale, initial_state_B
     if cu_seqlens is not None and batch != 1:
         raise ValueError(f"cu_seqlens needs batch 1, got q of shape {tuple(q_BTHK.shape)}")
     if cu_seqlens is None:
-        layout = _batched_layout(batch, num_tokens, q_BTHK.device)
+        layout = _batched_layout(batch, num_tokens, CHUNK_SIZE, q_BTHK.device)
     else:
         layout = ChunkLayout.packed(cu_seqlens.to(q_BTHK.device, torch.int64), CHUNK_SIZE)
     scale = key_dim**-0.5 if scale is None else float(scale)
