@@ -32,8 +32,8 @@ Measured 2026-11-29 (bench/results/2026-11-29-gdn-kda-variants-1408.json and -14
     default); GDN 2.79 -> 2.89 (its one-launch prep stays the default).
   Nested per-channel Gram products in prep (the exact diagonal blocks on tensor cores over nested halves
     of the chunk, no diag kernel in the forward), predicted 0.8-1.2 ms for prep: measured 3.22 in one
-    launch, 2.43 + columns 0.60 split, 1.49 + 0.61 with tf32 inside the diagonal blocks (KDA fwd+bwd 6.24
-    against 5.76). Removed.
+    launch, 2.43 + columns 0.60 split (-kda-nested-1340.json), 1.49 + 0.61 with tf32 inside the diagonal
+    blocks (KDA fwd+bwd 6.24 against 5.76). Removed.
 
 Shape legend: T packed tokens, H heads, K key dim, V value dim, C chunk size, S sub-chunk size,
 BD column block, BV value block, X 1 (GDN) or K (KDA), NC chunks over all sequences, NS = C / S.
