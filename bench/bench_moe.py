@@ -108,11 +108,13 @@ VARIANTS = {
     "step_by_step": {},
     "torch_router": dict(router=fallback.route),
     "glu_bwd_m128": dict(tuning=kernels.Tuning(glu_bwd_block_m=None)),
+    # the gate/up weight gradient in grouped_wgrad instead of torch._grouped_mm (the default until 16:05)
+    "triton_gate_up_wgrad": dict(tuning=kernels.Tuning(torch_gate_up_wgrad=False)),
     "torch_shared": dict(shared="torch"),
     "fp32_router_logits": dict(logits="fp32"),
 }
 GRAPHED = ("baseline",)
-PROFILED = ("baseline", "torch_shared")
+PROFILED = ("baseline", "triton_gate_up_wgrad")
 
 
 def log(msg):
@@ -531,7 +533,30 @@ def _gemm_cases(block, x, dy):
             f"wgrad_down {rows}": (flops, lambda c, dyr=dyr, by_token=by_token: gw.grouped_wgrad(
                 dyr, h, sched, gather_a=by_token, row_scale_P=w_P, config=c)),
         }
+    cases |= _torch_wgrad_cases(x_S, dy_S, h, d_gate_up, w_P, sched, flops)
     return cases, dict(x=x, sched=sched, y=y)
+
+
+def _torch_wgrad_cases(x_S, dy_S, h, d_gate_up, w_P, sched, flops):
+    """The two weight gradients through torch._grouped_mm (CUTLASS, groups along the reduced rows), as
+    transformers' grouped_mm backward computes them, from the rows in expert order: a comparison for
+    grouped_wgrad (each call ignores the config; the down one includes scaling dy's rows by the routing weight)."""
+    offs = sched.ends_E.to(torch.int32)
+    w_S = w_P[sched.pair_S].to(dy_S.dtype)[:, None]
+    gate_up = lambda c: torch._grouped_mm(d_gate_up.t(), x_S, offs=offs)  # noqa: E731
+    down = lambda c: torch._grouped_mm((dy_S * w_S).t(), h, offs=offs)  # noqa: E731
+    try:
+        agree = {"gate_up": _rel_rms(gate_up(None), gw.grouped_wgrad(d_gate_up, x_S, sched)),
+                 "down": _rel_rms(down(None), gw.grouped_wgrad(dy_S, h, sched, row_scale_P=w_P))}
+        log(f"torch._grouped_mm weight gradients vs grouped_wgrad, rel RMS: {agree}")
+    except Exception as error:  # an unsupported layout is reported, not fatal
+        log(f"torch._grouped_mm weight gradients FAILED {type(error).__name__}: {str(error)[:200]}")
+        return {}
+    return {"wgrad_gate_up torch_grouped_mm": (2 * flops, gate_up), "wgrad_down torch_grouped_mm": (flops, down)}
+
+
+def _rel_rms(got, want):
+    return ((got.float() - want.float()).pow(2).mean() / want.float().pow(2).mean()).sqrt().item()
 
 
 def _memory_passes(x, sched, y):
@@ -551,7 +576,8 @@ def sweep(block, x, dy):
     table, best = {}, {}
     cases, tensors = _gemm_cases(block, x, dy)
     for name, (flops, call) in cases.items():
-        for c in WGRAD_CONFIGS if name.startswith("wgrad") else GEMM_CONFIGS:
+        configs = WGRAD_CONFIGS if name.startswith("wgrad") else GEMM_CONFIGS
+        for c in configs[:1] if name.endswith("torch_grouped_mm") else configs:
             label = f"{name} " + " ".join(f"{k}={v}" for k, v in c.items())
             try:
                 ms = time_ms(lambda: call(c), reps=5, warmup=1)
@@ -560,6 +586,8 @@ def sweep(block, x, dy):
                 continue
             table[label] = dict(ms=ms, tflops=flops / ms / 1e9)
             log(f"{label}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s")
+            if name.endswith("torch_grouped_mm"):
+                continue
             if name not in best or ms < best[name][0]:
                 best[name] = (ms, c)
     _apply(best)

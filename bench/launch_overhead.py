@@ -9,14 +9,18 @@ Writes DIR/launch_overhead.json:
   kernel's own launcher (what a launch costs without Triton's per-call binding, key and cache lookup).
 - `timeline`: for GDN and KDA at B1 T8192 H32 K=V=128 bf16, forward and forward+backward: wall ms
   (CUDA events), GPU busy ms (sum of kernel durations), the GPU's wait for its first kernel and its
-  idle gaps between kernels, from one torch.profiler trace.
+  idle gaps between kernels, from one torch.profiler trace; `host_profile_fwdbwd`: cProfile of the host
+  issuing 20 forward+backward steps (own time per function).
 
 Shape legend: B batch, T tokens, H heads, K key dim, V value dim.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import pathlib
 import time
 
@@ -84,6 +88,23 @@ def timeline(fn, x: dict, backward: bool) -> dict:
             "span_ms": (kernels[-1][1] - kernels[0][0]) / 1000, "kernels": len(kernels)}
 
 
+def host_profile(fn, x: dict, backward: bool, reps: int = 20, top: int = 25) -> list[str]:
+    """cProfile of the host issuing `reps` steps without waiting for the GPU: the functions with the most
+    own time, as pstats lines (where a step's host time goes when it exceeds the GPU's)."""
+    step = training_step(fn, x, backward)
+    step()
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(reps):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return [line for line in text.getvalue().splitlines() if line.strip()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -95,7 +116,8 @@ def main() -> None:
         x = make_inputs(kind, 8192, 32, 128)
         result[kind] = {
             "fwd_wall_ms": time_forward(ours(kind), x), "fwdbwd_wall_ms": time_forward_backward(ours(kind), x)[0],
-            "fwd": timeline(ours(kind), x, False), "fwdbwd": timeline(ours(kind), x, True)}
+            "fwd": timeline(ours(kind), x, False), "fwdbwd": timeline(ours(kind), x, True),
+            "host_profile_fwdbwd": host_profile(ours(kind), x, True)}
         print(kind, json.dumps(result[kind]), flush=True)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -164,6 +164,8 @@ TUNINGS = {
     "glu-bwd-schedule-tile": experts.Tuning(glu_bwd_block_m=None),
     # 16-row tiles split the larger experts here into two tiles, unlike the schedule's 64
     "glu-bwd-m16": experts.Tuning(glu_bwd_block_m=16),
+    # the default takes the gate/up weight gradient through torch._grouped_mm at these (16-byte) strides
+    "triton-gate-up-wgrad": experts.Tuning(torch_gate_up_wgrad=False),
 }
 GPT_OSS = dict(clamp=1.5, glu_alpha=1.702, interleaved_gate_up=True)
 TUNING_PROBLEMS = {

@@ -9,6 +9,12 @@ One program per (output tile, expert). A form with one program per (output tile,
 experts), one loop over their rows and a TMA store at each expert's end, measured no faster on the
 H200 (full fine-tune fwd+bwd 11.79-11.94 ms vs 11.35; bench/bench_moe.py) and was removed.
 
+`sorted_rows_wgrad` is the same gradient through torch._grouped_mm (CUTLASS's grouped GEMM, groups
+along the reduced rows) when both operands' rows are in expert order, unscaled: the gate/up weight
+gradient at Qwen3-Next widths took 1.59 ms there against 1.91 here (H200, bench/bench_moe.py --sweep,
+2026-11-29 16:05, bench/results/2026-11-29-moe-sweep.json); the down one, which scales dy's rows by the
+routing weight first, 1.63 against 1.48, so it stays here.
+
 Shape legend: S sorted rows, M and N the two sides of the gradient, E experts.
 """
 from __future__ import annotations
@@ -83,6 +89,19 @@ SMALL = 64
 def _small_config(M: int, N: int) -> dict:
     fit = lambda n: max(16, min(128, triton.next_power_of_2(n)))  # noqa: E731
     return dict(BLOCK_M=fit(M), BLOCK_N=fit(N), BLOCK_K=32, num_warps=4)
+
+
+def sorted_rows_wgrad(a_SM: torch.Tensor, b_SN: torch.Tensor, sched: Schedule) -> torch.Tensor | None:
+    """[E, M, N] = per expert a^T b over its sorted rows through torch._grouped_mm, or None where that op
+    does not apply: on CUDA it takes bf16 only (from compute capability 9.0); every row stride must be a
+    multiple of 16 bytes."""
+    if a_SM.dtype != b_SN.dtype or a_SM.stride(1) != 1 or b_SN.stride(1) != 1:
+        return None
+    if any(t.stride(0) * t.element_size() % 16 for t in (a_SM, b_SN)):
+        return None
+    if a_SM.is_cuda and (a_SM.dtype != torch.bfloat16 or torch.cuda.get_device_capability(a_SM.device) < (9, 0)):
+        return None
+    return torch._grouped_mm(a_SM.t(), b_SN, offs=sched.ends_E)
 
 
 def grouped_wgrad(a_SM, b_SN, sched: Schedule, *, gather_a=False, gather_b=False, row_scale_P=None, alpha=1.0,
