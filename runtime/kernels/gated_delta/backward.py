@@ -350,9 +350,10 @@ def wy_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, dvnew_ptr, dw
     share of dk and dgc is added in the same key loop as dTinv's, and dL's decayed Gram backward is left
     to gram_grad_kernel (dL stored whole, masked, as rows [T, H, C] in dlfull): one key loop instead of two.
     STORED_NORMS: k's inverse norms from prep's [T, H, 2] (norms_ptr) instead of a loop over all K.
-    FUSED_FINISH (scalar decay): does finish_kernel's work in its tail: the final dq and dk (final_dq, final_dk,
-    through the l2norm; q's partial part_dq is complete after state_grad_kernel) and dg from state_grad's slots
-    of dgc and dgl plus its own dgc share, kept in registers (its slot of dgc is not written)."""
+    FUSED_FINISH (scalar decay): does finish_kernel's work: the final dq and dk (final_dq, final_dk, through the
+    l2norm) and dg from state_grad's slots of dgc and dgl plus its own dgc share, kept in registers (its slot of
+    dgc is not written). dq (its partial part_dq is complete after state_grad_kernel) and state_grad's dg shares
+    come first, dk and dg in the tail."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     NK: tl.constexpr = K // BK
     tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
@@ -364,6 +365,13 @@ def wy_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, dvnew_ptr, dw
     gc_rows = tl.zeros([C, 1], tl.float32)
     if not PER_CHANNEL:
         gc_rows = gc_block(g_ptr, tok, valid, start, head, 0, H, K, C, 1, False)
+    if FUSED_FINISH and not PER_CHANNEL:
+        # dq reads nothing this kernel writes: first, its loads beside Tinv's instead of a round in the tail
+        q_inv = tl.zeros([C], tl.float32)
+        if STORED_NORMS:
+            q_inv = stored_inv_norms(norms_ptr, tok * H + head, 1, valid) / scale
+        finish_rows(q_ptr, part_dq_ptr, final_dq_ptr, q_inv, scale, start, valid, head, H, K, C, L2NORM,
+                    STORED_NORMS)
     db = tl.zeros([C], tl.float32)
     dtinv = tl.zeros([C, C], tl.float32)
     for vb in range(V // BV):
@@ -428,20 +436,16 @@ def wy_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, dvnew_ptr, dw
                 dgc_rows += tl.sum(dgc, 1)
     if PER_CHANNEL:
         store_diag(dldiag_ptr, dl, tok, valid, head, H, C, S)
-    elif FUSED_FINISH:
-        finish_dg(dgc_ptr, dgl_ptr, dg_ptr, dgc_rows, tok, valid, chunk, head, H, SLOT)
-    else:
+    elif not FUSED_FINISH:
         tl.store(dgc_ptr + (tok.to(tl.int64) * H + head) * (SLOT + 1) + SLOT, dgc_rows, mask=valid)
     tl.store(db_ptr + tok.to(tl.int64) * H + head, db.to(db_ptr.dtype.element_ty), mask=valid)
     if FUSED_FINISH and not PER_CHANNEL:
-        q_inv = tl.zeros([C], tl.float32)
-        if STORED_NORMS:
-            q_inv = stored_inv_norms(norms_ptr, tok * H + head, 1, valid) / scale
-        finish_rows(q_ptr, part_dq_ptr, final_dq_ptr, q_inv, scale, start, valid, head, H, K, C, L2NORM,
-                    STORED_NORMS)
+        # state_grad's dg shares load during the barrier and the dk round (not held over the loops: spills)
+        state_dgc, dgl = state_dg_shares(dgc_ptr, dgl_ptr, tok, valid, chunk, head, H, SLOT)
         # the dk partial re-read whole below was stored by the key loop's threads in other layouts
         tl.debug_barrier()
         finish_rows(k_ptr, dk_ptr, final_dk_ptr, k_inv, 1.0, start, valid, head, H, K, C, L2NORM, True)
+        store_dg(dg_ptr, state_dgc + dgc_rows, dgl, tok, valid, head, H)
 
 
 @triton.jit
@@ -553,18 +557,23 @@ def finish_rows(x_ptr, part_ptr, out_ptr, inv_C, dy_scale, start, valid_C, head,
 
 
 @triton.jit
-def finish_dg(dgc_ptr, dgl_ptr, dg_ptr, last_C, tok_C, valid_C, chunk, head, H: tl.constexpr, NK: tl.constexpr):
-    """Scalar decay: stores dg = dgc_last + the reverse cumsum of dgc over the chunk, dgc the NK slots of
-    state_grad_kernel's [T, H, NK + 1] plus wy_grad_kernel's share last_C, dgc_last the NK slots of dgl [NC, H, NK]."""
+def state_dg_shares(dgc_ptr, dgl_ptr, tok_C, valid_C, chunk, head, H: tl.constexpr, NK: tl.constexpr):
+    """Scalar decay: (dgc_C summed over state_grad_kernel's NK slots of dgc [T, H, NK + 1], dgc_last summed over the
+    NK slots of dgl [NC, H, NK])."""
     row_offs = (tok_C.to(tl.int64) * H + head) * (NK + 1)
     dgc = tl.zeros([tok_C.shape[0]], tl.float32)
     for slot in tl.static_range(NK):
         dgc += tl.load(dgc_ptr + row_offs + slot, mask=valid_C, other=0.0)
-    dgc += last_C
     dgl = 0.0
     for slot in tl.static_range(NK):
         dgl += tl.load(dgl_ptr + (chunk.to(tl.int64) * H + head) * NK + slot)
-    dg = dgl + tl.sum(dgc, 0) - tl.cumsum(dgc, 0) + dgc
+    return dgc, dgl
+
+
+@triton.jit
+def store_dg(dg_ptr, dgc_C, dgl, tok_C, valid_C, head, H: tl.constexpr):
+    """Scalar decay: dg = dgc_last + the reverse cumsum of dgc over the chunk."""
+    dg = dgl + tl.sum(dgc_C, 0) - tl.cumsum(dgc_C, 0) + dgc_C
     tl.store(dg_ptr + tok_C.to(tl.int64) * H + head, dg.to(dg_ptr.dtype.element_ty), mask=valid_C)
 
 
@@ -584,5 +593,6 @@ def finish_kernel(q_ptr, k_ptr, norms_ptr, part_dq_ptr, part_dk_ptr, dgc_ptr, dg
         k_inv = stored_inv_norms(norms_ptr, tok * H + head, 0, valid)
     finish_rows(q_ptr, part_dq_ptr, dq_ptr, q_inv, scale, start, valid, head, H, K, C, L2NORM, STORED_NORMS)
     finish_rows(k_ptr, part_dk_ptr, dk_ptr, k_inv, 1.0, start, valid, head, H, K, C, L2NORM, STORED_NORMS)
-    wy_slot = tl.load(dgc_ptr + (tok.to(tl.int64) * H + head) * (NK + 1) + NK, mask=valid, other=0.0)
-    finish_dg(dgc_ptr, dgl_ptr, dg_ptr, wy_slot, tok, valid, chunk, head, H, NK)
+    dgc, dgl = state_dg_shares(dgc_ptr, dgl_ptr, tok, valid, chunk, head, H, NK)
+    dgc += tl.load(dgc_ptr + (tok.to(tl.int64) * H + head) * (NK + 1) + NK, mask=valid, other=0.0)
+    store_dg(dg_ptr, dgc, dgl, tok, valid, head, H)
