@@ -11,6 +11,8 @@ each chunk, and dv_new = P^T do + kbar dh), then every chunk in parallel:
   w, Tinv and the decayed Gram of k),
 and to finish `finish_kernel` (scalar decay: l2norm backward of q and k, dg as a reverse cumsum) or, per
 channel, diagonal.py's `diag_grad_kernel` (the diagonal blocks' share, then the same finish).
+KernelVariant.fused_finish (scalar decay) moves finish_kernel's work into wy_grad_kernel; with stored_norms the
+kernels read the inverse norms of q and k prep stored instead of recomputing them.
 Intermediates between the three go through HBM in fp32 ([T, H, K]: 134 MB, 32 us each way at the
 benchmark shape), cheaper than the register spills of one kernel holding them all (the kernel these
 replace, one program per chunk and head with three [C, K] fp32 accumulators: 255 registers, 3.6 KB of

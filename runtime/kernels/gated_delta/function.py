@@ -116,19 +116,24 @@ class KernelVariant:
     # spills): 64 reads Tinv half as often
     prep_column_block: int = 32
     # with blocked_prep and the qk l2norm: prep stores the rows' inverse norms [T, H, 2] whenever a backward follows
-    # (kept with its tiles, or recomputed with them), and the backward kernels read them instead of summing q^2
-    # and k^2 over K again: state_grad's two norm loops over all K (four [C, 64] tile loads and reductions in
-    # every key-block program's chain), wy_grad's over k, the row reductions of finish and, per channel, of
-    # gram_grad (every sub-chunk it walks), diag_grad_token (every row it walks) and diag_grad. Predicted (H200,
-    # B1 T8192 H32 K=V=128, ms): GDN state_grad 0.80 -> 0.72-0.77, wy_grad 0.49 -> 0.47-0.49, finish unchanged
-    # (its loads stay): fwd+bwd -0.04 to -0.1; KDA also diag_grad_token 0.83 -> 0.6-0.75 (a warp reduction of
-    # 5 dependent shuffles and a sqrt off each of its ~17 walked rows' chains), gram_grad 0.78 -> 0.68-0.75:
-    # fwd+bwd -0.15 to -0.35
+    # (kept with its tiles, or recomputed with them), and the backward kernels read them instead of summing q^2 and
+    # k^2 over K again: state_grad's two norm loops over all K (four [C, 64] tile loads and reductions in every
+    # key-block program's chain), wy_grad's over k, finish's row reductions and, per channel, gram_grad's (every
+    # sub-chunk it walks), diag_grad_token's (every row it walks) and diag_grad's. ptxas (sm_90a, pointers 16-byte
+    # aligned as launched; registers, no spills either way), GDN / KDA default: state_grad 146 -> 138 / 126 -> 126,
+    # wy_grad 184 -> 196 / 209 -> 209, finish 76 -> 79, gram_grad 241 -> 246 (9 -> 8 KB shared), diag_grad_token 64.
+    # Predicted (H200, B1 T8192 H32 K=V=128, ms): GDN state_grad 0.80 -> 0.72-0.77 (about one L2 load round of ~13 us
+    # per program), wy_grad 0.49 -> 0.47-0.49 (its norm loads already overlap the value loop's), finish unchanged
+    # (bandwidth: its loads stay): fwd+bwd -0.03 to -0.1; KDA also diag_grad_token 0.83 -> 0.6-0.75 (a warp
+    # reduction of 5 dependent shuffles and a sqrt off each of its ~17 walked rows' chains), gram_grad 0.78 ->
+    # 0.68-0.75 (~6 reductions over K per program): fwd+bwd -0.15 to -0.35
     stored_norms: bool = False
-    # scalar decay only (ignored per channel): wy_grad_kernel finishes dq, dk (l2norm backward) and dg in its tail
-    # and finish_kernel is not launched; wy_grad's dgc slot stays in registers, k and its dk partial are re-read
-    # from L2 instead of HBM. Predicted: finish 0.14 -> 0, wy_grad 0.49 -> 0.56-0.62 (the same loads in a tail of
-    # ~3 dependent rounds per program, 31 waves): GDN fwd+bwd -0.02 to -0.08
+    # scalar decay only (ignored per channel): wy_grad_kernel does finish_kernel's work, which is not launched: dq's
+    # l2norm backward first (it needs nothing of wy_grad: its loads go beside Tinv's), in the tail dk's from the
+    # partial the key loop just stored (re-read from L2) and dg from state_grad's dgc slots plus wy_grad's share kept
+    # in registers. ptxas (as above): wy_grad 184 -> 200 registers (223 with stored_norms), no spills, 24 KB shared.
+    # Predicted: finish 0.14 -> 0, wy_grad 0.49 -> 0.54-0.60 (dq's reduction and stores, one more load round in the
+    # tail, 31 waves of one program per SM): GDN fwd+bwd -0.03 to -0.08
     fused_finish: bool = False
 
 
