@@ -354,8 +354,8 @@ def wy_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, dvnew_ptr, dw
     STORED_NORMS: k's inverse norms from prep's [T, H, 2] (norms_ptr) instead of a loop over all K.
     FUSED_FINISH (scalar decay): does finish_kernel's work: the final dq and dk (final_dq, final_dk, through the
     l2norm) and dg from state_grad's slots of dgc and dgl plus its own dgc share, kept in registers (its slot of
-    dgc is not written). dq (its partial part_dq is complete after state_grad_kernel) and state_grad's dg shares
-    come first, dk and dg in the tail."""
+    dgc is not written). dq first (its partial part_dq is complete after state_grad_kernel), dk and dg in the
+    tail."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     NK: tl.constexpr = K // BK
     tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
