@@ -80,3 +80,45 @@ def test_backward_gram_apart_two_key_blocks(monkeypatch):
           cu_seqlens=torch.tensor([0, 5, 40, 63]))
     check("kda", make_inputs("kda", B=2, T=40, V=32, decay=15.0), variant="gram_apart", use_qk_l2norm=False,
           scale=0.3)
+
+
+def test_backward_stored_norms_fused_finish_gdn(monkeypatch):
+    """GDN with KernelVariant.stored_norms and fused_finish (wy_grad_kernel finishes dq, dk, dg on prep's inverse
+    norms): three packed sequences with initial states, then B=2 strong decay without the qk l2norm (nothing
+    stored, wy_grad's tail without the l2norm)."""
+    from tests.test_kernel_gated_delta import VARIANTS
+    monkeypatch.setitem(VARIANTS, "norms_finish", kernel_config.KernelVariant(bf16_grad_dots=True, stored_norms=True,
+                                                                              fused_finish=True))
+    check("gdn", make_inputs("gdn", T=63, V=32, num_states=3), variant="norms_finish",
+          cu_seqlens=torch.tensor([0, 5, 40, 63]))
+    check("gdn", make_inputs("gdn", B=2, T=40, V=32, decay=15.0), variant="norms_finish", use_qk_l2norm=False,
+          scale=0.3)
+
+
+@pytest.mark.slow
+def test_backward_fused_finish_recomputed_norms_gdn(monkeypatch):
+    """fused_finish alone: wy_grad's tail recomputes q's norms from the tile (k's from its own loop)."""
+    from tests.test_kernel_gated_delta import VARIANTS
+    monkeypatch.setitem(VARIANTS, "fused_finish", kernel_config.KernelVariant(fused_finish=True))
+    check("gdn", make_inputs("gdn", T=63, V=32, num_states=3), variant="fused_finish",
+          cu_seqlens=torch.tensor([0, 5, 40, 63]))
+
+
+def test_backward_stored_norms_kda(monkeypatch):
+    """The KDA default with stored_norms: state_grad, wy_grad, gram_grad_kernel and diag_grad_token_kernel read the
+    inverse norms prep_blocked_kernel stored (split prep: the same buffer feeds prep_columns_kernel)."""
+    from tests.test_kernel_gated_delta import VARIANTS
+    monkeypatch.setitem(VARIANTS, "kda_stored_norms", replace(kernel_config.PER_CHANNEL_DECAY_DEFAULT,
+                                                              stored_norms=True))
+    check("kda", make_inputs("kda", T=63, V=32, num_states=3), variant="kda_stored_norms",
+          cu_seqlens=torch.tensor([0, 5, 40, 63]))
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_backward_stored_norms_recompute(kind, monkeypatch):
+    """stored_norms with keep_forward off: the backward's prep stores the norms again; GDN's finish_kernel and
+    KDA's diag_grad_kernel (the column-walking diagonal) read them."""
+    from tests.test_kernel_gated_delta import VARIANTS
+    monkeypatch.setitem(VARIANTS, "recompute_norms", kernel_config.KernelVariant(keep_forward=False, stored_norms=True))
+    check(kind, make_inputs(kind, T=63, V=32, num_states=3), variant="recompute_norms",
+          cu_seqlens=torch.tensor([0, 5, 40, 63]))

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from runtime.kernels.gated_delta.function import FP32_TILES, KernelVariant, chunk_delta_rule
+from dataclasses import replace
+
+from runtime.kernels.gated_delta.function import (
+    FP32_TILES, PER_CHANNEL_DECAY_DEFAULT, SCALAR_DECAY_DEFAULT, KernelVariant, chunk_delta_rule,
+)
 
 # Named settings the benchmark times side by side. "base" (KernelVariant()) is the path the others change one
 # choice of; "forward_before" is the forward measured at GDN 1.68 ms (prep_kernel with diag_kernel's
@@ -35,6 +39,14 @@ VARIANTS: dict[str, KernelVariant] = {
     # launches as KDA's default (2.89)
     "gdn_bf16_skb32": KernelVariant(bf16_grad_dots=True, state_grad_key_block=32),
     "gdn_split_prep_c64": KernelVariant(bf16_grad_dots=True, split_prep=True, prep_column_block=64),
+    # the backward reads the inverse norms prep stored instead of recomputing them (predictions in KernelVariant)
+    "gdn_stored_norms": replace(SCALAR_DECAY_DEFAULT, stored_norms=True),
+    # wy_grad_kernel finishes dq, dk and dg itself: no finish_kernel launch
+    "gdn_fused_finish": replace(SCALAR_DECAY_DEFAULT, fused_finish=True),
+    # both: the finishing tail reads the stored norms too
+    "gdn_norms_finish": replace(SCALAR_DECAY_DEFAULT, stored_norms=True, fused_finish=True),
+    # KDA: state_grad, wy_grad, gram_grad and diag_grad_token on the stored norms
+    "kda_stored_norms": replace(PER_CHANNEL_DECAY_DEFAULT, stored_norms=True),
     "fp32_tiles": FP32_TILES,
     "recompute": KernelVariant(keep_forward=False),
     "in_chunk_diagonal": KernelVariant(split_diagonal=False),

@@ -11,6 +11,8 @@ each chunk, and dv_new = P^T do + kbar dh), then every chunk in parallel:
   w, Tinv and the decayed Gram of k),
 and to finish `finish_kernel` (scalar decay: l2norm backward of q and k, dg as a reverse cumsum) or, per
 channel, diagonal.py's `diag_grad_kernel` (the diagonal blocks' share, then the same finish).
+KernelVariant.fused_finish (scalar decay) moves finish_kernel's work into wy_grad_kernel; with stored_norms the
+kernels read the inverse norms of q and k prep stored instead of recomputing them.
 Intermediates between the three go through HBM in fp32 ([T, H, K]: 134 MB, 32 us each way at the
 benchmark shape), cheaper than the register spills of one kernel holding them all (the kernel these
 replace, one program per chunk and head with three [C, K] fp32 accumulators: 255 registers, 3.6 KB of
@@ -223,6 +225,25 @@ def inv_norms(x_ptr, start, valid_C, head, H: tl.constexpr, K: tl.constexpr, C: 
 
 
 @triton.jit
+def stored_inv_norms(norms_ptr, rows, slot: tl.constexpr, valid):
+    """The inverse norms prep stored (KernelVariant.stored_norms) of rows (token * H + head) of [T, H, 2]: slot 0
+    k's, slot 1 q's times the scale."""
+    return tl.load(norms_ptr + rows.to(tl.int64) * 2 + slot, mask=valid, other=0.0)
+
+
+@triton.jit
+def row_scales(x_ptr, norms_ptr, slot: tl.constexpr, scale, start, valid_C, head, H: tl.constexpr, K: tl.constexpr,
+               C: tl.constexpr, BK: tl.constexpr, USE: tl.constexpr, STORED: tl.constexpr):
+    """scale / sqrt(sum x^2 + eps) of the chunk's rows (scale alone when USE is off): prep's stored inverse norms
+    with STORED (slot 0 k's with scale 1, slot 1 q's), else recomputed by inv_norms."""
+    if STORED:
+        f_C = stored_inv_norms(norms_ptr, (start + tl.arange(0, C)) * H + head, slot, valid_C)
+    else:
+        f_C = inv_norms(x_ptr, start, valid_C, head, H, K, C, BK, USE) * scale
+    return f_C
+
+
+@triton.jit
 def gc_block(g_ptr, tok_C, valid_C, start, head, col0, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
              BK: tl.constexpr, PER_CHANNEL: tl.constexpr):
     """In-chunk cumulative log decay of key columns col0 .. col0 + BK: [C, BK] per channel, else [C, 1]."""
@@ -244,16 +265,17 @@ def state_block_offsets(chunk, head, row0, col0, H: tl.constexpr, K: tl.constexp
 
 @triton.jit
 def state_grad_kernel(q_ptr, k_ptr, g_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, do_ptr, chunk_start_ptr, chunk_end_ptr,
-                      dq_ptr, dk_ptr, dw_ptr, dgc_ptr, dgl_ptr, dpdiag_ptr, dpfull_ptr, gcs_ptr, scale,
+                      norms_ptr, dq_ptr, dk_ptr, dw_ptr, dgc_ptr, dgl_ptr, dpdiag_ptr, dpfull_ptr, gcs_ptr, scale,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
-                      PREC: tl.constexpr, DOTS: tl.constexpr, GRAM_APART: tl.constexpr):
+                      PREC: tl.constexpr, DOTS: tl.constexpr, GRAM_APART: tl.constexpr, STORED_NORMS: tl.constexpr):
     """Per (chunk and K block, head): the state-side and P-path gradients (fp32, see the module docstring).
     Stores dq (complete before l2norm), dk's and dgc's shares, dw and dgc_last; per channel also the
     diagonal blocks of dP (the K block 0 program). GDN stores dgc summed over the block's channels in
     slot kb of dgc [T, H, NK + 1] and dgc_last in slot kb of dgl [NC, H, NK].
     GRAM_APART (per channel): P's decayed Gram backward is left to gram_grad_kernel, which gets the whole
-    masked dP as rows [T, H, C] (dpfull) and the in-chunk cumulative decay gc [T, H, K] (gcs), both fp32."""
+    masked dP as rows [T, H, C] (dpfull) and the in-chunk cumulative decay gc [T, H, K] (gcs), both fp32.
+    STORED_NORMS: q's and k's inverse norms come from prep's [T, H, 2] (norms_ptr) instead of loops over all K."""
     NK: tl.constexpr = K // BK
     # the K blocks of one chunk run side by side: the later ones read do, v_new and dv_new from L2
     chunk, kb, head = tl.program_id(0) // NK, tl.program_id(0) % NK, tl.program_id(1)
@@ -278,10 +300,10 @@ def state_grad_kernel(q_ptr, k_ptr, g_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, d
         dp += mm(do, tl.trans(v_new), DOTS)
         dlam += tl.sum(h.to(tl.float32) * dh.to(tl.float32), 1)
     store_cols(dw_ptr, dw, start, valid, head, col0, H, K, C, BK)
-    q = load_cols(q_ptr, start, valid, head, col0, H, K, C, BK) * (
-        inv_norms(q_ptr, start, valid, head, H, K, C, BK, L2NORM) * scale)[:, None]
-    k = load_cols(k_ptr, start, valid, head, col0, H, K, C, BK) * inv_norms(
-        k_ptr, start, valid, head, H, K, C, BK, L2NORM)[:, None]
+    q = load_cols(q_ptr, start, valid, head, col0, H, K, C, BK) * row_scales(
+        q_ptr, norms_ptr, 1, scale, start, valid, head, H, K, C, BK, L2NORM, STORED_NORMS)[:, None]
+    k = load_cols(k_ptr, start, valid, head, col0, H, K, C, BK) * row_scales(
+        k_ptr, norms_ptr, 0, 1.0, start, valid, head, H, K, C, BK, L2NORM, STORED_NORMS)[:, None]
     gc = gc_block(g_ptr, tok, valid, start, head, col0, H, K, C, BK, PER_CHANNEL)
     rows = tl.arange(0, C)
     dp = tl.where(rows[:, None] >= rows[None, :], dp, 0.0)
@@ -313,11 +335,13 @@ def state_grad_kernel(q_ptr, k_ptr, g_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, d
 
 
 @triton.jit
-def wy_grad_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, dvnew_ptr, dw_ptr, chunk_start_ptr, chunk_end_ptr,
-                   dv_ptr, dk_ptr, dgc_ptr, db_ptr, dldiag_ptr, dlfull_ptr, gcs_ptr,
+def wy_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, dvnew_ptr, dw_ptr, norms_ptr, chunk_start_ptr,
+                   chunk_end_ptr, dv_ptr, dk_ptr, dgc_ptr, db_ptr, dldiag_ptr, dlfull_ptr, gcs_ptr, part_dq_ptr, dgl_ptr,
+                   final_dq_ptr, final_dk_ptr, dg_ptr, scale,
                    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
                    BK: tl.constexpr, BV: tl.constexpr, PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
-                   PREC: tl.constexpr, GRAD_DOTS: tl.constexpr, SLOT: tl.constexpr, GRAM_APART: tl.constexpr):
+                   PREC: tl.constexpr, GRAD_DOTS: tl.constexpr, SLOT: tl.constexpr, GRAM_APART: tl.constexpr,
+                   STORED_NORMS: tl.constexpr, FUSED_FINISH: tl.constexpr):
     """Per (chunk, head): gradients through u = Tinv (beta v), w = Tinv (beta k e^gc) and Tinv = (I + L)^-1.
     The products take common.mm's GRAD_DOTS (PREC: fp32 operands; "bf16": Tinv, dw, dTinv rounded, and for
     the scalar decay dL's products on the raw k).
@@ -326,18 +350,30 @@ def wy_grad_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, dvnew_ptr, dw_ptr, c
     SLOT the number of state_grad_kernel's key blocks).
     GRAM_APART (per channel): gc comes from state_grad_kernel's gcs [T, H, K] instead of a cumsum, w's
     share of dk and dgc is added in the same key loop as dTinv's, and dL's decayed Gram backward is left
-    to gram_grad_kernel (dL stored whole, masked, as rows [T, H, C] in dlfull): one key loop instead of two."""
+    to gram_grad_kernel (dL stored whole, masked, as rows [T, H, C] in dlfull): one key loop instead of two.
+    STORED_NORMS: k's inverse norms from prep's [T, H, 2] (norms_ptr) instead of a loop over all K.
+    FUSED_FINISH (scalar decay): does finish_kernel's work: the final dq and dk (final_dq, final_dk, through the
+    l2norm) and dg from state_grad's slots of dgc and dgl plus its own dgc share, kept in registers (its slot of
+    dgc is not written). dq first (its partial part_dq is complete after state_grad_kernel), dk and dg in the
+    tail."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     NK: tl.constexpr = K // BK
     tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
     start = tl.load(chunk_start_ptr + chunk)
     beta = tl.load(beta_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32)
     tinv = load_cols(tinv_ptr, start, valid, head, 0, H, C, C, C)
-    k_inv = inv_norms(k_ptr, start, valid, head, H, K, C, BK, L2NORM)
+    k_inv = row_scales(k_ptr, norms_ptr, 0, 1.0, start, valid, head, H, K, C, BK, L2NORM, STORED_NORMS)
     # the scalar decay's [C, 1] gc serves every key block: loaded and summed once, off the loops' chains
     gc_rows = tl.zeros([C, 1], tl.float32)
     if not PER_CHANNEL:
         gc_rows = gc_block(g_ptr, tok, valid, start, head, 0, H, K, C, 1, False)
+    if FUSED_FINISH and not PER_CHANNEL:
+        # dq reads nothing this kernel writes: first, its loads beside Tinv's instead of a round in the tail
+        q_inv = tl.zeros([C], tl.float32)
+        if STORED_NORMS:
+            q_inv = stored_inv_norms(norms_ptr, tok * H + head, 1, valid) / scale
+        finish_rows(q_ptr, part_dq_ptr, final_dq_ptr, q_inv, scale, start, valid, head, H, K, C, L2NORM,
+                    STORED_NORMS)
     db = tl.zeros([C], tl.float32)
     dtinv = tl.zeros([C, C], tl.float32)
     for vb in range(V // BV):
@@ -402,23 +438,36 @@ def wy_grad_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, dvnew_ptr, dw_ptr, c
                 dgc_rows += tl.sum(dgc, 1)
     if PER_CHANNEL:
         store_diag(dldiag_ptr, dl, tok, valid, head, H, C, S)
-    else:
+    elif not FUSED_FINISH:
         tl.store(dgc_ptr + (tok.to(tl.int64) * H + head) * (SLOT + 1) + SLOT, dgc_rows, mask=valid)
     tl.store(db_ptr + tok.to(tl.int64) * H + head, db.to(db_ptr.dtype.element_ty), mask=valid)
+    if FUSED_FINISH and not PER_CHANNEL:
+        # state_grad's dg shares load during the barrier and the dk round (not held over the loops: spills)
+        state_dgc, dgl = state_dg_shares(dgc_ptr, dgl_ptr, tok, valid, chunk, head, H, SLOT)
+        # the dk partial re-read whole below was stored by the key loop's threads in other layouts
+        tl.debug_barrier()
+        finish_rows(k_ptr, dk_ptr, final_dk_ptr, k_inv, 1.0, start, valid, head, H, K, C, L2NORM, True)
+        store_dg(dg_ptr, state_dgc + dgc_rows, dgl, tok, valid, head, H)
 
 
 @triton.jit
-def sub_chunk_keys(ptr, start, valid_S, head, H: tl.constexpr, K: tl.constexpr, S: tl.constexpr,
-                   L2NORM: tl.constexpr):
-    """x_SK in fp32, l2-normalized over K (with L2NORM): the S rows of a sub-chunk of a packed [T, H, K] tensor."""
-    return l2norm_rows(load_cols(ptr, start, valid_S, head, 0, H, K, S, K), 1e-6, L2NORM)
+def sub_chunk_rows(ptr, norms_ptr, slot: tl.constexpr, scale, start, valid_S, head, H: tl.constexpr, K: tl.constexpr,
+                   S: tl.constexpr, L2NORM: tl.constexpr, STORED: tl.constexpr):
+    """x_SK in fp32, l2-normalized over K (with L2NORM) and times scale: the S rows of a sub-chunk of a packed
+    [T, H, K] tensor, with prep's stored inverse norms (STORED, see row_scales) or recomputed."""
+    x = load_cols(ptr, start, valid_S, head, 0, H, K, S, K)
+    if STORED:
+        y = x * stored_inv_norms(norms_ptr, (start + tl.arange(0, S)) * H + head, slot, valid_S)[:, None]
+    else:
+        y = l2norm_rows(x, 1e-6, L2NORM)[0] * scale
+    return y
 
 
 @triton.jit
-def gram_grad_kernel(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, chunk_start_ptr, chunk_end_ptr,
+def gram_grad_kernel(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr, chunk_start_ptr, chunk_end_ptr,
                      part_dq_ptr, part_dk_ptr, part_dgc_ptr, part_db_ptr, scale,
                      H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, S: tl.constexpr, L2NORM: tl.constexpr,
-                     PREC: tl.constexpr):
+                     PREC: tl.constexpr, STORED_NORMS: tl.constexpr):
     """Per (sub-chunk b of a chunk, head), per-channel decay with KernelVariant.gram_grad_apart: the share of the
     off-diagonal S x S blocks of L = beta gram(k, k) and P = gram(q, k) in the gradients of sub-chunk b's rows,
     added in place to the partial dq, dk, dgc [T, H, K] and dbeta [T, H] (each program owns its rows; the
@@ -427,23 +476,23 @@ def gram_grad_kernel(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, chunk_star
     As a row (a = beta k or q): da_i = e^(gc_i - r) sum_{j < bS} dM_ij k_j e^(r - gc_j), r the gc of row bS;
     as a column: dc_j = sum over later sub-chunks c (reference r_c, the gc of row cS) of
     e^(r_c - gc_j) sum_i dM_ij a_i e^(gc_i - r_c). Every exponent is <= 0, so no factor overflows for any
-    decay; [S, S] x [S, K] tf32 products (PREC) over whole-K tiles loaded from L2."""
+    decay; [S, S] x [S, K] tf32 products (PREC) over whole-K tiles loaded from L2. STORED_NORMS: q's and k's inverse
+    norms from prep's [T, H, 2] (norms_ptr) instead of a reduction over K per sub-chunk walked."""
     NS: tl.constexpr = C // S
     chunk, b, head = tl.program_id(0) // NS, tl.program_id(0) % NS, tl.program_id(1)
     chunk_start, chunk_end = tl.load(chunk_start_ptr + chunk), tl.load(chunk_end_ptr + chunk)
     start = chunk_start + b * S
     if start < chunk_end:
         valid = start + tl.arange(0, S) < chunk_end
-        k, _ = sub_chunk_keys(k_ptr, start, valid, head, H, K, S, L2NORM)
-        q, _ = sub_chunk_keys(q_ptr, start, valid, head, H, K, S, L2NORM)
-        q = q * scale
+        k = sub_chunk_rows(k_ptr, norms_ptr, 0, 1.0, start, valid, head, H, K, S, L2NORM, STORED_NORMS)
+        q = sub_chunk_rows(q_ptr, norms_ptr, 1, scale, start, valid, head, H, K, S, L2NORM, STORED_NORMS)
         beta = tl.load(beta_ptr + (start + tl.arange(0, S)).to(tl.int64) * H + head, mask=valid,
                        other=0.0).to(tl.float32)
         gc = load_cols(gcs_ptr, start, valid, head, 0, H, K, S, K)
-        da_l, da_p = gram_rows_grad(k_ptr, gcs_ptr, dl_ptr, dp_ptr, chunk_start, start, valid, gc, head, b, H, K, C,
-                                    S, L2NORM, PREC)
-        dc = gram_cols_grad(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, chunk_start, chunk_end, start, gc,
-                            head, b, scale, H, K, C, S, L2NORM, PREC)
+        da_l, da_p = gram_rows_grad(k_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr, chunk_start, start, valid, gc, head, b,
+                                    H, K, C, S, L2NORM, PREC, STORED_NORMS)
+        dc = gram_cols_grad(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr, chunk_start, chunk_end, start,
+                            gc, head, b, scale, H, K, C, S, L2NORM, PREC, STORED_NORMS)
         add_cols(part_dq_ptr, da_p, start, valid, head, 0, H, K, S, K)
         add_cols(part_dk_ptr, beta[:, None] * da_l + dc, start, valid, head, 0, H, K, S, K)
         add_cols(part_dgc_ptr, k * (beta[:, None] * da_l - dc) + q * da_p, start, valid, head, 0, H, K, S, K)
@@ -453,9 +502,9 @@ def gram_grad_kernel(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, chunk_star
 
 
 @triton.jit
-def gram_rows_grad(k_ptr, gcs_ptr, dl_ptr, dp_ptr, chunk_start, start, valid_S, gc_SK, head, b,
+def gram_rows_grad(k_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr, chunk_start, start, valid_S, gc_SK, head, b,
                    H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, S: tl.constexpr, L2NORM: tl.constexpr,
-                   PREC: tl.constexpr):
+                   PREC: tl.constexpr, STORED: tl.constexpr):
     """(da of L, da of P) of sub-chunk b's rows against the earlier sub-chunks (see gram_grad_kernel)."""
     ref_K = tl.load(gcs_ptr + (start.to(tl.int64) * H + head) * K + tl.arange(0, K))
     acc_l = tl.zeros([S, K], tl.float32)
@@ -463,7 +512,7 @@ def gram_rows_grad(k_ptr, gcs_ptr, dl_ptr, dp_ptr, chunk_start, start, valid_S, 
     every = tl.full([S], 1, tl.int1)
     for jb in range(b):
         row0 = chunk_start + jb * S
-        k_j, _ = sub_chunk_keys(k_ptr, row0, every, head, H, K, S, L2NORM)
+        k_j = sub_chunk_rows(k_ptr, norms_ptr, 0, 1.0, row0, every, head, H, K, S, L2NORM, STORED)
         kc = k_j * tl.exp(ref_K[None, :] - load_cols(gcs_ptr, row0, every, head, 0, H, K, S, K))
         acc_l += tl.dot(load_cols(dl_ptr, start, valid_S, head, jb * S, H, C, S, S), kc, input_precision=PREC)
         acc_p += tl.dot(load_cols(dp_ptr, start, valid_S, head, jb * S, H, C, S, S), kc, input_precision=PREC)
@@ -473,9 +522,9 @@ def gram_rows_grad(k_ptr, gcs_ptr, dl_ptr, dp_ptr, chunk_start, start, valid_S, 
 
 
 @triton.jit
-def gram_cols_grad(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, chunk_start, chunk_end, start, gc_SK, head, b,
-                   scale, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, S: tl.constexpr, L2NORM: tl.constexpr,
-                   PREC: tl.constexpr):
+def gram_cols_grad(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr, chunk_start, chunk_end, start,
+                   gc_SK, head, b, scale, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
+                   L2NORM: tl.constexpr, PREC: tl.constexpr, STORED: tl.constexpr):
     """dc (both matrices' share of dk as the column key) of sub-chunk b's rows against the later sub-chunks."""
     dc = tl.zeros([S, K], tl.float32)
     for ib in range(b + 1, tl.cdiv(chunk_end - chunk_start, S)):
@@ -484,38 +533,68 @@ def gram_cols_grad(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, chunk_start,
         ref_K = tl.load(gcs_ptr + (row0.to(tl.int64) * H + head) * K + tl.arange(0, K))
         fa = tl.where(valid_i[:, None],
                       tl.exp(load_cols(gcs_ptr, row0, valid_i, head, 0, H, K, S, K) - ref_K[None, :]), 0.0)
-        k_i, _ = sub_chunk_keys(k_ptr, row0, valid_i, head, H, K, S, L2NORM)
-        q_i, _ = sub_chunk_keys(q_ptr, row0, valid_i, head, H, K, S, L2NORM)
+        k_i = sub_chunk_rows(k_ptr, norms_ptr, 0, 1.0, row0, valid_i, head, H, K, S, L2NORM, STORED)
+        q_i = sub_chunk_rows(q_ptr, norms_ptr, 1, scale, row0, valid_i, head, H, K, S, L2NORM, STORED)
         beta_i = tl.load(beta_ptr + (row0 + tl.arange(0, S)).to(tl.int64) * H + head, mask=valid_i, other=0.0)
         dl_t = tl.trans(load_cols(dl_ptr, row0, valid_i, head, b * S, H, C, S, S))
         dp_t = tl.trans(load_cols(dp_ptr, row0, valid_i, head, b * S, H, C, S, S))
         part = tl.dot(dl_t, beta_i.to(tl.float32)[:, None] * k_i * fa, input_precision=PREC)
-        part += tl.dot(dp_t, q_i * scale * fa, input_precision=PREC)
+        part += tl.dot(dp_t, q_i * fa, input_precision=PREC)
         dc += part * tl.exp(ref_K[None, :] - gc_SK)
     return dc
 
 
 @triton.jit
-def finish_kernel(q_ptr, k_ptr, part_dq_ptr, part_dk_ptr, dgc_ptr, dgl_ptr, chunk_start_ptr, chunk_end_ptr,
-                  dq_ptr, dk_ptr, dg_ptr, scale, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
-                  NK: tl.constexpr, L2NORM: tl.constexpr):
-    """Per (chunk, head), scalar decay: dq and dk through l2norm, dg = dgc_last + reverse cumsum of dgc
-    (the NK + 1 slots of dgc and the NK of dgl summed)."""
-    chunk, head = tl.program_id(0), tl.program_id(1)
-    tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
-    start = tl.load(chunk_start_ptr + chunk)
-    q, q_inv = l2norm_rows(load_cols(q_ptr, start, valid, head, 0, H, K, C, K), 1e-6, L2NORM)
-    dq = l2norm_bwd(q, q_inv, load_cols(part_dq_ptr, start, valid, head, 0, H, K, C, K) * scale, L2NORM)
-    store_cols(dq_ptr, dq, start, valid, head, 0, H, K, C, K)
-    k, k_inv = l2norm_rows(load_cols(k_ptr, start, valid, head, 0, H, K, C, K), 1e-6, L2NORM)
-    dk = l2norm_bwd(k, k_inv, load_cols(part_dk_ptr, start, valid, head, 0, H, K, C, K), L2NORM)
-    store_cols(dk_ptr, dk, start, valid, head, 0, H, K, C, K)
-    row_offs = (tok.to(tl.int64) * H + head) * (NK + 1)
-    dgc = tl.zeros([C], tl.float32)
-    for slot in tl.static_range(NK + 1):
-        dgc += tl.load(dgc_ptr + row_offs + slot, mask=valid, other=0.0)
+def finish_rows(x_ptr, part_ptr, out_ptr, inv_C, dy_scale, start, valid_C, head, H: tl.constexpr, K: tl.constexpr,
+                C: tl.constexpr, L2NORM: tl.constexpr, KNOWN_INV: tl.constexpr):
+    """Stores dx (out_ptr's dtype) of the chunk's whole rows through the l2norm, from the complete partial gradient
+    part * dy_scale of the normalized rows; their inverse norms inv_C given (KNOWN_INV) or recomputed from x."""
+    x = load_cols(x_ptr, start, valid_C, head, 0, H, K, C, K)
+    if KNOWN_INV:
+        y = x * inv_C[:, None]
+    else:
+        y, inv_C = l2norm_rows(x, 1e-6, L2NORM)
+    dx = l2norm_bwd(y, inv_C, load_cols(part_ptr, start, valid_C, head, 0, H, K, C, K) * dy_scale, L2NORM)
+    store_cols(out_ptr, dx, start, valid_C, head, 0, H, K, C, K)
+
+
+@triton.jit
+def state_dg_shares(dgc_ptr, dgl_ptr, tok_C, valid_C, chunk, head, H: tl.constexpr, NK: tl.constexpr):
+    """Scalar decay: (dgc_C summed over state_grad_kernel's NK slots of dgc [T, H, NK + 1], dgc_last summed over the
+    NK slots of dgl [NC, H, NK])."""
+    row_offs = (tok_C.to(tl.int64) * H + head) * (NK + 1)
+    dgc = tl.zeros([tok_C.shape[0]], tl.float32)
+    for slot in tl.static_range(NK):
+        dgc += tl.load(dgc_ptr + row_offs + slot, mask=valid_C, other=0.0)
     dgl = 0.0
     for slot in tl.static_range(NK):
         dgl += tl.load(dgl_ptr + (chunk.to(tl.int64) * H + head) * NK + slot)
-    dg = dgl + tl.sum(dgc, 0) - tl.cumsum(dgc, 0) + dgc
-    tl.store(dg_ptr + tok.to(tl.int64) * H + head, dg.to(dg_ptr.dtype.element_ty), mask=valid)
+    return dgc, dgl
+
+
+@triton.jit
+def store_dg(dg_ptr, dgc_C, dgl, tok_C, valid_C, head, H: tl.constexpr):
+    """Scalar decay: dg = dgc_last + the reverse cumsum of dgc over the chunk."""
+    dg = dgl + tl.sum(dgc_C, 0) - tl.cumsum(dgc_C, 0) + dgc_C
+    tl.store(dg_ptr + tok_C.to(tl.int64) * H + head, dg.to(dg_ptr.dtype.element_ty), mask=valid_C)
+
+
+@triton.jit
+def finish_kernel(q_ptr, k_ptr, norms_ptr, part_dq_ptr, part_dk_ptr, dgc_ptr, dgl_ptr, chunk_start_ptr,
+                  chunk_end_ptr, dq_ptr, dk_ptr, dg_ptr, scale, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                  NK: tl.constexpr, L2NORM: tl.constexpr, STORED_NORMS: tl.constexpr):
+    """Per (chunk, head), scalar decay: dq and dk through l2norm (STORED_NORMS: with prep's inverse norms, else
+    recomputed), dg = dgc_last + reverse cumsum of dgc (the NK + 1 slots of dgc and the NK of dgl summed)."""
+    chunk, head = tl.program_id(0), tl.program_id(1)
+    tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
+    start = tl.load(chunk_start_ptr + chunk)
+    q_inv = tl.zeros([C], tl.float32)
+    k_inv = tl.zeros([C], tl.float32)
+    if STORED_NORMS:
+        q_inv = stored_inv_norms(norms_ptr, tok * H + head, 1, valid) / scale
+        k_inv = stored_inv_norms(norms_ptr, tok * H + head, 0, valid)
+    finish_rows(q_ptr, part_dq_ptr, dq_ptr, q_inv, scale, start, valid, head, H, K, C, L2NORM, STORED_NORMS)
+    finish_rows(k_ptr, part_dk_ptr, dk_ptr, k_inv, 1.0, start, valid, head, H, K, C, L2NORM, STORED_NORMS)
+    dgc, dgl = state_dg_shares(dgc_ptr, dgl_ptr, tok, valid, chunk, head, H, NK)
+    dgc += tl.load(dgc_ptr + (tok.to(tl.int64) * H + head) * (NK + 1) + NK, mask=valid, other=0.0)
+    store_dg(dg_ptr, dgc, dgl, tok, valid, head, H)

@@ -32,9 +32,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime.kernels.gated_delta.backward import l2norm_bwd
+from runtime.kernels.gated_delta.backward import l2norm_bwd, stored_inv_norms
 from runtime.kernels.gated_delta.common import l2norm_rows, row_of
-from runtime.kernels.gated_delta.forward import chunk_inputs, chunk_tokens, load_rows, store_rows
+from runtime.kernels.gated_delta.forward import chunk_inputs, chunk_tokens, load_gc, load_rows, store_rows
 
 
 @triton.jit
@@ -78,6 +78,23 @@ def unit_lower_inverse_small(l_SS, S: tl.constexpr):
 
 
 @triton.jit
+def unit_rows(ptr, norms_ptr, slot: tl.constexpr, scale, rows_R, valid_R, K: tl.constexpr, L2NORM: tl.constexpr,
+              STORED: tl.constexpr):
+    """(x_RK l2-normalized over K (with L2NORM) and times scale, the inverse norms without the scale) of the rows
+    rows_R (token * H + head) of a packed [T, H, K] tensor: with STORED from the norms prep stored
+    (KernelVariant.stored_norms; slot 0 k's, slot 1 q's, which hold the scale), else recomputed."""
+    x = tl.load(ptr + rows_R.to(tl.int64)[:, None] * K + tl.arange(0, K)[None, :], mask=valid_R[:, None],
+                other=0.0).to(tl.float32)
+    if STORED:
+        f_R = stored_inv_norms(norms_ptr, rows_R, slot, valid_R)
+        y, inv_R = x * f_R[:, None], f_R / scale
+    else:
+        y, inv_R = l2norm_rows(x, 1e-6, L2NORM)
+        y = y * scale
+    return y, inv_R
+
+
+@triton.jit
 def diag_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_ptr, ldiag_ptr, tdiag_ptr, pdiag_ptr,
                 scale, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
                 PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr, INVERSE: tl.constexpr, PREC: tl.constexpr):
@@ -102,11 +119,12 @@ def diag_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_ptr, l
 
 
 @triton.jit
-def diag_grad_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_ptr, dldiag_ptr, dpdiag_ptr,
-                     part_dq_ptr, part_dk_ptr, part_dgc_ptr, part_db_ptr, dgl_ptr, dq_ptr, dk_ptr, dg_ptr, dbeta_ptr,
-                     scale, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
-                     L2NORM: tl.constexpr):
-    """Per (chunk, head): final dq, dk, dg, dbeta from the partials and the diagonal blocks of dL and dP."""
+def diag_grad_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, norms_ptr, chunk_start_ptr, chunk_end_ptr, dldiag_ptr,
+                     dpdiag_ptr, part_dq_ptr, part_dk_ptr, part_dgc_ptr, part_db_ptr, dgl_ptr, dq_ptr, dk_ptr, dg_ptr,
+                     dbeta_ptr, scale, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
+                     L2NORM: tl.constexpr, STORED_NORMS: tl.constexpr):
+    """Per (chunk, head): final dq, dk, dg, dbeta from the partials and the diagonal blocks of dL and dP
+    (STORED_NORMS: with the inverse norms prep stored, see unit_rows)."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     chunk_start, chunk_end = tl.load(chunk_start_ptr + chunk), tl.load(chunk_end_ptr + chunk)
     # dg_t = sum of dgc over s >= t in the chunk, plus dgc_last: carried from the later sub-chunks
@@ -114,8 +132,10 @@ def diag_grad_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_p
     for i in range(C // S):
         tok = chunk_start + (C // S - 1 - i) * S + tl.arange(0, S)
         valid = tok < chunk_end
-        q, k, gc, beta, q_inv, k_inv = chunk_inputs(q_ptr, k_ptr, g_ptr, beta_ptr, tok, valid, head, scale,
-                                                    H, K, True, L2NORM)
+        q, q_inv = unit_rows(q_ptr, norms_ptr, 1, scale, tok * H + head, valid, K, L2NORM, STORED_NORMS)
+        k, k_inv = unit_rows(k_ptr, norms_ptr, 0, 1.0, tok * H + head, valid, K, L2NORM, STORED_NORMS)
+        gc = load_gc(g_ptr, tok, valid, H, K, head, True)
+        beta = tl.load(beta_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32)
         da_l, da_p, dc = exact_diag_grams_bwd(load_rows(dldiag_ptr, tok, valid, H, S, head),
                                               load_rows(dpdiag_ptr, tok, valid, H, S, head), beta, q, k, gc, S)
         dq = load_rows(part_dq_ptr, tok, valid, H, K, head) + da_p
@@ -215,21 +235,22 @@ def diag_token_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_
 
 
 @triton.jit
-def diag_grad_token_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_ptr, dldiag_ptr, dpdiag_ptr,
-                           part_dq_ptr, part_dk_ptr, part_dgc_ptr, part_db_ptr, dq_ptr, dk_ptr, dbeta_ptr,
+def diag_grad_token_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, norms_ptr, chunk_start_ptr, chunk_end_ptr, dldiag_ptr,
+                           dpdiag_ptr, part_dq_ptr, part_dk_ptr, part_dgc_ptr, part_db_ptr, dq_ptr, dk_ptr, dbeta_ptr,
                            scale, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
-                           BH: tl.constexpr, L2NORM: tl.constexpr):
+                           BH: tl.constexpr, L2NORM: tl.constexpr, STORED_NORMS: tl.constexpr):
     """Per (token t, BH heads), per-channel decay: the diagonal blocks' share of the gradients of token t,
     as the row (dL_ts, dP_ts against s <= t: da_l, da_p) and as the column (dL_st, dP_st, s >= t: dc) of
     the blocks; writes the final dq, dk (through l2norm) and dbeta, and dgc over part_dgc in place (each
-    program its own row) for dg_finish_kernel's reverse cumsum."""
+    program its own row) for dg_finish_kernel's reverse cumsum. STORED_NORMS: every row's inverse norms from prep's
+    [T, H, 2] (see unit_rows) instead of a reduction over K per row walked."""
     tok, sub_start, sub_end, chunk_end = token_position(chunk_start_ptr, chunk_end_ptr, C, S)
     if tok < chunk_end:
         heads = tl.program_id(1) * BH + tl.arange(0, BH)
+        every = tl.full([BH], 1, tl.int1)
         pos = tok - sub_start
-        q_t, q_inv = l2norm_rows(head_rows(q_ptr, tok, heads, H, K), 1e-6, L2NORM)
-        k_t, k_inv = l2norm_rows(head_rows(k_ptr, tok, heads, H, K), 1e-6, L2NORM)
-        q_t = q_t * scale
+        q_t, q_inv = unit_rows(q_ptr, norms_ptr, 1, scale, tok * H + heads, every, K, L2NORM, STORED_NORMS)
+        k_t, k_inv = unit_rows(k_ptr, norms_ptr, 0, 1.0, tok * H + heads, every, K, L2NORM, STORED_NORMS)
         beta_t = tl.load(beta_ptr + tok.to(tl.int64) * H + heads).to(tl.float32)
         dl_row = head_rows(dldiag_ptr, tok, heads, H, S)
         dp_row = head_rows(dpdiag_ptr, tok, heads, H, S)
@@ -240,7 +261,7 @@ def diag_grad_token_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk
         decay = tl.zeros([BH, K], tl.float32)
         for back in range(pos + 1):
             s = tok - back
-            k_s = l2norm_rows(head_rows(k_ptr, s, heads, H, K), 1e-6, L2NORM)[0]
+            k_s = unit_rows(k_ptr, norms_ptr, 0, 1.0, s * H + heads, every, K, L2NORM, STORED_NORMS)[0]
             ks_e = k_s * tl.exp(decay)
             at_s = cols[None, :] == pos - back
             da_l += tl.sum(tl.where(at_s & (back > 0), dl_row, 0.0), 1)[:, None] * ks_e
@@ -253,13 +274,13 @@ def diag_grad_token_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk
             s = tok + ahead
             if ahead > 0:
                 decay += head_rows(g_ptr, s, heads, H, K)
-            q_s = l2norm_rows(head_rows(q_ptr, s, heads, H, K), 1e-6, L2NORM)[0]
-            k_s = l2norm_rows(head_rows(k_ptr, s, heads, H, K), 1e-6, L2NORM)[0]
+            q_s = unit_rows(q_ptr, norms_ptr, 1, scale, s * H + heads, every, K, L2NORM, STORED_NORMS)[0]
+            k_s = unit_rows(k_ptr, norms_ptr, 0, 1.0, s * H + heads, every, K, L2NORM, STORED_NORMS)[0]
             beta_s = tl.load(beta_ptr + s.to(tl.int64) * H + heads).to(tl.float32)
             row_s = (s.to(tl.int64) * H + heads) * S + pos
             dl_st = tl.where(ahead > 0, tl.load(dldiag_ptr + row_s), 0.0)
             dp_st = tl.load(dpdiag_ptr + row_s)
-            dc += ((dl_st * beta_s)[:, None] * k_s + dp_st[:, None] * (q_s * scale)) * tl.exp(decay)
+            dc += ((dl_st * beta_s)[:, None] * k_s + dp_st[:, None] * q_s) * tl.exp(decay)
         dq = head_rows(part_dq_ptr, tok, heads, H, K) + da_p
         dk = head_rows(part_dk_ptr, tok, heads, H, K) + beta_t[:, None] * da_l + dc
         dgc = head_rows(part_dgc_ptr, tok, heads, H, K) + beta_t[:, None] * k_t * da_l + q_t * da_p - k_t * dc

@@ -234,14 +234,15 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
                         scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
                         BD: tl.constexpr, PER_CHANNEL: tl.constexpr,
                         L2NORM: tl.constexpr, STORE_TINV: tl.constexpr, COLUMNS: tl.constexpr,
-                        GRAM_PREC: tl.constexpr, DIAG_PREC: tl.constexpr,
+                        STORE_NORMS: tl.constexpr, GRAM_PREC: tl.constexpr, DIAG_PREC: tl.constexpr,
                         PREC: tl.constexpr):
     """prep_kernel's outputs on [C, BD] column blocks: no [C, K] fp32 tile is live across the chunk's
     matrices. The Gram products take the raw inputs (bf16 operands are exact for bf16 inputs) and the
     l2norm scales them afterwards: gram(k_hat)_ij = (k_i . k_j) / (|k_i| |k_j|). The inverses of Tinv's
     diagonal blocks come from doubling (DIAG_PREC); per channel, L's and P's diagonal blocks from
-    diagonal.py's kernel (run without its inverse). Without COLUMNS it stops at P and Tinv (stored, with the scalar gc_last and the
-    rows' inverse norms, [T, H, 2] at inv_ptr): prep_columns_kernel makes the rest."""
+    diagonal.py's kernel (run without its inverse). Without COLUMNS it stops at P and Tinv (stored, with the scalar
+    gc_last): prep_columns_kernel makes the rest. STORE_NORMS stores the rows' inverse norms [T, H, 2] at inv_ptr (k's,
+    then q's times the scale) for prep_columns_kernel and, with KernelVariant.stored_norms, the backward kernels."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     start, end = tl.load(chunk_start_ptr + chunk), tl.load(chunk_end_ptr + chunk)
     rows = tl.arange(0, C)
@@ -281,8 +282,8 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
     tinv = merge_block_inverse(l_mat, block_diagonal(diag_block_inverse(l_BSS, S, DIAG_PREC), C, S), C, S, PREC)
     if STORE_TINV:
         store_cols(tinv_ptr, tinv, start, valid, head, H, C, 0, C)
-    if not COLUMNS:
-        # the column kernel's programs would each re-read q and k whole for them
+    if STORE_NORMS:
+        # the programs of the column kernel and of the backward would each re-read q and k whole for them
         inv_offs = (tok.to(tl.int64) * H + head) * 2
         tl.store(inv_ptr + inv_offs, k_inv, mask=valid)
         tl.store(inv_ptr + inv_offs + 1, q_inv, mask=valid)

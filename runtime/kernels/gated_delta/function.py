@@ -115,6 +115,26 @@ class KernelVariant:
     # instead of recomputing them from q and k: 32 at 4 warps 117 / 149 registers, 64 at 8 warps 126 / 162, no
     # spills): 64 reads Tinv half as often
     prep_column_block: int = 32
+    # with blocked_prep and the qk l2norm: prep stores the rows' inverse norms [T, H, 2] whenever a backward follows
+    # (kept with its tiles, or recomputed with them), and the backward kernels read them instead of summing q^2 and
+    # k^2 over K again: state_grad's two norm loops over all K (four [C, 64] tile loads and reductions in every
+    # key-block program's chain), wy_grad's over k, finish's row reductions and, per channel, gram_grad's (every
+    # sub-chunk it walks), diag_grad_token's (every row it walks) and diag_grad's. ptxas (sm_90a, pointers 16-byte
+    # aligned as launched; registers, no spills either way), GDN / KDA default: state_grad 146 -> 138 / 126 -> 126,
+    # wy_grad 184 -> 196 / 209 -> 209, finish 76 -> 79, gram_grad 241 -> 246 (9 -> 8 KB shared), diag_grad_token 64.
+    # Predicted (H200, B1 T8192 H32 K=V=128, ms): GDN state_grad 0.80 -> 0.72-0.77 (about one L2 load round of ~13 us
+    # per program), wy_grad 0.49 -> 0.47-0.49 (its norm loads already overlap the value loop's), finish unchanged
+    # (bandwidth: its loads stay): fwd+bwd -0.03 to -0.1; KDA also diag_grad_token 0.83 -> 0.6-0.75 (a warp
+    # reduction of 5 dependent shuffles and a sqrt off each of its ~17 walked rows' chains), gram_grad 0.78 ->
+    # 0.68-0.75 (~6 reductions over K per program): fwd+bwd -0.15 to -0.35
+    stored_norms: bool = False
+    # scalar decay only (ignored per channel): wy_grad_kernel does finish_kernel's work, which is not launched: dq's
+    # l2norm backward first (it needs nothing of wy_grad: its loads go beside Tinv's), in the tail dk's from the
+    # partial the key loop just stored (re-read from L2) and dg from state_grad's dgc slots plus wy_grad's share kept
+    # in registers. ptxas (as above): wy_grad 184 -> 200 registers (223 with stored_norms), no spills, 24 KB shared.
+    # Predicted: finish 0.14 -> 0, wy_grad 0.49 -> 0.54-0.60 (dq's reduction and stores, one more load round in the
+    # tail, 31 waves of one program per SM): GDN fwd+bwd -0.03 to -0.08
+    fused_finish: bool = False
 
 
 DEFAULT_VARIANT = KernelVariant()
@@ -234,6 +254,9 @@ def _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_tinv, vari
     keep_tinv = store_tinv or (variant.blocked_prep and variant.split_prep)
     out["tinv"] = empty(num_tokens, num_heads, cfg["C"], **f32) if keep_tinv else out["p"]
     out["glast"] = empty(layout.num_chunks, num_heads, key_dim if per_channel else 1, **f32)
+    if variant.blocked_prep and variant.stored_norms and store_tinv and l2norm:
+        # for the backward (see KernelVariant.stored_norms); its kernels read them where prep holds them
+        out["norms"] = empty(num_tokens, num_heads, 2, **f32)
     if variant.blocked_prep:
         _prep_blocked(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_tinv, variant, out)
         return out
@@ -262,9 +285,10 @@ def _prep_blocked(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_ti
         diags = (ldiag, pdiag)
     # bf16 operands are exact for bf16 inputs; the interpreter gets the same rounding in fp32 (see common.mm)
     block = min(64, key_dim, value_dim)
-    # with split_prep, k's and q's inverse norms per token [T, H, 2] from the first launch to the second
-    inverse_norms = out["glast"]
-    if variant.split_prep:
+    # k's and q's inverse norms per token [T, H, 2]: for the backward (out["norms"]) or, with split_prep, from the
+    # first launch to the second
+    inverse_norms = out.get("norms", out["glast"])
+    if variant.split_prep and "norms" not in out:
         inverse_norms = empty(q.shape[0], num_heads, 2, dtype=torch.float32, device=q.device)
     gram = DOT_PRECISION
     if q.dtype == torch.bfloat16:
@@ -274,7 +298,8 @@ def _prep_blocked(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_ti
         out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], inverse_norms, *diags,
         scale, H=num_heads, K=key_dim, V=value_dim, BD=block, PER_CHANNEL=per_channel,
         L2NORM=l2norm, STORE_TINV=store_tinv or variant.split_prep,
-        COLUMNS=not variant.split_prep, GRAM_PREC=gram, DIAG_PREC="tf32x3",
+        COLUMNS=not variant.split_prep, STORE_NORMS=variant.split_prep or "norms" in out, GRAM_PREC=gram,
+        DIAG_PREC="tf32x3",
         num_warps=variant.prep_warps, **cfg)
     if variant.split_prep:
         columns = min(variant.prep_column_block, key_dim, value_dim)
@@ -336,10 +361,11 @@ def _scan_bwd(prep, do, dht, layout, per_channel, want_dh0, variant=DEFAULT_VARI
 def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale, per_channel, l2norm,
                  variant=DEFAULT_VARIANT):
     """(dq, dk, dv, dg, dbeta) in the inputs' dtypes: backward.py's state_grad_kernel, wy_grad_kernel,
-    then finish_kernel (scalar decay) or diagonal.diag_grad_kernel (per channel, whatever the variant's
-    forward did with the diagonal blocks: the exact per-channel blocks need [S, K] tiles; with
-    token_parallel_diag diagonal.diag_grad_token_kernel and dg_finish_kernel instead). Per channel with
-    gram_grad_apart, backward.gram_grad_kernel runs between wy_grad_kernel and the diagonal kernels."""
+    then finish_kernel (scalar decay; with fused_finish wy_grad_kernel does its work) or diagonal.diag_grad_kernel
+    (per channel, whatever the variant's forward did with the diagonal blocks: the exact per-channel blocks need
+    [S, K] tiles; with token_parallel_diag diagonal.diag_grad_token_kernel and dg_finish_kernel instead). Per
+    channel with gram_grad_apart, backward.gram_grad_kernel runs between wy_grad_kernel and the diagonal kernels.
+    Where prep holds the rows' inverse norms (stored_norms), every kernel reads them instead of recomputing."""
     num_tokens, num_heads, key_dim = q.shape
     value_dim = v.shape[-1]
     cfg = _config()
@@ -354,38 +380,43 @@ def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale
     dims = dict(H=num_heads, K=key_dim, C=cfg["C"], L2NORM=l2norm)
     bounds = (layout.chunk_start, layout.chunk_end)
     gram_apart = per_channel and variant.gram_grad_apart
+    fused_finish = variant.fused_finish and not per_channel
+    stored = "norms" in prep
+    # (a pointer argument only without them)
+    norms = prep.get("norms", s["dq"])
     fast(backward.state_grad_kernel)[(layout.num_chunks * num_key_blocks, num_heads)](
-        q, k, g, h, dh, v_new, dv_new, do, *bounds, s["dq"], s["dk"], s["dw"], s["dgc"], s["dgl"], s["dpdiag"],
-        s["dpfull"], s["gcs"], scale, V=value_dim, S=cfg["S"], PER_CHANNEL=per_channel, PREC=cfg["PREC"],
-        DOTS=_forward_dots(variant), GRAM_APART=gram_apart, **state_blocks, **dims,
-        num_warps=backward.STATE_GRAD_WARPS, num_stages=backward.STATE_GRAD_STAGES,
+        q, k, g, h, dh, v_new, dv_new, do, *bounds, norms, s["dq"], s["dk"], s["dw"], s["dgc"], s["dgl"],
+        s["dpdiag"], s["dpfull"], s["gcs"], scale, V=value_dim, S=cfg["S"], PER_CHANNEL=per_channel,
+        PREC=cfg["PREC"], DOTS=_forward_dots(variant), GRAM_APART=gram_apart, STORED_NORMS=stored, **state_blocks,
+        **dims, num_warps=backward.STATE_GRAD_WARPS, num_stages=backward.STATE_GRAD_STAGES,
         maxnreg=backward.STATE_GRAD_MAXNREG)
     fast(backward.wy_grad_kernel)[(layout.num_chunks, num_heads)](
-        k, v, g, beta, prep["tinv"], dv_new, s["dw"], *bounds, dv, s["dk"], s["dgc"],
-        s["db"] if per_channel else dbeta, s["dldiag"], s["dlfull"], s["gcs"], V=value_dim, S=cfg["S"],
-        PER_CHANNEL=per_channel, PREC=cfg["PREC"], GRAD_DOTS=_grad_dots(variant), SLOT=num_key_blocks,
-        GRAM_APART=gram_apart, **blocks, **dims, num_warps=backward.WY_GRAD_WARPS,
-        num_stages=backward.WY_GRAD_STAGES, maxnreg=backward.WY_GRAD_MAXNREG)
+        q, k, v, g, beta, prep["tinv"], dv_new, s["dw"], norms, *bounds, dv, s["dk"], s["dgc"],
+        s["db"] if per_channel else dbeta, s["dldiag"], s["dlfull"], s["gcs"], s["dq"], s["dgl"], dq, dk, dg, scale,
+        V=value_dim, S=cfg["S"], PER_CHANNEL=per_channel, PREC=cfg["PREC"], GRAD_DOTS=_grad_dots(variant),
+        SLOT=num_key_blocks, GRAM_APART=gram_apart, STORED_NORMS=stored, FUSED_FINISH=fused_finish, **blocks,
+        **dims, num_warps=backward.WY_GRAD_WARPS, num_stages=backward.WY_GRAD_STAGES,
+        maxnreg=backward.WY_GRAD_MAXNREG)
     if gram_apart:
         fast(backward.gram_grad_kernel)[(layout.num_chunks * (cfg["C"] // cfg["S"]), num_heads)](
-            q, k, beta, s["gcs"], s["dlfull"], s["dpfull"], *bounds, s["dq"], s["dk"], s["dgc"], s["db"], scale,
-            S=cfg["S"], PREC=cfg["PREC"], **dims, num_warps=variant.gram_grad_warps)
+            q, k, beta, s["gcs"], s["dlfull"], s["dpfull"], norms, *bounds, s["dq"], s["dk"], s["dgc"], s["db"],
+            scale, S=cfg["S"], PREC=cfg["PREC"], STORED_NORMS=stored, **dims, num_warps=variant.gram_grad_warps)
     if per_channel and variant.token_parallel_diag:
         heads = _token_diag_heads(num_heads, variant)
         fast(diagonal.diag_grad_token_kernel)[(layout.num_chunks * cfg["C"], num_heads // heads)](
-            q, k, g, beta, *bounds, s["dldiag"], s["dpdiag"], s["dq"], s["dk"], s["dgc"], s["db"], dq, dk, dbeta,
-            scale, S=cfg["S"], BH=heads, **dims, num_warps=heads)
+            q, k, g, beta, norms, *bounds, s["dldiag"], s["dpdiag"], s["dq"], s["dk"], s["dgc"], s["db"], dq, dk,
+            dbeta, scale, S=cfg["S"], BH=heads, STORED_NORMS=stored, **dims, num_warps=heads)
         finish_block = min(32, key_dim)
         fast(diagonal.dg_finish_kernel)[(layout.num_chunks, num_heads, key_dim // finish_block)](
             s["dgc"], s["dgl"], *bounds, dg, H=num_heads, K=key_dim, C=cfg["C"], BK=finish_block, num_warps=4)
     elif per_channel:
         fast(diagonal.diag_grad_kernel)[(layout.num_chunks, num_heads)](
-            q, k, g, beta, *bounds, s["dldiag"], s["dpdiag"], s["dq"], s["dk"], s["dgc"], s["db"], s["dgl"],
-            dq, dk, dg, dbeta, scale, S=cfg["S"], **dims, num_warps=4)
-    else:
+            q, k, g, beta, norms, *bounds, s["dldiag"], s["dpdiag"], s["dq"], s["dk"], s["dgc"], s["db"], s["dgl"],
+            dq, dk, dg, dbeta, scale, S=cfg["S"], STORED_NORMS=stored, **dims, num_warps=4)
+    elif not fused_finish:
         fast(backward.finish_kernel)[(layout.num_chunks, num_heads)](
-            q, k, s["dq"], s["dk"], s["dgc"], s["dgl"], *bounds, dq, dk, dg, scale, NK=num_key_blocks, **dims,
-            num_warps=backward.FINISH_WARPS)
+            q, k, norms, s["dq"], s["dk"], s["dgc"], s["dgl"], *bounds, dq, dk, dg, scale, NK=num_key_blocks,
+            STORED_NORMS=stored, **dims, num_warps=backward.FINISH_WARPS)
     return dq, dk, dv, dg, dbeta
 
 
@@ -399,7 +430,7 @@ def _grad_dots(variant: KernelVariant) -> str:
 def _grad_scratch(q, layout, per_channel, num_key_blocks, cfg, variant=DEFAULT_VARIANT):
     """fp32 buffers between the gradient kernels (dw bf16 with bf16_grad_dots): dq, dk, dw [T, H, K]; dgc
     [T, H, K] per channel, else [T, H, NK + 1] (a slot per K block of state_grad_kernel and one for
-    wy_grad_kernel); dgc_last [NC, H, K], else [NC, H, NK]; per channel also dbeta's share [T, H] and dL, dP
+    wy_grad_kernel, unwritten with fused_finish); dgc_last [NC, H, K], else [NC, H, NK]; per channel also dbeta's share [T, H] and dL, dP
     diagonal blocks [T, H, S], and with gram_grad_apart dL, dP whole [T, H, C] and gc [T, H, K]."""
     num_tokens, num_heads, key_dim = q.shape
     sub_chunk = cfg["S"]
