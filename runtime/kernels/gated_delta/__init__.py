@@ -8,9 +8,13 @@ kind, with fp32 intermediates for fp32 inputs.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from runtime.kernels.gated_delta.function import FP32_TILES, KernelVariant, chunk_delta_rule
+from runtime.kernels.gated_delta.function import (
+    FP32_TILES, PER_CHANNEL_DECAY_DEFAULT, SCALAR_DECAY_DEFAULT, KernelVariant, chunk_delta_rule,
+)
 
 # Named settings the benchmark times side by side. "base" (KernelVariant()) is the path the others change one
 # choice of; "forward_before" is the forward measured at GDN 1.68 ms (prep_kernel with diag_kernel's
@@ -48,6 +52,11 @@ VARIANTS: dict[str, KernelVariant] = {
     "output_bv64": KernelVariant(output_value_block=64),
     "tf32_dots": KernelVariant(bf16_dots=False),
     "bf16_u": KernelVariant(fp32_u=False),
+    # each decay kind's default with o computed in the forward scan, no output_kernel (scan_output's comment)
+    "gdn_scan_output": replace(SCALAR_DECAY_DEFAULT, scan_output=True),
+    "kda_scan_output": replace(PER_CHANNEL_DECAY_DEFAULT, scan_output=True),
+    # the same GDN scan at 8 warps: two warpgroups per product if the longer step is issue-bound
+    "gdn_scan_output_w8": replace(SCALAR_DECAY_DEFAULT, scan_output=True, scan_output_warps=8),
 }
 
 
