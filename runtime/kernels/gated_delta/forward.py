@@ -3,7 +3,8 @@
 GDN's three launches: `prep_blocked_kernel` (every chunk in parallel, on [C, 64] column blocks: l2norm,
 decay cumsum, the UT inverse Tinv, w, u, P, qg, kbar), `scan_kernel` (one program per sequence, head
 and V block walks the chunks: states and v_new),
-`output_kernel` (every chunk in parallel: o = qg h + P v_new). `prep_kernel` is the earlier prep on
+`output_kernel` (every chunk in parallel: o = qg h + P v_new; with KernelVariant.scan_output the scan
+writes o and output_kernel is not launched). `prep_kernel` is the earlier prep on
 whole [C, K] fp32 tiles (KernelVariant.blocked_prep=False). KDA's default runs five: diagonal.py's
 `diag_token_kernel` first (the exact per-channel diagonal blocks of L and P), and prep in two launches
 (KernelVariant.split_prep: `prep_blocked_kernel` to P, Tinv and the inverse norms, then
