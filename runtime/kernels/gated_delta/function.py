@@ -121,9 +121,10 @@ class KernelVariant:
     # as the step's other tiles (scan_stages 2), the products reuse the shared-memory copies of h and v_new
     # that w h and kbar^T v_new read, and come after the state update. ptxas (sm_90a, aligned pointers as
     # launched): 4 warps 118 -> 134 registers, 8 warps 109 -> 144, no spills; shared memory 86 -> 139 KB.
-    # Predicted: the scan's warpgroup issues in order, so the two wgmma round trips and the o store add
-    # ~0.1-0.25 us to each 2.1 us step: scan 0.27 -> 0.29-0.30 ms, output 0.10 -> 0, one launch gap less:
-    # GDN forward 0.85 -> 0.75-0.78 ms (KDA the same ~0.08 ms)
+    # Predicted: one warpgroup per SM issues the step in order (each product waits for its wgmma), so the o
+    # products lengthen the step rather than overlap: the step becomes backward.scan_bwd_kernel's (the same
+    # five tile loads and four products, at 8 warps 0.35 ms, 2.7 us per step): scan 0.27 -> 0.33-0.35 ms,
+    # output 0.10 -> 0 and one launch gap less: GDN forward 0.85 -> 0.80-0.83 ms (KDA the same ~0.03-0.05)
     scan_output: bool = False
     # warps of the forward scan with scan_output (None: forward_scan_warps). 8 (144 registers, no spills) put
     # two warpgroups on each product: shorter wgmma round trips if the step is issue-bound
