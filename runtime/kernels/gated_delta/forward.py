@@ -417,7 +417,8 @@ def scan_kernel(w_ptr, u_ptr, kbar_ptr, glast_ptr, h0_ptr, qg_ptr, p_ptr, cu_ptr
         decay = load_chunk_decay(glast_ptr, chunk, head, H, K, PER_CHANNEL)
         h = decay * h + mm(tl.trans(kbar), v_new, PREC)
         if OUTPUT:
-            # after the state update, off its chain: the next chunk's w h waits on h alone
+            # after the state update, which then waits on neither o's products nor its store (the warps still
+            # issue them before the next chunk's w h); the pipeliner prefetches qg and P with w, u and kbar
             qg = tl.load(rows_at(qg_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
             p = tl.load(rows_at(p_ptr, row0, head, H, C, 0, C, C), mask=valid, other=0.0)
             o = mm(qg, h_stored, PREC) + mm(p, v_stored, PREC)

@@ -309,6 +309,7 @@ def _scan(prep, h0, layout, per_channel, store_final, variant=DEFAULT_VARIANT, o
     final = h
     if store_final:
         final = empty(layout.num_seqs, num_heads, key_dim, value_dim, dtype=torch.float32, device=device)
+    # without out_dtype o_ptr is a pointer argument only
     o = v_new if out_dtype is None else empty(num_tokens, num_heads, value_dim, dtype=out_dtype, device=device)
     warps = variant.forward_scan_warps or variant.scan_warps
     if out_dtype is not None:
