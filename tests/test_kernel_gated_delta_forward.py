@@ -1,12 +1,14 @@
 """Forward pieces of the GDN/KDA Triton kernels under TRITON_INTERPRET=1 that the op-level tests
 (tests/test_kernel_gated_delta.py, K=16) do not reach: the unit lower inverse (I + L)^-1 by doubling on
 the diagonal blocks and level-by-level merging at the real chunk size, against an fp64 solve, on keys
-drawn at random and on keys that repeat (where the doubling's partial products cancel); and the
-forward scan on state halves, which needs K >= 32.
+drawn at random and on keys that repeat (where the doubling's partial products cancel); prep over
+column blocks and in two launches; and o from the forward scan (KernelVariant.scan_output) instead of
+output_kernel.
 
 Shape legend: T tokens, H heads, C chunk size, S sub-chunk size, K key dim, V value dim.
 """
 import os
+from dataclasses import replace
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -23,8 +25,11 @@ from reference_ops.kda import kda as ref_kda  # noqa: E402
 from runtime.kernels.gated_delta.common import (  # noqa: E402
     block_diagonal, diag_block_inverse, merge_block_inverse,
 )
-from runtime.kernels.gated_delta.function import KernelVariant  # noqa: E402
+from runtime.kernels.gated_delta.function import (  # noqa: E402
+    FP32_TILES, PER_CHANNEL_DECAY_DEFAULT, SCALAR_DECAY_DEFAULT, KernelVariant,
+)
 from runtime.tolerances import assert_close  # noqa: E402
+from tests.test_kernel_gated_delta import VARIANTS, check, make_inputs  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
 
@@ -121,3 +126,40 @@ def test_split_prep_stores_what_one_launch_does(column_block, monkeypatch):
     for name, e in expected.items():
         assert torch.isfinite(got[name]).all(), name
         torch.testing.assert_close(got[name], e, rtol=1e-4, atol=1e-5, msg=name)
+
+
+SCAN_OUTPUT = {"gdn": replace(SCALAR_DECAY_DEFAULT, scan_output=True),
+               "kda": replace(PER_CHANNEL_DECAY_DEFAULT, scan_output=True),
+               # two value blocks per head at V=32: o's columns at the block's offset
+               "fp32_tiles": replace(FP32_TILES, scan_output=True, scan_value_block=16)}
+
+
+@pytest.mark.parametrize("kind,variant", [
+    ("gdn", "gdn"), pytest.param("kda", "kda", marks=pytest.mark.slow), ("gdn", "fp32_tiles"),
+], ids=["gdn", "kda", "gdn-fp32_tiles"])
+def test_scan_output_cu_seqlens(kind, variant, chunk32_nan_buffers, monkeypatch):
+    """KernelVariant.scan_output (o from the forward scan, no output_kernel) on each decay kind's default and on
+    fp32 tiles, forward and backward vs the fp64 reference: three packed sequences (the last chunks partial) with
+    initial states."""
+    monkeypatch.setitem(VARIANTS, "scan_output", SCAN_OUTPUT[variant])
+    check(kind, make_inputs(kind, T=63, V=32, num_states=3), variant="scan_output",
+          cu_seqlens=torch.tensor([0, 5, 40, 63]))
+
+
+@pytest.mark.parametrize("tiles", ["bf16", "fp32"])
+def test_scan_output_equals_output_kernel(tiles, chunk32_nan_buffers):
+    """o from the scan is output_kernel's bit for bit when both run value blocks of 16 (the same product
+    shapes): the scan rounds h and v_new to their buffers' dtypes as output_kernel reads them back and sums the
+    same two products. At other output blocks only within fp32 rounding (1.5e-8 max abs here at 32): the
+    interpreter's fp32 matmul, like the GPU's tiles, may sum in another order for another shape. GDN on bf16 and
+    fp32 tiles, two value blocks per head, three packed sequences with initial states."""
+    base = SCALAR_DECAY_DEFAULT if tiles == "bf16" else FP32_TILES
+    base = replace(base, scan_value_block=16, output_value_block=16)
+    x = make_inputs("gdn", T=63, V=32, num_states=3)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    kw = dict(initial_state_BHKV=x["h0"], cu_seqlens=torch.tensor([0, 5, 40, 63]))
+    with torch.no_grad():
+        expected, _ = kernels.gated_delta_rule(*args, **kw, variant=base)
+        got, _ = kernels.gated_delta_rule(*args, **kw, variant=replace(base, scan_output=True))
+    assert torch.isfinite(expected).all()
+    assert torch.equal(got, expected)

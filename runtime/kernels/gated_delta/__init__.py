@@ -8,9 +8,9 @@ kind, with fp32 intermediates for fp32 inputs.
 """
 from __future__ import annotations
 
-import torch
-
 from dataclasses import replace
+
+import torch
 
 from runtime.kernels.gated_delta.function import (
     FP32_TILES, PER_CHANNEL_DECAY_DEFAULT, SCALAR_DECAY_DEFAULT, KernelVariant, chunk_delta_rule,
@@ -60,6 +60,16 @@ VARIANTS: dict[str, KernelVariant] = {
     "output_bv64": KernelVariant(output_value_block=64),
     "tf32_dots": KernelVariant(bf16_dots=False),
     "bf16_u": KernelVariant(fp32_u=False),
+    # each decay kind's default with o computed in the forward scan, no output_kernel (scan_output's comment)
+    "gdn_scan_output": replace(SCALAR_DECAY_DEFAULT, scan_output=True),
+    "kda_scan_output": replace(PER_CHANNEL_DECAY_DEFAULT, scan_output=True),
+    # the same GDN scan at 8 warps: two warpgroups per product if the longer step is issue-bound
+    "gdn_scan_output_w8": replace(SCALAR_DECAY_DEFAULT, scan_output=True, scan_output_warps=8),
+    # the three together on GDN's default (and with state_grad in key blocks of 32), and KDA's two
+    "gdn_all": replace(SCALAR_DECAY_DEFAULT, stored_norms=True, fused_finish=True, scan_output=True),
+    "gdn_all_skb32": replace(SCALAR_DECAY_DEFAULT, stored_norms=True, fused_finish=True, scan_output=True,
+                             state_grad_key_block=32),
+    "kda_norms_scan_output": replace(PER_CHANNEL_DECAY_DEFAULT, stored_norms=True, scan_output=True),
 }
 
 

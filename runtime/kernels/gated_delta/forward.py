@@ -3,7 +3,8 @@
 GDN's three launches: `prep_blocked_kernel` (every chunk in parallel, on [C, 64] column blocks: l2norm,
 decay cumsum, the UT inverse Tinv, w, u, P, qg, kbar), `scan_kernel` (one program per sequence, head
 and V block walks the chunks: states and v_new),
-`output_kernel` (every chunk in parallel: o = qg h + P v_new). `prep_kernel` is the earlier prep on
+`output_kernel` (every chunk in parallel: o = qg h + P v_new; with KernelVariant.scan_output the scan
+writes o and output_kernel is not launched). `prep_kernel` is the earlier prep on
 whole [C, K] fp32 tiles (KernelVariant.blocked_prep=False). KDA's default runs five: diagonal.py's
 `diag_token_kernel` first (the exact per-channel diagonal blocks of L and P), and prep in two launches
 (KernelVariant.split_prep: `prep_blocked_kernel` to P, Tinv and the inverse norms, then
@@ -384,14 +385,16 @@ def load_chunk_decay(glast_ptr, chunk, head, H: tl.constexpr, K: tl.constexpr, P
 
 
 @triton.jit
-def scan_kernel(w_ptr, u_ptr, kbar_ptr, glast_ptr, h0_ptr, cu_ptr, chunk_offsets_ptr,
-                h_ptr, vnew_ptr, ht_ptr,
+def scan_kernel(w_ptr, u_ptr, kbar_ptr, glast_ptr, h0_ptr, qg_ptr, p_ptr, cu_ptr, chunk_offsets_ptr,
+                h_ptr, vnew_ptr, ht_ptr, o_ptr,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
                 PER_CHANNEL: tl.constexpr, HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
-                PREC: tl.constexpr):
+                OUTPUT: tl.constexpr, PREC: tl.constexpr):
     """Per (sequence, head, V block), chunk by chunk: store the entering state h, then
     v_new = u - w h and h <- exp(gc_last) h + kbar^T v_new. State in fp32 registers; the products
-    take their operands in PREC (see common.mm: "bf16" rounds h and v_new as their stored copies are)."""
+    take their operands in PREC (see common.mm: "bf16" rounds h and v_new as their stored copies are).
+    With OUTPUT also o = qg h + P v_new of the chunk (KernelVariant.scan_output: no output_kernel), on h and
+    v_new rounded to their buffers' dtypes as output_kernel reads them back."""
     seq, head, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos = tl.load(cu_ptr + seq), tl.load(cu_ptr + seq + 1)
     first_chunk = tl.load(chunk_offsets_ptr + seq)
@@ -402,16 +405,25 @@ def scan_kernel(w_ptr, u_ptr, kbar_ptr, glast_ptr, h0_ptr, cu_ptr, chunk_offsets
         h += tl.load(h0_ptr + seq_offs)
     for c in range(tl.cdiv(eos - bos, C)):
         chunk = first_chunk + c
-        tl.store(h_ptr + state_offsets(chunk, head, col0, H, K, V, BV), h.to(h_ptr.dtype.element_ty))
+        h_stored = h.to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + state_offsets(chunk, head, col0, H, K, V, BV), h_stored)
         row0 = bos + c * C
         valid = (row0 + tl.arange(0, C) < eos)[:, None]
         w = tl.load(rows_at(w_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
         u = tl.load(rows_at(u_ptr, row0, head, H, V, col0, C, BV), mask=valid, other=0.0)
         v_new = u.to(tl.float32) - mm(w, h, PREC)
-        tl.store(rows_at(vnew_ptr, row0, head, H, V, col0, C, BV), v_new.to(vnew_ptr.dtype.element_ty), mask=valid)
+        v_stored = v_new.to(vnew_ptr.dtype.element_ty)
+        tl.store(rows_at(vnew_ptr, row0, head, H, V, col0, C, BV), v_stored, mask=valid)
         kbar = tl.load(rows_at(kbar_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
         decay = load_chunk_decay(glast_ptr, chunk, head, H, K, PER_CHANNEL)
         h = decay * h + mm(tl.trans(kbar), v_new, PREC)
+        if OUTPUT:
+            # after the state update, which then waits on neither o's products nor its store (the warps still
+            # issue them before the next chunk's w h); the pipeliner prefetches qg and P with w, u and kbar
+            qg = tl.load(rows_at(qg_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
+            p = tl.load(rows_at(p_ptr, row0, head, H, C, 0, C, C), mask=valid, other=0.0)
+            o = mm(qg, h_stored, PREC) + mm(p, v_stored, PREC)
+            tl.store(rows_at(o_ptr, row0, head, H, V, col0, C, BV), o.to(o_ptr.dtype.element_ty), mask=valid)
     if STORE_FINAL:
         tl.store(ht_ptr + seq_offs, h)
 

@@ -135,6 +135,20 @@ class KernelVariant:
     # Predicted: finish 0.14 -> 0, wy_grad 0.49 -> 0.54-0.60 (dq's reduction and stores, one more load round in the
     # tail, 31 waves of one program per SM): GDN fwd+bwd -0.03 to -0.08
     fused_finish: bool = False
+    # o = qg h + P v_new in the forward scan, per chunk and value block, from the h and v_new it holds (rounded
+    # as their stored copies): no output_kernel, which re-read h and v_new (0.10 ms at B1 T8192 H32 K=V=128).
+    # The scan is latency-bound (128 programs, ~2.1 us per chunk step): qg and P are prefetched with cp.async
+    # as the step's other tiles (scan_stages 2), the products reuse the shared-memory copies of h and v_new
+    # that w h and kbar^T v_new read, and come after the state update. ptxas (sm_90a, aligned pointers as
+    # launched): 4 warps 118 -> 134 registers, 8 warps 109 -> 144, no spills; shared memory 86 -> 139 KB.
+    # Predicted: one warpgroup per SM issues the step in order (each product waits for its wgmma), so the o
+    # products lengthen the step rather than overlap: the step becomes backward.scan_bwd_kernel's (the same
+    # five tile loads and four products, at 8 warps 0.35 ms, 2.7 us per step): scan 0.27 -> 0.33-0.35 ms,
+    # output 0.10 -> 0 and one launch gap less: GDN forward 0.85 -> 0.80-0.83 ms (KDA the same ~0.03-0.05)
+    scan_output: bool = False
+    # warps of the forward scan with scan_output (None: forward_scan_warps). 8 (144 registers, no spills) put
+    # two warpgroups on each product: shorter wgmma round trips if the step is issue-bound
+    scan_output_warps: int | None = None
 
 
 DEFAULT_VARIANT = KernelVariant()
@@ -309,8 +323,9 @@ def _prep_blocked(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_ti
             BD=columns, PER_CHANNEL=per_channel, PREC=cfg["PREC"], num_warps=4 if columns <= 32 else 8)
 
 
-def _scan(prep, h0, layout, per_channel, store_final, variant=DEFAULT_VARIANT):
-    """(h of every chunk [NC, H, K, V], v_new [T, H, V], final state [N, H, K, V] fp32 or None)."""
+def _scan(prep, h0, layout, per_channel, store_final, variant=DEFAULT_VARIANT, out_dtype=None):
+    """(h of every chunk [NC, H, K, V], v_new [T, H, V], final state [N, H, K, V] fp32 or None, o [T, H, V] in
+    out_dtype or None): with out_dtype the scan writes o too (KernelVariant.scan_output)."""
     num_tokens, num_heads, key_dim = prep["w"].shape
     value_dim = prep["u"].shape[-1]
     device = prep["w"].device
@@ -319,14 +334,19 @@ def _scan(prep, h0, layout, per_channel, store_final, variant=DEFAULT_VARIANT):
     final = h
     if store_final:
         final = empty(layout.num_seqs, num_heads, key_dim, value_dim, dtype=torch.float32, device=device)
+    # without out_dtype o_ptr is a pointer argument only
+    o = v_new if out_dtype is None else empty(num_tokens, num_heads, value_dim, dtype=out_dtype, device=device)
+    warps = variant.forward_scan_warps or variant.scan_warps
+    if out_dtype is not None:
+        warps = variant.scan_output_warps or warps
     block = _scan_block(variant, value_dim)
     fast(forward.scan_kernel)[(layout.num_seqs, num_heads, value_dim // block)](
-        prep["w"], prep["u"], prep["kbar"], prep["glast"], h0 if h0 is not None else final,
-        layout.cu_seqlens, layout.chunk_offsets, h, v_new, final,
+        prep["w"], prep["u"], prep["kbar"], prep["glast"], h0 if h0 is not None else final, prep["qg"], prep["p"],
+        layout.cu_seqlens, layout.chunk_offsets, h, v_new, final, o,
         H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE, BV=block, PER_CHANNEL=per_channel,
-        HAS_H0=h0 is not None, STORE_FINAL=store_final, PREC=_forward_dots(variant),
-        num_warps=variant.forward_scan_warps or variant.scan_warps, num_stages=variant.scan_stages)
-    return h, v_new, final if store_final else None
+        HAS_H0=h0 is not None, STORE_FINAL=store_final, OUTPUT=out_dtype is not None, PREC=_forward_dots(variant),
+        num_warps=warps, num_stages=variant.scan_stages)
+    return h, v_new, final if store_final else None, None if out_dtype is None else o
 
 
 def _output(prep, h, v_new, layout, out_dtype, variant=DEFAULT_VARIANT):
@@ -465,8 +485,10 @@ class ChunkDeltaRule(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, h0, layout, scale, l2norm, variant):
         per_channel = g.dim() == 3
         prep = _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, variant.keep_forward, variant)
-        h, v_new, final = _scan(prep, h0, layout, per_channel, True, variant)
-        o = _output(prep, h, v_new, layout, q.dtype, variant)
+        h, v_new, final, o = _scan(prep, h0, layout, per_channel, True, variant,
+                                   q.dtype if variant.scan_output else None)
+        if o is None:
+            o = _output(prep, h, v_new, layout, q.dtype, variant)
         ctx.save_for_backward(q, k, v, g, beta, h0)
         # an unused output's gradient comes as None, not as zeros autograd would fill: no dfinal to read
         ctx.set_materialize_grads(False)
@@ -482,7 +504,7 @@ class ChunkDeltaRule(torch.autograd.Function):
         do = torch.zeros_like(v) if do is None else do.contiguous()
         if ctx.kept is None:
             prep = _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, True, variant)
-            h, v_new, _ = _scan(prep, h0, layout, per_channel, False, variant)
+            h, v_new, _, _ = _scan(prep, h0, layout, per_channel, False, variant)
         else:
             prep, h, v_new = ctx.kept
             ctx.kept = None
