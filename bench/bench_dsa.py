@@ -150,7 +150,7 @@ def bench_ours(T, q, kv, iq, ik, iw, idx, scale):
     index_ms = {str(c): try_time(f"indexer_topk {c}", lambda c=c: indexer.indexer_topk(iq, ik, iw, J**-0.5, TOPK, **c), 3)
                 for c in INDEXER_CONFIGS}
     scores = indexer.block_scores(iq, ik, iw, J**-0.5, T - 4096, T)
-    index_ms["topk_only_last_block"] = try_time("torch.topk of the last 4096-query block", lambda: scores.topk(TOPK, dim=-1), 3)
+    index_ms["topk_only_last_block"] = try_time("torch.topk of the last 4096-query block", lambda s=scores: s.topk(TOPK, dim=-1), 3)
     del scores
     print("sparse attention forward:", flush=True)
     fwd_ms = {str(c): try_time(f"fwd {c}", lambda c=c: attention.sparse_attention_fwd(q, kv, idx, scale, V, **c), 5)

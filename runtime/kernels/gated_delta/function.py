@@ -519,10 +519,15 @@ class ChunkDeltaRule(torch.autograd.Function):
 # "kda_gram_apart_bf16_skb32" 6.20 ms at 13:40 against "token_diag_unblocked" (the default until then) 7.47 in
 # the same run (bench/results/2026-11-29-kda-gram-apart.json); then with prep in two launches, 64 columns per
 # program of the second ("kda_split_prep_ga_c64"): 5.25 ms against 5.56 for the settings before, 14:20 run
-# (bench/results/2026-11-29-gdn-kda-variants-1420.json)
-SCALAR_DECAY_DEFAULT = KernelVariant(bf16_grad_dots=True)
+# (bench/results/2026-11-29-gdn-kda-variants-1420.json). 16:50 run (bench/results/2026-11-29-gdn-kda-variants-1650.json):
+# GDN "gdn_all_skb32" (stored norms, finish in wy_grad, o in the forward scan, state_grad key block 32) 2.72 ms
+# against 2.79 for the settings before (kernel sums 2.49 / 2.55; each flag alone within +-0.05 of the default);
+# KDA "kda_norms_scan_output" 5.12 against 5.27 (diag_grad_token 0.80 -> 0.61 with the stored norms)
+SCALAR_DECAY_DEFAULT = KernelVariant(bf16_grad_dots=True, stored_norms=True, fused_finish=True, scan_output=True,
+                                     state_grad_key_block=32)
 PER_CHANNEL_DECAY_DEFAULT = KernelVariant(token_parallel_diag=True, split_prep=True, gram_grad_apart=True,
-                                          bf16_grad_dots=True, state_grad_key_block=32, prep_column_block=64)
+                                          bf16_grad_dots=True, state_grad_key_block=32, prep_column_block=64,
+                                          stored_norms=True, scan_output=True)
 
 
 @functools.lru_cache(maxsize=64)
