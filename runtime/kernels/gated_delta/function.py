@@ -515,7 +515,7 @@ class ChunkDeltaRule(torch.autograd.Function):
 
 
 # The fastest settings measured per decay kind (H200, 2026-11-29, bench/bench_gated_delta.py --variants):
-# GDN "bf16_grads" 3.43 ms fwd+bwd at 12:00 (KernelVariant() 3.87, bench/results/2026-11-29-gdn.json); KDA
+# GDN "bf16_grads" 3.43 ms fwd+bwd at 12:00 (KernelVariant() 3.87, bench/results/2026-11-29-gdn-kda-variants-final.json); KDA
 # "kda_gram_apart_bf16_skb32" 6.20 ms at 13:40 against "token_diag_unblocked" (the default until then) 7.47 in
 # the same run (bench/results/2026-11-29-kda-gram-apart.json); then with prep in two launches, 64 columns per
 # program of the second ("kda_split_prep_ga_c64"): 5.25 ms against 5.56 for the settings before, 14:20 run
