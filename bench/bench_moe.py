@@ -74,6 +74,10 @@ ours 11.02 vs transformers 16.76 ms = 1.52x (`timings`); in the rounds baseline 
 (the path before) 11.55, transformers 17.15: 1.513x, graph baseline 10.82 (1.58x). Its w_gu error is the same
 to the last digit either way (rel RMS 3.0e-3); an expert with no rows gets zeros from torch._grouped_mm on the
 GPU too (checked the same day).
+17:10 run with --sweep (bench/results/2026-11-29-moe-sweep-1710.json): the down projection and dx GEMMs through
+torch._grouped_mm on rows in expert order take 0.99 and 1.62 ms against grouped_gemm's 1.01-1.04 and 1.30, before
+the weighted gather over k torch's form would still need: both stay in grouped_gemm. That run: 11.00 vs 16.97 ms
+= 1.54x, in the rounds 11.39 vs 17.12 = 1.50x (triton_gate_up_wgrad 11.81).
 Writes moe.json under --out.
 """
 from __future__ import annotations
@@ -542,14 +546,15 @@ def _gemm_cases(block, x, dy):
             f"wgrad_down {rows}": (flops, lambda c, dyr=dyr, by_token=by_token: gw.grouped_wgrad(
                 dyr, h, sched, gather_a=by_token, row_scale_P=w_P, config=c)),
         }
-    cases |= _torch_wgrad_cases(x_S, dy_S, h, d_gate_up, w_P, sched, flops)
+    cases |= _torch_wgrad_cases(x_S, dy_S, h, d_gate_up, w_P, sched, flops, (w_gu, w_d))
     return cases, dict(x=x, sched=sched, y=y)
 
 
-def _torch_wgrad_cases(x_S, dy_S, h, d_gate_up, w_P, sched, flops):
+def _torch_wgrad_cases(x_S, dy_S, h, d_gate_up, w_P, sched, flops, block_weights):
     """The two weight gradients through torch._grouped_mm (CUTLASS, groups along the reduced rows), as
     transformers' grouped_mm backward computes them, from the rows in expert order: a comparison for
-    grouped_wgrad (each call ignores the config; the down one includes scaling dy's rows by the routing weight)."""
+    grouped_wgrad (each call ignores the config; the down one includes scaling dy's rows by the routing weight);
+    and the down projection and dx GEMMs the same way, for grouped_gemm."""
     offs = sched.ends_E.to(torch.int32)
     w_S = w_P[sched.pair_S].to(dy_S.dtype)[:, None]
     gate_up = lambda c: torch._grouped_mm(d_gate_up.t(), x_S, offs=offs)  # noqa: E731
@@ -561,7 +566,12 @@ def _torch_wgrad_cases(x_S, dy_S, h, d_gate_up, w_P, sched, flops):
     except Exception as error:  # an unsupported layout is reported, not fatal
         log(f"torch._grouped_mm weight gradients FAILED {type(error).__name__}: {str(error)[:200]}")
         return {}
-    return {"wgrad_gate_up torch_grouped_mm": (2 * flops, gate_up), "wgrad_down torch_grouped_mm": (flops, down)}
+    # the two row-side GEMMs whose outputs go back to pair order: torch._grouped_mm leaves them in expert order,
+    # so a gather over k (and the routing weight, for down) would follow; timed without it
+    w_gu, w_d = block_weights
+    return {"wgrad_gate_up torch_grouped_mm": (2 * flops, gate_up), "wgrad_down torch_grouped_mm": (flops, down),
+            "down_fwd torch_grouped_mm": (flops, lambda c: torch._grouped_mm(h, w_d.transpose(1, 2), offs=offs)),
+            "dx torch_grouped_mm": (2 * flops, lambda c: torch._grouped_mm(d_gate_up, w_gu, offs=offs))}
 
 
 def _rel_rms(got, want):
