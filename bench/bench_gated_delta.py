@@ -62,6 +62,11 @@ History at B1 T8192 H32 K=V=128 bf16 (predicted -> measured, H200, 2026-11-29, f
   5.12 (5.27): adopted (fewer launches; kernel sums 2.49 against 2.55 and 4.79 against 4.94).
 - 17:00 (commit 6c961a8, the adopted defaults): GDN 2.71 ms against 195.3 = 72.1x (forward 0.92, fla 1.46); KDA
   5.04 against 1320.3 = 262.2x.
+- 17:35 (bench/results/2026-11-29-gdn-scan-stages-1735.json): after ncu saw the scans at one program per SM,
+  idle 79-86% of cycles (bench/profile_gdn_step.py), the scans without pipelining (37-41 KB of shared memory
+  instead of 139) and in value blocks of 16 (two programs per SM): default 2.67 ms, scan_stages 1 3.13 (scan 0.37
+  -> 0.61, scan_bwd 0.35 -> 0.53), with value blocks of 16 3.10, and 4 backward-scan warps 3.07. The prefetch
+  matters more than a second program: removed.
 
 Shape legend: B batch, T tokens, H heads, K key dim, V value dim.
 """

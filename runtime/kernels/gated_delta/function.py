@@ -42,7 +42,9 @@ class KernelVariant:
     # value block of the two scans (None: VALUE_BLOCK): smaller blocks run more programs, V / block
     # per sequence and head (32: 128 programs on the 132 SMs at H32 V128)
     scan_value_block: int | None = 32
-    # software pipelining of the scans' chunk loads (1 = none; more needs bf16 tiles to fit shared memory)
+    # software pipelining of the scans' chunk loads (1 = none; more needs bf16 tiles to fit shared memory). 1 lets
+    # two programs share an SM (37-41 KB of shared memory against 139) but measured slower, with value blocks of 16
+    # too: GDN 3.10 against 2.67 ms (H200, 17:35, bench/results/2026-11-29-gdn-scan-stages-1735.json)
     scan_stages: int = 2
     # warps of the two scans: with 4 the [K, V-block] fp32 state and the [C, K] tiles spill registers
     scan_warps: int = 8
