@@ -53,16 +53,16 @@ History at B1 T8192 H32 K=V=128 bf16 (predicted -> measured, H200, 2026-11-29, f
   per program: 5.25 (its column kernel 0.35, against 0.60 recomputing the norms at 32 columns; predicted
   0.1-0.2), adopted; nested products with tf32 inside the diagonal blocks 6.24 (removed).
 - 14:22 (commit d858d36, the adopted KDA default): 5.21 ms against 1346.1 = 258.6x.
-- 16:50 (bench/results/2026-11-29-gdn-kda-variants-1650.json): three flags from helpers, each predicted in its
+- 16:22 (bench/results/2026-11-29-gdn-kda-variants-1622.json): three flags from helpers, each predicted in its
   KernelVariant comment. stored_norms (the backward reads prep's inverse norms): GDN 2.81 against 2.79 (state_grad
   0.79 -> 0.77, predicted 0.72-0.77), KDA 5.19 against 5.27 (diag_grad_token 0.80 -> 0.61, predicted 0.6-0.75).
   fused_finish (GDN's finish in wy_grad's tail): 2.84 (wy_grad 0.49 -> 0.67 for finish's 0.14; predicted
   0.54-0.60). scan_output (o in the forward scan): GDN 2.80 (scan 0.26 -> 0.36 for output's 0.10; predicted
   0.33-0.35), 8 warps 2.85. Together with state_grad key block 32: GDN 2.72, KDA with stored norms and scan_output
   5.12 (5.27): adopted (fewer launches; kernel sums 2.49 against 2.55 and 4.79 against 4.94).
-- 17:00 (commit 6c961a8, the adopted defaults): GDN 2.71 ms against 195.3 = 72.1x (forward 0.92, fla 1.46); KDA
+- 16:29 (commit 6c961a8, the adopted defaults): GDN 2.71 ms against 195.3 = 72.1x (forward 0.92, fla 1.46); KDA
   5.04 against 1320.3 = 262.2x.
-- 17:35 (bench/results/2026-11-29-gdn-scan-stages-1735.json): after ncu saw the scans at one program per SM,
+- 16:47 (bench/results/2026-11-29-gdn-scan-stages-1647.json): after ncu saw the scans at one program per SM,
   idle 79-86% of cycles (bench/profile_gdn_step.py), the scans without pipelining (37-41 KB of shared memory
   instead of 139) and in value blocks of 16 (two programs per SM): default 2.67 ms, scan_stages 1 3.13 (scan 0.37
   -> 0.61, scan_bwd 0.35 -> 0.53), with value blocks of 16 3.10, and 4 backward-scan warps 3.07. The prefetch

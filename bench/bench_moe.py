@@ -66,15 +66,15 @@ experts per program (predicted 11.3 -> ~10.2 ms fwd+bwd): step_by_step 11.35 ms,
 wgrad_group8 11.87, wgrad_group16 11.79, wgrad_group8_ptr_store 11.37 (all passed, worst 3.44e-3);
 LoRA frozen base 10.46-10.69 vs step_by_step 10.55 (noise). No faster: removed (that run's file is
 bench/results/2026-11-29-moe-1412.json).
-Measured 2026-11-29 16:05 with --sweep (bench/results/2026-11-29-moe-sweep.json): torch._grouped_mm (CUTLASS)
+Measured 2026-11-29 15:57 with --sweep (bench/results/2026-11-29-moe-sweep.json): torch._grouped_mm (CUTLASS)
 takes the gate/up weight gradient from the rows in expert order in 1.59 ms (432 TFLOP/s) against grouped_wgrad's
 1.91 (360), and the down one, dy's rows scaled first, in 1.63 against 1.48. Adopted for the gate/up one
-(Tuning.torch_gate_up_wgrad; predicted -0.3 ms). 16:12 run (this command, bench/results/2026-11-29-moe.json):
+(Tuning.torch_gate_up_wgrad; predicted -0.3 ms). 16:03 run (this command, bench/results/2026-11-29-moe.json):
 ours 11.02 vs transformers 16.76 ms = 1.52x (`timings`); in the rounds baseline 11.33, triton_gate_up_wgrad
 (the path before) 11.55, transformers 17.15: 1.513x, graph baseline 10.82 (1.58x). Its w_gu error is the same
 to the last digit either way (rel RMS 3.0e-3); an expert with no rows gets zeros from torch._grouped_mm on the
 GPU too (checked the same day).
-17:10 run with --sweep (bench/results/2026-11-29-moe-sweep-1710.json): the down projection and dx GEMMs through
+16:34 run with --sweep (bench/results/2026-11-29-moe-sweep-1634.json): the down projection and dx GEMMs through
 torch._grouped_mm on rows in expert order take 0.99 and 1.62 ms against grouped_gemm's 1.01-1.04 and 1.30, before
 the weighted gather over k torch's form would still need: both stay in grouped_gemm. That run: 11.00 vs 16.97 ms
 = 1.54x, in the rounds 11.39 vs 17.12 = 1.50x (triton_gate_up_wgrad 11.81).
@@ -121,7 +121,7 @@ VARIANTS = {
     "step_by_step": {},
     "torch_router": dict(router=fallback.route),
     "glu_bwd_m128": dict(tuning=kernels.Tuning(glu_bwd_block_m=None)),
-    # the gate/up weight gradient in grouped_wgrad instead of torch._grouped_mm (the default until 16:05)
+    # the gate/up weight gradient in grouped_wgrad instead of torch._grouped_mm (the default until commit 8d8ad01)
     "triton_gate_up_wgrad": dict(tuning=kernels.Tuning(torch_gate_up_wgrad=False)),
     "torch_shared": dict(shared="torch"),
     "fp32_router_logits": dict(logits="fp32"),

@@ -44,7 +44,7 @@ class KernelVariant:
     scan_value_block: int | None = 32
     # software pipelining of the scans' chunk loads (1 = none; more needs bf16 tiles to fit shared memory). 1 lets
     # two programs share an SM (37-41 KB of shared memory against 139) but measured slower, with value blocks of 16
-    # too: GDN 3.10 against 2.67 ms (H200, 17:35, bench/results/2026-11-29-gdn-scan-stages-1735.json)
+    # too: GDN 3.10 against 2.67 ms (H200, 16:47, bench/results/2026-11-29-gdn-scan-stages-1647.json)
     scan_stages: int = 2
     # warps of the two scans: with 4 the [K, V-block] fp32 state and the [C, K] tiles spill registers
     scan_warps: int = 8
@@ -521,7 +521,7 @@ class ChunkDeltaRule(torch.autograd.Function):
 # "kda_gram_apart_bf16_skb32" 6.20 ms at 13:40 against "token_diag_unblocked" (the default until then) 7.47 in
 # the same run (bench/results/2026-11-29-kda-gram-apart.json); then with prep in two launches, 64 columns per
 # program of the second ("kda_split_prep_ga_c64"): 5.25 ms against 5.56 for the settings before, 14:20 run
-# (bench/results/2026-11-29-gdn-kda-variants-1420.json). 16:50 run (bench/results/2026-11-29-gdn-kda-variants-1650.json):
+# (bench/results/2026-11-29-gdn-kda-variants-1420.json). 16:22 run (bench/results/2026-11-29-gdn-kda-variants-1622.json):
 # GDN "gdn_all_skb32" (stored norms, finish in wy_grad, o in the forward scan, state_grad key block 32) 2.72 ms
 # against 2.79 for the settings before (kernel sums 2.49 / 2.55; each flag alone within +-0.05 of the default);
 # KDA "kda_norms_scan_output" 5.12 against 5.27 (diag_grad_token 0.80 -> 0.61 with the stored norms)

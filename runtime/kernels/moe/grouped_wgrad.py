@@ -12,7 +12,7 @@ H200 (full fine-tune fwd+bwd 11.79-11.94 ms vs 11.35; bench/bench_moe.py) and wa
 `sorted_rows_wgrad` is the same gradient through torch._grouped_mm (CUTLASS's grouped GEMM, groups
 along the reduced rows) when both operands' rows are in expert order, unscaled: the gate/up weight
 gradient at Qwen3-Next widths took 1.59 ms there against 1.91 here (H200, bench/bench_moe.py --sweep,
-2026-11-29 16:05, bench/results/2026-11-29-moe-sweep.json); the down one, which scales dy's rows by the
+2026-11-29 15:57, bench/results/2026-11-29-moe-sweep.json); the down one, which scales dy's rows by the
 routing weight first, 1.63 against 1.48, so it stays here.
 
 Shape legend: S sorted rows, M and N the two sides of the gradient, E experts.
