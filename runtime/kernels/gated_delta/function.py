@@ -452,8 +452,9 @@ def _grad_dots(variant: KernelVariant) -> str:
 def _grad_scratch(q, layout, per_channel, num_key_blocks, cfg, variant=DEFAULT_VARIANT):
     """fp32 buffers between the gradient kernels (dw bf16 with bf16_grad_dots): dq, dk, dw [T, H, K]; dgc
     [T, H, K] per channel, else [T, H, NK + 1] (a slot per K block of state_grad_kernel and one for
-    wy_grad_kernel, unwritten with fused_finish); dgc_last [NC, H, K], else [NC, H, NK]; per channel also dbeta's share [T, H] and dL, dP
-    diagonal blocks [T, H, S], and with gram_grad_apart dL, dP whole [T, H, C] and gc [T, H, K]."""
+    wy_grad_kernel, unwritten with fused_finish); dgc_last [NC, H, K], else [NC, H, NK]; per channel also dbeta's
+    share [T, H] and dL, dP diagonal blocks [T, H, S], and with gram_grad_apart dL, dP whole [T, H, C] and gc
+    [T, H, K]."""
     num_tokens, num_heads, key_dim = q.shape
     sub_chunk = cfg["S"]
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -517,14 +518,16 @@ class ChunkDeltaRule(torch.autograd.Function):
 
 
 # The fastest settings measured per decay kind (H200, 2026-11-29, bench/bench_gated_delta.py --variants):
-# GDN "bf16_grads" 3.43 ms fwd+bwd at 12:00 (KernelVariant() 3.87, bench/results/2026-11-29-gdn-kda-variants-final.json); KDA
-# "kda_gram_apart_bf16_skb32" 6.20 ms at 13:40 against "token_diag_unblocked" (the default until then) 7.47 in
-# the same run (bench/results/2026-11-29-kda-gram-apart.json); then with prep in two launches, 64 columns per
-# program of the second ("kda_split_prep_ga_c64"): 5.25 ms against 5.56 for the settings before, 14:20 run
-# (bench/results/2026-11-29-gdn-kda-variants-1420.json). 16:22 run (bench/results/2026-11-29-gdn-kda-variants-1622.json):
-# GDN "gdn_all_skb32" (stored norms, finish in wy_grad, o in the forward scan, state_grad key block 32) 2.72 ms
-# against 2.79 for the settings before (kernel sums 2.49 / 2.55; each flag alone within +-0.05 of the default);
-# KDA "kda_norms_scan_output" 5.12 against 5.27 (diag_grad_token 0.80 -> 0.61 with the stored norms)
+# - GDN "bf16_grads" 3.43 ms fwd+bwd at 12:00 (KernelVariant() 3.87,
+#   bench/results/2026-11-29-gdn-kda-variants-final.json).
+# - KDA "kda_gram_apart_bf16_skb32" 6.20 ms at 13:40 against "token_diag_unblocked" (the default until then) 7.47
+#   in the same run (bench/results/2026-11-29-kda-gram-apart.json); then with prep in two launches, 64 columns per
+#   program of the second ("kda_split_prep_ga_c64"): 5.25 ms against 5.56 for the settings before, 14:20 run
+#   (bench/results/2026-11-29-gdn-kda-variants-1420.json).
+# - 16:22 run (bench/results/2026-11-29-gdn-kda-variants-1622.json): GDN "gdn_all_skb32" (stored norms, finish in
+#   wy_grad, o in the forward scan, state_grad key block 32) 2.72 ms against 2.79 for the settings before (kernel
+#   sums 2.49 / 2.55; each flag alone within +-0.05 of the default); KDA "kda_norms_scan_output" 5.12 against 5.27
+#   (diag_grad_token 0.80 -> 0.61 with the stored norms).
 SCALAR_DECAY_DEFAULT = KernelVariant(bf16_grad_dots=True, stored_norms=True, fused_finish=True, scan_output=True,
                                      state_grad_key_block=32)
 PER_CHANNEL_DECAY_DEFAULT = KernelVariant(token_parallel_diag=True, split_prep=True, gram_grad_apart=True,
