@@ -102,14 +102,20 @@ KEY_BLOCK = 64
 # still faster; 183 registers, no spill), wy_grad 1.09 against 0.88 (4 sequential key steps in each of its
 # two loops); KDA state_grad 1.78 against 1.66, so per channel it keeps KEY_BLOCK
 STATE_KEY_BLOCK = None
-STATE_GRAD_WARPS = 8
+# 4 warps since 16:52 (H200, bench/results/2026-11-29-grad-warps-1652.json): with the pointers 16-byte aligned as
+# launched ptxas gives 171 registers / 0 B at key block 32 against 103 at 8 warps. ncu (16:35) had seen two 8-warp
+# programs per SM with L1/TEX at 77% of its throughput; predicted no faster, measured state_grad 0.70 -> 0.55 ms
+STATE_GRAD_WARPS = 4
 STATE_GRAD_STAGES = 1
 # register cap (ptxas maxnreg, None: up to 255): 128 at 8 warps lets two programs share an SM (GDN at key
 # block 32: 64 B of spills; at 64: 1.4 KB)
 STATE_GRAD_MAXNREG = None
-# wy_grad_kernel: GDN 227 / 0 B (244 before gc was hoisted out of its key loops), KDA 255 / 560 B at 8 warps
-# (4 warps: 400 B and 2.1 KB)
-WY_GRAD_WARPS = 8
+# wy_grad_kernel: 4 warps since 16:52 (same run): ptxas with aligned pointers, GDN defaults (stored norms, fused
+# finish) 255 registers / 32 B of spills against 223 / 0 at 8 warps, KDA 255 / 112 B against 209 / 0; two programs
+# per SM instead of one (ncu at 16:35: one, no eligible warp 77% of cycles). GDN wy_grad 0.65 -> 0.46 ms (predicted
+# 0.50-0.60). Both at 4 warps: GDN fwd+bwd 2.43 / 2.40 against 2.69 / 2.66 ms at 8 (two rounds), KDA 4.82 / 4.78
+# against 5.02 / 5.07; the fp64 precision check at the benchmark shape passes for both kinds as before
+WY_GRAD_WARPS = 4
 WY_GRAD_STAGES = 1
 # register cap of wy_grad_kernel (as STATE_GRAD_MAXNREG): 128 at 8 warps, two programs per SM, spills 512 B
 # (GDN; with KernelVariant.bf16_grad_dots 596 B)
@@ -128,6 +134,11 @@ SETTINGS: dict[str, dict] = {
     "wy_r128": dict(WY_GRAD_MAXNREG=128),
     "state_key_block_16": dict(STATE_KEY_BLOCK=16),
     "r128": dict(STATE_GRAD_MAXNREG=128, WY_GRAD_MAXNREG=128),
+    # the 8-warp state_grad and wy_grad of the defaults before 16:52 (the launch constants' comments), together and
+    # one at a time (16:52: 2.81, wy_grad alone at 4 warps 2.55, state_grad alone 2.61 ms in the same pass)
+    "w8": dict(STATE_GRAD_WARPS=8, WY_GRAD_WARPS=8),
+    "wy_w8": dict(WY_GRAD_WARPS=8),
+    "state_w8": dict(STATE_GRAD_WARPS=8),
 }
 _DEFAULT_SETTINGS = {name: globals()[name] for name in (
     "KEY_BLOCK", "STATE_KEY_BLOCK", "STATE_GRAD_WARPS", "STATE_GRAD_STAGES", "STATE_GRAD_MAXNREG", "WY_GRAD_WARPS",
