@@ -70,7 +70,7 @@ History at B1 T8192 H32 K=V=128 bf16 (predicted -> measured, H200, 2026-11-29, f
 - 16:52 (bench/results/2026-11-29-grad-warps-1652.json): state_grad and wy_grad at 4 warps instead of 8 (ptxas with
   the aligned pointers launches use: two programs per SM): in --backward-settings GDN 2.81 (8 warps) against 2.55
   (wy_grad at 4: 0.65 -> 0.46 ms, predicted 0.50-0.60) and 2.61 (state_grad at 4: 0.70 -> 0.55, predicted no
-  faster); both at 4 in two interleaved rounds GDN 2.43 / 2.40 against 2.69 / 2.66, KDA 4.82 / 4.78 against
+  faster); both at 4 in two interleaved rounds (bench/grad_warps_rounds.py) GDN 2.43 / 2.40 against 2.69 / 2.66, KDA 4.82 / 4.78 against
   5.02 / 5.07; precision vs fp64 passes for both kinds. Adopted (backward.STATE_GRAD_WARPS, WY_GRAD_WARPS); that
   lease's headline row (8 warps): GDN 2.71 against 165.1 = 60.8x.
 

@@ -73,7 +73,7 @@ takes the gate/up weight gradient from the rows in expert order in 1.59 ms (432 
 ours 11.02 vs transformers 16.76 ms = 1.52x (`timings`); in the rounds baseline 11.33, triton_gate_up_wgrad
 (the path before) 11.55, transformers 17.15: 1.513x, graph baseline 10.82 (1.58x). Its w_gu error is the same
 to the last digit either way (rel RMS 3.0e-3); an expert with no rows gets zeros from torch._grouped_mm on the
-GPU too (checked the same day).
+GPU too (bench/check_sorted_rows_wgrad.py, bench/results/2026-11-29-sorted-rows-wgrad-check.json).
 16:34 run with --sweep (bench/results/2026-11-29-moe-sweep-1634.json): the down projection and dx GEMMs through
 torch._grouped_mm on rows in expert order take 0.99 and 1.62 ms against grouped_gemm's 1.01-1.04 and 1.30, before
 the weighted gather over k torch's form would still need: both stay in grouped_gemm. That run: 11.00 vs 16.97 ms
@@ -546,11 +546,11 @@ def _gemm_cases(block, x, dy):
             f"wgrad_down {rows}": (flops, lambda c, dyr=dyr, by_token=by_token: gw.grouped_wgrad(
                 dyr, h, sched, gather_a=by_token, row_scale_P=w_P, config=c)),
         }
-    cases |= _torch_wgrad_cases(x_S, dy_S, h, d_gate_up, w_P, sched, flops, (w_gu, w_d))
+    cases |= _torch_grouped_mm_cases(x_S, dy_S, h, d_gate_up, w_P, sched, flops, (w_gu, w_d))
     return cases, dict(x=x, sched=sched, y=y)
 
 
-def _torch_wgrad_cases(x_S, dy_S, h, d_gate_up, w_P, sched, flops, block_weights):
+def _torch_grouped_mm_cases(x_S, dy_S, h, d_gate_up, w_P, sched, flops, block_weights):
     """The two weight gradients through torch._grouped_mm (CUTLASS, groups along the reduced rows), as
     transformers' grouped_mm backward computes them, from the rows in expert order: a comparison for
     grouped_wgrad (each call ignores the config; the down one includes scaling dy's rows by the routing weight);
@@ -597,7 +597,8 @@ def sweep(block, x, dy):
     for name, (flops, call) in cases.items():
         configs = WGRAD_CONFIGS if name.startswith("wgrad") else GEMM_CONFIGS
         for c in configs[:1] if name.endswith("torch_grouped_mm") else configs:
-            label = f"{name} " + " ".join(f"{k}={v}" for k, v in c.items())
+            # torch._grouped_mm takes no config: its rows carry the name alone
+            label = name if name.endswith("torch_grouped_mm") else f"{name} " + " ".join(f"{k}={v}" for k, v in c.items())
             try:
                 ms = time_ms(lambda: call(c), reps=5, warmup=1)
             except Exception as error:  # a config that does not fit is reported, not fatal

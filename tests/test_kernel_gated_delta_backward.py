@@ -65,8 +65,6 @@ def test_backward_state_key_block_apart(kind, monkeypatch):
     check(kind, make_inputs(kind, T=63, V=32, num_states=3), variant="default", cu_seqlens=torch.tensor([0, 5, 40, 63]))
 
 
-
-
 def test_backward_gram_apart_two_key_blocks(monkeypatch):
     """KDA with KernelVariant.gram_grad_apart (on the KDA default): state_grad_kernel stores gc per key block and
     wy_grad_kernel reads it per key block of 8, gram_grad_kernel on the whole K. Three packed sequences with
@@ -101,16 +99,6 @@ def test_backward_fused_finish_recomputed_norms_gdn(monkeypatch):
     from tests.test_kernel_gated_delta import VARIANTS
     monkeypatch.setitem(VARIANTS, "fused_finish", kernel_config.KernelVariant(fused_finish=True))
     check("gdn", make_inputs("gdn", T=63, V=32, num_states=3), variant="fused_finish",
-          cu_seqlens=torch.tensor([0, 5, 40, 63]))
-
-
-def test_backward_stored_norms_kda(monkeypatch):
-    """The KDA default with stored_norms: state_grad, wy_grad, gram_grad_kernel and diag_grad_token_kernel read the
-    inverse norms prep_blocked_kernel stored (split prep: the same buffer feeds prep_columns_kernel)."""
-    from tests.test_kernel_gated_delta import VARIANTS
-    monkeypatch.setitem(VARIANTS, "kda_stored_norms", replace(kernel_config.PER_CHANNEL_DECAY_DEFAULT,
-                                                              stored_norms=True))
-    check("kda", make_inputs("kda", T=63, V=32, num_states=3), variant="kda_stored_norms",
           cu_seqlens=torch.tensor([0, 5, 40, 63]))
 
 

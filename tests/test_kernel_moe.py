@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from reference_ops import moe as ref  # noqa: E402
 from runtime.kernels import moe as kernels  # noqa: E402
-from runtime.kernels.moe import buffers, combine, experts, gather, router, schedule  # noqa: E402
+from runtime.kernels.moe import buffers, combine, experts, gather, grouped_wgrad, router, schedule  # noqa: E402
 from runtime.ops import moe as torch_ops  # noqa: E402
 from runtime.tolerances import assert_close  # noqa: E402
 
@@ -183,6 +183,23 @@ def test_tuning_variants_match_reference(tuning, problem):
     shape, frozen, static = TUNING_PROBLEMS[problem]
     leaves, idx = _problem(**shape)
     check_experts(leaves, idx, frozen=frozen, tuning=TUNINGS[tuning], **static)
+
+
+def test_sorted_rows_wgrad_per_expert_and_its_fallback():
+    """torch._grouped_mm's per-expert a^T b over the sorted rows (the default gate/up weight gradient): against an
+    fp64 sum per expert, an expert with no rows exactly zero; None (grouped_wgrad then runs) where a row stride is
+    no multiple of 16 bytes."""
+    idx, _ = _routing(7, 3, 4, seed=11)
+    sched = schedule.build_schedule(idx, 7, block_m=16)
+    S = idx.numel()
+    a, b = torch.randn(S, 8), torch.randn(S, 12)
+    got = grouped_wgrad.sorted_rows_wgrad(a, b, sched)
+    expected = torch.zeros(7, 8, 12, dtype=torch.float64).index_add_(
+        0, sched.expert_S, a.double()[:, :, None] * b.double()[:, None, :])
+    assert torch.equal(got[4], torch.zeros_like(got[4]))
+    assert_close(got, expected, "swiglu_experts", torch.float32, "grad", "w_gu")
+    # 6 fp32 per row: 24 bytes
+    assert grouped_wgrad.sorted_rows_wgrad(a, torch.randn(S, 6), sched) is None
 
 
 def test_gather_tokens_writes_every_sorted_row():

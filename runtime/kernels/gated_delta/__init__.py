@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 
 from runtime.kernels.gated_delta.function import (
-    FP32_TILES, PER_CHANNEL_DECAY_DEFAULT, SCALAR_DECAY_DEFAULT, KernelVariant, chunk_delta_rule,
+    FP32_TILES, PER_CHANNEL_DECAY_DEFAULT, KernelVariant, chunk_delta_rule,
 )
 
 # Named settings the benchmark times side by side. "base" (KernelVariant()) is the path the others change one
@@ -39,14 +39,10 @@ VARIANTS: dict[str, KernelVariant] = {
     # launches as KDA's default (2.89)
     "gdn_bf16_skb32": KernelVariant(bf16_grad_dots=True, state_grad_key_block=32),
     "gdn_split_prep_c64": KernelVariant(bf16_grad_dots=True, split_prep=True, prep_column_block=64),
-    # the backward reads the inverse norms prep stored instead of recomputing them (predictions in KernelVariant)
-    "gdn_stored_norms": replace(SCALAR_DECAY_DEFAULT, stored_norms=True),
-    # wy_grad_kernel finishes dq, dk and dg itself: no finish_kernel launch
-    "gdn_fused_finish": replace(SCALAR_DECAY_DEFAULT, fused_finish=True),
-    # both: the finishing tail reads the stored norms too
-    "gdn_norms_finish": replace(SCALAR_DECAY_DEFAULT, stored_norms=True, fused_finish=True),
-    # KDA: state_grad, wy_grad, gram_grad and diag_grad_token on the stored norms
-    "kda_stored_norms": replace(PER_CHANNEL_DECAY_DEFAULT, stored_norms=True),
+    # each decay kind's default before 16:24, without stored norms, the fused finish (GDN) and o in the scan
+    # (16:22: GDN 2.79 ms against the three with state_grad key block 32 2.72, KDA 5.27 against 5.12; each flag
+    # alone in bench/bench_gated_delta.py's docstring). GDN's is "bf16_grads" above
+    "kda_before_1624": replace(PER_CHANNEL_DECAY_DEFAULT, stored_norms=False, scan_output=False),
     "fp32_tiles": FP32_TILES,
     "recompute": KernelVariant(keep_forward=False),
     "in_chunk_diagonal": KernelVariant(split_diagonal=False),
@@ -60,16 +56,6 @@ VARIANTS: dict[str, KernelVariant] = {
     "output_bv64": KernelVariant(output_value_block=64),
     "tf32_dots": KernelVariant(bf16_dots=False),
     "bf16_u": KernelVariant(fp32_u=False),
-    # each decay kind's default with o computed in the forward scan, no output_kernel (scan_output's comment)
-    "gdn_scan_output": replace(SCALAR_DECAY_DEFAULT, scan_output=True),
-    "kda_scan_output": replace(PER_CHANNEL_DECAY_DEFAULT, scan_output=True),
-    # the same GDN scan at 8 warps: two warpgroups per product if the longer step is issue-bound
-    "gdn_scan_output_w8": replace(SCALAR_DECAY_DEFAULT, scan_output=True, scan_output_warps=8),
-    # the three together on GDN's default (and with state_grad in key blocks of 32), and KDA's two
-    "gdn_all": replace(SCALAR_DECAY_DEFAULT, stored_norms=True, fused_finish=True, scan_output=True),
-    "gdn_all_skb32": replace(SCALAR_DECAY_DEFAULT, stored_norms=True, fused_finish=True, scan_output=True,
-                             state_grad_key_block=32),
-    "kda_norms_scan_output": replace(PER_CHANNEL_DECAY_DEFAULT, stored_norms=True, scan_output=True),
 }
 
 

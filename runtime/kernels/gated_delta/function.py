@@ -147,10 +147,9 @@ class KernelVariant:
     # products lengthen the step rather than overlap: the step becomes backward.scan_bwd_kernel's (the same
     # five tile loads and four products, at 8 warps 0.35 ms, 2.7 us per step): scan 0.27 -> 0.33-0.35 ms,
     # output 0.10 -> 0 and one launch gap less: GDN forward 0.85 -> 0.80-0.83 ms (KDA the same ~0.03-0.05)
+    # Measured (H200, 16:22): scan 0.26 -> 0.36 ms for output's 0.10; at 8 warps (144 registers) slower still,
+    # GDN fwd+bwd 2.85 against 2.80 (that setting was removed)
     scan_output: bool = False
-    # warps of the forward scan with scan_output (None: forward_scan_warps). 8 (144 registers, no spills) put
-    # two warpgroups on each product: shorter wgmma round trips if the step is issue-bound
-    scan_output_warps: int | None = None
 
 
 DEFAULT_VARIANT = KernelVariant()
@@ -339,8 +338,6 @@ def _scan(prep, h0, layout, per_channel, store_final, variant=DEFAULT_VARIANT, o
     # without out_dtype o_ptr is a pointer argument only
     o = v_new if out_dtype is None else empty(num_tokens, num_heads, value_dim, dtype=out_dtype, device=device)
     warps = variant.forward_scan_warps or variant.scan_warps
-    if out_dtype is not None:
-        warps = variant.scan_output_warps or warps
     block = _scan_block(variant, value_dim)
     fast(forward.scan_kernel)[(layout.num_seqs, num_heads, value_dim // block)](
         prep["w"], prep["u"], prep["kbar"], prep["glast"], h0 if h0 is not None else final, prep["qg"], prep["p"],
@@ -524,10 +521,10 @@ class ChunkDeltaRule(torch.autograd.Function):
 #   in the same run (bench/results/2026-11-29-kda-gram-apart.json); then with prep in two launches, 64 columns per
 #   program of the second ("kda_split_prep_ga_c64"): 5.25 ms against 5.56 for the settings before, 14:20 run
 #   (bench/results/2026-11-29-gdn-kda-variants-1420.json).
-# - 16:22 run (bench/results/2026-11-29-gdn-kda-variants-1622.json): GDN "gdn_all_skb32" (stored norms, finish in
-#   wy_grad, o in the forward scan, state_grad key block 32) 2.72 ms against 2.79 for the settings before (kernel
-#   sums 2.49 / 2.55; each flag alone within +-0.05 of the default); KDA "kda_norms_scan_output" 5.12 against 5.27
-#   (diag_grad_token 0.80 -> 0.61 with the stored norms).
+# - 16:22 run (bench/results/2026-11-29-gdn-kda-variants-1622.json): GDN with stored norms, finish in wy_grad, o in
+#   the forward scan and state_grad key block 32 (then named "gdn_all_skb32") 2.72 ms against 2.79 for the settings
+#   before (kernel sums 2.49 / 2.55; each flag alone within +-0.05 of the default); KDA with stored norms and o in
+#   the scan ("kda_norms_scan_output") 5.12 against 5.27 (diag_grad_token 0.80 -> 0.61 with the stored norms).
 SCALAR_DECAY_DEFAULT = KernelVariant(bf16_grad_dots=True, stored_norms=True, fused_finish=True, scan_output=True,
                                      state_grad_key_block=32)
 PER_CHANNEL_DECAY_DEFAULT = KernelVariant(token_parallel_diag=True, split_prep=True, gram_grad_apart=True,
