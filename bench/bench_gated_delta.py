@@ -73,6 +73,9 @@ History at B1 T8192 H32 K=V=128 bf16 (predicted -> measured, H200, 2026-11-29, f
   faster); both at 4 in two interleaved rounds (bench/grad_warps_rounds.py) GDN 2.43 / 2.40 against 2.69 / 2.66, KDA 4.82 / 4.78 against
   5.02 / 5.07; precision vs fp64 passes for both kinds. Adopted (backward.STATE_GRAD_WARPS, WY_GRAD_WARPS); that
   lease's headline row (8 warps): GDN 2.71 against 165.1 = 60.8x.
+- 18:10 (bench/results/2026-11-29-gdn.json, kda.json; the 16:29 files renamed -1629): the first headline run with
+  both at 4 warps: GDN 2.36 ms against 206.4 = 87.4x (forward 0.87, fla 0.91; state_grad 0.56, wy_grad 0.46 ms), KDA
+  4.91 against 1323.0 = 269.2x; precision vs fp64 <= 3.0e-3 rel RMS for both.
 
 Shape legend: B batch, T tokens, H heads, K key dim, V value dim.
 """
