@@ -124,6 +124,8 @@ VARIANTS = {
     # the gate/up weight gradient in grouped_wgrad instead of torch._grouped_mm (the default until commit 8d8ad01)
     "triton_gate_up_wgrad": dict(tuning=kernels.Tuning(torch_gate_up_wgrad=False)),
     "torch_shared": dict(shared="torch"),
+    # weight gradients on a second stream, concurrent with dx (predicted 0.2-0.4 ms faster)
+    "overlap_weight_grads": dict(tuning=kernels.Tuning(overlap_weight_grads=True)),
     "fp32_router_logits": dict(logits="fp32"),
 }
 GRAPHED = ("baseline",)
