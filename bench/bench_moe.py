@@ -61,7 +61,7 @@ What that run measured (predictions then, against 11.59):
 - Not built: tile order of the grouped GEMMs for L2 reuse. Predicted < 0.05 ms: an expert has ~3
   row tiles x 4-16 column tiles (~320 rows), all in flight together in launch order, and its
   operands (~2 MB) fit in L2 many times over, so weights are already read about once from HBM.
-Measured 2026-11-29 14:12 (bench/results/2026-11-29-moe.json), the weight gradients with 4-16
+Measured 2026-11-29 14:12 (bench/results/2026-11-29-moe-1412.json), the weight gradients with 4-16
 experts per program (predicted 11.3 -> ~10.2 ms fwd+bwd): step_by_step 11.35 ms, wgrad_group4 11.94,
 wgrad_group8 11.87, wgrad_group16 11.79, wgrad_group8_ptr_store 11.37 (all passed, worst 3.44e-3);
 LoRA frozen base 10.46-10.69 vs step_by_step 10.55 (noise). No faster: removed (that run's file is
@@ -69,7 +69,7 @@ bench/results/2026-11-29-moe-1412.json).
 Measured 2026-11-29 15:57 with --sweep (bench/results/2026-11-29-moe-sweep.json): torch._grouped_mm (CUTLASS)
 takes the gate/up weight gradient from the rows in expert order in 1.59 ms (432 TFLOP/s) against grouped_wgrad's
 1.91 (360), and the down one, dy's rows scaled first, in 1.63 against 1.48. Adopted for the gate/up one
-(Tuning.torch_gate_up_wgrad; predicted -0.3 ms). 16:03 run (this command, bench/results/2026-11-29-moe.json):
+(Tuning.torch_gate_up_wgrad; predicted -0.3 ms). 16:03 run (this command, bench/results/2026-11-29-moe-1603.json):
 ours 11.02 vs transformers 16.76 ms = 1.52x (`timings`); in the rounds baseline 11.33, triton_gate_up_wgrad
 (the path before) 11.55, transformers 17.15: 1.513x, graph baseline 10.82 (1.58x). Its w_gu error is the same
 to the last digit either way (rel RMS 3.0e-3); an expert with no rows gets zeros from torch._grouped_mm on the
@@ -78,6 +78,12 @@ GPU too (bench/check_sorted_rows_wgrad.py, bench/results/2026-11-29-sorted-rows-
 torch._grouped_mm on rows in expert order take 0.99 and 1.62 ms against grouped_gemm's 1.01-1.04 and 1.30, before
 the weighted gather over k torch's form would still need: both stay in grouped_gemm. That run: 11.00 vs 16.97 ms
 = 1.54x, in the rounds 11.39 vs 17.12 = 1.50x (triton_gate_up_wgrad 11.81).
+18:19 and 18:23 runs: the weight gradients on a second CUDA stream, concurrent with the GLU backward and dx
+(predicted 0.2-0.4 ms off): 11.10 against baseline 11.20 ms when forked after the GLU backward
+(bench/results/2026-11-29-moe-overlap-1819.json), 11.24 against 11.04 with the down side started before it
+(18:23): no faster, removed (commits 7e00d19 and a6e75e2 hold it). The 18:23 run (bench/results/2026-11-29-moe.json;
+the 16:03 file renamed -1603): ours 10.76 vs transformers 16.92 ms = 1.57x, in the rounds 11.04 vs 17.22 = 1.56x,
+graph baseline 10.65 (1.62x); the 18:19 run 10.81 vs 16.96 = 1.57x, rounds 1.52x.
 Writes moe.json under --out.
 """
 from __future__ import annotations
@@ -124,8 +130,6 @@ VARIANTS = {
     # the gate/up weight gradient in grouped_wgrad instead of torch._grouped_mm (the default until commit 8d8ad01)
     "triton_gate_up_wgrad": dict(tuning=kernels.Tuning(torch_gate_up_wgrad=False)),
     "torch_shared": dict(shared="torch"),
-    # weight gradients on a second stream, concurrent with dx (predicted 0.2-0.4 ms faster)
-    "overlap_weight_grads": dict(tuning=kernels.Tuning(overlap_weight_grads=True)),
     "fp32_router_logits": dict(logits="fp32"),
 }
 GRAPHED = ("baseline",)

@@ -166,9 +166,6 @@ TUNINGS = {
     "glu-bwd-m16": experts.Tuning(glu_bwd_block_m=16),
     # the default takes the gate/up weight gradient through torch._grouped_mm at these (16-byte) strides
     "triton-gate-up-wgrad": experts.Tuning(torch_gate_up_wgrad=False),
-    # off CUDA there is no second stream: this checks the split into input and weight gradients
-    # (the stream itself is checked on the H200 by bench/bench_moe.py's variant errors vs fp64)
-    "overlap-weight-grads": experts.Tuning(overlap_weight_grads=True),
 }
 GPT_OSS = dict(clamp=1.5, glu_alpha=1.702, interleaved_gate_up=True)
 TUNING_PROBLEMS = {

@@ -16,7 +16,6 @@ S = T * k pairs in expert-sorted order, P = T * k pairs in the router's order.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -50,10 +49,6 @@ class Tuning:
     # the gate/up weight gradient through torch._grouped_mm where x's rows are a copy in expert order
     # (grouped_wgrad.sorted_rows_wgrad): 1.59 against 1.91 ms for grouped_wgrad (H200, 2026-11-29)
     torch_gate_up_wgrad: bool = True
-    # the weight gradients on a second CUDA stream (_SideStream): the down side's concurrent with the
-    # GLU backward, the gate/up side's with dx and its sum over k. Forked after the GLU backward only,
-    # 11.10 against 11.20 ms fwd+bwd (H200, 18:19, noise level); predicted 0.2-0.4 ms off with both.
-    overlap_weight_grads: bool = False
     # (storing w * h in the GLU backward for the down weight gradient measured 0.16 ms slower: removed)
     # (weight gradients with 4-16 experts per program measured no faster, 11.79-11.94 vs 11.35 ms: removed)
 
@@ -154,51 +149,15 @@ class _SwigluExperts(torch.autograd.Function):
         x = Rows(x_data, ctx.x_by_token)
         dy = Rows(dy_TD.contiguous().to(ctx.dtypes["x"]), True)
         lora = Lora(A_gu, B_gu, A_d, B_d, ctx.scale)
-        side = _SideStream(dy.data.device, ctx.tuning.overlap_weight_grads)
-        early = side.run(lambda: _weight_grads_from_dy(dy, w_P, idx_Tk, h, ha, lora, sched, need))
         glu_sched = _own_tiles(sched, ctx.tuning.glu_bwd_block_m)
         d_gate_up, dw_P, dyb = _backward_glu(dy, w_d, w_P, gate_up, lora, glu_sched, ctx.glu, need["weights"])
         lg = None
         if A_gu is not None and (need["x"] or need["A_gu"]):
             lg = _lora_grad_rows(d_gate_up, lora, sched)
-        late = side.run(lambda: _weight_grads_from_glu(x, d_gate_up, w_P, h, xa, dyb, lg, lora, sched, need, ctx.tuning))
         grads = _input_grads(d_gate_up, dw_P, w_gu, b_d, dy.data, idx_Tk, lg, lora, sched, need)
-        grads |= side.join(early | late)
+        grads |= _weight_grads(x, dy, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg, lora, sched, need, ctx.tuning)
         params = dict(w_gu=w_gu, w_d=w_d, A_gu=A_gu, B_gu=B_gu, A_d=A_d, B_d=B_d)
         return (*(_cast(grads.get(n), params.get(n), ctx.dtypes.get(n)) for n in need), None, None, None)
-
-
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
-
-
-class _SideStream:
-    """Runs the weight gradients on a second CUDA stream when enabled (else in line, in program
-    order): they need nothing the input gradients compute, so their GEMMs fill the SMs that the
-    input-gradient GEMMs leave idle, and each batch starts once the main stream has its inputs."""
-
-    def __init__(self, device: torch.device, enabled: bool):
-        self.device, self.enabled = device, enabled and device.type == "cuda"
-
-    def run(self, fn) -> dict:
-        if not self.enabled:
-            return fn()
-        side = _side_stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            return fn()
-
-    def join(self, grads: dict) -> dict:
-        """`grads` (made by run), made safe to use and free on the main stream."""
-        if self.enabled:
-            main = torch.cuda.current_stream(self.device)
-            main.wait_stream(_side_stream(self.device))
-            # memory allocated on the side stream must not return to its pool while main uses it
-            # (main's tensors read on the side need nothing: main waits for the side before reuse)
-            for grad in grads.values():
-                grad.record_stream(main)
-        return grads
 
 
 def _own_tiles(sched: Schedule, block_m: int | None) -> Schedule:
@@ -245,34 +204,27 @@ def _input_grads(d_gate_up, dw_P, w_gu, b_d, dy_TD, idx_Tk, lg, lora: Lora, sche
     return grads
 
 
-def _weight_grads_from_dy(dy: Rows, w_P, idx_Tk, h, ha, lora: Lora, sched: Schedule, need: dict) -> dict:
-    """The down projection's weight gradients that need only dy and the forward's saves; h takes
-    the routing weight w as a row scale."""
-    grads = {}
-    if need["w_d"]:
-        grads["w_d"] = grouped_wgrad(dy.data, h, sched, gather_a=dy.by_token, row_scale_P=w_P)
-    if need["b_d"]:
-        grads["b_d"] = _routed_sum(dy.data.float(), w_P, idx_Tk, sched.num_experts)
-    if need["B_d"]:
-        grads["B_d"] = grouped_wgrad(dy.data, ha, sched, gather_a=dy.by_token, row_scale_P=w_P, alpha=lora.scale)
-    return grads
-
-
-def _weight_grads_from_glu(x: Rows, d_gate_up, w_P, h, xa, dyb, lg, lora: Lora, sched: Schedule, need: dict,
-                           tuning: Tuning) -> dict:
-    """The weight gradients that read the GLU backward's outputs (d_gate_up, dy @ B_d, lg)."""
+def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg, lora: Lora, sched: Schedule,
+                  need: dict, tuning: Tuning) -> dict:
+    """h takes the routing weight w as a row scale in the down-side gradients."""
     s = lora.scale
     grads = {}
     if need["w_gu"]:
         grads["w_gu"] = _gate_up_wgrad(d_gate_up, x, sched, tuning)
+    if need["w_d"]:
+        grads["w_d"] = grouped_wgrad(dy.data, h, sched, gather_a=dy.by_token, row_scale_P=w_P)
     if need["b_gu"]:
         grads["b_gu"] = _segment_sum(d_gate_up.float(), sched)
+    if need["b_d"]:
+        grads["b_d"] = _routed_sum(dy.data.float(), w_P, idx_Tk, sched.num_experts)
     if need["A_gu"]:
         grads["A_gu"] = grouped_wgrad(lg, x.data, sched, gather_b=x.by_token, alpha=s)
     if need["B_gu"]:
         grads["B_gu"] = grouped_wgrad(d_gate_up, xa, sched, alpha=s)
     if need["A_d"]:
         grads["A_d"] = grouped_wgrad(dyb, h, sched, row_scale_P=w_P, alpha=s)
+    if need["B_d"]:
+        grads["B_d"] = grouped_wgrad(dy.data, ha, sched, gather_a=dy.by_token, row_scale_P=w_P, alpha=s)
     return grads
 
 
