@@ -4,7 +4,6 @@ dq, dkv (idx with -1 slots, NaN-prefilled outputs) and the fused indexer top-k.
 Shape legend: B batch, T tokens, H heads, K = V + R key width, V value width, S selected keys.
 fp32 inputs: under the interpreter a tl.dot on bf16 operands is wrong in triton 3.9.
 """
-import functools
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -14,7 +13,7 @@ import torch  # noqa: E402
 
 from reference_ops import dsa as ref  # noqa: E402
 from runtime.kernels import sparse_attention as kernels  # noqa: E402
-from runtime.kernels.sparse_attention import attention, buffers  # noqa: E402
+from runtime.kernels.sparse_attention import buffers  # noqa: E402
 from runtime.tolerances import assert_close  # noqa: E402
 from tests.test_ref_dsa import assert_same_selection, random_sparse_problem  # noqa: E402
 
@@ -33,19 +32,6 @@ def with_dropped_slots(idx_BTS, fraction, seed):
     return idx_BTS.masked_fill(torch.rand(idx_BTS.shape, generator=g) < fraction, -1)
 
 
-# small tiles keep the interpreter fast; BC=16 makes the keys-major kernel take several dkv chunks
-BWD_KERNELS = [
-    pytest.param({}, id="bwd-heads-major"),
-    pytest.param(dict(keys_major=True, BS=16, BC=16), id="bwd-keys-major"),
-]
-
-
-@pytest.fixture(params=BWD_KERNELS)
-def bwd_config(request, monkeypatch):
-    """Runs the autograd backward with each backward kernel."""
-    monkeypatch.setattr(attention, "sparse_attention_bwd", functools.partial(attention.sparse_attention_bwd, **request.param))
-
-
 ATTENTION_CASES = [
     pytest.param(1, 37, 4, 32, 16, 8, 0.0, id="T37-H4-V32R16-S8"),
     pytest.param(1, 37, 4, 32, 16, 8, 0.3, id="T37-H4-S8-dropped-slots"),
@@ -54,7 +40,7 @@ ATTENTION_CASES = [
 
 
 @pytest.mark.parametrize("B,T,H,V,R,S,drop", ATTENTION_CASES)
-def test_sparse_attention_forward_and_grads(B, T, H, V, R, S, drop, bwd_config):
+def test_sparse_attention_forward_and_grads(B, T, H, V, R, S, drop):
     q_BTHK, kv_BTK, idx_BTS = random_sparse_problem(B, T, H, V + R, S, torch.float32)
     idx_BTS = with_dropped_slots(idx_BTS, drop, seed=1)
     do_BTHV = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(2))
@@ -69,7 +55,7 @@ def test_sparse_attention_forward_and_grads(B, T, H, V, R, S, drop, bwd_config):
         assert_close(actual, expected, "sparse_attention", torch.float32, "out" if label == "o" else "grad", label)
 
 
-def test_sparse_attention_query_without_keys_gives_zeros(bwd_config):
+def test_sparse_attention_query_without_keys_gives_zeros():
     q_BTHK, kv_BTK, idx_BTS = random_sparse_problem(1, 9, 2, 48, 8, torch.float32)
     idx_BTS[0, 4] = -1
     q, kv = q_BTHK.requires_grad_(), kv_BTK.requires_grad_()

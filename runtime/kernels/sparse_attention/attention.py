@@ -7,8 +7,7 @@ One program handles one query token and a block of BH heads: all heads of a toke
 same selected kv rows, so a gathered [BS, K] tile feeds a [BH, BS] score tile. Keys are visited
 in tiles of BS indices; index -1 masks a slot. The forward saves the base-2 log-sum-exp; the
 backward recomputes probabilities, accumulates dq in registers and scatter-adds dkv into an fp32
-buffer with atomics (several tokens select the same key row). The backward has a second, transposed
-form (`keys_major=True`, keys as the rows of every tile) so that sm_90 can use wgmma.
+buffer with atomics (several tokens select the same key row).
 """
 from __future__ import annotations
 
@@ -114,59 +113,6 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_
     tl.store(dq_row + V + offs_r[None, :], (dq_r * scale).to(dq_ptr.dtype.element_ty), mask=head_ok & (offs_r[None, :] < R))
 
 
-
-@triton.jit
-def _bwd_keys_major_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr,
-                           scale, scale_log2, T, H, S, V, R,
-                           BH: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
-    """_bwd_kernel transposed: score tiles are [BS keys, BH heads] and dq is accumulated as dq^T [BV, BH].
-
-    Every tl.dot then has M = BS or BV >= 64 rows, which sm_90 needs to use wgmma instead of mma.sync
-    (BH = 32 rows, the heads-major kernel's M, is below one warpgroup's 64). dkv [BS, BV] in fp32 does
-    not fit in registers next to dq^T, so it is computed and scatter-added in column chunks of BC.
-    """
-    tok = tl.program_id(0).to(tl.int64)
-    h0 = tl.program_id(1) * BH
-    b = tok // T
-    K = V + R
-    offs_h, offs_v, offs_r = h0 + tl.arange(0, BH), tl.arange(0, BV), tl.arange(0, BR)
-    q_v = _load_heads(q_ptr, tok, h0, H, V, K, 0, BH, BV)
-    q_r = _load_heads(q_ptr, tok, h0, H, R, K, V, BH, BR)
-    do = _load_heads(do_ptr, tok, h0, H, V, V, 0, BH, BV)
-    lse = tl.load(lse_ptr + tok * H + offs_h, mask=offs_h < H, other=float("inf"))
-    delta = tl.load(delta_ptr + tok * H + offs_h, mask=offs_h < H, other=0.0)
-    dq_vT = tl.zeros([BV, BH], tl.float32)
-    dq_rT = tl.zeros([BR, BH], tl.float32)
-    for s0 in range(0, S, BS):
-        valid, rows, kv_v, kv_r = _load_selected(kv_ptr, idx_ptr, tok, b, T, S, s0, V, R, K, BS, BV, BR)
-        logits_T = tl.dot(kv_r, tl.trans(q_r), tl.dot(kv_v, tl.trans(q_v)))
-        p_T = tl.where(valid[:, None], tl.exp2(logits_T * scale_log2 - lse[None, :]), 0.0)
-        dp_T = tl.dot(kv_v, tl.trans(do))
-        ds_T = (p_T * (dp_T - delta[None, :])).to(kv_v.dtype)
-        dq_vT = tl.dot(tl.trans(kv_v), ds_T, dq_vT)
-        dq_rT = tl.dot(tl.trans(kv_r), ds_T, dq_rT)
-        p_T = p_T.to(do.dtype)
-        # q and dO chunks are re-read (L1/L2 hits, the same rows every step): Triton cannot slice
-        # the q_v / do tiles already held, and a [BS, BV] fp32 dkv tile would spill
-        for c0 in tl.static_range(0, BV, BC):
-            q_c = _load_heads(q_ptr, tok, h0, H, V - c0, K, c0, BH, BC)
-            do_c = _load_heads(do_ptr, tok, h0, H, V - c0, V, c0, BH, BC)
-            # two separate dots, not one chained through acc=: a dot feeding a dot gets all warps
-            # along M, a different layout from the second one, and a layout conversion between them
-            dkv_c = tl.dot(ds_T, q_c) * scale + tl.dot(p_T, do_c)
-            offs_c = c0 + tl.arange(0, BC)
-            tl.atomic_add(dkv_ptr + rows[:, None] * K + offs_c[None, :], dkv_c,
-                          mask=valid[:, None] & (offs_c[None, :] < V), sem="relaxed")
-        dkv_r = tl.dot(ds_T, q_r) * scale
-        tl.atomic_add(dkv_ptr + rows[:, None] * K + V + offs_r[None, :], dkv_r,
-                      mask=valid[:, None] & (offs_r[None, :] < R), sem="relaxed")
-    # stored transposed: dq^T[v, h] goes to dq[tok, h, v]
-    head_ok = offs_h[None, :] < H
-    dq_col = dq_ptr + (tok * H + offs_h[None, :]) * K
-    tl.store(dq_col + offs_v[:, None], (dq_vT * scale).to(dq_ptr.dtype.element_ty), mask=head_ok & (offs_v[:, None] < V))
-    tl.store(dq_col + V + offs_r[:, None], (dq_rT * scale).to(dq_ptr.dtype.element_ty), mask=head_ok & (offs_r[:, None] < R))
-
-
 def _tiles(H, V, R, config, max_heads, keys):
     BH = config.get("BH", min(max_heads, max(16, triton.next_power_of_2(H))))
     return dict(BH=BH, BS=config.get("BS", keys), BV=max(16, triton.next_power_of_2(V)),
@@ -188,27 +134,18 @@ def sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, scale, v_dim, **config):
 
 
 def sparse_attention_bwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, do_BTHV, scale, **config):
-    """-> (dq_BTHK in q's dtype, dkv_BTK in kv's dtype); dkv is accumulated in fp32.
-
-    config: BH, BS, num_warps, num_stages; keys_major=True picks _bwd_keys_major_kernel (then BC too).
-    """
+    """-> (dq_BTHK in q's dtype, dkv_BTK in kv's dtype); dkv is accumulated in fp32."""
     B, T, H, K = q_BTHK.shape
     S, V = idx_BTS.shape[-1], o_BTHV.shape[-1]
     # 64 heads x 576 channels of q, dO and dq do not fit in shared memory at once (315 KB > 227 KB on H200)
-    keys_major = config.get("keys_major", False)
-    tiles = _tiles(H, V, K - V, config, max_heads=32, keys=64 if keys_major else 32)
-    kernel, stages = _bwd_kernel, 2
-    if keys_major:
-        # one stage: a second [64, 576] kv buffer (and the pipelined q/dO chunks) overflow shared memory
-        kernel, stages = _bwd_keys_major_kernel, 1
-        tiles["BC"] = min(config.get("BC", 64), tiles["BV"])
+    tiles = _tiles(H, V, K - V, config, max_heads=32, keys=32)
     delta_BTH = (o_BTHV.float() * do_BTHV.float()).sum(-1)
     dq_BTHK = buffers.empty(q_BTHK.shape, q_BTHK.dtype, q_BTHK.device)
     dkv32_BTK = torch.zeros(kv_BTK.shape, dtype=torch.float32, device=kv_BTK.device)
     grid = (B * T, triton.cdiv(H, tiles["BH"]))
-    kernel[grid](q_BTHK, kv_BTK, idx_BTS, do_BTHV, lse_BTH, delta_BTH, dq_BTHK, dkv32_BTK,
-                 scale, scale * LOG2E, T, H, S, V, K - V,
-                 num_warps=config.get("num_warps", 8), num_stages=config.get("num_stages", stages), **tiles)
+    _bwd_kernel[grid](q_BTHK, kv_BTK, idx_BTS, do_BTHV, lse_BTH, delta_BTH, dq_BTHK, dkv32_BTK,
+                      scale, scale * LOG2E, T, H, S, V, K - V,
+                      num_warps=config.get("num_warps", 8), num_stages=config.get("num_stages", 2), **tiles)
     return dq_BTHK, dkv32_BTK.to(kv_BTK.dtype)
 
 
