@@ -18,6 +18,18 @@ Why the 3x target (TARGETS.md) is out of reach at these widths, by FLOP count (T
   x 2 = 1.87e13 forward, ~6.5e13 forward+backward, plus the indexer's T^2/2 x 64 x 128 x 2 = 8.8e12.
 - so dense / sparse work = 1.54e14 / 7.4e13 = 2.1: at cuDNN's own efficiency DSA would be ~2x, and 3x
   would need ~1.5x cuDNN's FLOP rate from gathered tiles and atomically accumulated dkv.
+- the backward alone (~4.7e13 FLOP) at the best published Hopper sparse MLA backward rate (~115 TFLOP/s,
+  TARGETS.md) takes ~410 ms, more than the whole dense baseline.
+
+Why our backward runs at ~86 TFLOP/s (ptxas for sm_90a offline, bench/kernel_resources.py with the launch's
+divisibility hints): BH=32 heads is below the 64 rows of a warpgroup, so Triton emits mma.sync, not wgmma; 255
+registers with 104 B spilled; dkv goes out as 4-wide fp32 reductions (red.global.add.v4.f32), ~620 GB of them
+at BH=32 (each of the 4 head blocks adds its own partial). A transposed form with keys as the rows of every
+tile (wgmma throughout, dkv added in column chunks) was built and timed on 2026-11-29 at 18:24
+(bench/results/2026-11-29-dsa-keys-major-1824.txt): 691.9 ms against 553.6 for the heads-major kernel at BS64 /
+chunks of 64 (240 B spilled, one stage: two do not fit in shared memory), and an illegal memory access on the
+H200 at chunks of 32 that the interpreter did not show. Removed (commits 346b155, f498b80 hold it). What would
+move the backward: 64 heads per program (half the reductions), which Triton's shared-memory layout does not fit.
 """
 from __future__ import annotations
 
