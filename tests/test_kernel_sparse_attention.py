@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 from reference_ops import dsa as ref  # noqa: E402
 from runtime.kernels import sparse_attention as kernels  # noqa: E402
-from runtime.kernels.sparse_attention import buffers  # noqa: E402
+from runtime.kernels.sparse_attention import attention, buffers  # noqa: E402
 from runtime.tolerances import assert_close  # noqa: E402
 from tests.test_ref_dsa import assert_same_selection, random_sparse_problem  # noqa: E402
 
@@ -52,6 +52,24 @@ def test_sparse_attention_forward_and_grads(B, T, H, V, R, S, drop):
         o_BTHV.backward(do_BTHV.to(dtype))
         results[name] = (o_BTHV, q.grad, kv.grad)
     for label, actual, expected in zip(("o", "dq", "dkv"), results["kernel"], results["ref"]):
+        assert_close(actual, expected, "sparse_attention", torch.float32, "out" if label == "o" else "grad", label)
+
+
+def test_heads_fastest_grid_matches_reference():
+    """The 1-D grid with a token's head blocks adjacent (config heads_fastest), 3 heads in blocks of
+    2 so the second block is padded, through the fwd / bwd entry points the autograd op calls."""
+    B, T, H, V, R, S = 2, 19, 3, 32, 16, 8
+    q_BTHK, kv_BTK, idx_BTS = random_sparse_problem(B, T, H, V + R, S, torch.float32)
+    idx_BTS = with_dropped_slots(idx_BTS, 0.2, seed=4)
+    do_BTHV = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(5))
+    scale = (V + R) ** -0.5
+    q64, kv64 = q_BTHK.double().requires_grad_(), kv_BTK.double().requires_grad_()
+    o64 = ref.sparse_attention(q64, kv64, idx_BTS, scale, V)
+    o64.backward(do_BTHV.double())
+    tiles = dict(BH=2, BS=4, num_warps=4, heads_fastest=True)
+    o, lse = attention.sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS.to(torch.int32), scale, V, **tiles)
+    dq, dkv = attention.sparse_attention_bwd(q_BTHK, kv_BTK, idx_BTS.to(torch.int32), o, lse, do_BTHV, scale, **tiles)
+    for label, actual, expected in (("o", o, o64), ("dq", dq, q64.grad), ("dkv", dkv, kv64.grad)):
         assert_close(actual, expected, "sparse_attention", torch.float32, "out" if label == "o" else "grad", label)
 
 

@@ -43,10 +43,21 @@ def _load_heads(ptr, tok, h0, H, width, row_width, col0, BH: tl.constexpr, BW: t
 
 
 @triton.jit
+def _token_and_head0(H, BH: tl.constexpr, HEADS_FASTEST: tl.constexpr):
+    """(token, first head) of this program. HEADS_FASTEST (a 1-D grid): a token's head blocks are
+    neighbours in launch order, so they run together and gather the same kv rows (and add into the
+    same dkv rows) through L2; else the grid walks all tokens once per head block."""
+    if HEADS_FASTEST:
+        head_blocks = tl.cdiv(H, BH)
+        pid = tl.program_id(0).to(tl.int64)
+        return pid // head_blocks, (pid % head_blocks).to(tl.int32) * BH
+    return tl.program_id(0).to(tl.int64), tl.program_id(1) * BH
+
+
+@triton.jit
 def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, scale_log2, T, H, S, V, R,
-                BH: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
-    tok = tl.program_id(0).to(tl.int64)
-    h0 = tl.program_id(1) * BH
+                BH: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, HEADS_FASTEST: tl.constexpr):
+    tok, h0 = _token_and_head0(H, BH, HEADS_FASTEST)
     b = tok // T
     K = V + R
     q_v = _load_heads(q_ptr, tok, h0, H, V, K, 0, BH, BV)
@@ -78,9 +89,8 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, scale_log2, T, H, S, V, 
 @triton.jit
 def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr,
                 scale, scale_log2, T, H, S, V, R,
-                BH: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
-    tok = tl.program_id(0).to(tl.int64)
-    h0 = tl.program_id(1) * BH
+                BH: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, HEADS_FASTEST: tl.constexpr):
+    tok, h0 = _token_and_head0(H, BH, HEADS_FASTEST)
     b = tok // T
     K = V + R
     offs_h, offs_v, offs_r = h0 + tl.arange(0, BH), tl.arange(0, BV), tl.arange(0, BR)
@@ -116,7 +126,12 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_
 def _tiles(H, V, R, config, max_heads, keys):
     BH = config.get("BH", min(max_heads, max(16, triton.next_power_of_2(H))))
     return dict(BH=BH, BS=config.get("BS", keys), BV=max(16, triton.next_power_of_2(V)),
-                BR=max(16, triton.next_power_of_2(R)))
+                BR=max(16, triton.next_power_of_2(R)), HEADS_FASTEST=config.get("heads_fastest", False))
+
+
+def _grid(num_tokens, H, tiles):
+    head_blocks = triton.cdiv(H, tiles["BH"])
+    return (num_tokens * head_blocks,) if tiles["HEADS_FASTEST"] else (num_tokens, head_blocks)
 
 
 def sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, scale, v_dim, **config):
@@ -127,7 +142,7 @@ def sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, scale, v_dim, **config):
     tiles = _tiles(H, v_dim, R, config, max_heads=64, keys=64)
     o_BTHV = buffers.empty((B, T, H, v_dim), q_BTHK.dtype, q_BTHK.device)
     lse_BTH = buffers.empty((B, T, H), torch.float32, q_BTHK.device)
-    grid = (B * T, triton.cdiv(H, tiles["BH"]))
+    grid = _grid(B * T, H, tiles)
     _fwd_kernel[grid](q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale * LOG2E, T, H, S, v_dim, R,
                       num_warps=config.get("num_warps", 8), num_stages=config.get("num_stages", 2), **tiles)
     return o_BTHV, lse_BTH
@@ -142,7 +157,7 @@ def sparse_attention_bwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, do_BTHV, scal
     delta_BTH = (o_BTHV.float() * do_BTHV.float()).sum(-1)
     dq_BTHK = buffers.empty(q_BTHK.shape, q_BTHK.dtype, q_BTHK.device)
     dkv32_BTK = torch.zeros(kv_BTK.shape, dtype=torch.float32, device=kv_BTK.device)
-    grid = (B * T, triton.cdiv(H, tiles["BH"]))
+    grid = _grid(B * T, H, tiles)
     _bwd_kernel[grid](q_BTHK, kv_BTK, idx_BTS, do_BTHV, lse_BTH, delta_BTH, dq_BTHK, dkv32_BTK,
                       scale, scale * LOG2E, T, H, S, V, K - V,
                       num_warps=config.get("num_warps", 8), num_stages=config.get("num_stages", 2), **tiles)
