@@ -30,6 +30,10 @@ tile (wgmma throughout, dkv added in column chunks) was built and timed on 2026-
 chunks of 64 (240 B spilled, one stage: two do not fit in shared memory), and an illegal memory access on the
 H200 at chunks of 32 that the interpreter did not show. Removed (commits 346b155, f498b80 hold it). What would
 move the backward: 64 heads per program (half the reductions), which Triton's shared-memory layout does not fit.
+The grid: one 1-D program index with a token's head blocks adjacent (attention._token_and_head0), so the four
+programs of a token gather the same kv rows and add into the same dkv rows at about the same time, through L2:
+backward 503.7 against 550.9 ms with the grid walking all tokens once per head block (predicted 450-520), forward
+70.96 against 70.45 (18:28 run, bench/results/2026-11-29-dsa.json: 601.7 ms in all against dense 304.1 = 0.51x).
 """
 from __future__ import annotations
 
@@ -54,10 +58,6 @@ H, K, V, QK, VD, I, J, TOPK = 128, 576, 512, 192, 128, 64, 128, 2048
 # BH32/BS32 4 warps (755), BH32/BS16 (818), BH16/BS64 (3829); bwd BH64 overflows shared memory.
 FWD_CONFIGS = [dict(BH=64, BS=64, num_warps=8), dict(BH=64, BS=64, num_warps=8, num_stages=3)]
 BWD_CONFIGS = [dict(BH=32, BS=32, num_warps=8, num_stages=1), dict(BH=32, BS=32, num_warps=8, num_stages=2)]
-# a token's head blocks next to each other in launch order, so the kv rows they all gather and the dkv rows
-# they all add into are L2 hits for all but the first: predicted bwd 553 -> 450-520 ms, fwd 70 -> 60-68
-FWD_CONFIGS += [dict(BH=64, BS=64, num_warps=8, heads_fastest=True)]
-BWD_CONFIGS += [dict(BH=32, BS=32, num_warps=8, num_stages=2, heads_fastest=True)]
 INDEXER_CONFIGS = [dict(BQ=64, BT=128, num_warps=8), dict(BQ=128, BT=128, num_warps=8)]
 
 
