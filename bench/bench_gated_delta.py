@@ -76,6 +76,12 @@ History at B1 T8192 H32 K=V=128 bf16 (predicted -> measured, H200, 2026-11-29, f
 - 18:10 (bench/results/2026-11-29-gdn.json, kda.json; the 16:29 files renamed -1629): the first headline run with
   both at 4 warps: GDN 2.36 ms against 206.4 = 87.4x (forward 0.87, fla 0.91; state_grad 0.56, wy_grad 0.46 ms), KDA
   4.91 against 1323.0 = 269.2x; precision vs fp64 <= 3.0e-3 rel RMS for both.
+- 18:34 (bench/results/2026-11-29-gdn-fwd-scan-v64-1834.json): the forward scan in 64-wide value blocks as fla
+  0.6.0's state kernel runs it (64 programs; its state kernel takes 0.157 ms here): scan 0.365 -> 0.426 ms at 4
+  warps (226 registers, no spills) and 0.530 at 8; forward 1.017 -> 1.091 / 1.210 ms in the variant rounds. Removed
+  (commit a33483b holds it). fla's state update written with the decayed state as the product's accumulator
+  compiles to the same PTX as ours (ptxas offline): not the difference either. That run's headline: GDN 2.364
+  against 212.5 = 89.9x, forward 0.937 against fla 1.485.
 
 Shape legend: B batch, T tokens, H heads, K key dim, V value dim.
 """

@@ -131,13 +131,10 @@ def test_split_prep_stores_what_one_launch_does(column_block, monkeypatch):
 # GDN's default has scan_output on (KDA's too: tests/test_kernel_kda_diagonal.py runs it as "kda_default")
 SCAN_OUTPUT = {"gdn": SCALAR_DECAY_DEFAULT,
                # two value blocks per head at V=32: o's columns at the block's offset
-               "fp32_tiles": replace(FP32_TILES, scan_output=True, scan_value_block=16),
-               # the forward scan in value blocks of 16, the backward's in 32 (KernelVariant.forward_scan_value_block)
-               "gdn_fwd_scan_v16": replace(SCALAR_DECAY_DEFAULT, forward_scan_value_block=16)}
+               "fp32_tiles": replace(FP32_TILES, scan_output=True, scan_value_block=16)}
 
 
-@pytest.mark.parametrize("kind,variant", [("gdn", "gdn"), ("gdn", "fp32_tiles"), ("gdn", "gdn_fwd_scan_v16")],
-                         ids=["gdn", "gdn-fp32_tiles", "gdn-fwd_scan_v16"])
+@pytest.mark.parametrize("kind,variant", [("gdn", "gdn"), ("gdn", "fp32_tiles")], ids=["gdn", "gdn-fp32_tiles"])
 def test_scan_output_cu_seqlens(kind, variant, chunk32_nan_buffers, monkeypatch):
     """KernelVariant.scan_output (o from the forward scan, no output_kernel) on GDN's default (bf16 tiles) and on
     fp32 tiles, forward and backward vs the fp64 reference: three packed sequences (the last chunks partial) with

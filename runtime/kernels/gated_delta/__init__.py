@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 
 from runtime.kernels.gated_delta.function import (
-    FP32_TILES, PER_CHANNEL_DECAY_DEFAULT, SCALAR_DECAY_DEFAULT, KernelVariant, chunk_delta_rule,
+    FP32_TILES, PER_CHANNEL_DECAY_DEFAULT, KernelVariant, chunk_delta_rule,
 )
 
 # Named settings the benchmark times side by side. "base" (KernelVariant()) is the path the others change one
@@ -43,9 +43,6 @@ VARIANTS: dict[str, KernelVariant] = {
     # (16:22: GDN 2.79 ms against the three with state_grad key block 32 2.72, KDA 5.27 against 5.12; each flag
     # alone in bench/bench_gated_delta.py's docstring). GDN's is "bf16_grads" above
     "kda_before_1624": replace(PER_CHANNEL_DECAY_DEFAULT, stored_norms=False, scan_output=False),
-    # GDN's forward scan in 64-wide value blocks as fla's state kernel runs it (64 programs), at 4 or 8 warps
-    "gdn_fwd_scan_v64": replace(SCALAR_DECAY_DEFAULT, forward_scan_value_block=64),
-    "gdn_fwd_scan_v64_w8": replace(SCALAR_DECAY_DEFAULT, forward_scan_value_block=64, forward_scan_warps=8),
     "fp32_tiles": FP32_TILES,
     "recompute": KernelVariant(keep_forward=False),
     "in_chunk_diagonal": KernelVariant(split_diagonal=False),

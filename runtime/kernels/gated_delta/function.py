@@ -65,12 +65,6 @@ class KernelVariant:
     # warps of the forward scan (None: scan_warps): one warpgroup matches its M=64 product w h, and with
     # bf16 operands and 32-bit tile offsets ptxas fits it in 244 registers without spilling (8 warps: 240)
     forward_scan_warps: int | None = 4
-    # value block of the forward scan alone (None: scan_value_block). fla 0.6.0's state kernel runs 64-wide value
-    # blocks (64 programs at H32 V128) in 0.157 ms on the H200 where ours took 0.26 at 32 (before scan_output).
-    # ptxas (sm_90a, with o in the scan): 64 at 4 warps 226 registers, 8 warps 196, no spills, 160 KB shared
-    forward_scan_value_block: int | None = None
-    # (the state update with the decayed h as the product's accumulator, as fla writes it, compiles to the same
-    # PTX as ours: the add already folds into the tensor-core accumulator)
     # prep in forward.prep_blocked_kernel: [C, 64] column blocks, Gram products on the raw inputs scaled
     # by the l2norm afterwards, the diagonal blocks of Tinv by doubling (split_diagonal then doesn't apply
     # to the forward); GDN launches no diag_kernel, KDA one without its inverse
@@ -344,7 +338,7 @@ def _scan(prep, h0, layout, per_channel, store_final, variant=DEFAULT_VARIANT, o
     # without out_dtype o_ptr is a pointer argument only
     o = v_new if out_dtype is None else empty(num_tokens, num_heads, value_dim, dtype=out_dtype, device=device)
     warps = variant.forward_scan_warps or variant.scan_warps
-    block = min(variant.forward_scan_value_block or _scan_block(variant, value_dim), value_dim)
+    block = _scan_block(variant, value_dim)
     fast(forward.scan_kernel)[(layout.num_seqs, num_heads, value_dim // block)](
         prep["w"], prep["u"], prep["kbar"], prep["glast"], h0 if h0 is not None else final, prep["qg"], prep["p"],
         layout.cu_seqlens, layout.chunk_offsets, h, v_new, final, o,
