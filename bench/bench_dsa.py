@@ -34,6 +34,10 @@ The grid: one 1-D program index with a token's head blocks adjacent (attention._
 programs of a token gather the same kv rows and add into the same dkv rows at about the same time, through L2:
 backward 503.7 against 550.9 ms with the grid walking all tokens once per head block (predicted 450-520), forward
 70.96 against 70.45 (18:28 run, bench/results/2026-11-29-dsa.json: 601.7 ms in all against dense 304.1 = 0.51x).
+Each token's indices sorted into key order (the same set; predicted bwd 504 -> 350-450 ms, as tokens running
+together would walk the key range in step through L2): bwd 500.4 against 503.7, fwd 71.8 against 70.9, plus 1.8 ms
+for the sort (18:37 run, bench/results/2026-11-29-dsa-sorted-indices-1837.json, made by this script with a sorted_keys() timing at
+commit d0f7be8): no gain, not adopted. That run: 602.1 ms in all against dense 304.6 = 0.51x.
 """
 from __future__ import annotations
 
@@ -176,20 +180,7 @@ def bench_ours(T, q, kv, iq, ik, iw, idx, scale):
     print("sparse attention backward:", flush=True)
     bwd_ms = {str(c): try_time(f"bwd {c}", lambda c=c: attention.sparse_attention_bwd(q, kv, idx, o, lse, do, scale, **c), 3)
               for c in BWD_CONFIGS}
-    return index_ms, fwd_ms, bwd_ms, sorted_keys(q, kv, idx, do, scale)
-
-
-def sorted_keys(q, kv, idx, do, scale) -> dict:
-    """The default kernels on each token's indices in key order (the set, hence the result, is the same): tokens
-    running together then walk the key range in step, so the kv rows they gather and the dkv rows they add into
-    sit in a narrower band of L2 at any moment. Predicted bwd 504 -> 350-450 ms, fwd 70 -> 55-65; the sort itself ~1-2."""
-    print("indices in key order (default configs):", flush=True)
-    result = {"sort": try_time("sort each token's indices", lambda: idx.sort(dim=-1), 3)}
-    idx_sorted = idx.sort(dim=-1).values.contiguous()
-    result["fwd"] = try_time("fwd, sorted indices", lambda: attention.sparse_attention_fwd(q, kv, idx_sorted, scale, V), 5)
-    o, lse = attention.sparse_attention_fwd(q, kv, idx_sorted, scale, V)
-    result["bwd"] = try_time("bwd, sorted indices", lambda: attention.sparse_attention_bwd(q, kv, idx_sorted, o, lse, do, scale), 3)
-    return result
+    return index_ms, fwd_ms, bwd_ms
 
 
 def main():
@@ -206,7 +197,7 @@ def main():
     index_check = check_indexer(iq, ik, iw, idx, rows)
     print(f"  indexer {index_check}", flush=True)
     attention_check = check_attention(q, kv, idx, rows, scale)
-    index_ms, fwd_ms, bwd_ms, sorted_ms = bench_ours(T, q, kv, iq, ik, iw, idx, scale)
+    index_ms, fwd_ms, bwd_ms = bench_ours(T, q, kv, iq, ik, iw, idx, scale)
     del q, kv, iq, ik, iw, idx
     torch.cuda.empty_cache()
     print("dense causal MLA via SDPA (q/k 192, v 128, 128 heads):", flush=True)
@@ -224,7 +215,7 @@ def main():
         "speedup_vs_fastest_sdpa_backend": fastest_dense[1] / ours_ms, "fastest_sdpa_backend": fastest_dense[0],
         "max_rel_err": max(attention_check[k] for k in ("o", "dq", "dkv")),
         "breakdown_ms": {"indexer_topk": index_best, "sparse_fwd": fwd_best, "sparse_bwd": bwd_best},
-        "all_ms": {"indexer": index_ms, "fwd": fwd_ms, "bwd": bwd_ms, "dense": dense_ms, "sorted_indices": sorted_ms},
+        "all_ms": {"indexer": index_ms, "fwd": fwd_ms, "bwd": bwd_ms, "dense": dense_ms},
         "correctness": {"attention_rel_rms": attention_check, "indexer": index_check},
         "command": "PYTHONUNBUFFERED=1 python bench/bench_dsa.py --T %d" % T,
         "date": datetime.date.today().isoformat(), "torch": torch.__version__,
