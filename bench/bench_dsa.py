@@ -36,8 +36,8 @@ backward 503.7 against 550.9 ms with the grid walking all tokens once per head b
 70.96 against 70.45 (18:28 run, bench/results/2026-11-29-dsa.json: 601.7 ms in all against dense 304.1 = 0.51x).
 Each token's indices sorted into key order (the same set; predicted bwd 504 -> 350-450 ms, as tokens running
 together would walk the key range in step through L2): bwd 500.4 against 503.7, fwd 71.8 against 70.9, plus 1.8 ms
-for the sort (18:37 run, bench/results/2026-11-29-dsa-sorted-indices-1837.json, made by this script with a sorted_keys() timing at
-commit d0f7be8): no gain, not adopted. That run: 602.1 ms in all against dense 304.6 = 0.51x.
+for the sort (18:37 run, bench/results/2026-11-29-dsa-sorted-indices-1837.json, by this script at commit
+d0f7be8 with its sorted_keys() timing): no gain, not adopted. That run: 602.1 ms in all against dense 304.6 = 0.51x.
 """
 from __future__ import annotations
 
