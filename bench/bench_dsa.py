@@ -233,7 +233,8 @@ def main():
         "baseline": "dense causal MLA, torch SDPA default dispatch, bf16, fwd+bwd",
         "baseline_ms": baseline_ms, "ours_ms": ours_ms, "speedup": baseline_ms / ours_ms,
         "speedup_vs_fastest_sdpa_backend": fastest_dense[1] / ours_ms, "fastest_sdpa_backend": fastest_dense[0],
-        "max_rel_err": max(attention_check[k] for k in ("o", "dq", "dkv")),
+        "max_rel_err": max([attention_check[k] for k in ("o", "dq", "dkv")]
+                           + [c[k] for c in attention_check["bwd_configs"].values() for k in ("dq", "dkv")]),
         "breakdown_ms": {"indexer_topk": index_best, "sparse_fwd": fwd_best, "sparse_bwd": bwd_best},
         "all_ms": {"indexer": index_ms, "fwd": fwd_ms, "bwd": bwd_ms, "dense": dense_ms},
         "correctness": {"attention_rel_rms": attention_check, "indexer": index_check},
