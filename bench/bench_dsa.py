@@ -66,10 +66,8 @@ BWD_CONFIGS = [dict(BH=32, BS=32, num_warps=8, num_stages=1), dict(BH=32, BS=32,
 # at one stage, 229 KB at two, and only wgmma products; 1.6-2.1 KB spilled in one pass). split: dq and dkv in two
 # launches, each recomputing p and dp (1.4x the FLOPs) with one accumulator live: 64 heads spill 1068 / 508 B.
 # Predicted: 64 heads with wgmma throughout 503 -> 300-400 ms if the spills stay cheap
+# (64 heads are timed by bench/dsa_bwd_configs.py, one process per config: one of them hit an illegal memory access)
 BWD_CONFIGS += [dict(BH=32, BS=32, num_warps=8, num_stages=2, dkv_t=True),
-                dict(BH=64, BS=32, num_warps=8, num_stages=1, dkv_t=True),
-                dict(BH=64, BS=32, num_warps=8, num_stages=2, dkv_t=True),
-                dict(BH=64, BS=32, num_warps=8, num_stages=2, dkv_t=True, split=True),
                 dict(BH=32, BS=32, num_warps=8, num_stages=2, dkv_t=True, split=True)]
 INDEXER_CONFIGS = [dict(BQ=64, BT=128, num_warps=8), dict(BQ=128, BT=128, num_warps=8)]
 
