@@ -38,6 +38,13 @@ Each token's indices sorted into key order (the same set; predicted bwd 504 -> 3
 together would walk the key range in step through L2): bwd 500.4 against 503.7, fwd 71.8 against 70.9, plus 1.8 ms
 for the sort (18:37 run, bench/results/2026-11-29-dsa-sorted-indices-1837.json, by this script at commit
 d0f7be8 with its sorted_keys() timing): no gain, not adopted. That run: 602.1 ms in all against dense 304.6 = 0.51x.
+64 heads per program with wgmma products (18:46 run, bench/dsa_bwd_configs.py at commit 14c020e,
+bench/results/2026-11-29-dsa-bwd-configs-1846.json): computing dkv as its transpose q^T ds lets one shared-memory copy
+of q and dO serve both products, so 64 heads fit (ptxas: 180 KB at one stage, 229 KB at two, wgmma only, 1.6-2.1 KB
+spilled); dq and dkv in two launches ("split") each recompute p and dp. Measured against 513.8 ms for the default
+on that host: 64 heads one pass 507.3 (two stages), split 531.5; 32 heads with dkv transposed 528.6, split 985.5;
+at one stage 64 heads hit an illegal memory access in one pass and gave a wrong dkv (rel RMS 305) split, where the
+interpreter passes: triton 3.6 miscompiles them. Nothing faster that is right: removed (commits df778d3, 14c020e).
 """
 from __future__ import annotations
 
@@ -62,13 +69,6 @@ H, K, V, QK, VD, I, J, TOPK = 128, 576, 512, 192, 128, 64, 128, 2048
 # BH32/BS32 4 warps (755), BH32/BS16 (818), BH16/BS64 (3829); bwd BH64 overflows shared memory.
 FWD_CONFIGS = [dict(BH=64, BS=64, num_warps=8), dict(BH=64, BS=64, num_warps=8, num_stages=3)]
 BWD_CONFIGS = [dict(BH=32, BS=32, num_warps=8, num_stages=1), dict(BH=32, BS=32, num_warps=8, num_stages=2)]
-# dkv as q^T ds: one shared-memory copy of q and dO serves both products, so 64 heads fit (ptxas for sm_90a: 180 KB
-# at one stage, 229 KB at two, and only wgmma products; 1.6-2.1 KB spilled in one pass). split: dq and dkv in two
-# launches, each recomputing p and dp (1.4x the FLOPs) with one accumulator live: 64 heads spill 1068 / 508 B.
-# Predicted: 64 heads with wgmma throughout 503 -> 300-400 ms if the spills stay cheap
-# (64 heads are timed by bench/dsa_bwd_configs.py, one process per config: one of them hit an illegal memory access)
-BWD_CONFIGS += [dict(BH=32, BS=32, num_warps=8, num_stages=2, dkv_t=True),
-                dict(BH=32, BS=32, num_warps=8, num_stages=2, dkv_t=True, split=True)]
 INDEXER_CONFIGS = [dict(BQ=64, BT=128, num_warps=8), dict(BQ=128, BT=128, num_warps=8)]
 
 

@@ -88,12 +88,7 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, scale_log2, T, H, S, V, 
 @triton.jit
 def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr,
                 scale, scale_log2, T, H, S, V, R,
-                BH: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr,
-                DQ: tl.constexpr, DKV: tl.constexpr, DKV_T: tl.constexpr):
-    """DQ / DKV: the gradients this launch makes (both: one pass; apart: two launches that each recompute
-    p and dp, with either accumulator alone in registers). DKV_T: dkv^T = q^T ds, whose A operand is the
-    shared-memory copy of q (and of dO) the logits (and dp) read; dkv = ds^T q takes q as a B operand
-    in another layout, a second copy (64 heads: 315 KB of shared memory against 180)."""
+                BH: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
     tok, h0 = _token_and_head0(H, BH)
     b = tok // T
     K = V + R
@@ -104,9 +99,8 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_
     # lse is +inf for heads without keys (and padding heads): their p is exp2(-inf) = 0
     lse = tl.load(lse_ptr + tok * H + offs_h, mask=offs_h < H, other=float("inf"))
     delta = tl.load(delta_ptr + tok * H + offs_h, mask=offs_h < H, other=0.0)
-    if DQ:
-        dq_v = tl.zeros([BH, BV], tl.float32)
-        dq_r = tl.zeros([BH, BR], tl.float32)
+    dq_v = tl.zeros([BH, BV], tl.float32)
+    dq_r = tl.zeros([BH, BR], tl.float32)
     for s0 in range(0, S, BS):
         valid, rows, kv_v, kv_r = _load_selected(kv_ptr, idx_ptr, tok, b, T, S, s0, V, R, K, BS, BV, BR)
         logits = tl.dot(q_v, tl.trans(kv_v)) + tl.dot(q_r, tl.trans(kv_r))
@@ -114,35 +108,18 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_
         dp = tl.dot(do, tl.trans(kv_v))
         # gradient w.r.t. the scaled logits; the scale is applied once to dq and dkv below
         ds = (p * (dp - delta[:, None])).to(kv_v.dtype)
-        if DQ:
-            dq_v += tl.dot(ds, kv_v)
-            dq_r += tl.dot(ds, kv_r)
-        if DKV:
-            _add_dkv(dkv_ptr, rows, valid, ds, p.to(do.dtype), q_v, q_r, do, scale, K, V, R, offs_v, offs_r, DKV_T)
-    if DQ:
-        head_ok = offs_h[:, None] < H
-        dq_row = dq_ptr + (tok * H + offs_h[:, None]) * K
-        tl.store(dq_row + offs_v[None, :], (dq_v * scale).to(dq_ptr.dtype.element_ty), mask=head_ok & (offs_v[None, :] < V))
-        tl.store(dq_row + V + offs_r[None, :], (dq_r * scale).to(dq_ptr.dtype.element_ty), mask=head_ok & (offs_r[None, :] < R))
-
-
-@triton.jit
-def _add_dkv(dkv_ptr, rows, valid, ds, p, q_v, q_r, do, scale, K, V, R, offs_v, offs_r, DKV_T: tl.constexpr):
-    """Scatter-adds one key block's dkv = ds^T q * scale + p^T dO (values; the rope tail ds^T q_r * scale)."""
-    if DKV_T:
-        dkv_vT = tl.dot(tl.trans(q_v), ds) * scale + tl.dot(tl.trans(do), p)
-        dkv_rT = tl.dot(tl.trans(q_r), ds) * scale
-        tl.atomic_add(dkv_ptr + rows[None, :] * K + offs_v[:, None], dkv_vT,
-                      mask=valid[None, :] & (offs_v[:, None] < V), sem="relaxed")
-        tl.atomic_add(dkv_ptr + rows[None, :] * K + V + offs_r[:, None], dkv_rT,
-                      mask=valid[None, :] & (offs_r[:, None] < R), sem="relaxed")
-    else:
-        dkv_v = tl.dot(tl.trans(ds), q_v) * scale + tl.dot(tl.trans(p), do)
+        dq_v += tl.dot(ds, kv_v)
+        dq_r += tl.dot(ds, kv_r)
+        dkv_v = tl.dot(tl.trans(ds), q_v) * scale + tl.dot(tl.trans(p.to(do.dtype)), do)
         dkv_r = tl.dot(tl.trans(ds), q_r) * scale
         tl.atomic_add(dkv_ptr + rows[:, None] * K + offs_v[None, :], dkv_v,
                       mask=valid[:, None] & (offs_v[None, :] < V), sem="relaxed")
         tl.atomic_add(dkv_ptr + rows[:, None] * K + V + offs_r[None, :], dkv_r,
                       mask=valid[:, None] & (offs_r[None, :] < R), sem="relaxed")
+    head_ok = offs_h[:, None] < H
+    dq_row = dq_ptr + (tok * H + offs_h[:, None]) * K
+    tl.store(dq_row + offs_v[None, :], (dq_v * scale).to(dq_ptr.dtype.element_ty), mask=head_ok & (offs_v[None, :] < V))
+    tl.store(dq_row + V + offs_r[None, :], (dq_r * scale).to(dq_ptr.dtype.element_ty), mask=head_ok & (offs_r[None, :] < R))
 
 
 def _tiles(H, V, R, config, max_heads, keys):
@@ -170,20 +147,18 @@ def sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, scale, v_dim, **config):
 
 
 def sparse_attention_bwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, do_BTHV, scale, **config):
-    """-> (dq_BTHK in q's dtype, dkv_BTK in kv's dtype); dkv is accumulated in fp32.
-    config: BH, BS, num_warps, num_stages; dkv_t (_bwd_kernel's DKV_T); split: dq and dkv in two launches."""
+    """-> (dq_BTHK in q's dtype, dkv_BTK in kv's dtype); dkv is accumulated in fp32."""
     B, T, H, K = q_BTHK.shape
     S, V = idx_BTS.shape[-1], o_BTHV.shape[-1]
+    # 64 heads x 576 channels of q, dO and dq do not fit in shared memory at once (315 KB > 227 KB on H200)
     tiles = _tiles(H, V, K - V, config, max_heads=32, keys=32)
     delta_BTH = (o_BTHV.float() * do_BTHV.float()).sum(-1)
     dq_BTHK = buffers.empty(q_BTHK.shape, q_BTHK.dtype, q_BTHK.device)
     dkv32_BTK = torch.zeros(kv_BTK.shape, dtype=torch.float32, device=kv_BTK.device)
     grid = _grid(B * T, H, tiles)
-    parts = [dict(DQ=True, DKV=False), dict(DQ=False, DKV=True)] if config.get("split") else [dict(DQ=True, DKV=True)]
-    for part in parts:
-        _bwd_kernel[grid](q_BTHK, kv_BTK, idx_BTS, do_BTHV, lse_BTH, delta_BTH, dq_BTHK, dkv32_BTK,
-                          scale, scale * LOG2E, T, H, S, V, K - V, DKV_T=config.get("dkv_t", False), **part,
-                          num_warps=config.get("num_warps", 8), num_stages=config.get("num_stages", 2), **tiles)
+    _bwd_kernel[grid](q_BTHK, kv_BTK, idx_BTS, do_BTHV, lse_BTH, delta_BTH, dq_BTHK, dkv32_BTK,
+                      scale, scale * LOG2E, T, H, S, V, K - V,
+                      num_warps=config.get("num_warps", 8), num_stages=config.get("num_stages", 2), **tiles)
     return dq_BTHK, dkv32_BTK.to(kv_BTK.dtype)
 
 
