@@ -28,8 +28,8 @@ at BH=32 (each of the 4 head blocks adds its own partial). A transposed form wit
 tile (wgmma throughout, dkv added in column chunks) was built and timed on 2026-11-29 at 18:24
 (bench/results/2026-11-29-dsa-keys-major-1824.txt): 691.9 ms against 553.6 for the heads-major kernel at BS64 /
 chunks of 64 (240 B spilled, one stage: two do not fit in shared memory), and an illegal memory access on the
-H200 at chunks of 32 that the interpreter did not show. Removed (commits 346b155, f498b80 hold it). What would
-move the backward: 64 heads per program (half the reductions), which Triton's shared-memory layout does not fit.
+H200 at chunks of 32 that the interpreter did not show. Removed (commits 346b155, f498b80 hold it). 64 heads per program
+(half the reductions) fit only with dkv transposed, below, and measured no faster.
 The grid: one 1-D program index with a token's head blocks adjacent (attention._token_and_head0), so the four
 programs of a token gather the same kv rows and add into the same dkv rows at about the same time, through L2:
 backward 503.7 against 550.9 ms with the grid walking all tokens once per head block (predicted 450-520), forward
@@ -45,6 +45,9 @@ spilled); dq and dkv in two launches ("split") each recompute p and dp. Measured
 on that host: 64 heads one pass 507.3 (two stages), split 531.5; 32 heads with dkv transposed 528.6, split 985.5;
 at one stage 64 heads hit an illegal memory access in one pass and gave a wrong dkv (rel RMS 305) split, where the
 interpreter passes: triton 3.6 miscompiles them. Nothing faster that is right: removed (commits df778d3, 14c020e).
+Reading of these runs (not measured directly): after the grid change neither the reductions' L2 locality nor
+wgmma against mma.sync moves the backward, so its time follows each program's chain of dependent steps at one
+program per SM (255 registers, spilling); the next step would be a profile (ncu) of _bwd_kernel, not more tiles.
 """
 from __future__ import annotations
 
