@@ -1,0 +1,26 @@
+"""One DSA sparse-attention backward at the benchmark's widths (H128, K576 / V512, top-k 2048), for a profiler to
+attach to; T=8192 by default, so that ncu's replays of the kernel stay short.
+
+    ncu --kernel-name regex:"_bwd_kernel" --launch-skip 1 --launch-count 1 --section WarpStateStats \\
+        --section SchedulerStats --section Occupancy --section SpeedOfLight --section MemoryWorkloadAnalysis \\
+        python3 bench/profile_dsa_bwd.py [--T 8192]
+"""
+import argparse
+
+import torch
+
+from bench import bench_dsa as dsa
+from runtime.kernels.sparse_attention import attention, indexer
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--T", type=int, default=8192)
+    T = parser.parse_args().T
+    scale = dsa.QK**-0.5
+    q, kv, iq, ik, iw = dsa.sparse_inputs(T)
+    idx = indexer.indexer_topk(iq, ik, iw, dsa.J**-0.5, dsa.TOPK)
+    o, lse = attention.sparse_attention_fwd(q, kv, idx, scale, dsa.V)
+    do = torch.randn_like(o)
+    for _ in range(2):
+        attention.sparse_attention_bwd(q, kv, idx, o, lse, do, scale)
+    torch.cuda.synchronize()
