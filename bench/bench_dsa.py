@@ -46,7 +46,7 @@ on that host: 64 heads one pass 507.3 (two stages), split 531.5; 32 heads with d
 at one stage 64 heads hit an illegal memory access in one pass and gave a wrong dkv (rel RMS 305) split, where the
 interpreter passes: triton 3.6 miscompiles them. Nothing faster that is right: removed (commits df778d3, 14c020e).
 So after the grid change neither the reductions' L2 locality nor wgmma against mma.sync moves the backward. ncu on
-one backward at T=8192 (18:48, bench/profile_dsa_bwd.py, bench/results/2026-11-29-dsa-bwd-ncu.txt; at T=8192 the
+one backward at T=8192 (18:46, bench/profile_dsa_bwd.py, bench/results/2026-11-29-dsa-bwd-ncu.txt; at T=8192 the
 fp32 dkv buffer fits in L2): one 8-warp program per SM (registers and shared memory: 12.5% occupancy), no eligible
 warp in 78% of cycles, L1/TEX (shared memory and the 10M spill requests) at 67% of its throughput, shared-memory
 (MIO) waits the largest stall (33%), L2 hit rate 97.9%, DRAM 0.6%, SM compute 23%. Its time follows each program's
