@@ -50,12 +50,13 @@ one backward at T=8192 (18:46, bench/profile_dsa_bwd.py, bench/results/2026-11-2
 fp32 dkv buffer fits in L2): one 8-warp program per SM (registers and shared memory: 12.5% occupancy), no eligible
 warp in 78% of cycles, L1/TEX (shared memory and the 10M spill requests) at 67% of its throughput, shared-memory
 (MIO) waits the largest stall (33%), L2 hit rate 97.9%, DRAM 0.6%, SM compute 23%. Its time follows each program's
-chain through shared memory at one program per SM: fewer registers and less shared memory per program would
-move it, not more bandwidth or other tile shapes.
+chain through shared memory at one program per SM, not bandwidth.
 Two programs per SM at 16 heads (4 warps, ptxas: 255 registers, 52-496 B spilled, 86-105 KB shared; a token's 8
 head blocks adjacent, so their gathers and reductions are L2 hits) measured slower all the same: BS16 607.2 ms,
 BS32 803.6, BS32 at 8 warps (one per SM, no spills) 709.7, against the default's 499.6 (19:03 run,
-bench/dsa_bwd_configs.py, bench/results/2026-11-29-dsa-bwd-configs-1903.json).
+bench/dsa_bwd_configs.py, bench/results/2026-11-29-dsa-bwd-configs-1903.json): halving the heads halves each
+program's work per gathered row and doubles the gathers and reductions, which costs more than the second program
+gains. A second program per SM at 32 heads would need the registers and shared memory of today's 16.
 """
 from __future__ import annotations
 
