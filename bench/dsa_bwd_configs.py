@@ -7,8 +7,8 @@ Each config: the backward at bench_dsa.py's shapes on its inputs (indexer top-k,
 against the fp64 reference on bench_dsa's subset of query rows, and its median time over 3 calls. Writes
 dsa-bwd-configs.json under --out: per config its result or the error that ended its process.
 The 18:46 run (bench/results/2026-11-29-dsa-bwd-configs-1846.json) timed the dkv_t and split keywords of commit
-14c020e, since removed (bench_dsa.py's docstring has the figures); sparse_attention_bwd reads BH, BS, num_warps and
-num_stages now.
+14c020e, since removed (bench_dsa.py's docstring has the figures); sparse_attention_bwd takes BH, BS, num_warps and
+num_stages now and refuses other keys.
 """
 from __future__ import annotations
 

@@ -73,6 +73,12 @@ def test_several_head_blocks_per_token_match_reference():
         assert_close(actual, expected, "sparse_attention", torch.float32, "out" if label == "o" else "grad", label)
 
 
+def test_unknown_config_key_is_refused():
+    q_BTHK, kv_BTK, idx_BTS = random_sparse_problem(1, 9, 2, 48, 8, torch.float32)
+    with pytest.raises(ValueError, match="dkv_t"):
+        attention.sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS.to(torch.int32), 0.2, 32, dkv_t=True)
+
+
 def test_sparse_attention_query_without_keys_gives_zeros():
     q_BTHK, kv_BTK, idx_BTS = random_sparse_problem(1, 9, 2, 48, 8, torch.float32)
     idx_BTS[0, 4] = -1

@@ -122,7 +122,14 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_
     tl.store(dq_row + V + offs_r[None, :], (dq_r * scale).to(dq_ptr.dtype.element_ty), mask=head_ok & (offs_r[None, :] < R))
 
 
+CONFIG_KEYS = {"BH", "BS", "num_warps", "num_stages"}
+
+
 def _tiles(H, V, R, config, max_heads, keys):
+    # a misspelt or retired key would otherwise time the default while reporting the config asked for
+    if set(config) - CONFIG_KEYS:
+        raise ValueError(f"sparse attention config: unknown keys {sorted(set(config) - CONFIG_KEYS)}; "
+                         f"known: {sorted(CONFIG_KEYS)}")
     BH = config.get("BH", min(max_heads, max(16, triton.next_power_of_2(H))))
     return dict(BH=BH, BS=config.get("BS", keys), BV=max(16, triton.next_power_of_2(V)),
                 BR=max(16, triton.next_power_of_2(R)))
