@@ -29,7 +29,7 @@ from runtime.kernels.gated_delta.function import (  # noqa: E402
     FP32_TILES, SCALAR_DECAY_DEFAULT, KernelVariant,
 )
 from runtime.tolerances import assert_close  # noqa: E402
-from tests.test_kernel_gated_delta import VARIANTS, check, make_inputs  # noqa: E402
+from tests.kernels.test_kernel_gated_delta import VARIANTS, check, make_inputs  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
 

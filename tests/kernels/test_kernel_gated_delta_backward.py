@@ -12,7 +12,7 @@ import torch  # noqa: E402
 
 import runtime.kernels.gated_delta.backward as backward_kernels  # noqa: E402
 import runtime.kernels.gated_delta.function as kernel_config  # noqa: E402
-from tests.test_kernel_gated_delta import check, make_inputs, small_chunks_nan_buffers  # noqa: E402, F401
+from tests.kernels.test_kernel_gated_delta import check, make_inputs, small_chunks_nan_buffers  # noqa: E402, F401
 
 pytestmark = pytest.mark.interpreter
 
@@ -50,7 +50,7 @@ def test_backward_benchmark_chunk_size(kind, monkeypatch):
 def test_backward_bf16_grad_dots(kind, monkeypatch):
     """KernelVariant.bf16_grad_dots (bf16 operands in the gradient kernels, dw's scratch in bf16), with
     three packed sequences and initial states, and B=2 strong decay without the qk l2norm."""
-    from tests.test_kernel_gated_delta import VARIANTS
+    from tests.kernels.test_kernel_gated_delta import VARIANTS
     monkeypatch.setitem(VARIANTS, "bf16_grads", kernel_config.KernelVariant(bf16_grad_dots=True))
     check(kind, make_inputs(kind, T=63, V=32, num_states=3), variant="bf16_grads",
           cu_seqlens=torch.tensor([0, 5, 40, 63]))
@@ -70,7 +70,7 @@ def test_backward_gram_apart_two_key_blocks(monkeypatch):
     wy_grad_kernel reads it per key block of 8, gram_grad_kernel on the whole K. Three packed sequences with
     initial states and state_grad in key blocks of 4 (state_grad_key_block), then B=2 strong decay without the
     qk l2norm."""
-    from tests.test_kernel_gated_delta import VARIANTS
+    from tests.kernels.test_kernel_gated_delta import VARIANTS
     gram_apart = kernel_config.KernelVariant(token_parallel_diag=True, blocked_prep=False, gram_grad_apart=True)
     monkeypatch.setitem(VARIANTS, "gram_apart", gram_apart)
     monkeypatch.setitem(VARIANTS, "gram_apart_skb4", replace(gram_apart, state_grad_key_block=4))
@@ -84,7 +84,7 @@ def test_backward_stored_norms_fused_finish_gdn(monkeypatch):
     """GDN with KernelVariant.stored_norms and fused_finish (wy_grad_kernel finishes dq, dk, dg on prep's inverse
     norms): three packed sequences with initial states, then B=2 strong decay without the qk l2norm (nothing
     stored, wy_grad's tail without the l2norm)."""
-    from tests.test_kernel_gated_delta import VARIANTS
+    from tests.kernels.test_kernel_gated_delta import VARIANTS
     monkeypatch.setitem(VARIANTS, "norms_finish", kernel_config.KernelVariant(bf16_grad_dots=True, stored_norms=True,
                                                                               fused_finish=True))
     check("gdn", make_inputs("gdn", T=63, V=32, num_states=3), variant="norms_finish",
@@ -96,7 +96,7 @@ def test_backward_stored_norms_fused_finish_gdn(monkeypatch):
 @pytest.mark.slow
 def test_backward_fused_finish_recomputed_norms_gdn(monkeypatch):
     """fused_finish alone: wy_grad's tail recomputes q's norms from the tile (k's from its own loop)."""
-    from tests.test_kernel_gated_delta import VARIANTS
+    from tests.kernels.test_kernel_gated_delta import VARIANTS
     monkeypatch.setitem(VARIANTS, "fused_finish", kernel_config.KernelVariant(fused_finish=True))
     check("gdn", make_inputs("gdn", T=63, V=32, num_states=3), variant="fused_finish",
           cu_seqlens=torch.tensor([0, 5, 40, 63]))
@@ -106,7 +106,7 @@ def test_backward_fused_finish_recomputed_norms_gdn(monkeypatch):
 def test_backward_stored_norms_recompute(kind, monkeypatch):
     """stored_norms with keep_forward off: the backward's prep stores the norms again; GDN's finish_kernel and
     KDA's diag_grad_kernel (the column-walking diagonal) read them."""
-    from tests.test_kernel_gated_delta import VARIANTS
+    from tests.kernels.test_kernel_gated_delta import VARIANTS
     monkeypatch.setitem(VARIANTS, "recompute_norms", kernel_config.KernelVariant(keep_forward=False, stored_norms=True))
     check(kind, make_inputs(kind, T=63, V=32, num_states=3), variant="recompute_norms",
           cu_seqlens=torch.tensor([0, 5, 40, 63]))

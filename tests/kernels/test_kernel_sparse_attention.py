@@ -15,7 +15,7 @@ from reference_ops import dsa as ref  # noqa: E402
 from runtime.kernels import sparse_attention as kernels  # noqa: E402
 from runtime.kernels.sparse_attention import attention, buffers  # noqa: E402
 from runtime.tolerances import assert_close  # noqa: E402
-from tests.test_ref_dsa import assert_same_selection, random_sparse_problem  # noqa: E402
+from tests.ops.test_ref_dsa import assert_same_selection, random_sparse_problem  # noqa: E402
 
 pytestmark = pytest.mark.interpreter
 

@@ -13,9 +13,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import runtime.kernels.gated_delta.function as kernel_config  # noqa: E402
-import tests.test_kernel_gated_delta as shared  # noqa: E402
+import tests.kernels.test_kernel_gated_delta as shared  # noqa: E402
 from runtime.kernels.gated_delta.function import KernelVariant  # noqa: E402
-from tests.test_kernel_gated_delta import check, make_inputs, small_chunks_nan_buffers  # noqa: E402, F401
+from tests.kernels.test_kernel_gated_delta import check, make_inputs, small_chunks_nan_buffers  # noqa: E402, F401
 
 pytestmark = pytest.mark.interpreter
 
