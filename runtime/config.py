@@ -193,7 +193,7 @@ def _parse(hint, value, path: str):
         return tuple(_parse(args[0], item, f"{path}[{i}]") for i, item in enumerate(items))
     if origin is Literal:
         if value not in args:
-            raise SpecError(f"{path}: expected one of {list(args)}, got {value!r}")
+            raise _error(path, f"expected one of {list(args)}, got {value!r}")
         return value
     return _scalar(hint, value, path)
 
@@ -203,18 +203,16 @@ def _parse_dataclass(cls, value, path: str):
     hints = typing.get_type_hints(cls)
     values = {}
     for field in dataclasses.fields(cls):
-        key = f"{path}.{field.name}" if path else field.name
+        key = f"{path}.{field.name}".lstrip(".")
         if field.name in data:
             values[field.name] = _parse(hints[field.name], data[field.name], key)
         elif field.default is dataclasses.MISSING:
-            raise SpecError(f"{key}: missing")
+            raise _error(key, "missing")
     return cls(**values)
 
 
 def _parse_union(options: tuple, value, path: str):
-    if value is None:
-        if type(None) not in options:
-            raise SpecError(f"{path}: must not be null")
+    if value is None and type(None) in options:
         return None
     choices = [option for option in options if option is not type(None)]
     if len(choices) == 1:
@@ -222,7 +220,7 @@ def _parse_union(options: tuple, value, path: str):
     by_kind = {option.kind: option for option in choices}
     kind = _expect(value, dict, "an object", path).get("kind")
     if kind not in by_kind:
-        raise SpecError(f"{path}.kind: expected one of {list(by_kind)}, got {kind!r}")
+        raise _error(f"{path}.kind".lstrip("."), f"expected one of {list(by_kind)}, got {kind!r}")
     return _parse_dataclass(by_kind[kind], value, path)
 
 
@@ -238,7 +236,15 @@ def _scalar(hint, value, path: str):
     return float(value) if hint is float else value
 
 
+JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "object"}
+
+
 def _expect(value, types_, what: str, path: str):
     if not isinstance(value, types_):
-        raise SpecError(f"{path}: expected {what}, got {type(value).__name__} {value!r}")
+        got = "null" if value is None else f"{JSON_TYPES.get(type(value), type(value).__name__)} {value!r}"
+        raise _error(path, f"expected {what}, got {got}")
     return value
+
+
+def _error(path: str, problem: str) -> SpecError:
+    return SpecError(f"{path}: {problem}" if path else problem)
