@@ -34,12 +34,16 @@ from runtime.tolerances import compare, tolerance_for  # noqa: E402
 H, K, V, QK, VD, I, J, TOPK = 128, 576, 512, 192, 128, 64, 128, 2048
 
 
+def timed(label, fn, reps):
+    ms = time_ms(fn, reps=reps, warmup=1)
+    print(f"  {label:<48} {ms:10.2f} ms", flush=True)
+    return ms
+
+
 def try_time(label, fn, reps):
     try:
-        ms = time_ms(fn, reps=reps, warmup=1)
-        print(f"  {label:<48} {ms:10.2f} ms", flush=True)
-        return ms
-    except Exception as error:  # a config that does not compile or fit is reported, not fatal
+        return timed(label, fn, reps)
+    except Exception as error:  # an SDPA backend that does not take these widths is reported, not fatal
         print(f"  {label:<48} FAILED {type(error).__name__}: {str(error)[:160]}", flush=True)
         return None
 
@@ -129,11 +133,11 @@ def flops(T: int) -> dict:
 
 def bench_ours(T, q, kv, iq, ik, iw, idx, scale):
     print("indexer (scoring + top-k), forward, backward:", flush=True)
-    index_ms = try_time("indexer_topk", lambda: indexer.indexer_topk(iq, ik, iw, J**-0.5, TOPK), 3)
-    fwd_ms = try_time("sparse attention fwd", lambda: attention.sparse_attention_fwd(q, kv, idx, scale, V), 5)
+    index_ms = timed("indexer_topk", lambda: indexer.indexer_topk(iq, ik, iw, J**-0.5, TOPK), 3)
+    fwd_ms = timed("sparse attention fwd", lambda: attention.sparse_attention_fwd(q, kv, idx, scale, V), 5)
     o, lse = attention.sparse_attention_fwd(q, kv, idx, scale, V)
     do = torch.randn_like(o)
-    bwd_ms = try_time("sparse attention bwd", lambda: attention.sparse_attention_bwd(q, kv, idx, o, lse, do, scale), 3)
+    bwd_ms = timed("sparse attention bwd", lambda: attention.sparse_attention_bwd(q, kv, idx, o, lse, do, scale), 3)
     return {"indexer_topk": index_ms, "sparse_fwd": fwd_ms, "sparse_bwd": bwd_ms}
 
 
