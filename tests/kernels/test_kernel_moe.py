@@ -27,18 +27,18 @@ pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("nan_buffers")]
 T, D, F_EXPERT = 37, 32, 16
 
 
-def _routing(E, k, empty_expert, seed):
+def _routing(E, k, empty_expert, seed, num_tokens=T):
     g = torch.Generator().manual_seed(seed)
     choices = torch.tensor([e for e in range(E) if e != empty_expert])
-    idx = torch.stack([choices[torch.randperm(len(choices), generator=g)[:k]] for _ in range(T)])
-    return idx, torch.rand(T, k, generator=g) + 0.1
+    idx = torch.stack([choices[torch.randperm(len(choices), generator=g)[:k]] for _ in range(num_tokens)])
+    return idx, torch.rand(num_tokens, k, generator=g) + 0.1
 
 
-def _problem(E=6, k=2, empty_expert=None, bias=False, lora_rank=0, transposed=False, seed=0):
+def _problem(E=6, k=2, empty_expert=None, bias=False, lora_rank=0, transposed=False, seed=0, num_tokens=T):
     """Leaves (name -> fp32 tensor) and the index; gpt-oss stores its experts transposed."""
     torch.manual_seed(seed)
-    idx, weights = _routing(E, k, empty_expert, seed)
-    leaves = {"x_TD": torch.randn(T, D), "weights_Tk": weights,
+    idx, weights = _routing(E, k, empty_expert, seed, num_tokens)
+    leaves = {"x_TD": torch.randn(num_tokens, D), "weights_Tk": weights,
               "w_gate_up_E2FD": torch.randn(E, 2 * F_EXPERT, D) * 0.3, "w_down_EDF": torch.randn(E, D, F_EXPERT) * 0.3}
     if transposed:
         leaves["w_gate_up_E2FD"] = leaves["w_gate_up_E2FD"].transpose(1, 2).contiguous().transpose(1, 2)
@@ -81,6 +81,8 @@ CASES = {
     "T37-E6-k2": dict(),
     "T37-E7-k3-empty-expert": dict(E=7, k=3, empty_expert=4),
     "T37-E11-k1": dict(E=11, k=1, seed=2),
+    # 150 rows per expert: the schedule's 128-row tiles and the GLU backward retiled to 64
+    "T300-E2-k1-schedule-tile-128": dict(E=2, k=1, seed=7, num_tokens=300),
 }
 
 

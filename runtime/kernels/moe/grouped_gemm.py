@@ -6,9 +6,8 @@ One kernel, three epilogues (MODE):
 - GLU_FWD: each program owns BLOCK_N gate/up units and runs two dots over the same A tile, one
   for the gate rows of W and one for the up rows; stores the pre-activation gate/up (kept for
   the backward) and h = glu(gate, up), with no reshuffling of the accumulator.
-- GLU_BWD: acc = dy @ W_down[e] = dh / w; recomputes h from the saved gate/up, adds the routing
-  weight gradient sum(acc * h) at the row's pair (atomically, one add per column tile), and
-  stores d(gate/up).
+- GLU_BWD: acc = dy @ W_down[e] = dh / w; recomputes h from the saved gate/up, adds the routing weight
+  gradient sum(acc * h) at the row's pair (atomically, one add per column tile), stores d(gate/up).
 With GATHER_A row s of A is A[pair(s) // k], the sorted row's token (no copy of x or dy); the
 row scale (the routing weight) is read at pair(s). The low-rank term is LoRA: scale * L[s] @ R[e]^T.
 W[e] is addressed as [N, K] through its strides: nn.Linear layouts and their transposes alike.
