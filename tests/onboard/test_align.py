@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from onboard import align
+from onboard.align import read_baseline, regressions, run_alignment
 from onboard.example_models import FAMILIES
 from onboard.package import write_package
 
@@ -28,7 +28,7 @@ def package(example_release, tmp_path_factory):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tiers_0_1_2_pass(family, package):
     pkg = package(family)
-    report = align.run(pkg, [0, 1, 2], progress=lambda line: None)
+    report = run_alignment(pkg, [0, 1, 2])
     failed = [c.name for t in report.tiers for c in t.checks if c.verdict == "fail"]
     assert report.passed, failed
     assert [t.tier for t in report.tiers] == [0, 1, 2]
@@ -55,7 +55,7 @@ def test_a_broken_gate_names_its_layer_and_op(package):
     def break_layer_2(model):
         model.layers[2].attn.dt_bias.data.neg_()
 
-    report = align.run(pkg, [2], tamper=break_layer_2, progress=lambda line: None)
+    report = run_alignment(pkg, [2], tamper=break_layer_2)
     assert not report.passed
     d = report.first_divergence
     assert (d.layer, d.component, d.kind) == (2, "attention", "gated_delta")
@@ -69,16 +69,16 @@ def test_a_broken_expert_gate_names_the_ffn(package):
     def break_shared_gate(model):
         model.layers[1].ffn.shared_gate.weight.data.neg_()
 
-    report = align.run(pkg, [2], tamper=break_shared_gate, progress=lambda line: None)
+    report = run_alignment(pkg, [2], tamper=break_shared_gate)
     d = report.first_divergence
     assert not report.passed and (d.layer, d.component, d.kind) == (1, "ffn", "moe")
 
 
 def test_check_flags_a_regression(package):
     pkg = package("mixtral")
-    assert align.run(pkg, [2], progress=lambda line: None).passed
-    broken = align.run(pkg, [2], tamper=lambda m: m.layers[0].ffn.router.weight.data.mul_(-1), progress=lambda line: None)
-    assert "logits/float32" in align.regressions(pkg, broken)
+    assert run_alignment(pkg, [2]).passed
+    broken = run_alignment(pkg, [2], tamper=lambda m: m.layers[0].ffn.router.weight.data.mul_(-1))
+    assert "logits/float32" in regressions(read_baseline(pkg), broken)
 
 
 SCRIPT = r"""
