@@ -48,12 +48,13 @@ def _new_model(args) -> int:
 
 def _align(args) -> int:
     from onboard.align import read_baseline, regressions, run_alignment
+    from onboard.align.progress import progress_on_stderr
 
     tiers = _tier_list(args.tiers)
     # read first: a missing baseline is refused before any tier runs (and before one is written)
     baseline = read_baseline(Path(args.pkg)) if args.check else None
     model_dir = Path(args.model_dir) if args.model_dir else None
-    report = run_alignment(Path(args.pkg), tiers, model_dir=model_dir, progress=_align_progress(),
+    report = run_alignment(Path(args.pkg), tiers, model_dir=model_dir, progress=progress_on_stderr(),
                            max_layers=args.max_layers)
     print(report.summary_line())
     if baseline is not None:
@@ -62,17 +63,6 @@ def _align(args) -> int:
             print(f"regressions vs baseline: {', '.join(regressed[:10])}", file=sys.stderr)
             return EXIT_GAPS
     return 0 if report.passed else EXIT_GAPS
-
-
-def _align_progress():
-    """A rich bar per tier on a terminal; plain lines on stderr when it is a pipe or a log."""
-    from onboard.align.progress import Progress, RichProgress
-
-    if sys.stderr.isatty():
-        from rich.console import Console
-
-        return RichProgress(Console(stderr=True))
-    return Progress(lambda line: print(line, file=sys.stderr))
 
 
 def _tier_list(text: str) -> list[int]:

@@ -12,10 +12,10 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Annotated, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, RootModel, ValidationError
 
 from onboard.errors import OnboardError
 from onboard.spec import ModelSpec
@@ -48,8 +48,8 @@ class WeightMapEntry(BaseModel):
     flatten: bool
 
 
-class WeightMap(BaseModel):
-    entries: dict[str, WeightMapEntry] = Field(min_length=1)
+class WeightMap(RootModel[Annotated[dict[str, WeightMapEntry], Field(min_length=1)]]):
+    """weight_map.json: released tensor name -> entry."""
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def read_package(pkg: Path, model_dir: Path | None = None) -> AlignInputs:
     manifest = _validated(pkg / "package.yaml", _load_yaml(pkg / "package.yaml"), PackageManifest)
     spec = _read_spec(pkg / "spec.json", manifest.spec_hash)
     weight_map = _load_json(pkg / "weight_map.json")
-    _validated(pkg / "weight_map.json", {"entries": weight_map}, WeightMap)
+    _validated(pkg / "weight_map.json", weight_map, WeightMap)
     source = _source_folder(pkg / "package.yaml", manifest.source, model_dir)
     vision = _read_vision_config(pkg / "vision_config.json") if spec.vision is not None else None
     return AlignInputs(json.loads(spec.model_dump_json()), manifest.spec_hash, weight_map, source, vision)
@@ -114,7 +114,7 @@ def _validated(path: Path, data, schema: type[BaseModel]):
         return schema.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
-        key = ".".join(str(part) for part in first["loc"] if part != "entries") or None
+        key = ".".join(str(part) for part in first["loc"]) or None
         raise OnboardError(path, key, f"{first['msg']} (got {_short(first.get('input'))})")
 
 

@@ -6,6 +6,7 @@ draws one bar per tier on a terminal. Tier functions call `plan(n)` to announce 
 """
 from __future__ import annotations
 
+import sys
 from typing import Callable
 
 from rich.console import Console
@@ -41,7 +42,7 @@ class RichProgress(Progress):
     """A bar per tier on the console (stderr in the CLI); the bar goes away when the tier ends, its summary stays."""
 
     def __init__(self, console: Console):
-        super().__init__(lambda text: console.print(escape(text)))
+        super().__init__(lambda text: console.print(text, markup=False, highlight=False))
         self._bars = RichBars(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                               TimeElapsedColumn(), console=console, transient=True)
         self._task = None
@@ -58,9 +59,18 @@ class RichProgress(Progress):
     def group(self, name: str) -> None:
         self.done += 1
         self._bars.update(self._task, completed=self.done - 1, description=escape(f"tier {self.tier}: {name}"))
+        # drawn now, not at the next timed refresh: a group that starts is shown even if it ends quickly
+        self._bars.refresh()
 
     def end_tier(self, text: str) -> None:
         self._bars.update(self._task, completed=self.total)
         self._bars.stop()
         self._bars.remove_task(self._task)
         self.note(text)
+
+
+def progress_on_stderr() -> Progress:
+    """Rich bars when stderr is a terminal; plain lines when it is a pipe or a log file."""
+    if sys.stderr.isatty():
+        return RichProgress(Console(stderr=True))
+    return Progress(lambda line: print(line, file=sys.stderr))
