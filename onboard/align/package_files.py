@@ -95,7 +95,9 @@ def _load_yaml(path: Path):
     try:
         return yaml.safe_load(_read_text(path))
     except yaml.YAMLError as err:
-        raise OnboardError(path, None, f"not valid YAML: {err}")
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise OnboardError(path, None, f"not valid YAML{where}: {getattr(err, 'problem', None) or err}")
 
 
 def _load_json(path: Path):
@@ -115,7 +117,8 @@ def _validated(path: Path, data, schema: type[BaseModel]):
     except ValidationError as err:
         first = err.errors()[0]
         key = ".".join(str(part) for part in first["loc"]) or None
-        raise OnboardError(path, key, f"{first['msg']} (got {_short(first.get('input'))})")
+        got = "" if first["type"] == "missing" else f" (got {_short(first.get('input'))})"
+        raise OnboardError(path, key, first["msg"] + got)
 
 
 def _short(value) -> str:
@@ -131,8 +134,8 @@ def _read_spec(path: Path, recorded_hash: str) -> ModelSpec:
         if layer.index != position:
             raise OnboardError(path, f"layers.{position}.index", f"expected {position}, got {layer.index}")
     if spec.spec_hash() != recorded_hash:
-        raise OnboardError(path, "spec_hash", f"the spec hashes to {spec.spec_hash()}, package.yaml records "
-                                              f"{recorded_hash}: spec.json changed after `onboard new-model`")
+        raise OnboardError(path, None, f"hashes to {spec.spec_hash()} while package.yaml spec_hash records "
+                                       f"{recorded_hash}: spec.json changed after `onboard new-model`")
     return spec
 
 

@@ -49,14 +49,14 @@ def _bad_expert(weight_map):
 
 BREAKS = {
     "yaml-missing": (lambda p: (p / "package.yaml").unlink(), ["package.yaml", "missing"]),
-    "yaml-corrupt": (lambda p: (p / "package.yaml").write_text("source: [unclosed\n"), ["package.yaml", "not valid YAML"]),
+    "yaml-corrupt": (lambda p: (p / "package.yaml").write_text("source: [unclosed\n"), ["package.yaml: not valid YAML at line 2"]),
     "yaml-no-spec-hash": (lambda p: _edit_yaml(p / "package.yaml", lambda d: d.pop("spec_hash")), ["package.yaml: spec_hash"]),
     "yaml-not-a-mapping": (lambda p: (p / "package.yaml").write_text("- a list\n"), ["package.yaml", "mapping"]),
     "spec-missing": (lambda p: (p / "spec.json").unlink(), ["spec.json", "missing"]),
     "spec-truncated": (lambda p: (p / "spec.json").write_text((p / "spec.json").read_text()[:200]), ["spec.json", "not valid JSON"]),
     "spec-wrong-type": (lambda p: _edit_json(p / "spec.json", _retype_width), ["spec.json: layers.1.attention", "num_heads"]),
     "spec-fewer-layers": (lambda p: _edit_json(p / "spec.json", _drop_layers), ["spec.json: layers", "lists 2 layers", "100"]),
-    "spec-edited": (lambda p: _edit_json(p / "spec.json", lambda s: s.update(vocab_size=512)), ["spec.json: spec_hash"]),
+    "spec-edited": (lambda p: _edit_json(p / "spec.json", lambda s: s.update(vocab_size=512)), ["spec.json: hashes to", "package.yaml spec_hash"]),
     "weight-map-missing": (lambda p: (p / "weight_map.json").unlink(), ["weight_map.json", "missing"]),
     "weight-map-bad-entry": (lambda p: _edit_json(p / "weight_map.json", _bad_expert),
                              ["weight_map.json: model.embed_tokens.weight.expert"]),
