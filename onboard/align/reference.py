@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from onboard.errors import OnboardError
 from onboard.transformers_classes import model_class
 
 
@@ -58,7 +59,11 @@ def load_runtime(spec: dict, weight_map: dict, source: Path, dtype: torch.dtype,
 
     model = HybridDecoder(spec, num_layers).to(dtype)
     vision = spec["naming"].get("vision_prefix")
-    load_release(model, source, weight_map, skip_prefixes=(vision,) if vision else ())
+    try:
+        load_release(model, source, weight_map, skip_prefixes=(vision,) if vision else ())
+    except KeyError as err:
+        # the spec and the release's config are checked already: what is left to disagree is the map
+        raise OnboardError("weight_map.json", None, f"does not fit the release in {source}: {err.args[0]}")
     return model.eval()
 
 

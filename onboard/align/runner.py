@@ -8,7 +8,7 @@ import torch
 
 from onboard.align.package_files import AlignInputs, read_package, require_package_folder
 from onboard.align.progress import Progress
-from onboard.align.report import AlignmentReport, Check, Divergence, tier_result
+from onboard.align.report import AlignmentReport, Check, Divergence, TierResult, tier_result
 from onboard.align.tier0_ops import tier0
 from onboard.align.tier1_layers import distinct_layers, tier1
 from onboard.align.tier2_model import tier2
@@ -36,8 +36,19 @@ def run_alignment(pkg: Path, tiers: list[int], model_dir: Path | None = None, ta
         progress.note(f"aligning the first {num_layers} of {inputs.spec['num_layers']} layers "
                       "(every distinct layer kind is among them)")
     torch.manual_seed(0)
+    results, divergence = _run_tiers(sorted(tiers), inputs, num_layers, tamper, progress)
+    report = AlignmentReport(package=str(pkg.resolve()), source=str(inputs.source), spec_hash=inputs.spec_hash,
+                             tiers=results, first_divergence=divergence,
+                             passed=all(t.passed for t in results) and len(results) == len(tiers))
+    _write(pkg, report)
+    return report
+
+
+def _run_tiers(tiers: list[int], inputs: AlignInputs, num_layers: int, tamper, progress: Progress
+               ) -> tuple[list[TierResult], Divergence | None]:
+    """Each tier only when the one below passed."""
     results, divergence = [], None
-    for tier in sorted(tiers):
+    for tier in tiers:
         if results and not results[-1].passed:
             progress.note(f"tier {tier}: skipped (tier {results[-1].tier} failed)")
             break
@@ -46,11 +57,7 @@ def run_alignment(pkg: Path, tiers: list[int], model_dir: Path | None = None, ta
         divergence = divergence or found
         results.append(tier_result(tier, checks))
         progress.end_tier(results[-1].summary())
-    report = AlignmentReport(package=str(pkg.resolve()), source=str(inputs.source), spec_hash=inputs.spec_hash,
-                             tiers=results, first_divergence=divergence,
-                             passed=all(t.passed for t in results) and len(results) == len(tiers))
-    _write(pkg, report)
-    return report
+    return results, divergence
 
 
 def _run_tier(tier: int, inputs: AlignInputs, num_layers: int, tamper, progress: Progress

@@ -78,16 +78,21 @@ def tier1(spec: dict, weight_map: dict, source: Path, num_layers: int, T: int = 
     checks = []
     for label, i in layers.items():
         progress.group(f"layer {i} ({label})")
-        hf_layer, our_layer = decoder_layers(ref)[i], ours.layers[i]
-        h_hf = recorder.input("layer", i).clone().requires_grad_(True)
-        h_ours = h_hf.detach().clone().requires_grad_(True)
-        hf_out, our_out = _hf_rerun(hf_layer, recorder.calls[("layer", i)], h_hf), our_layer(h_ours, rotary)
-        name = f"layer{i}:{label}"
-        checks.append(Check.from_comparison(1, f"{name}/out", compare(our_out, hf_out, tolerance_for("layer", torch.float32)), layer=i, op=label))
-        _backward_both(hf_out, our_out, seed)
-        grad = compare(h_ours.grad, h_hf.grad, tolerance_for("layer", torch.float32, "grad"))
-        checks.append(Check.from_comparison(1, f"{name}/grad:input", grad, layer=i, op=label))
-        checks += _lora_grad_checks(hf_layer, our_layer, i, name)
+        checks += _layer_checks(decoder_layers(ref)[i], ours.layers[i], recorder, i, label, rotary, seed)
     return checks
+
+
+def _layer_checks(hf_layer, our_layer, recorder: Recorder, i: int, label: str, rotary, seed: int) -> list[Check]:
+    """Both layers on the input transformers fed layer i: output, input gradient, LoRA-target gradients."""
+    h_hf = recorder.input("layer", i).clone().requires_grad_(True)
+    h_ours = h_hf.detach().clone().requires_grad_(True)
+    hf_out, our_out = _hf_rerun(hf_layer, recorder.calls[("layer", i)], h_hf), our_layer(h_ours, rotary)
+    name = f"layer{i}:{label}"
+    out = compare(our_out, hf_out, tolerance_for("layer", torch.float32))
+    checks = [Check.from_comparison(1, f"{name}/out", out, layer=i, op=label)]
+    _backward_both(hf_out, our_out, seed)
+    grad = compare(h_ours.grad, h_hf.grad, tolerance_for("layer", torch.float32, "grad"))
+    checks.append(Check.from_comparison(1, f"{name}/grad:input", grad, layer=i, op=label))
+    return checks + _lora_grad_checks(hf_layer, our_layer, i, name)
 
 

@@ -87,6 +87,15 @@ def test_a_changed_release_is_refused(pkg, example_release, tmp_path, capsys):
     assert "config.json" in err and "source.config_sha256" in err, err
 
 
+def test_a_weight_map_that_does_not_fit_the_release(pkg, capsys):
+    """Schema-valid, but one tensor lands nowhere the runtime has: found when the runtime model loads."""
+    _edit_json(pkg / "weight_map.json", lambda m: m["model.norm.weight"].update(target="norm.weigh"))
+    assert main(["align", str(pkg), "--tiers", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # progress lines, then the error
+    assert err[-1].startswith("onboard: error: weight_map.json: does not fit the release") and "norm.weight" in err[-1]
+    assert not any("Traceback" in line for line in err)
+
+
 def test_check_without_a_baseline_is_refused_and_writes_none(pkg, capsys):
     assert main(["align", str(pkg), "--tiers", "0", "--check"]) == 2
     assert "baseline.json: missing" in capsys.readouterr().err
