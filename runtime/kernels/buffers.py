@@ -11,12 +11,17 @@ import torch
 
 def empty(*shape, dtype: torch.dtype, device) -> torch.Tensor:
     """torch.empty(*shape); shape given as ints or as one tuple."""
-    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
-        shape = tuple(shape[0])
-    return torch.empty(*shape, dtype=dtype, device=device)
+    return torch.empty(*_dims(shape), dtype=dtype, device=device)
 
 
 def nan_empty(*shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """The test allocator: float buffers NaN, integer buffers -1."""
-    out = empty(*shape, dtype=dtype, device=device)
+    """The test allocator: float buffers NaN, integer buffers -1 (torch.empty itself: with `empty` swapped for
+    this function, calling `empty` here would recurse)."""
+    out = torch.empty(*_dims(shape), dtype=dtype, device=device)
     return out.fill_(float("nan") if out.is_floating_point() else -1)
+
+
+def _dims(shape: tuple) -> tuple:
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        return tuple(shape[0])
+    return shape

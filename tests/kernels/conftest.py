@@ -1,0 +1,17 @@
+"""Fixtures of the kernel tests. Kernel modules are imported inside the fixtures: the test modules set
+TRITON_INTERPRET before their first import of triton.jit kernels, and this file loads before them."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def small_chunks_nan_buffers(monkeypatch):
+    """GDN/KDA kernels at chunk 32 in sub-chunks of 16 (both the in-block and the cross-block paths run at
+    T=63), every kernel-written buffer NaN-filled so that an element a kernel forgets to write fails."""
+    from runtime.kernels import buffers
+    from runtime.kernels.gated_delta import function
+
+    monkeypatch.setattr(function, "CHUNK_SIZE", 32)
+    monkeypatch.setattr(function, "SUB_CHUNK", 16)
+    monkeypatch.setattr(buffers, "empty", buffers.nan_empty)
