@@ -1,19 +1,15 @@
 """Backward Triton kernels of the chunked gated delta rule (GDN / KDA).
 
-The backward takes the forward's chunk tiles with Tinv, the per-chunk states and v_new, then runs
-`scan_bwd_kernel` (per sequence, head and V block, chunks in reverse: the state gradient dh leaving
-each chunk, and dv_new = P^T do + kbar dh), then every chunk in parallel:
-`state_grad_kernel` (per chunk, head and K block: the state-side and P-path gradients: dq from do h^T and
-  dP, dk from v_new dh^T and dP^T, dw = -dv_new h^T, dgc and dgc_last shares),
-`wy_grad_kernel` (per chunk and head: dv, dbeta, dTinv -> dL, and their share of dk and dgc through w, Tinv
-  and the decayed Gram of k; GDN's also finishes dq, dk through the l2norm and dg as a reverse cumsum).
-KDA's per-channel decayed Gram backward runs apart, in `gram_grad_kernel` (per sub-chunk and head on [S, K]
-tiles, off-diagonal blocks only), then diagonal.py's kernels. Partials between the kernels go through HBM
-in fp32: cheaper than the register spills of one kernel holding them all.
+From the forward's chunk tiles, Tinv, per-chunk states and v_new: `scan_bwd_kernel` (per sequence, head and
+V block, chunks in reverse: dh leaving each chunk, dv_new = P^T do + kbar dh), then every chunk in parallel
+`state_grad_kernel` (per chunk, head and K block: dq from do h^T and dP, dk from v_new dh^T and dP^T,
+dw = -dv_new h^T, dgc and dgc_last shares) and `wy_grad_kernel` (per chunk and head: dv, dbeta, dTinv -> dL
+and their share of dk and dgc; GDN's also finishes dq, dk through the l2norm and dg). KDA's per-channel
+decayed Gram backward runs apart in `gram_grad_kernel` (per sub-chunk and head, off-diagonal blocks), then
+diagonal.py's kernels. Partials go through HBM in fp32: cheaper than the spills of one kernel holding them all.
 
-Chunk algebra (runtime/ops/gated_delta.py): L = beta * gram(k, k), Tinv = (I + L)^-1,
-w = Tinv (beta k e^gc), u = Tinv (beta v), v_new = u - w h, o = q e^gc h + P v_new,
-h_next = e^gc_last h + kbar^T v_new, kbar = k e^(gc_last - gc).
+Chunk algebra (runtime/ops/gated_delta.py): L = beta * gram(k, k), Tinv = (I + L)^-1, w = Tinv (beta k e^gc),
+u = Tinv (beta v), v_new = u - w h, o = q e^gc h + P v_new, h_next = e^gc_last h + kbar^T v_new.
 
 Shape legend: T packed tokens, H heads, K key dim, V value dim, C chunk size, S sub-chunk size,
 BK key block, BV value block, NK = K / BK, NC chunks over all sequences, X 1 (GDN) or K (KDA).

@@ -152,7 +152,7 @@ def diag_grad_token_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, norms_ptr, chunk_start
 def dg_finish_kernel(dgc_ptr, dgl_ptr, chunk_start_ptr, chunk_end_ptr, dg_ptr, H: tl.constexpr, K: tl.constexpr,
                      C: tl.constexpr, BK: tl.constexpr):
     """Per (chunk, head, BK channels), per-channel decay: dg_t = dgc_last + sum of dgc over s >= t in the chunk
-    (column blocks: a [C, K] cumsum over rows takes ptxas past 200 registers at 8 warps)."""
+    (column blocks: a cumsum over whole [C, K] rows holds too many registers)."""
     chunk, head, col0 = tl.program_id(0), tl.program_id(1), tl.program_id(2) * BK
     tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
     offs = (tok.to(tl.int64) * H + head)[:, None] * K + col0 + tl.arange(0, BK)[None, :]

@@ -30,7 +30,7 @@ SUB_CHUNK = 16
 DOT_PRECISION = "tf32"
 # prep_blocked_kernel's column block: no [C, K] fp32 tile stays live across the chunk's matrices
 PREP_BLOCK = 64
-# 4 warps spill but fit two prep programs per SM, which measured faster than one 8-warp program
+# 4 warps spill but fit two prep programs per SM: faster than one 8-warp program (bench/NOTES.md)
 PREP_WARPS = 4
 # KDA's prep_columns_kernel: 64 columns per program read Tinv half as often as 32
 PREP_COLUMN_BLOCK = 64
