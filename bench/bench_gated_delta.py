@@ -125,7 +125,8 @@ def kernel_profile(fn, x: dict, backward: bool, reps: int = 5) -> dict:
 
 def outputs_and_grads(fn, x: dict, dtype=None) -> list[torch.Tensor]:
     """[o, dq, dk, dv, dg, dbeta] of fn, optionally with the inputs cast to dtype first."""
-    leaves = [(x[n] if dtype is None else x[n].to(dtype)).detach().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+    leaves = [(x[n] if dtype is None else x[n].to(dtype)).detach().requires_grad_()
+              for n in ("q", "k", "v", "g", "beta")]
     o = fn(*leaves)
     o.backward(x["do"].to(o.dtype))
     return [o.detach()] + [t.grad for t in leaves]
@@ -204,9 +205,11 @@ def results_file(kind: str, r: dict, shape: str, device: str) -> dict:
         "forward": {"ours_ms": field(r, "ours_fwd", "ms"), "baseline_ms": field(r, "baseline_fwd", "ms"),
                     "fla_0.6.0_ms": field(r, "fla_fwd", "ms")},
         "fla_0.6.0_fwdbwd_ms": field(r, "fla_fwdbwd", "ms"),
-        "peak_mem_gib": field(r, "ours_fwdbwd", "peak_gib"), "baseline_peak_mem_gib": field(r, "baseline_fwdbwd", "peak_gib"),
+        "peak_mem_gib": field(r, "ours_fwdbwd", "peak_gib"),
+        "baseline_peak_mem_gib": field(r, "baseline_fwdbwd", "peak_gib"),
         "fla_peak_mem_gib": field(r, "fla_fwdbwd", "peak_gib"),
-        "breakdown_ms": field(r, "ours_fwdbwd_gpu", "kernels"), "fla_breakdown_ms": field(r, "fla_fwdbwd_gpu", "kernels"),
+        "breakdown_ms": field(r, "ours_fwdbwd_gpu", "kernels"),
+        "fla_breakdown_ms": field(r, "fla_fwdbwd_gpu", "kernels"),
         "precision_vs_fp64": prec,
         "errors": {k: v for k, v in r.items() if isinstance(v, str)},
     }
@@ -214,10 +217,12 @@ def results_file(kind: str, r: dict, shape: str, device: str) -> dict:
 
 def print_table(results: dict) -> None:
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else "-"  # noqa: E731
-    print(f"\n{'op':4} {'what':8} {'ours ms':>9} {'torch ms':>10} {'speedup':>8} {'fla ms':>8} {'ours GPU':>9} {'fla GPU':>8}")
+    print(f"\n{'op':4} {'what':8} {'ours ms':>9} {'torch ms':>10} {'speedup':>8} {'fla ms':>8} {'ours GPU':>9} "
+          f"{'fla GPU':>8}")
     for kind, res in results.items():
         fwd = res["forward"]
-        rows = [("fwd", fwd["ours_ms"], fwd["baseline_ms"], fwd["fla_0.6.0_ms"], res["fwd_gpu_ms"], res["fla_fwd_gpu_ms"]),
+        rows = [("fwd", fwd["ours_ms"], fwd["baseline_ms"], fwd["fla_0.6.0_ms"], res["fwd_gpu_ms"],
+                 res["fla_fwd_gpu_ms"]),
                 ("fwd+bwd", res["ours_ms"], res["baseline_ms"], res["fla_0.6.0_fwdbwd_ms"], res["fwdbwd_gpu_ms"],
                  res["fla_fwdbwd_gpu_ms"])]
         for what, a, b, f, ga, gf in rows:

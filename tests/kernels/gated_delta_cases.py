@@ -16,6 +16,13 @@ from runtime.tolerances import assert_close
 NAMES = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
 # three packed sequences: one shorter than a sub-chunk, one spanning two chunks of 32
 CU_SEQLENS = [0, 5, 40, 63]
+# the op-level cases: id -> (make_inputs' arguments, the op's)
+CASES = {
+    "T63-initial-state": ({}, {}),
+    "cu_seqlens": ({"num_states": 3}, {"cu_seqlens": torch.tensor(CU_SEQLENS)}),
+    # B=2 folded into time, no qk l2norm, an explicit scale, decays up to ~-15 per token
+    "batch2-no-l2norm-strong-decay": ({"B": 2, "T": 40, "decay": 15.0}, {"use_qk_l2norm": False, "scale": 0.3}),
+}
 
 
 def ops():
@@ -58,3 +65,9 @@ def check(kind, x, dtype=torch.float32, **kw):
     actual = outputs_and_grads(kernel, x, dtype, **kw)
     for name, a, e in zip(NAMES, actual, expected):
         assert_close(a, e, op, dtype, kind="out" if name in ("o", "final_state") else "grad", name=name)
+
+
+def check_case(kind, case):
+    """check() on one of CASES, fp32 inputs."""
+    inputs, kw = CASES[case]
+    check(kind, make_inputs(kind, **inputs), **kw)

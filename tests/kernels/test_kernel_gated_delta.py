@@ -14,27 +14,18 @@ import torch  # noqa: E402
 
 from runtime.kernels.gated_delta import function  # noqa: E402
 from runtime.tolerances import assert_close  # noqa: E402
-from tests.kernels.gated_delta_cases import CU_SEQLENS, NAMES, check, make_inputs, ops  # noqa: E402
+from tests.kernels.gated_delta_cases import (  # noqa: E402
+    CASES, CU_SEQLENS, NAMES, check, check_case, make_inputs, ops,
+)
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("small_chunks_nan_buffers")]
 KINDS = ["gdn", "kda"]
 
 
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_kernel_T63_initial_state(kind):
-    check(kind, make_inputs(kind))
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_kernel_cu_seqlens(kind):
-    """Three packed sequences, one initial state each."""
-    check(kind, make_inputs(kind, num_states=3), cu_seqlens=torch.tensor(CU_SEQLENS))
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_kernel_batch2_no_l2norm_strong_decay(kind):
-    """B=2 folded into time; no qk l2norm, an explicit scale, decays up to ~-15 per token."""
-    check(kind, make_inputs(kind, B=2, T=40, decay=15.0), use_qk_l2norm=False, scale=0.3)
+def test_kernel_cases(kind, case):
+    check_case(kind, case)
 
 
 @pytest.mark.parametrize("kind", ["gdn", pytest.param("kda", marks=pytest.mark.slow)])

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from runtime.kernels.gated_delta import function  # noqa: E402
-from tests.kernels.gated_delta_cases import CU_SEQLENS, check, make_inputs  # noqa: E402
+from tests.kernels.gated_delta_cases import CU_SEQLENS, check, check_case, make_inputs  # noqa: E402
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("small_chunks_nan_buffers")]
 KINDS = ["gdn", "kda"]
@@ -23,16 +23,10 @@ def several_key_blocks(monkeypatch):
     monkeypatch.setattr(function, "STATE_GRAD_KEY_BLOCK", 4)
 
 
+@pytest.mark.parametrize("case", ["cu_seqlens", "batch2-no-l2norm-strong-decay"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_backward_key_blocks_cu_seqlens(kind):
-    """Three packed sequences with initial states."""
-    check(kind, make_inputs(kind, num_states=3), cu_seqlens=torch.tensor(CU_SEQLENS))
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_backward_key_blocks_strong_decay(kind):
-    """B=2, no qk l2norm, decays up to ~-15 per token."""
-    check(kind, make_inputs(kind, B=2, T=40, decay=15.0), use_qk_l2norm=False, scale=0.3)
+def test_backward_key_blocks(kind, case):
+    check_case(kind, case)
 
 
 def test_backward_key_blocks_bf16_gdn():
