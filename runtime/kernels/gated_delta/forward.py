@@ -86,13 +86,13 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
                         qg_ptr, kbar_ptr, w_ptr, u_ptr, p_ptr, glast_ptr, tinv_ptr, inv_ptr, ldiag_ptr, pdiag_ptr,
                         scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
                         BD: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                        L2NORM: tl.constexpr, STORE_TINV: tl.constexpr, COLUMNS: tl.constexpr,
+                        L2NORM: tl.constexpr, STORE_TINV: tl.constexpr,
                         STORE_NORMS: tl.constexpr, GRAM_PREC: tl.constexpr, PREC: tl.constexpr):
     """Per (chunk, head): qg = q exp(gc), kbar = k exp(gc_last - gc), w, u, P, gc_last [, Tinv] in their buffers'
     dtypes, on [C, BD] column blocks. The Gram products take the raw inputs (bf16 operands are exact for bf16
     inputs) and the l2norm scales them afterwards: gram(k_hat)_ij = (k_i . k_j) / (|k_i| |k_j|). The inverses
     of Tinv's diagonal blocks come from doubling; per channel, L's and P's diagonal blocks from diagonal.py.
-    Without COLUMNS it stops at P and Tinv (stored, with the scalar gc_last): prep_columns_kernel makes the rest.
+    Per channel it stops at P and Tinv (stored): prep_columns_kernel makes the rest.
     STORE_NORMS stores the rows' inverse norms [T, H, 2] at inv_ptr (k's, then q's times the scale) for
     prep_columns_kernel and the backward kernels."""
     chunk, head = tl.program_id(0), tl.program_id(1)
@@ -140,10 +140,10 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
         inv_offs = (tok.to(tl.int64) * H + head) * 2
         tl.store(inv_ptr + inv_offs, k_inv, mask=valid)
         tl.store(inv_ptr + inv_offs + 1, q_inv, mask=valid)
-    if COLUMNS:
+    if not PER_CHANNEL:
         for col0 in tl.static_range(0, K, BD):
             key_columns(q_ptr, k_ptr, g_ptr, kbar_ptr, w_ptr, qg_ptr, glast_ptr, tinv, beta, k_inv, q_inv, gc,
-                        start, valid, chunk, head, col0, H, K, C, BD, PER_CHANNEL, PREC)
+                        start, valid, chunk, head, col0, H, K, C, BD, False, PREC)
         for col0 in tl.static_range(0, V, BD):
             value_columns(v_ptr, u_ptr, tinv, beta, start, valid, head, col0, H, V, BD, PREC)
 
@@ -151,10 +151,9 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
 @triton.jit
 def prep_columns_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_ptr, tinv_ptr, inv_ptr,
                         qg_ptr, kbar_ptr, w_ptr, u_ptr, glast_ptr, H: tl.constexpr, K: tl.constexpr,
-                        V: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                        PREC: tl.constexpr):
-    """Per (chunk, head, column block), after prep_blocked_kernel without COLUMNS:
-    kbar, w, qg (per channel gc_last) of key columns, or u of value columns, from the stored Tinv. Apart, the
+                        V: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
+    """Per (chunk, head, column block), per-channel decay, after prep_blocked_kernel: kbar, w, qg and gc_last of
+    key columns, or u of value columns, from the stored Tinv. Apart, the
     Gram-and-inverse kernel holds no column tiles and this one no Gram products: fewer registers each, and
     (K + V) / BD programs per chunk and head share the column work."""
     chunk, head, blk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -169,11 +168,10 @@ def prep_columns_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
         inv_offs = (tok.to(tl.int64) * H + head) * 2
         k_inv = tl.load(inv_ptr + inv_offs, mask=valid, other=0.0)
         q_inv = tl.load(inv_ptr + inv_offs + 1, mask=valid, other=0.0)
+        # (the scalar decay's gc argument: key_columns takes the per-channel gc from g itself)
         gc = tl.zeros([C], tl.float32)
-        if not PER_CHANNEL:
-            gc = tl.cumsum(tl.load(g_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32), 0)
         key_columns(q_ptr, k_ptr, g_ptr, kbar_ptr, w_ptr, qg_ptr, glast_ptr, tinv, beta, k_inv, q_inv, gc, start,
-                    valid, chunk, head, blk * BD, H, K, C, BD, PER_CHANNEL, PREC)
+                    valid, chunk, head, blk * BD, H, K, C, BD, True, PREC)
     else:
         value_columns(v_ptr, u_ptr, tinv, beta, start, valid, head, (blk - K // BD) * BD, H, V, BD, PREC)
 

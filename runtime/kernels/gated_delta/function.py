@@ -180,14 +180,14 @@ def _prep_launches(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_t
         q, k, v, g, beta, layout.chunk_start, layout.chunk_end,
         out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], inverse_norms, *diags,
         scale, H=num_heads, K=key_dim, V=value_dim, BD=min(PREP_BLOCK, key_dim, value_dim), PER_CHANNEL=per_channel,
-        L2NORM=l2norm, STORE_TINV=store_tinv, COLUMNS=not per_channel, STORE_NORMS=per_channel or "norms" in out,
+        L2NORM=l2norm, STORE_TINV=store_tinv, STORE_NORMS=per_channel or "norms" in out,
         GRAM_PREC=gram, num_warps=PREP_WARPS, **cfg)
     if per_channel:
         columns = min(PREP_COLUMN_BLOCK, key_dim, value_dim)
         fast(forward.prep_columns_kernel)[(layout.num_chunks, num_heads, key_dim // columns + value_dim // columns)](
             q, k, v, g, beta, layout.chunk_start, layout.chunk_end, out["tinv"], inverse_norms, out["qg"],
             out["kbar"], out["w"], out["u"], out["glast"], H=num_heads, K=key_dim, V=value_dim, C=cfg["C"],
-            BD=columns, PER_CHANNEL=per_channel, PREC=cfg["PREC"], num_warps=4 if columns <= 32 else 8)
+            BD=columns, PREC=cfg["PREC"], num_warps=4 if columns <= 32 else 8)
 
 
 def _scan(prep, h0, layout, per_channel, out_dtype, storage):
