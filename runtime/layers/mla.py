@@ -14,6 +14,7 @@ from runtime.dispatch import op
 from runtime.layers.norm import RMSNorm
 from runtime.ops.mla import mla_softmax_scale
 from runtime.ops.rope import apply_rope
+from runtime.segments import per_segment
 
 
 class DSAIndexer(nn.Module):
@@ -77,15 +78,17 @@ class MLAAttention(nn.Module):
             params["q_a_layernorm"] = self.q_a_layernorm.weight
         return params
 
-    def forward(self, x_BTD: torch.Tensor, rotary) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, rotary, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed segments run one at a time (the MLA and DSA ops take no cu_seqlens)."""
         cos, sin = self._cos_sin(x_BTD, rotary)
         interleaved = bool(self.rope and self.rope.get("interleaved"))
-        if self.indexer is None:
-            return op("mla_attention", x_BTD.device)(
-                x_BTD, self._weights(), num_heads=self.H, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.L,
-                qk_nope_head_dim=self.N, qk_rope_head_dim=self.R, v_head_dim=self.V, cos_BTR=cos, sin_BTR=sin,
-                scale=self.scale, eps=self.eps, interleaved_rope=interleaved)
-        return self._sparse(x_BTD, cos, sin, interleaved)
+        if self.indexer is not None:
+            return per_segment(lambda x, c, s: self._sparse(x, c, s, interleaved), cu_seqlens, x_BTD, cos, sin)
+        attention, weights = op("mla_attention", x_BTD.device), self._weights()
+        return per_segment(lambda x, c, s: attention(
+            x, weights, num_heads=self.H, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.L, qk_nope_head_dim=self.N,
+            qk_rope_head_dim=self.R, v_head_dim=self.V, cos_BTR=c, sin_BTR=s, scale=self.scale, eps=self.eps,
+            interleaved_rope=interleaved), cu_seqlens, x_BTD, cos, sin)
 
     def _sparse(self, x_BTD, cos, sin, interleaved) -> torch.Tensor:
         B, T, _ = x_BTD.shape
