@@ -48,7 +48,12 @@ TF32_KERNEL_TOLERANCES: dict[str, Tolerance] = {
 }
 
 # Per-op overrides, keyed (op, dtype, "out" | "grad"). Each entry says what was observed.
-OP_TOLERANCES: dict[tuple[str, torch.dtype, str], Tolerance] = {}
+OP_TOLERANCES: dict[tuple[str, torch.dtype, str], Tolerance] = {
+    # chunked LM head + cross-entropy (fp32) vs the plain one in fp64 (tests/runtime/test_loss.py, CPU):
+    # loss 3e-8, grads 3.5e-7 rel RMS / 7.2e-7 max-abs: fp32 rounding, held to about 5x that
+    ("chunked_cross_entropy", torch.float32, "out"): Tolerance(rel_rms=2e-6, max_abs_rel=5e-6),
+    ("chunked_cross_entropy", torch.float32, "grad"): Tolerance(rel_rms=2e-6, max_abs_rel=5e-6),
+}
 
 
 def tolerance_for(op: str, dtype: torch.dtype, kind: str = "out", tf32_kernel: bool = False) -> Tolerance:
