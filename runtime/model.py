@@ -12,6 +12,7 @@ from torch import nn
 
 from runtime.layers.ffn import GatedMLP, MoE
 from runtime.layers.linear_attention import GatedDeltaNet, KimiDeltaAttention, LightningAttention
+from runtime.layers.lora_linear import weight_of
 from runtime.layers.mla import MLAAttention
 from runtime.layers.norm import RMSNorm
 from runtime.layers.softmax_attention import SoftmaxAttention
@@ -71,7 +72,7 @@ class HybridDecoder(nn.Module):
         for layer in self.layers:
             h_BTD = layer(h_BTD, rotary)
         h_BTD = self.norm(h_BTD)
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        head = self.embed_tokens.weight if self.lm_head is None else weight_of(self.lm_head)
         return F.linear(h_BTD, head).float()
 
 
