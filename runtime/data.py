@@ -2,7 +2,7 @@
 
 A line is {"text": str} (every token trained) or {"messages": [{"role", "content"}, ...]} (loss only on
 the assistant turns, as the release's own chat template renders them). Every line is checked and
-tokenized before a step runs; a bad one raises DataError naming the file and line.
+tokenized before a step runs; a bad one raises InputFileError naming the file and line.
 Documents are concatenated and cut into rows of seq_len; each cut piece is its own segment: its
 positions restart at 0, its last token predicts nothing, and `segments_NL` tells the model where
 segments start so no token attends to or carries state from another segment.
@@ -16,15 +16,14 @@ from pathlib import Path
 
 import torch
 
+from runtime.errors import InputFileError
+
 IGNORE = -100
 
 
-class DataError(ValueError):
+def DataError(path: Path, line: int | None, message: str) -> InputFileError:
     """A malformed data line: file, line number, what was expected."""
-
-    def __init__(self, path: Path, line: int | None, message: str):
-        where = f"{path}:{line}" if line is not None else str(path)
-        super().__init__(f"{where}: {message}")
+    return InputFileError(path, None if line is None else f"line {line}", message)
 
 
 class ChatTemplateError(ValueError):

@@ -12,6 +12,7 @@ from torch import nn
 
 from runtime.layers.ffn import GatedMLP, MoE
 from runtime.layers.linear_attention import GatedDeltaNet, KimiDeltaAttention, LightningAttention
+from runtime.layers.lora_linear import weight_of
 from runtime.layers.mla import MLAAttention
 from runtime.layers.norm import RMSNorm
 from runtime.layers.softmax_attention import SoftmaxAttention
@@ -75,7 +76,7 @@ class HybridDecoder(nn.Module):
 
     def head_weight(self) -> torch.Tensor:
         """w_XD of the LM head (the embedding when tied)."""
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self.embed_tokens.weight if self.lm_head is None else weight_of(self.lm_head)
 
     def forward(self, input_ids_BT: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 inputs_embeds_BTD: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:

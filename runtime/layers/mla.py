@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from runtime.dispatch import op
+from runtime.layers.lora_linear import weight_of
 from runtime.layers.norm import RMSNorm
 from runtime.ops.mla import mla_softmax_scale
 from runtime.ops.rope import apply_rope
@@ -72,7 +73,7 @@ class MLAAttention(nn.Module):
 
     def _weights(self) -> dict[str, torch.Tensor]:
         names = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
-        params = {n: getattr(self, n).weight for n in names if hasattr(self, n)}
+        params = {n: weight_of(getattr(self, n)) for n in names if hasattr(self, n)}
         params["kv_a_layernorm"] = self.kv_a_layernorm.weight
         if self.q_lora_rank:
             params["q_a_layernorm"] = self.q_a_layernorm.weight
@@ -98,7 +99,7 @@ class MLAAttention(nn.Module):
         c_BTL = self.kv_a_layernorm(latent_BTX[..., : self.L])
         k_rot_BTR = apply_rope(latent_BTX[:, :, None, self.L:], cos, sin, interleaved)[:, :, 0]
         q_rot_BTHR = apply_rope(q_BTHK[..., self.N:], cos, sin, interleaved)
-        w_kv_HXL = self.kv_b_proj.weight.view(self.H, self.N + self.V, self.L)
+        w_kv_HXL = weight_of(self.kv_b_proj).view(self.H, self.N + self.V, self.L)
         # absorb the key up-projection into the query: q_nope . (W_uk c) = (W_uk^T q_nope) . c
         q_lat_BTHL = torch.einsum("bthn,hnl->bthl", q_BTHK[..., : self.N], w_kv_HXL[:, : self.N])
         q_abs_BTHK = torch.cat([q_lat_BTHL, q_rot_BTHR], dim=-1)
