@@ -5,7 +5,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from onboard import train_cli
 from onboard.errors import OnboardError
+from runtime.errors import InputFileError
 
 EXIT_BAD_INPUT = 2
 EXIT_GAPS = 3
@@ -99,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-layers", type=_positive_int, default=8,
                    help="align a prefix of at most this many layers (extended to hold every distinct layer kind)")
     p.set_defaults(run=_align)
+    p = sub.add_parser("train", help="train the package's LoRA on a jsonl file (run folder: checkpoints, metrics, plots)")
+    train_cli.add_arguments(p)
+    p.set_defaults(run=train_cli.run)
     return parser
 
 
@@ -127,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except OnboardError as err:
+    except (OnboardError, InputFileError) as err:
         print(f"onboard: error: {err.one_line()}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
