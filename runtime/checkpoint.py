@@ -20,6 +20,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 OPTIONS = StateDictOptions(ignore_frozen_params=True)
+# the template loaded into holds exactly the trainable keys (DCP fails on any it cannot fill); the frozen
+# base weights come from the release, not from here
+LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 STATE_FILE = "train_state.json"
 
 
@@ -85,7 +88,7 @@ def load(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> di
     state = {"model": model_sd, "optim": optim_sd, "rng": _rng_state()}
     with _one_process_quiet():
         dcp.load(state, checkpoint_id=folder)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=OPTIONS)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=LOAD_OPTIONS)
     _set_rng_state(state["rng"])
     return json.loads((Path(folder) / STATE_FILE).read_text())
 
