@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import yaml
@@ -25,17 +26,17 @@ class MemoryPlan(BaseModel):
     offload: list[str] = []
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
     p.add_argument("pkg")
     p.add_argument("--data", required=True, help="jsonl of {\"text\": ...} or {\"messages\": [...]}")
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--batch-size", type=int, default=1, help="packed rows per micro-batch")
-    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--steps", type=positive_int, default=100)
+    p.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per packed row")
+    p.add_argument("--batch-size", type=positive_int, default=1, help="packed rows per micro-batch")
+    p.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--checkpoint-every", type=int, default=50)
-    p.add_argument("--eval-fraction", type=float, default=0.1)
+    p.add_argument("--eval-every", type=positive_int, default=50)
+    p.add_argument("--checkpoint-every", type=positive_int, default=50)
+    p.add_argument("--eval-fraction", type=float, default=0.1, help="documents held out for eval loss")
     p.add_argument("--recompute", default=None, help="op kinds to recompute, e.g. attention,moe (over plan.yaml)")
     p.add_argument("--offload", default=None, help="op kinds whose activations go to host memory (over plan.yaml)")
     p.add_argument("--out", default=None, help="run folder (default: PKG/runs/latest)")
@@ -93,6 +94,8 @@ def build_model(spec: dict, weight_map: dict, release: Path, lora_path: Path, po
     from runtime.model import HybridDecoder
     from runtime.weights import load_release
 
+    if not lora_path.exists():
+        raise OnboardError(lora_path, None, "missing: the package has no LoRA plan (rerun `onboard new-model`)")
     lora_config = read_lora_yaml(lora_path, weight_map)
     with torch.device(device):
         model = HybridDecoder(spec).to(torch.bfloat16)
@@ -104,9 +107,15 @@ def build_model(spec: dict, weight_map: dict, release: Path, lora_path: Path, po
 
 
 def run(args) -> int:
+    """0 trained; 1 aborted (non-finite steps); 3 the release's chat template cannot mask assistant turns."""
+    import dataclasses
+
     import torch
 
-    from runtime.train import TrainConfig, train
+    from runtime.data import ChatTemplateError
+    from runtime.lora import lora_state_dict
+    from runtime.run_folder import save_adapter, write_run_json
+    from runtime.train import TrainConfig, TrainingAborted, train
 
     pkg = Path(args.pkg)
     spec, weight_map, source = _read_package(pkg)
@@ -115,11 +124,22 @@ def run(args) -> int:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
                       warmup_steps=min(10, max(1, args.steps // 10)), eval_every=args.eval_every,
                       checkpoint_every=args.checkpoint_every)
-    data = prepare_data(Path(args.data), load_tokenizer(release), args.seq_len, args.eval_fraction, cfg.seed)
+    try:
+        data = prepare_data(Path(args.data), load_tokenizer(release), args.seq_len, args.eval_fraction, cfg.seed)
+    except ChatTemplateError as err:
+        print(f"onboard: gap: {release}: chat template: {err}", file=sys.stderr)
+        return 3
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, lora_config = build_model(spec, weight_map, release, pkg / "lora.yaml", policy, device)
     out = Path(args.out) if args.out else pkg / "runs" / "latest"
-    state = train(model, spec, data, cfg, out, resume=args.resume, progress=not args.no_progress)
+    write_run_json(out, pkg, release, train=dataclasses.asdict(cfg), seq_len=args.seq_len, data=str(args.data),
+                   memory=dataclasses.asdict(policy))
+    try:
+        state = train(model, spec, data, cfg, out, resume=args.resume, progress=not args.no_progress)
+    except TrainingAborted as err:
+        print(f"onboard: error: {err}", file=sys.stderr)
+        return 1
+    save_adapter(out, lora_state_dict(model), lora_config)
     print(f"trained {state['step']} steps into {out}; eval loss {state['eval_loss']:.4f}, "
           f"best {state['best_eval_loss']:.4f} at step {state['best_step']}")
     return 0

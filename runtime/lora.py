@@ -132,31 +132,35 @@ def load_lora_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
             own[name].copy_(value)
 
 
-def _deltas(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(base weight, fp32 delta) pairs of an adapted module; nothing for others."""
-    if isinstance(module, LoraLinear):
-        return [(module.weight, module.delta_weight())]
-    if isinstance(module, Router) and module.lora_A is not None:
-        return [(module.weight, module.lora_scale * (module.lora_B @ module.lora_A))]
-    if isinstance(module, Experts) and module.lora_gate_up_A is not None:
-        s = module.lora_scale
-        return [(module.w_gate_up, s * torch.bmm(module.lora_gate_up_B, module.lora_gate_up_A)),
-                (module.w_down, s * torch.bmm(module.lora_down_B, module.lora_down_A))]
-    return []
+def delta_for(state: dict[str, torch.Tensor], scale: float, name: str, expert: int | None = None) -> torch.Tensor | None:
+    """The fp32 LoRA delta of runtime tensor `name` (a base weight) under the factors of `state`, in
+    that tensor's layout (of one expert's slice when `expert` is given); None when no factor acts on it."""
+    module, _, leaf = name.rpartition(".")
+    if leaf == "weight" and f"{module}.lora_A" in state:
+        return scale * (state[f"{module}.lora_B"] @ state[f"{module}.lora_A"])
+    stacked = {"w_gate_up": "lora_gate_up", "w_down": "lora_down"}.get(leaf)
+    if not stacked or f"{module}.{stacked}_A" not in state:
+        return None
+    A_ErI, B_EOr = state[f"{module}.{stacked}_A"], state[f"{module}.{stacked}_B"]
+    if expert is not None:
+        return scale * (B_EOr[expert] @ A_ErI[expert])
+    return scale * torch.bmm(B_EOr, A_ErI)
 
 
 def _set_merged(model: nn.Module, merged: bool) -> None:
-    sign = 1.0 if merged else -1.0
+    state = lora_state_dict(model)
     with torch.no_grad():
-        for module in model.modules():
-            pairs = _deltas(module)
+        for module_name, module in model.named_modules():
+            pairs = [(p, delta_for(state, module.lora_scale, f"{module_name}.{leaf}"))
+                     for leaf, p in module.named_parameters(recurse=False)] if hasattr(module, "lora_scale") else []
+            pairs = [(p, delta) for p, delta in pairs if delta is not None]
             if not pairs:
                 continue
             if module.lora_merged == merged:
-                raise ValueError(f"LoRA is already {'merged' if merged else 'unmerged'} in {type(module).__name__}")
+                raise ValueError(f"LoRA is already {'merged' if merged else 'unmerged'} in {module_name}")
             for weight, delta in pairs:
                 # in fp32, rounded once to the base dtype: unmerge restores an fp32 base to fp32 rounding
-                weight.copy_((weight.float() + sign * delta).to(weight.dtype))
+                weight.copy_((weight.float() + (delta if merged else -delta)).to(weight.dtype))
             module.lora_merged = merged
 
 

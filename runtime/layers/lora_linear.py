@@ -21,7 +21,7 @@ class LoraLinear(nn.Linear):
         device = base.weight.device
         self.lora_A = nn.Parameter(torch.zeros(rank, self.in_features, dtype=torch.float32, device=device))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, dtype=torch.float32, device=device))
-        self.scale = scale
+        self.lora_scale = scale
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
         self.lora_merged = False
 
@@ -30,11 +30,11 @@ class LoraLinear(nn.Linear):
         if self.lora_merged:
             return out
         low_rank = F.linear(F.linear(self.dropout(x).to(self.lora_A.dtype), self.lora_A), self.lora_B)
-        return out + (self.scale * low_rank).to(out.dtype)
+        return out + (self.lora_scale * low_rank).to(out.dtype)
 
     def delta_weight(self) -> torch.Tensor:
         """scale * B @ A, [O, I] in fp32."""
-        return self.scale * (self.lora_B @ self.lora_A)
+        return self.lora_scale * (self.lora_B @ self.lora_A)
 
     def effective_weight(self) -> torch.Tensor:
         """W + scale * B A in W's dtype, for layers that read the weight instead of calling the module.
