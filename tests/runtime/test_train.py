@@ -150,6 +150,7 @@ def test_sigkill_during_save_loses_only_the_unfinished_step(example_package, tmp
     assert len(losses) == 4 and losses[:3] == killed
     assert not (run / "checkpoints" / ".step-00000003.partial").exists()
     assert (run / "checkpoints" / "step-00000004").exists()
+    assert (run / "run.json").exists() and (run / "adapter" / "adapter.safetensors").exists()
 
 
 def test_malformed_data_line_exits_2_before_any_step(example_package, tmp_path):
