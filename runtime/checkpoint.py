@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -65,10 +66,14 @@ def save(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer, train_s
     model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
     with _one_process_quiet():
         dcp.save({"model": model_sd, "optim": optim_sd, "rng": _rng_state()}, checkpoint_id=partial)
-    (partial / STATE_FILE).write_text(json.dumps(train_state, indent=1))
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(partial, final)
-    _prune(root, keep_last)
+    # every rank has written its shards (dcp.save returns after its collective finish): one rank commits
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        (partial / STATE_FILE).write_text(json.dumps(train_state, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(partial, final)
+        _prune(root, keep_last)
+    if dist.is_initialized():
+        dist.barrier()
     return final
 
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from runtime.layers.ffn import MoE
@@ -45,10 +46,13 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class MetricsLog:
-    """Appends JSON lines; on resume drops the lines of steps after the checkpoint resumed from."""
+    """Appends JSON lines (rank 0 only); on resume drops the lines of steps after the checkpoint resumed from."""
 
     def __init__(self, path: Path, resume_step: int | None):
         self.path = Path(path)
+        self.enabled = not dist.is_initialized() or dist.get_rank() == 0
+        if not self.enabled:
+            return
         if resume_step is None:
             self.path.write_text("")
         elif self.path.exists():
@@ -56,6 +60,8 @@ class MetricsLog:
             self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 

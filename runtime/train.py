@@ -201,7 +201,8 @@ def train(model: nn.Module, spec: dict, data: TrainData, cfg: TrainConfig, run_d
             if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.steps:
                 checkpoint.save(run_dir / "checkpoints", model, optimizer, state, cfg.keep_last)
             bar.update(task, completed=state["step"], stats=_stats(record))
-    plot(run_dir)
+    if log.enabled:
+        plot(run_dir)
     return state
 
 
