@@ -3,6 +3,7 @@ steps, the run folder; `onboard train` as a user runs it."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from onboard.train_cli import build_model, load_tokenizer, memory_policy, prepare_data
 from runtime import checkpoint
 from runtime.metrics import read_metrics
-from runtime.train import TrainConfig, TrainingAborted, train
+from runtime.train import TrainConfig, TrainingAborted, lr_at, train
 
 SHORT = TrainConfig(steps=4, batch_size=1, grad_accum=2, lr=1e-3, warmup_steps=1, eval_every=2, checkpoint_every=1,
                     keep_last=1)
@@ -162,3 +163,11 @@ def test_malformed_data_line_exits_2_before_any_step(example_package, tmp_path):
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [f"onboard: error: {data}: line 17: \"messages\" must be a non-empty list"]
     assert not (tmp_path / "run").exists()
+
+
+def test_schedule_warms_up_then_follows_the_cosine_to_its_floor():
+    cfg = TrainConfig(steps=12, lr=1.0, warmup_steps=2, min_lr_ratio=0.1)
+    lrs = [lr_at(step, cfg) for step in range(12)]
+    assert lrs[:3] == [0.5, 1.0, 1.0] and lrs[-1] == pytest.approx(0.1)
+    assert all(a > b for a, b in zip(lrs[2:], lrs[3:]))
+    assert lrs[7] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 5 / 9)))
