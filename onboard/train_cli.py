@@ -102,7 +102,7 @@ def build_model(spec: dict, weight_map: dict, release: Path, lora_path: Path, po
     vision = spec["naming"].get("vision_prefix")
     load_release(model, release, weight_map, skip_prefixes=(vision,) if vision else ())
     apply_lora(model, lora_config)
-    apply_memory_policy(model, spec, policy)
+    apply_memory_policy(model, policy)
     return model, lora_config
 
 
@@ -135,7 +135,7 @@ def run(args) -> int:
     write_run_json(out, pkg, release, train=dataclasses.asdict(cfg), seq_len=args.seq_len, data=str(args.data),
                    memory=dataclasses.asdict(policy))
     try:
-        state = train(model, spec, data, cfg, out, resume=args.resume, progress=not args.no_progress)
+        state = train(model, data, cfg, out, resume=args.resume, progress=not args.no_progress)
     except TrainingAborted as err:
         print(f"onboard: error: {err}", file=sys.stderr)
         return 1

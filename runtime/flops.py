@@ -4,7 +4,7 @@ product, plus the weight gradients of what trains (LoRA); recompute is not count
 Projections are counted from the model's own weights (2 FLOPs per multiply-add, per token): a frozen
 weight costs forward + input gradient (2 passes), a trained one also its weight gradient (3 passes),
 the DSA indexer (no graph) its forward only. Routed experts count top_k of their E experts per token.
-Token mixing is counted per packed segment of n tokens from the spec (forward; backward is 2x):
+Token mixing is counted per packed segment of n tokens from the model's config (forward; backward 2x):
   softmax (causal, window w): 2 (K_qk + K_v) H sum_t min(t + 1, w)
   MLA: K_qk = N + R, K_v = V; DSA: each query over min(t + 1, topk) keys in the latent (L + R, L),
        plus the indexer's 2 I J n(n+1)/2 (forward only)
@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.layers.ffn import MoE, Experts, Router
+from runtime.config import AttentionConfig
+from runtime.layers.ffn import Experts, MoE, Router
 
 CHUNK = 64
 # Dense bf16 matmul peak per device, FLOP/s: the H200's is the measured 8192^3 ceiling of TARGETS.md
@@ -70,37 +71,33 @@ def _pairs(n: int, limit: int | None) -> int:
     return limit * (limit + 1) // 2 + (n - limit) * limit
 
 
-def mixing_flops(attention: dict, n: int) -> tuple[float, float]:
+def mixing_flops(a: AttentionConfig, n: int) -> tuple[float, float]:
     """(forward FLOPs with a backward, forward-only FLOPs) of one layer's token mixing over n tokens."""
-    kind = attention["kind"]
-    if kind == "softmax":
-        H, K = attention["num_heads"], attention["head_dim"]
-        return 2 * 2 * K * H * _pairs(n, attention["sliding_window"]), 0.0
-    if kind == "mla":
-        H, N, R, V = (attention[k] for k in ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
-        index = attention["indexer"]
-        if index is None:
-            return 2 * (N + R + V) * H * _pairs(n, None), 0.0
-        L = attention["kv_lora_rank"]
-        return 2 * (2 * L + R) * H * _pairs(n, index["topk"]), 2 * index["num_heads"] * index["head_dim"] * _pairs(n, None)
-    if kind in ("gated_delta", "kda"):
-        if kind == "gated_delta":
-            H, K, V = attention["num_v_heads"], attention["head_k_dim"], attention["head_v_dim"]
-        else:
-            H, K = attention["num_heads"], attention["head_dim"]
-            V = K
-        return float(n * H * (6 * K * V + CHUNK * (2 * K + V))), 0.0
-    if kind == "lightning":
-        H, K = attention["num_heads"], attention["head_dim"]
-        return float(n * H * (4 * K * K + CHUNK * 2 * K)), 0.0
-    raise ValueError(f"no FLOP count for attention kind {kind!r}")
+    if a.kind == "softmax":
+        return 2 * 2 * a.head_dim * a.num_heads * _pairs(n, a.sliding_window), 0.0
+    if a.kind == "mla" and a.indexer is None:
+        return 2 * (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) * a.num_heads * _pairs(n, None), 0.0
+    if a.kind == "mla":
+        index = a.indexer
+        return (2 * (2 * a.kv_lora_rank + a.qk_rope_head_dim) * a.num_heads * _pairs(n, index.topk),
+                2 * index.num_heads * index.head_dim * _pairs(n, None))
+    if a.kind == "gated_delta":
+        K, V = a.head_k_dim, a.head_v_dim
+        return float(n * a.num_v_heads * (6 * K * V + CHUNK * (2 * K + V))), 0.0
+    if a.kind == "kda":
+        K = a.head_dim
+        return float(n * a.num_heads * (6 * K * K + CHUNK * 3 * K)), 0.0
+    if a.kind == "lightning":
+        K = a.head_dim
+        return float(n * a.num_heads * (4 * K * K + CHUNK * 2 * K)), 0.0
+    raise ValueError(f"no FLOP count for attention kind {a.kind!r}")
 
 
-def step_flops(model: nn.Module, spec: dict, segment_lengths: list[int]) -> float:
-    """Training FLOPs (forward + backward as defined above) of the step over these packed segments."""
+def step_flops(model: nn.Module, segment_lengths: list[int]) -> float:
+    """Training FLOPs (forward + backward as defined above) of a step over these packed segments."""
     total = projection_flops_per_token(model) * sum(segment_lengths)
-    for layer in spec["layers"][: len(model.layers)]:
+    for layer in model.config.layers[: len(model.layers)]:
         for n in segment_lengths:
-            with_grad, forward_only = mixing_flops(layer["attention"], n)
+            with_grad, forward_only = mixing_flops(layer.attention, n)
             total += 3 * with_grad + forward_only
     return total

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from runtime.config import LayerConfig
+
 LINEAR_ATTENTION = ("gated_delta", "kda", "lightning")
 OP_KINDS = ("attention", "linear_attention", "moe", "mlp")
 # smaller saved tensors are not worth a copy
@@ -36,21 +38,21 @@ class MemoryPolicy:
             raise ValueError(f"memory policy: unknown op kinds {unknown}; known: {', '.join(OP_KINDS + ATTENTION_KINDS)}")
 
 
-def _kinds(layer_spec: dict, part: str) -> set[str]:
+def _kinds(layer: LayerConfig, part: str) -> set[str]:
     """The names a policy entry may use for this layer's attention or FFN."""
     if part == "ffn":
-        return {"moe"} if layer_spec["ffn"]["kind"] == "moe" else {"mlp"}
-    kind = layer_spec["attention"]["kind"]
+        return {"moe"} if layer.ffn.kind == "moe" else {"mlp"}
+    kind = layer.attention.kind
     return {kind, "linear_attention" if kind in LINEAR_ATTENTION else "attention"}
 
 
-def apply_memory_policy(model: nn.Module, spec: dict, policy: MemoryPolicy) -> list[str]:
+def apply_memory_policy(model: nn.Module, policy: MemoryPolicy) -> list[str]:
     """Wrap the forward of every layer part the policy names; returns 'name: recompute|offload' lines."""
     offload = CpuOffload() if policy.offload else None
     applied = []
     for i, layer in enumerate(model.layers):
         for part in ("attn", "ffn"):
-            kinds, module = _kinds(spec["layers"][i], "ffn" if part == "ffn" else "attn"), getattr(layer, part)
+            kinds, module = _kinds(model.config.layers[i], part), getattr(layer, part)
             if kinds & set(policy.recompute):
                 module.forward = functools.partial(_recomputed, module.forward)
                 applied.append(f"layers.{i}.{part}: recompute")

@@ -172,7 +172,7 @@ def _evaluate_into(state: dict, model, data: TrainData, cfg: TrainConfig, device
     log.write({"kind": "eval", "step": state["step"], "eval_loss": state["eval_loss"]})
 
 
-def train(model: nn.Module, spec: dict, data: TrainData, cfg: TrainConfig, run_dir: Path, resume: bool = False,
+def train(model: nn.Module, data: TrainData, cfg: TrainConfig, run_dir: Path, resume: bool = False,
           progress: bool = True) -> dict:
     """Train the LoRA factors of `model` (already loaded and adapted); returns the final train state."""
     run_dir = Path(run_dir)
@@ -190,7 +190,7 @@ def train(model: nn.Module, spec: dict, data: TrainData, cfg: TrainConfig, run_d
             result = _step(model, optimizer, params, data, cfg, state["step"], device)
             state["step"] += 1
             record = _record(state["step"], result, time.perf_counter() - started,
-                             step_flops(model, spec, result["segments"]), cfg, device)
+                             step_flops(model, result["segments"]), cfg, device)
             log.write(record)
             if not result["finite"]:
                 bar.console.print(f"step {state['step']}: loss {result['loss']}, grad norm {result['grad_norm']}: "

@@ -15,14 +15,14 @@ from runtime.tolerances import compare, tolerance_for
 from runtime.weights import load_release
 
 
-def runtime_model(package) -> tuple[HybridDecoder, dict]:
+def runtime_model(package) -> HybridDecoder:
     import yaml
 
     spec = json.loads((package / "spec.json").read_text())
     release = yaml.safe_load((package / "package.yaml").read_text())["source"]["path"]
     model = HybridDecoder(spec)
     load_release(model, release, json.loads((package / "weight_map.json").read_text()))
-    return model.eval(), spec
+    return model.eval()
 
 
 def _document_loss(model, rows, indices, first: int, last: int):
@@ -35,7 +35,7 @@ def _document_loss(model, rows, indices, first: int, last: int):
 
 @pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear", "deepseek_v32", "minimax"])
 def test_document_unchanged_by_its_neighbours(example_package, family):
-    model, spec = runtime_model(example_package(family))
+    model = runtime_model(example_package(family))
     gen = torch.Generator().manual_seed(0)
     doc = lambda n: Document(torch.randint(3, 200, (n,), generator=gen).tolist(), [True] * n)  # noqa: E731
     target, before, after = doc(70), doc(45), doc(30)
@@ -45,5 +45,5 @@ def test_document_unchanged_by_its_neighbours(example_package, family):
         logits_alone, loss_alone = _document_loss(model, alone, [0], 0, 70)
         logits_packed, loss_packed = _document_loss(model, packed, [0], 45, 115)
     assert (packed.labels_NL[0, 45:115] != IGNORE).sum() == 69
-    assert compare(logits_packed, logits_alone, tolerance_for("model", torch.float32)).passed
-    assert compare(loss_packed, loss_alone, tolerance_for("model", torch.float32)).passed
+    assert compare(logits_packed, logits_alone, tolerance_for("model_logits", torch.float32)).passed
+    assert compare(loss_packed, loss_alone, tolerance_for("model_loss", torch.float32)).passed

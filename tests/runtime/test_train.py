@@ -40,7 +40,7 @@ def _setup(package: Path, tmp_path: Path):
     release = Path(yaml.safe_load((package / "package.yaml").read_text())["source"]["path"])
     data = prepare_data(write_data(tmp_path / "data.jsonl"), load_tokenizer(release), 32, 0.2, 0)
     model, _ = build_model(spec, weight_map, release, package / "lora.yaml", memory_policy(package, None, None), "cpu")
-    return model, spec, data
+    return model, data
 
 
 def _losses(run: Path) -> list[float]:
@@ -79,7 +79,7 @@ def test_resume_is_bit_exact(example_package, tmp_path, monkeypatch):
 def test_non_finite_steps_are_skipped_then_abort(example_package, tmp_path):
     """A NaN injected into one batch's embeddings skips that step only (no optimizer update); NaN in every
     batch from step 3 on aborts after max_bad_steps, naming the step (qwen3_moe, a classic MoE)."""
-    model, spec, data = _setup(example_package("qwen3_moe"), tmp_path)
+    model, data = _setup(example_package("qwen3_moe"), tmp_path)
     forwards, poisoned = {"n": 0}, {3, 4}  # forwards 3 and 4 are step 2's micro-batches (grad_accum 2)
 
     def poison(module, args, output):
@@ -90,7 +90,7 @@ def test_non_finite_steps_are_skipped_then_abort(example_package, tmp_path):
     updates = []
     hook = register_optimizer_step_post_hook(lambda opt, args, kwargs: updates.append(1))
     cfg = TrainConfig(**{**SHORT.__dict__, "steps": 3, "eval_every": 100, "checkpoint_every": 100})
-    train(model, spec, data, cfg, tmp_path / "run", progress=False)
+    train(model, data, cfg, tmp_path / "run", progress=False)
     hook.remove()
     train_lines = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
     assert [r["skipped"] for r in train_lines] == [False, True, False] and len(updates) == 2
@@ -99,7 +99,7 @@ def test_non_finite_steps_are_skipped_then_abort(example_package, tmp_path):
     poisoned.update(range(5, 100))
     cfg = TrainConfig(**{**SHORT.__dict__, "steps": 6, "max_bad_steps": 2, "eval_every": 100, "checkpoint_every": 100})
     with pytest.raises(TrainingAborted, match=r"^step 4: .*2 non-finite steps in a row"):
-        train(model, spec, data, cfg, tmp_path / "run2", progress=False)
+        train(model, data, cfg, tmp_path / "run2", progress=False)
 
 
 DRIVER = textwrap.dedent("""
