@@ -84,26 +84,32 @@ def prepare_data(data_path: Path, tokenizer, seq_len: int, eval_fraction: float,
     return TrainData(pack(train_docs, seq_len, pad), pack(eval_docs, seq_len, pad))
 
 
-def build_model(spec: dict, weight_map: dict, release: Path, lora_path: Path, policy, device):
+def read_lora(pkg: Path, weight_map: dict):
+    """The package's LoRA plan (PKG/lora.yaml) as a runtime LoraConfig."""
+    from runtime.lora_file import read_lora_yaml
+
+    path = pkg / "lora.yaml"
+    if not path.exists():
+        raise OnboardError(path, None, "missing: the package has no LoRA plan (rerun `onboard new-model`)")
+    return read_lora_yaml(path, weight_map)
+
+
+def build_model(spec: dict, weight_map: dict, release: Path, lora_config, policy, device):
     """The runtime model: bf16 base weights from the release, fp32 LoRA factors, the memory policy."""
     import torch
 
     from runtime.lora import apply_lora
-    from runtime.lora_file import read_lora_yaml
     from runtime.memory import apply_memory_policy
     from runtime.model import HybridDecoder
     from runtime.weights import load_release
 
-    if not lora_path.exists():
-        raise OnboardError(lora_path, None, "missing: the package has no LoRA plan (rerun `onboard new-model`)")
-    lora_config = read_lora_yaml(lora_path, weight_map)
     with torch.device(device):
         model = HybridDecoder(spec).to(torch.bfloat16)
     vision = spec["naming"].get("vision_prefix")
     load_release(model, release, weight_map, skip_prefixes=(vision,) if vision else ())
     apply_lora(model, lora_config)
     apply_memory_policy(model, policy)
-    return model, lora_config
+    return model
 
 
 def run(args) -> int:
@@ -130,7 +136,8 @@ def run(args) -> int:
         print(f"onboard: gap: {release}: chat template: {err}", file=sys.stderr)
         return 3
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model, lora_config = build_model(spec, weight_map, release, pkg / "lora.yaml", policy, device)
+    lora_config = read_lora(pkg, weight_map)
+    model = build_model(spec, weight_map, release, lora_config, policy, device)
     out = Path(args.out) if args.out else pkg / "runs" / "latest"
     write_run_json(out, pkg, release, train=dataclasses.asdict(cfg), seq_len=args.seq_len, data=str(args.data),
                    memory=dataclasses.asdict(policy))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from onboard.train_cli import build_model
+from onboard.train_cli import build_model, read_lora
 from runtime.data import Document, pack
 from runtime.lora import lora_parameters
 from runtime.memory import MemoryPolicy
@@ -24,7 +24,7 @@ def _loss_and_grads(package: Path, policy: MemoryPolicy):
     spec = json.loads((package / "spec.json").read_text())
     weight_map = json.loads((package / "weight_map.json").read_text())
     release = Path(yaml.safe_load((package / "package.yaml").read_text())["source"]["path"])
-    model, _ = build_model(spec, weight_map, release, package / "lora.yaml", policy, "cpu")
+    model = build_model(spec, weight_map, release, read_lora(package, weight_map), policy, "cpu")
     for p in lora_parameters(model):
         # B starts at zero, which would leave A's gradient zero: give both factors values
         torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(p.numel()))

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from onboard.train_cli import build_model, load_tokenizer, memory_policy, prepare_data
+from onboard.train_cli import build_model, load_tokenizer, memory_policy, prepare_data, read_lora
 from runtime import checkpoint
 from runtime.metrics import read_metrics
 from runtime.train import TrainConfig, TrainingAborted, lr_at, train
@@ -39,7 +39,8 @@ def _setup(package: Path, tmp_path: Path):
     weight_map = json.loads((package / "weight_map.json").read_text())
     release = Path(yaml.safe_load((package / "package.yaml").read_text())["source"]["path"])
     data = prepare_data(write_data(tmp_path / "data.jsonl"), load_tokenizer(release), 32, 0.2, 0)
-    model, _ = build_model(spec, weight_map, release, package / "lora.yaml", memory_policy(package, None, None), "cpu")
+    model = build_model(spec, weight_map, release, read_lora(package, weight_map), memory_policy(package, None, None),
+                        "cpu")
     return model, data
 
 
