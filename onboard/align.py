@@ -9,6 +9,7 @@ import torch
 from onboard.align_model import distinct_layers, tier1, tier2
 from onboard.align_ops import tier0
 from onboard.align_reference import read_package
+from onboard.align_training import training_checks
 from onboard.align_report import AlignmentReport, tier_result
 from onboard.align_vision import vision_checks
 from onboard.errors import OnboardError
@@ -46,6 +47,7 @@ def run(pkg: Path, tiers: list[int], tamper=None, progress=print, max_layers: in
             checks, divergence = tier2(spec, weight_map, source, num_layers, tamper=tamper)
             if spec.get("vision"):
                 checks += vision_checks(spec, weight_map, source, pkg, num_layers)
+            checks += training_checks(spec, weight_map, source, pkg, num_layers)
         else:
             raise OnboardError(None, "--tiers", f"tier {tier} is not available here (0, 1, 2)")
         results.append(tier_result(tier, checks))
