@@ -89,7 +89,7 @@ def _export_checks(ours, config, spec, weight_map, source: Path, num_layers: int
     from peft import PeftModel
 
     state, family = lora_state_dict(ours), spec["family"]
-    held = set(dict(ours.named_parameters()))
+    held = set(dict(ours.named_parameters())) | set(dict(ours.named_buffers()))
     with torch.no_grad():
         expected = ours(ids)
     with tempfile.TemporaryDirectory() as tmp:
