@@ -16,7 +16,7 @@ import re
 import torch
 from torch import nn
 
-from onboard.example_models import model_class
+from onboard.transformers_classes import model_class
 from runtime.lora import LoraConfig
 from runtime.lora_file import module_map
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from onboard.align_reference import load_runtime, read_package
+from onboard.align.package_files import read_package
+from onboard.align.reference import load_runtime
 from runtime.dispatch import force
 from runtime.layers.ffn import Experts
 from runtime.layers.lora_linear import LoraLinear, weight_of
@@ -18,8 +19,8 @@ ATTENTION = ("layers.*.attn.*",)
 
 
 def _model(example_package, family: str):
-    spec, weight_map, source = read_package(example_package(family))
-    return load_runtime(spec, weight_map, source, torch.float32), spec
+    p = read_package(example_package(family))
+    return load_runtime(p.spec, p.weight_map, p.source, torch.float32), p.spec
 
 
 def _randomize(params, seed: int) -> None:

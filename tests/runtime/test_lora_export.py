@@ -11,13 +11,13 @@ import torch
 from safetensors import safe_open
 
 from onboard import cli
-from onboard.align_model import LOGITS_TOLERANCE
-from onboard.align_reference import load_reference, load_runtime, read_package
+from onboard.align.package_files import read_package
+from onboard.align.reference import load_reference, load_runtime
 from onboard.export import write_merged
 from runtime.lora import apply_lora, lora_parameters, lora_state_dict
 from runtime.lora_file import read_lora_yaml
 from runtime.run_folder import read_adapter, save_adapter, write_run_json
-from runtime.tolerances import compare
+from runtime.tolerances import compare, tolerance_for
 
 FAMILIES = ["qwen3_next", "deepseek_v32", "qwen3_5_moe", "mixtral"]
 
@@ -25,7 +25,8 @@ FAMILIES = ["qwen3_next", "deepseek_v32", "qwen3_5_moe", "mixtral"]
 def _trained_run(example_package, family: str, run):
     """A run folder whose adapter has nonzero factors everywhere (dense targets of lora.yaml and the experts)."""
     pkg = example_package(family)
-    spec, weight_map, source = read_package(pkg)
+    inputs = read_package(pkg)
+    spec, weight_map, source = inputs.spec, inputs.weight_map, inputs.source
     model = load_runtime(spec, weight_map, source, torch.float32)
     config = dataclasses.replace(read_lora_yaml(pkg / "lora.yaml", weight_map), rank=4, alpha=8.0,
                                  experts=any(layer["ffn"]["kind"] == "moe" for layer in spec["layers"]))
@@ -42,7 +43,7 @@ def _trained_run(example_package, family: str, run):
 
 
 def _assert_logits(actual, expected):
-    c = compare(actual.float(), expected, LOGITS_TOLERANCE[torch.float32])
+    c = compare(actual.float(), expected, tolerance_for("model_logits", torch.float32))
     assert c.finite and c.max_abs_rel <= c.tolerance.max_abs_rel, c
 
 

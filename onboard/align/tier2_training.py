@@ -16,24 +16,23 @@ from pathlib import Path
 
 import torch
 
-from onboard.align_model import LOGITS_TOLERANCE
-from onboard.align_reference import load_reference, load_runtime
-from onboard.align_report import Check
+from onboard.align.progress import Progress
+from onboard.align.reference import load_reference, load_runtime
+from onboard.align.report import Check
+from onboard.align.tier2_model import logits_check
 from onboard.export import write_merged, write_peft
 from onboard.peft_format import key_pairs, peft_config, to_peft
 from runtime.lora import LoraConfig, apply_lora, lora_parameters, lora_state_dict
 from runtime.lora_file import read_lora_yaml
 from runtime.model import causal_lm_loss
-from runtime.tolerances import compare
+from runtime.tolerances import compare, tolerance_for
 
 STEPS = 10
-# the issue's bar for the two loss curves: relative difference at every step
-LOSS_TOLERANCE = 1e-4
 LR = 1e-3
 
 
-def _config(pkg: Path, weight_map: dict, spec: dict) -> LoraConfig:
-    plan = read_lora_yaml(pkg / "lora.yaml", weight_map)
+def _config(lora_plan: Path, weight_map: dict, spec: dict) -> LoraConfig:
+    plan = read_lora_yaml(lora_plan, weight_map)
     moe = any(layer["ffn"]["kind"] == "moe" for layer in spec["layers"])
     # PEFT refuses dropout on expert parameters, and two dropout masks could not agree anyway
     return dataclasses.replace(plan, dropout=0.0, experts=moe, router=False)
@@ -69,20 +68,17 @@ def _peft_twin(ref, ours, config: LoraConfig, weight_map: dict, source: Path):
 
 
 def _loss_checks(ours_losses: list[float], theirs_losses: list[float]) -> list[Check]:
+    tol = tolerance_for("model_train_loss", torch.float32).rel_rms
     checks = []
     for step, (a, b) in enumerate(zip(ours_losses, theirs_losses), 1):
         rel = abs(a - b) / abs(b)
-        checks.append(Check(tier=2, name=f"training/step{step}/loss", metric="rel_diff", value=rel,
-                            tolerance=LOSS_TOLERANCE, verdict="pass" if rel <= LOSS_TOLERANCE else "fail",
-                            detail=f"ours={a:.7f} transformers+peft={b:.7f}"))
+        checks.append(Check(tier=2, name=f"training/step{step}/loss", metric="rel_diff", value=rel, tolerance=tol,
+                            verdict="pass" if rel <= tol else "fail", detail=f"ours={a:.7f} transformers+peft={b:.7f}"))
     return checks
 
 
-def _logits_check(name: str, actual: torch.Tensor, expected: torch.Tensor, detail: str) -> Check:
-    c = compare(actual, expected, LOGITS_TOLERANCE[torch.float32])
-    return Check(tier=2, name=name, metric="max_abs_rel", value=c.max_abs_rel, tolerance=c.tolerance.max_abs_rel,
-                 verdict="pass" if c.finite and c.max_abs_rel <= c.tolerance.max_abs_rel else "fail",
-                 detail=f"rel_rms={c.rel_rms:.3e}; {detail}")
+def _logits_check(name: str, actual: torch.Tensor, expected: torch.Tensor) -> Check:
+    return logits_check(name, compare(actual, expected, tolerance_for("model_logits", torch.float32)), torch.float32)
 
 
 def _export_checks(ours, config, spec, weight_map, source: Path, num_layers: int, ids) -> list[Check]:
@@ -103,12 +99,17 @@ def _export_checks(ours, config, spec, weight_map, source: Path, num_layers: int
             peft_model = PeftModel.from_pretrained(load_reference(source, family, torch.float32, num_layers), peft_dir)
             from_peft = peft_model.eval()(input_ids=ids, use_cache=False).logits
             merged = load_reference(merged_dir, family, torch.float32, num_layers)(input_ids=ids, use_cache=False).logits
-    return [_logits_check("export/peft/logits", from_peft.float(), expected, "PEFT export in transformers+peft vs ours"),
-            _logits_check("export/merged/logits", merged.float(), expected, "merged export (fp32) in transformers vs ours")]
+    return [_logits_check("export/peft/logits", from_peft.float(), expected),
+            _logits_check("export/merged/logits", merged.float(), expected)]
 
 
-def training_checks(spec: dict, weight_map: dict, source: Path, pkg: Path, num_layers: int, seed: int = 3) -> list[Check]:
-    config = _config(Path(pkg), weight_map, spec)
+def training_checks(spec: dict, weight_map: dict, source: Path, lora_plan: Path, num_layers: int, seed: int = 3,
+                    progress: Progress | None = None) -> list[Check]:
+    """lora_plan: the package's lora.yaml."""
+    progress = progress or Progress()
+    progress.plan(1)
+    progress.group(f"training: {STEPS} LoRA steps vs transformers + PEFT, then the exports")
+    config = _config(Path(lora_plan), weight_map, spec)
     ours = load_runtime(spec, weight_map, source, torch.float32, num_layers)
     apply_lora(ours, config)
     twin = _peft_twin(load_reference(source, spec["family"], torch.float32, num_layers), ours, config, weight_map, source)
