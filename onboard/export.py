@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from onboard.align_reference import read_package
+from onboard.align.package_files import read_package
 from onboard.errors import OnboardError
 from onboard.peft_format import hf_skeleton, key_pairs, peft_config, to_peft
 from runtime.lora import delta_for
@@ -93,9 +93,10 @@ def write_merged(out: Path, release: Path, weight_map: dict, state, scale: float
 
 def export(run: Path, peft_dir: Path | None, merge_dir: Path | None) -> Path:
     info = read_run(run)
-    spec, weight_map, _ = read_package(Path(info.package))
-    config, state = read_adapter(run)
     release = Path(info.release)
+    package = read_package(Path(info.package), release)
+    spec, weight_map = package.spec, package.weight_map
+    config, state = read_adapter(run)
     if peft_dir is not None:
         return _written_atomically(peft_dir, lambda tmp: write_peft(tmp, state, config, spec, weight_map, release))
     return _written_atomically(merge_dir, lambda tmp: write_merged(tmp, release, weight_map, state, config.scale))

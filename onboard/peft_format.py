@@ -1,7 +1,7 @@
 """Our LoRA factors in PEFT's format, under the module names of the release's transformers class.
 
-Dense projections (and the router): PEFT's LoRA on the module of the same release name, A [r, in],
-B [out, r]. Routed experts: PEFT's `target_parameters` on the experts' 3D parameters (gate_up_proj,
+Dense projections (and the router): PEFT's LoRA on the transformers module the release tensor loads
+into (after transformers' own checkpoint renamings), A [r, in], B [out, r]. Routed experts: PEFT's `target_parameters` on the experts' 3D parameters (gate_up_proj,
 down_proj): A [r*E, in] with rows e*r .. e*r+r-1 for expert e, B [out, r*E] with column j*E+e for
 rank j of expert e (peft's ParamWrapper.get_delta_weight), so expert e's delta is scale * B_e @ A_e
 in [out, in], whether transformers stores the parameter [E, out, in] or transposed [E, in, out].
@@ -16,7 +16,7 @@ import re
 import torch
 from torch import nn
 
-from onboard.example_models import model_class
+from onboard.transformers_classes import model_class
 from runtime.lora import LoraConfig
 from runtime.lora_file import module_map
 
@@ -44,6 +44,24 @@ def _adapted(state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
     return dense, experts
 
 
+def hf_modules(hf: nn.Module, weight_map: dict) -> dict[str, str]:
+    """Runtime module -> the transformers module it stands for, for every module stored whole as
+    `<module>.weight`: the release's name after transformers' own checkpoint renamings (e.g. Kimi's
+    `self_attn.f_a_proj` lives at `self_attn.forget_gate.f_a_proj`). Names a converter reshapes are left out."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(hf)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    out = {}
+    for release, runtime in module_map(weight_map).items():
+        key, converted = rename_source_key(release + ".weight", renamings, converters)
+        if converted is None:
+            out[runtime] = key.removesuffix(".weight")
+    return out
+
+
 def _expert_parameters(hf: nn.Module, runtime_module: str) -> list[str]:
     """transformers names of layer L's stacked expert parameters, for runtime `layers.L.ffn.experts`."""
     layer = runtime_module.split(".")[1]
@@ -59,18 +77,18 @@ def peft_config(config: LoraConfig, state: dict[str, torch.Tensor], weight_map: 
     """peft.LoraConfig adapting the same modules of the transformers class as `state` does of ours."""
     import peft
 
-    inverse = {runtime: release for release, runtime in module_map(weight_map).items()}
+    names = hf_modules(hf, weight_map)
     dense, experts = _adapted(state)
-    hf_modules = dict(hf.named_modules())
+    present = dict(hf.named_modules())
     modules, parameters = [], []
     for name in dense:
-        release = inverse.get(name)
-        if release is None or release not in hf_modules:
-            raise ExportGap(f"runtime module {name}: no module {release!r} in {type(hf).__name__}")
-        if isinstance(hf_modules[release], nn.Linear):
-            modules.append(release)
+        module = names.get(name)
+        if module not in present:
+            raise ExportGap(f"runtime module {name}: no module {module!r} in {type(hf).__name__}")
+        if isinstance(present[module], nn.Linear):
+            modules.append(module)
         else:
-            parameters.append(release + ".weight")
+            parameters.append(module + ".weight")
     for name in experts:
         parameters += _expert_parameters(hf, name)
     return peft.LoraConfig(r=config.rank, lora_alpha=config.alpha, use_rslora=config.use_rslora, target_modules=modules,
@@ -78,25 +96,25 @@ def peft_config(config: LoraConfig, state: dict[str, torch.Tensor], weight_map: 
                            base_model_name_or_path=base)
 
 
-def _runtime_module(hf_path: str, parameter: str | None, release_to_runtime: dict[str, str]) -> tuple[str, str]:
+def _runtime_module(hf_path: str, parameter: str | None, hf_to_runtime: dict[str, str]) -> tuple[str, str]:
     """(runtime module, factor prefix) a PEFT LoRA layer stands for."""
     if parameter in EXPERT_PARAMS:
         return f"layers.{LAYER_INDEX.search('.' + hf_path + '.').group(1)}.ffn.experts", EXPERT_PARAMS[parameter]
-    return release_to_runtime[hf_path], "lora"
+    return hf_to_runtime[hf_path], "lora"
 
 
 def key_pairs(peft_model: nn.Module, weight_map: dict) -> list[tuple[str, str, str]]:
     """(PEFT key prefix, runtime module, factor prefix) for every LoRA layer of a PEFT model."""
     from peft.tuners.lora import LoraLayer
 
-    release_to_runtime = module_map(weight_map)
+    hf_to_runtime = {hf: runtime for runtime, hf in hf_modules(peft_model.get_base_model(), weight_map).items()}
     out = []
     for name, module in peft_model.named_modules():
         if not isinstance(module, LoraLayer):
             continue
         hf_path = name.removeprefix("base_model.model.").replace(".base_layer", "")
         parameter = getattr(module, "parameter_name", None)
-        out.append((name, *_runtime_module(hf_path, parameter, release_to_runtime)))
+        out.append((name, *_runtime_module(hf_path, parameter, hf_to_runtime)))
     return out
 
 

@@ -10,7 +10,7 @@ Initialization is PEFT's default: A kaiming-uniform (a = sqrt(5), fan-in the pro
 width, per expert for stacked factors), B zeros, so the adapted model starts equal to the base.
 Each A is drawn from its own CPU generator seeded by (config.seed, module name), so the draw does not
 depend on the global RNG, the module order or which other modules are targeted.
-Shape legend: E experts, r rank, D model width, F expert width.
+Shape legend: E experts, r rank, D model width, F expert width, O / I a weight's out / in width.
 """
 from __future__ import annotations
 
@@ -24,9 +24,6 @@ from torch import nn
 
 from runtime.layers.ffn import Experts, Router
 from runtime.layers.lora_linear import LoraLinear
-
-EXPERT_FACTORS = ("lora_gate_up_A", "lora_gate_up_B", "lora_down_A", "lora_down_B")
-
 
 @dataclass(frozen=True)
 class LoraConfig:
@@ -91,10 +88,10 @@ def _add_stacked(module: nn.Module, name: str, config: LoraConfig) -> None:
         module.lora_A, module.lora_B = _factor((r, D), module.weight), _factor((E, r), module.weight)
         _kaiming(module.lora_A, config, name)
     else:
-        E, two_f, D = module.w_gate_up.shape
-        F_ = module.w_down.shape[2]
-        module.lora_gate_up_A, module.lora_gate_up_B = _factor((E, r, D), module.w_gate_up), _factor((E, two_f, r), module.w_gate_up)
-        module.lora_down_A, module.lora_down_B = _factor((E, r, F_), module.w_down), _factor((E, D, r), module.w_down)
+        (E, two_f, D), width = module.w_gate_up.shape, module.w_down.shape[2]
+        module.lora_gate_up_A = _factor((E, r, D), module.w_gate_up)
+        module.lora_gate_up_B = _factor((E, two_f, r), module.w_gate_up)
+        module.lora_down_A, module.lora_down_B = _factor((E, r, width), module.w_down), _factor((E, D, r), module.w_down)
         _kaiming(module.lora_gate_up_A, config, name + ".gate_up")
         _kaiming(module.lora_down_A, config, name + ".down")
     module.lora_scale = config.scale

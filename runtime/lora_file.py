@@ -58,6 +58,8 @@ def runtime_targets(patterns: list[str], weight_map: dict[str, dict], path: Path
 
 def read_lora_yaml(path: Path, weight_map: dict[str, dict]) -> LoraConfig:
     path = Path(path)
+    if not path.exists():
+        raise InputFileError(path, None, "missing: the package has no LoRA plan (written by `onboard new-model`)")
     try:
         data = LoraFile.model_validate(yaml.safe_load(path.read_text()) or {})
     except (yaml.YAMLError, ValidationError) as err:

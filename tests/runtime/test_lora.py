@@ -6,10 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from onboard.align_reference import load_runtime, read_package
+from onboard.align.package_files import read_package
+from onboard.align.reference import load_runtime
 from runtime.dispatch import force
 from runtime.layers.ffn import Experts
-from runtime.layers.lora_linear import LoraLinear
+from runtime.layers.lora_linear import LoraLinear, weight_of
 from runtime.lora import (LoraConfig, apply_lora, load_lora_state_dict, lora_parameters, lora_state_dict, merge_lora,
                           unmerge_lora)
 from runtime.ops.moe import glu
@@ -18,8 +19,8 @@ ATTENTION = ("layers.*.attn.*",)
 
 
 def _model(example_package, family: str):
-    spec, weight_map, source = read_package(example_package(family))
-    return load_runtime(spec, weight_map, source, torch.float32), spec
+    p = read_package(example_package(family))
+    return load_runtime(p.spec, p.weight_map, p.source, torch.float32), p.spec
 
 
 def _randomize(params, seed: int) -> None:
@@ -46,6 +47,15 @@ def test_dense_lora_matches_its_formula():
     for ours, theirs in ((x.grad, x64.grad), (layer.lora_A.grad, A.grad), (layer.lora_B.grad, B.grad)):
         torch.testing.assert_close(ours.double(), theirs, rtol=1e-5, atol=1e-6)
     assert layer.weight is base.weight
+
+
+def test_rslora_scale_and_dropout_where_a_layer_reads_the_weight():
+    assert LoraConfig(rank=4, alpha=8).scale == 2.0 and LoraConfig(rank=4, alpha=8, use_rslora=True).scale == 4.0
+    layer = LoraLinear(nn.Linear(8, 8), rank=2, scale=1.0, dropout=0.1)
+    with pytest.raises(ValueError, match="dropout"):
+        weight_of(layer)
+    layer.eval()
+    torch.testing.assert_close(weight_of(layer), layer.weight + layer.delta_weight())
 
 
 def test_apply_lora_freezes_the_base_and_starts_at_it(example_package):

@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from onboard.align_reference import read_package
-from onboard.example_models import example_config, model_class
+from onboard.align.package_files import read_package
+from onboard.example_models import example_config
+from onboard.transformers_classes import model_class
 from onboard.package import write_package
 from runtime.model import HybridDecoder
 from runtime.weights import load_release
@@ -39,7 +40,8 @@ def _shrink_to_held(model: nn.Module, F: int) -> None:
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])  # per-expert tensors; fused [E, in, out] tensors
 def test_a_selected_slice_equals_the_slice_of_a_full_load(example_package, family):
-    spec, weight_map, source = read_package(example_package(family))
+    inputs = read_package(example_package(family))
+    spec, weight_map, source = inputs.spec, inputs.weight_map, inputs.source
     full, part = HybridDecoder(spec), HybridDecoder(spec)
     load_release(full, source, weight_map)
     F = spec["layers"][0]["ffn"]["expert_intermediate_size"]
@@ -64,7 +66,7 @@ def _large_release(out):
 PEAK_SCRIPT = """
 import json, sys, torch
 from pathlib import Path
-from onboard.align_reference import read_package
+from onboard.align.package_files import read_package
 from runtime.model import HybridDecoder
 from runtime.weights import load_release
 
@@ -72,7 +74,8 @@ def status(key):
     line = next(l for l in open("/proc/self/status") if l.startswith(key))
     return int(line.split()[1]) * 1024
 
-spec, weight_map, source = read_package(Path(sys.argv[1]))
+inputs = read_package(Path(sys.argv[1]))
+spec, weight_map, source = inputs.spec, inputs.weight_map, inputs.source
 model = HybridDecoder(spec)
 for t in model.state_dict().values():
     t.fill_(float("nan"))  # every page of the model resident before the measurement starts
