@@ -105,26 +105,40 @@ def peft_part(work: Path, experts: bool, fla: bool, seq_len: int) -> dict:
     return dict(seconds=seconds, first_loss=first, peak_gib=peak, trainable=sum(p.numel() for p in params))
 
 
+# --policy names -> the memory policies they stand for (runtime/memory.py)
+POLICIES = {"none": {}, "recompute": dict(recompute=("attention", "linear_attention", "moe", "mlp")),
+            "recompute_offload": dict(recompute=("linear_attention", "moe", "mlp"), offload=("attention",))}
+
+
 def ours_part(work: Path, experts: bool, seq_len: int, policy: str | None = None) -> dict:
+    """The package's model as `onboard train` builds it (LoRA r16 alpha32 on the package's attention
+    targets, the experts too when asked), one packed row of seq_len tokens, the chunked loss."""
+    import dataclasses
+    import json as json_
+
     import torch
-    from runtime.train import TrainSetup, build_training_model
+    from onboard.train_cli import build_model, read_lora
+    from runtime.data import Document, pack
     from runtime.flops import step_flops
-    setup = TrainSetup(package=work / "pkg", model_dir=work / "release", device="cuda", lora_rank=RANK,
-                       lora_alpha=ALPHA, lora_experts=experts, memory_policy=policy)
-    model, lora = build_training_model(setup)
+    from runtime.memory import MemoryPolicy
+    from runtime.train import loss_sum, micro_batch
+    spec, weight_map = (json_.loads((work / "pkg" / name).read_text()) for name in ("spec.json", "weight_map.json"))
+    lora = dataclasses.replace(read_lora(work / "pkg", weight_map), rank=RANK, alpha=ALPHA, experts=experts)
+    model = build_model(spec, weight_map, work / "release", lora, MemoryPolicy(**POLICIES[policy or "none"]), "cuda")
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     ids = token_batch(seq_len, model.config.vocab_size)
+    batch = micro_batch(pack([Document(ids[0].tolist(), [True] * seq_len)], seq_len, 0), [0], torch.device("cuda"))
 
     def step():
-        loss = model.loss(ids)
+        loss = loss_sum(model, batch, 1024) / (seq_len - 1)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
     seconds, first, peak = timed_steps(step)
-    flops = step_flops(model.config, seq_len, lora)
+    flops = step_flops(model, [seq_len])
     return dict(seconds=seconds, first_loss=first, peak_gib=peak, trainable=sum(p.numel() for p in params),
                 flops=flops, mfu=flops / seconds / (PEAK_TFLOPS * 1e12))
 

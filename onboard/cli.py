@@ -5,7 +5,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from onboard import train_cli
 from onboard.errors import OnboardError
+from runtime.errors import InputFileError
 
 EXIT_BAD_INPUT = 2
 EXIT_GAPS = 3
@@ -65,6 +67,19 @@ def _align(args) -> int:
     return 0 if report.passed else EXIT_GAPS
 
 
+def _export(args) -> int:
+    from onboard.export import export
+    from onboard.peft_format import ExportGap
+
+    try:
+        out = export(Path(args.run_dir), args.peft and Path(args.peft), args.merge and Path(args.merge))
+    except ExportGap as gap:
+        print(f"onboard: not supported: {gap}", file=sys.stderr)
+        return EXIT_GAPS
+    print(f"wrote {'PEFT adapter' if args.peft else 'merged release'} to {out}")
+    return 0
+
+
 def _tier_list(text: str) -> list[int]:
     try:
         tiers = sorted({int(t) for t in text.split(",") if t.strip()})
@@ -107,6 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-layers", type=_positive_int, default=8,
                    help="align a prefix of at most this many layers (extended to hold every distinct layer kind)")
     p.set_defaults(run=_align)
+    p = sub.add_parser("train", help="train the package's LoRA on a jsonl file (run folder: checkpoints, metrics, plots)")
+    train_cli.add_arguments(p, _positive_int)
+    p.set_defaults(run=train_cli.run)
+    p = sub.add_parser("export", help="a run's adapter in PEFT's format, or the release with it merged")
+    p.add_argument("run_dir", metavar="RUN", help="run folder written by `onboard train`")
+    dest = p.add_mutually_exclusive_group(required=True)
+    dest.add_argument("--peft", help="write adapter_config.json + adapter_model.safetensors here")
+    dest.add_argument("--merge", help="write the merged release (names, shards, config, tokenizer) here")
+    p.set_defaults(run=_export)
     return parser
 
 
@@ -135,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except OnboardError as err:
+    except (OnboardError, InputFileError) as err:
         print(f"onboard: error: {err.one_line()}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from onboard.errors import OnboardError
+from onboard.example_tokenizer import write_example_tokenizer
 from onboard.transformers_classes import model_class
 
 _ATTN = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
@@ -132,7 +133,7 @@ def _perturb(model, seed: int) -> None:
 
 def write_example_model(family: str, out_dir: Path, num_layers: int | None = None, num_shards: int = 1,
                         seed: int = 0) -> Path:
-    """Write the release folder (config.json + safetensors, sharded when num_shards > 1) in bf16."""
+    """Write the release folder (config.json + safetensors, sharded when num_shards > 1, in bf16; the tokenizer)."""
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise OnboardError(out_dir, None, "output folder exists and is not empty")
@@ -146,4 +147,5 @@ def write_example_model(family: str, out_dir: Path, num_layers: int | None = Non
 
     hf_logging.disable_progress_bar()
     model.save_pretrained(out_dir, max_shard_size=shard_bytes)
+    write_example_tokenizer(out_dir)
     return out_dir

@@ -20,6 +20,7 @@ from onboard.manifest import read_manifest
 from onboard.recognize import recognize
 from onboard.render import gap_markdown
 from onboard.weight_map import build_weight_map
+from runtime.lora_file import default_lora_file, lora_yaml_text
 
 
 def _sha256(path: Path) -> str:
@@ -39,10 +40,19 @@ def write_package(model_dir: Path, out: Path, gpu_mem_gib: float = 80.0, lora_ra
     try:
         tmp.mkdir(parents=True)
         _write_files(tmp, model_dir, manifest, spec, report)
+        _write_lora_yaml(tmp, spec, lora_rank)
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out, report
+
+
+def _write_lora_yaml(pkg: Path, spec, lora_rank: int) -> None:
+    """Every attention projection at the budget's rank, alpha twice the rank (r16 / alpha 32 by default)."""
+    weight_map = json.loads((pkg / "weight_map.json").read_text())
+    lora = default_lora_file(json.loads(spec.model_dump_json()), weight_map)
+    lora = lora.model_copy(update={"rank": lora_rank, "alpha": 2.0 * lora_rank})
+    (pkg / "lora.yaml").write_text(lora_yaml_text(lora))
 
 
 def _write_files(pkg: Path, model_dir: Path, manifest, spec, report) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 from runtime.config import LayerConfig, ModelConfig, NormConfig
 from runtime.layers.ffn import GatedMLP, MoE
 from runtime.layers.linear_attention import GatedDeltaNet, KimiDeltaAttention, LightningAttention
+from runtime.layers.lora_linear import weight_of
 from runtime.layers.mla import MLAAttention
 from runtime.layers.norm import RMSNorm
 from runtime.layers.softmax_attention import SoftmaxAttention
@@ -37,11 +38,11 @@ class DecoderLayer(nn.Module):
         self.ffn = MoE(ffn, d) if ffn.kind == "moe" else GatedMLP(d, ffn.intermediate_size, ffn.activation)
         self.residual = layer.residual
 
-    def forward(self, h_BTD: torch.Tensor, rotary: RotaryCache) -> torch.Tensor:
+    def forward(self, h_BTD: torch.Tensor, rotary: RotaryCache, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         r = self.residual
         normed_BTD = self.input_layernorm(h_BTD)
         skip_BTD = normed_BTD if r.skip_from_normed else h_BTD
-        h_BTD = skip_BTD * r.attn_alpha + self.attn(normed_BTD, rotary) * r.attn_beta
+        h_BTD = skip_BTD * r.attn_alpha + self.attn(normed_BTD, rotary, cu_seqlens) * r.attn_beta
         normed_BTD = self.post_attention_layernorm(h_BTD)
         skip_BTD = normed_BTD if r.skip_from_normed else h_BTD
         return skip_BTD * r.ffn_alpha + self.ffn(normed_BTD) * r.ffn_beta
@@ -61,18 +62,27 @@ class HybridDecoder(nn.Module):
         self.norm = RMSNorm(d, norm.eps, norm.offset)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(d, vocab, bias=False)
 
-    def forward(self, input_ids_BT: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                inputs_embeds_BTD: torch.Tensor | None = None) -> torch.Tensor:
-        """logits_BTX in fp32. positions: [B, T], or [3, B, T] for multimodal rope (default 0..T-1)."""
+    def hidden_states(self, input_ids_BT: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                      inputs_embeds_BTD: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None):
+        """h_BTD after the final norm. positions: [B, T], or [3, B, T] for multimodal rope (default 0..T-1).
+        cu_seqlens (batch 1): packed segments, which never attend to or carry state from one another."""
         h_BTD = self.embed_tokens(input_ids_BT) if inputs_embeds_BTD is None else inputs_embeds_BTD
         if positions is None:
             positions = torch.arange(h_BTD.shape[1], device=h_BTD.device).expand(h_BTD.shape[0], -1)
         rotary = RotaryCache(positions)
         for layer in self.layers:
-            h_BTD = layer(h_BTD, rotary)
-        h_BTD = self.norm(h_BTD)
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h_BTD, head).float()
+            h_BTD = layer(h_BTD, rotary, cu_seqlens)
+        return self.norm(h_BTD)
+
+    def head_weight(self) -> torch.Tensor:
+        """w_XD of the LM head (the embedding when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else weight_of(self.lm_head)
+
+    def forward(self, input_ids_BT: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                inputs_embeds_BTD: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """logits_BTX in fp32 (training takes hidden_states and runtime.loss instead: no [T, X] logits)."""
+        h_BTD = self.hidden_states(input_ids_BT, positions, inputs_embeds_BTD, cu_seqlens)
+        return F.linear(h_BTD, self.head_weight()).float()
 
 
 def causal_lm_loss(logits_BTX: torch.Tensor, input_ids_BT: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,25 @@
-"""Load a release's safetensors into the runtime model through weight_map.json, one shard at a time.
+"""Load a release's safetensors into the runtime model through weight_map.json, one tensor at a time.
 
-Each tensor is read, transformed and copied into its (pre-allocated) runtime parameter, then
-dropped: the checkpoint is never held twice. Every runtime parameter must be written exactly once.
+Shards are memory-mapped (safe_open); each released tensor is read through get_slice, only the part
+this process holds, viewed in the runtime layout and copied (with its dtype conversion) straight into
+the pre-allocated runtime parameter. No tensor is held twice and the checkpoint never is.
+`select` says which part of each runtime tensor this process holds (an expert range, a row range: the
+per-rank slices of expert and data parallelism); every element of every runtime tensor the model has
+must be written exactly once.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import safe_open
 from torch import nn
+
+# runtime tensor name -> the region of the full tensor this process holds, as slices with explicit
+# start and stop over its leading dims (the model's tensor has that region's shape), or None for all of it
+Select = Callable[[str], tuple[slice, ...] | None]
 
 
 def shard_order(model_dir: Path) -> dict[str, list[str]]:
@@ -25,26 +34,65 @@ def shard_order(model_dir: Path) -> dict[str, list[str]]:
     return by_file
 
 
-def _slot(tensors: dict[str, torch.Tensor], entry: dict) -> torch.Tensor:
-    """The view of the runtime tensor this entry writes."""
-    target = tensors[entry["target"]]
-    if entry["expert"] is not None:
-        target = target[entry["expert"]]
-    if entry["rows"] is not None:
-        target = target[entry["rows"][0]: entry["rows"][1]]
-    return target
-
-
-def _transformed(value: torch.Tensor, entry: dict) -> torch.Tensor:
+def _region(entry: dict, value_shape: list[int]) -> tuple[list[int], list[int]]:
+    """(start, stop) per dim of the full runtime tensor that the entry's value fills, in the runtime
+    layout (the value after transpose), the expert dim first when the entry writes one expert."""
+    shape = list(value_shape)
     if entry["transpose"]:
-        value = value.transpose(-1, -2)
+        shape[-2], shape[-1] = shape[-1], shape[-2]
+    starts, stops = [0] * len(shape), list(shape)
+    if entry["rows"] is not None:
+        starts[0], stops[0] = entry["rows"]
+    if entry["expert"] is not None:
+        starts, stops = [entry["expert"], *starts], [entry["expert"] + 1, *stops]
+    return starts, stops
+
+
+def _plan(entry: dict, value_shape: list[int], held: tuple[slice, ...] | None):
+    """-> (slices of the released tensor to read, slices of the local runtime tensor to write), or None
+    when this process holds none of it."""
+    starts, stops = _region(entry, value_shape)
+    held = held or ()
+    read, write = [], []
+    for dim, (a, b) in enumerate(zip(starts, stops)):
+        lo, hi = (held[dim].start, held[dim].stop) if dim < len(held) else (a, b)
+        offset = lo if dim < len(held) else 0
+        s, e = max(a, lo), min(b, hi)
+        if s >= e:
+            return None
+        write.append(slice(s - offset, e - offset))
+        read.append(slice(s - a, e - a))
+    if entry["expert"] is not None:
+        read = read[1:]
+    if entry["transpose"]:
+        read[-2], read[-1] = read[-1], read[-2]
+    return tuple(read), tuple(write)
+
+
+def _copy_entry(shard, name: str, entry: dict, tensors: dict, select: Select | None) -> int:
+    """Copy the held part of one released tensor into its runtime tensor; returns elements written."""
+    target = tensors[entry["target"]]
+    part = shard.get_slice(name)
     if entry["flatten"]:
-        value = value.reshape(-1)
-    return value
+        if select is not None and select(entry["target"]) is not None:
+            raise ValueError(f"{name}: a flattened tensor cannot be loaded in slices")
+        target.copy_(part[:].reshape(-1))
+        return target.numel()
+    plan = _plan(entry, part.get_shape(), select(entry["target"]) if select else None)
+    if plan is None:
+        return 0
+    read, write = plan
+    value = part[read]
+    slot = target[write]
+    # a one-expert entry's value lacks the expert dim of its slot: copy_ broadcasts over it
+    slot.copy_(value.transpose(-1, -2) if entry["transpose"] else value)
+    return slot.numel()
 
 
-def load_release(model: nn.Module, model_dir: Path, weight_map: dict[str, dict], skip_prefixes=()) -> None:
-    """Copy every mapped tensor of MODEL_DIR into `model`; raise if anything is missing or unmapped."""
+def load_release(model: nn.Module, model_dir: Path, weight_map: dict[str, dict], skip_prefixes=(),
+                 select: Select | None = None) -> None:
+    """Copy every mapped tensor of MODEL_DIR (the part `select` assigns) into `model`; raise if anything
+    is unmapped or a runtime tensor is not fully written."""
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     written: dict[str, int] = {}
     with torch.no_grad():
@@ -57,10 +105,9 @@ def load_release(model: nn.Module, model_dir: Path, weight_map: dict[str, dict],
                     if entry is None:
                         raise KeyError(f"{file}: tensor {name} has no entry in the weight map")
                     if entry["target"] not in tensors:
-                        continue  # layers cut off by a truncated model
-                    slot = _slot(tensors, entry)
-                    slot.copy_(_transformed(shard.get_tensor(name), entry).to(slot.dtype))
-                    written[entry["target"]] = written.get(entry["target"], 0) + slot.numel()
+                        continue  # layers cut off by a truncated model, or tensors this rank does not hold
+                    count = _copy_entry(shard, name, entry, tensors, select)
+                    written[entry["target"]] = written.get(entry["target"], 0) + count
     unwritten = [n for n, t in tensors.items() if written.get(n, 0) != t.numel()]
     if unwritten:
         raise KeyError(f"runtime tensors not (fully) written by the release: {unwritten[:5]}")

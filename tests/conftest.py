@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from onboard.example_models import write_example_model
+from onboard.package import write_package
 
 SEED_DIR = Path(__file__).resolve().parents[2] / "shared" / "examples" / "seed-2.8t"
 # A copy of the seed example (index xz-compressed) for machines without ../shared.
@@ -40,6 +41,19 @@ def example_spec(example_release):
     def make(family: str) -> dict:
         if family not in cache:
             cache[family] = json.loads(recognize(read_manifest(example_release(family))).model_dump_json())
+        return cache[family]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def example_package(example_release, tmp_path_factory):
+    """family -> package folder written by `onboard new-model`; tests that edit a package work on a copy."""
+    cache = {}
+
+    def make(family: str):
+        if family not in cache:
+            cache[family], _ = write_package(example_release(family), tmp_path_factory.mktemp("pkg") / family)
         return cache[family]
 
     return make

@@ -59,6 +59,7 @@ class AlignInputs:
     weight_map: dict[str, dict]
     source: Path  # the release folder both sides load weights from
     vision_config: Optional[dict]
+    lora_plan: Path  # PKG/lora.yaml, read by tier 2's training checks
 
 
 def read_package(pkg: Path, model_dir: Path | None = None) -> AlignInputs:
@@ -70,7 +71,7 @@ def read_package(pkg: Path, model_dir: Path | None = None) -> AlignInputs:
     _validated(pkg / "weight_map.json", weight_map, WeightMap)
     source = _source_folder(pkg / "package.yaml", manifest.source, model_dir)
     vision = _read_vision_config(pkg / "vision_config.json") if spec.vision is not None else None
-    return AlignInputs(json.loads(spec.model_dump_json()), manifest.spec_hash, weight_map, source, vision)
+    return AlignInputs(json.loads(spec.model_dump_json()), manifest.spec_hash, weight_map, source, vision, pkg / "lora.yaml")
 
 
 def require_package_folder(pkg: Path) -> None:

@@ -12,6 +12,7 @@ from onboard.align.report import AlignmentReport, Check, Divergence, TierResult,
 from onboard.align.tier0_ops import tier0
 from onboard.align.tier1_layers import distinct_layers, tier1
 from onboard.align.tier2_model import tier2
+from onboard.align.tier2_training import training_checks
 from onboard.align.vision import vision_checks
 from onboard.errors import OnboardError
 
@@ -71,6 +72,7 @@ def _run_tier(tier: int, inputs: AlignInputs, num_layers: int, tamper, progress:
         checks, divergence = tier2(spec, weight_map, source, num_layers, tamper=tamper, progress=progress)
         if inputs.vision_config is not None:
             checks += vision_checks(spec, weight_map, source, inputs.vision_config, num_layers, progress=progress)
+        checks += training_checks(spec, weight_map, source, inputs.lora_plan, num_layers, progress=progress)
         return checks, divergence
     raise OnboardError(None, "--tiers", f"tier {tier} is not available here (0, 1, 2)")
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from runtime.config import MoEConfig
 from runtime.dispatch import op
+from runtime.layers.lora_linear import weight_of
 from runtime.ops.moe import router_logits
 
 
@@ -27,7 +28,7 @@ class GatedMLP(nn.Module):
         """down(act(gate(x)) * up(x)), times sigmoid(x @ gate_1D^T) and plus residual_BTD when given
         (the shared expert: the kernel folds both into its passes; it may write residual_BTD in place)."""
         mlp = op("swiglu_mlp", x_BTD.device)
-        return mlp(x_BTD, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.activation,
+        return mlp(x_BTD, weight_of(self.gate_proj), weight_of(self.up_proj), weight_of(self.down_proj), self.activation,
                    gate_1D=gate_1D, residual_TD=residual_BTD)
 
 
@@ -42,13 +43,17 @@ class Router(nn.Module):
             self.register_buffer("correction_bias", torch.zeros(num_experts))
         else:
             self.correction_bias = None
+        # LoRA on the router (runtime/lora.py, off by default): A [r, D], B [E, r], fp32
+        self.lora_A: nn.Parameter | None = None
+        self.lora_B: nn.Parameter | None = None
+        self.lora_scale, self.lora_merged = 0.0, False
         # Alignment pins the expert choice of a bf16 run to the fp32 run's, to measure bf16 numerics
         # apart from discrete routing flips (which it counts separately).
         self.pinned_idx: torch.Tensor | None = None
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights_Tk fp32, idx_Tk). Logits in fp32: routing decisions are precision-sensitive."""
-        logits_TE = router_logits(x_TD, self.weight, self.bias)
+        logits_TE = router_logits(x_TD, self.effective_weight(), self.bias)
         if self.pinned_idx is not None:
             return self._weights_for(logits_TE, self.pinned_idx), self.pinned_idx
         r = self.config
@@ -57,6 +62,10 @@ class Router(nn.Module):
             routed_scaling_factor=r.routed_scaling_factor, correction_bias_E=self.correction_bias,
             num_groups=r.num_groups, topk_groups=r.topk_groups, topk_before_softmax=r.topk_before_softmax)
 
+    def effective_weight(self) -> torch.Tensor:
+        if self.lora_A is None or self.lora_merged:
+            return self.weight
+        return self.weight + (self.lora_scale * (self.lora_B @ self.lora_A)).to(self.weight.dtype)
 
     def _weights_for(self, logits_TE: torch.Tensor, idx_Tk: torch.Tensor) -> torch.Tensor:
         """The routing weights the router gives experts idx_Tk (same scoring and normalization rules)."""
@@ -80,11 +89,26 @@ class Experts(nn.Module):
         self.b_down = nn.Parameter(torch.zeros(E, hidden_size)) if config.expert_bias else None
         self.options = dict(activation=config.activation, clamp=config.swiglu_limit, glu_alpha=config.swiglu_alpha,
                             interleaved_gate_up=config.interleaved_gate_up)
+        # LoRA on the routed experts (runtime/lora.py): stacked fp32 factors for the grouped GEMMs,
+        # A_gu [E, r, D], B_gu [E, 2F, r], A_d [E, r, F], B_d [E, D, r]
+        self.lora_gate_up_A: nn.Parameter | None = None
+        self.lora_gate_up_B: nn.Parameter | None = None
+        self.lora_down_A: nn.Parameter | None = None
+        self.lora_down_B: nn.Parameter | None = None
+        self.lora_scale, self.lora_merged = 0.0, False
 
     def forward(self, x_TD, weights_Tk, idx_Tk) -> torch.Tensor:
         experts = op("moe_experts", x_TD.device)
         return experts(x_TD, weights_Tk, idx_Tk, self.w_gate_up, self.w_down, b_gate_up_E2F=self.b_gate_up,
-                       b_down_ED=self.b_down, **self.options)
+                       b_down_ED=self.b_down, **self.options, **self._lora_args(x_TD.dtype))
+
+    def _lora_args(self, dtype: torch.dtype) -> dict:
+        # the grouped GEMMs take one dtype: the fp32 factors are cast to the activations' (autograd casts back)
+        if self.lora_gate_up_A is None or self.lora_merged:
+            return {}
+        factors = (self.lora_gate_up_A, self.lora_gate_up_B, self.lora_down_A, self.lora_down_B)
+        A_gu, B_gu, A_d, B_d = (t.to(dtype) for t in factors)
+        return dict(lora_gate_up=(A_gu, B_gu), lora_down=(A_d, B_d), lora_scale=self.lora_scale)
 
 
 class MoE(nn.Module):
@@ -110,5 +134,5 @@ class MoE(nn.Module):
         (bench/bench_moe.py times the block through this too.)"""
         if self.shared is None:
             return routed_TD
-        gate_1D = None if self.shared_gate is None else self.shared_gate.weight
+        gate_1D = None if self.shared_gate is None else weight_of(self.shared_gate)
         return self.shared(x_TD, gate_1D, routed_TD)

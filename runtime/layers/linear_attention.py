@@ -13,6 +13,13 @@ from torch import nn
 from runtime.config import GatedDeltaConfig, KDAConfig, LightningConfig
 from runtime.dispatch import op
 from runtime.layers.norm import GatedRMSNorm, RMSNorm, Weight
+from runtime.segments import per_segment
+
+
+def _conv(x_BTC: torch.Tensor, weight_CW: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """The short causal conv with silu, restarted at every packed segment (no tap reads the previous one)."""
+    conv = op("causal_conv1d", x_BTC.device)
+    return per_segment(lambda x: conv(x, weight_CW, None, "silu"), cu_seqlens, x_BTC)
 
 
 class GatedDeltaNet(nn.Module):
@@ -50,17 +57,18 @@ class GatedDeltaNet(nn.Module):
         qkv = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
         return qkv, z.reshape(B, T, self.H, self.V), b.reshape(B, T, self.H), a.reshape(B, T, self.H)
 
-    def forward(self, x_BTD: torch.Tensor, rotary=None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, rotary=None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         qkv_BTC, z_BTHV, b_BTH, a_BTH = self._projections(x_BTD)
-        qkv_BTC = op("causal_conv1d", x_BTD.device)(qkv_BTC, self.conv1d.weight.squeeze(1), None, "silu")
+        qkv_BTC = _conv(qkv_BTC, self.conv1d.weight.squeeze(1), cu_seqlens)
         q, k, v = qkv_BTC.split([self.J * self.K, self.J * self.K, self.H * self.V], dim=-1)
         # value heads share key heads in groups (GQA-like); the op takes one head count
         q_BTHK = q.view(B, T, self.J, self.K).repeat_interleave(self.H // self.J, dim=2)
         k_BTHK = k.view(B, T, self.J, self.K).repeat_interleave(self.H // self.J, dim=2)
         g_BTH = -self.A_log.float().exp() * F.softplus(a_BTH.float() + self.dt_bias)
         o_BTHV, _ = op("gated_delta_rule", x_BTD.device)(
-            q_BTHK, k_BTHK, v.view(B, T, self.H, self.V), g_BTH, b_BTH.sigmoid(), use_qk_l2norm=True)
+            q_BTHK, k_BTHK, v.view(B, T, self.H, self.V), g_BTH, b_BTH.sigmoid(), use_qk_l2norm=True,
+            cu_seqlens=cu_seqlens)
         return self.out_proj(self.norm(o_BTHV, z_BTHV).reshape(B, T, -1))
 
 
@@ -92,15 +100,16 @@ class KimiDeltaAttention(nn.Module):
             return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
         return self.conv1d.weight.squeeze(1)
 
-    def forward(self, x_BTD: torch.Tensor, rotary=None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, rotary=None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         qkv = torch.cat([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], dim=-1)
-        qkv = op("causal_conv1d", x_BTD.device)(qkv, self._conv_weight(), None, "silu")
+        qkv = _conv(qkv, self._conv_weight(), cu_seqlens)
         q_BTHK, k_BTHK, v_BTHK = (t.view(B, T, self.H, self.K) for t in qkv.chunk(3, dim=-1))
         gate_in = self.f_b_proj(self.f_a_proj(x_BTD)).float() + self.dt_bias.float()
         g_BTHK = -self.A_log.float().exp() * F.softplus(gate_in.view(B, T, self.H, self.K))
         beta_BTH = torch.sigmoid(self.b_proj(x_BTD))
-        o_BTHK, _ = op("kda", x_BTD.device)(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, use_qk_l2norm=True)
+        o_BTHK, _ = op("kda", x_BTD.device)(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, use_qk_l2norm=True,
+                                            cu_seqlens=cu_seqlens)
         gate_BTHK = self.g_b_proj(self.g_a_proj(x_BTD)).view(B, T, self.H, self.K)
         return self.o_proj(self.o_norm(o_BTHK, gate_BTHK).reshape(B, T, -1))
 
@@ -124,10 +133,12 @@ class LightningAttention(nn.Module):
                             ("diagonal_decay", (1, self.H, block, block))):
             self.register_buffer(name, torch.zeros(shape), persistent=True)
 
-    def forward(self, x_BTD: torch.Tensor, rotary=None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, rotary=None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         qkv = F.silu(self.qkv_proj(x_BTD)).view(B, T, self.H, 3 * self.K)
         q_BTHK, k_BTHK, v_BTHK = qkv.split(self.K, dim=-1)
-        o_BTHK, _ = op("lightning_attention", x_BTD.device)(q_BTHK, k_BTHK, v_BTHK, self.slope_rate.view(self.H))
+        lightning = op("lightning_attention", x_BTD.device)
+        o_BTHK = per_segment(lambda q, k, v: lightning(q, k, v, self.slope_rate.view(self.H))[0],
+                             cu_seqlens, q_BTHK, k_BTHK, v_BTHK)
         o_BTX = self.norm(o_BTHK.reshape(B, T, -1))
         return self.out_proj(torch.sigmoid(self.output_gate(x_BTD)) * o_BTX)

@@ -12,9 +12,11 @@ from torch import nn
 
 from runtime.config import DSAIndexerConfig, MLAConfig
 from runtime.dispatch import op
+from runtime.layers.lora_linear import weight_of
 from runtime.layers.norm import RMSNorm
 from runtime.ops.mla import mla_softmax_scale
 from runtime.ops.rope import apply_rope
+from runtime.segments import per_segment
 
 
 class DSAIndexer(nn.Module):
@@ -72,21 +74,23 @@ class MLAAttention(nn.Module):
 
     def _weights(self) -> dict[str, torch.Tensor]:
         names = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
-        params = {n: getattr(self, n).weight for n in names if hasattr(self, n)}
+        params = {n: weight_of(getattr(self, n)) for n in names if hasattr(self, n)}
         params["kv_a_layernorm"] = self.kv_a_layernorm.weight
         if self.q_lora_rank:
             params["q_a_layernorm"] = self.q_a_layernorm.weight
         return params
 
-    def forward(self, x_BTD: torch.Tensor, rotary) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, rotary, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed segments run one at a time (the MLA and DSA ops take no cu_seqlens)."""
         cos, sin = self._cos_sin(x_BTD, rotary)
         interleaved = bool(self.rope and self.rope.interleaved)
-        if self.indexer is None:
-            return op("mla_attention", x_BTD.device)(
-                x_BTD, self._weights(), num_heads=self.H, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.L,
-                qk_nope_head_dim=self.N, qk_rope_head_dim=self.R, v_head_dim=self.V, cos_BTR=cos, sin_BTR=sin,
-                scale=self.scale, eps=self.eps, interleaved_rope=interleaved)
-        return self._sparse(x_BTD, cos, sin, interleaved)
+        if self.indexer is not None:
+            return per_segment(lambda x, c, s: self._sparse(x, c, s, interleaved), cu_seqlens, x_BTD, cos, sin)
+        attention, weights = op("mla_attention", x_BTD.device), self._weights()
+        return per_segment(lambda x, c, s: attention(
+            x, weights, num_heads=self.H, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.L, qk_nope_head_dim=self.N,
+            qk_rope_head_dim=self.R, v_head_dim=self.V, cos_BTR=c, sin_BTR=s, scale=self.scale, eps=self.eps,
+            interleaved_rope=interleaved), cu_seqlens, x_BTD, cos, sin)
 
     def _sparse(self, x_BTD, cos, sin, interleaved) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -96,7 +100,7 @@ class MLAAttention(nn.Module):
         c_BTL = self.kv_a_layernorm(latent_BTX[..., : self.L])
         k_rot_BTR = apply_rope(latent_BTX[:, :, None, self.L:], cos, sin, interleaved)[:, :, 0]
         q_rot_BTHR = apply_rope(q_BTHK[..., self.N:], cos, sin, interleaved)
-        w_kv_HXL = self.kv_b_proj.weight.view(self.H, self.N + self.V, self.L)
+        w_kv_HXL = weight_of(self.kv_b_proj).view(self.H, self.N + self.V, self.L)
         # absorb the key up-projection into the query: q_nope . (W_uk c) = (W_uk^T q_nope) . c
         q_lat_BTHL = torch.einsum("bthn,hnl->bthl", q_BTHK[..., : self.N], w_kv_HXL[:, : self.N])
         q_abs_BTHK = torch.cat([q_lat_BTHL, q_rot_BTHR], dim=-1)

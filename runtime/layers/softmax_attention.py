@@ -12,6 +12,7 @@ from runtime.config import SoftmaxAttentionConfig
 from runtime.dispatch import op
 from runtime.layers.norm import RMSNorm
 from runtime.ops.rope import apply_rope
+from runtime.segments import per_segment
 
 
 class SoftmaxAttention(nn.Module):
@@ -32,7 +33,7 @@ class SoftmaxAttention(nn.Module):
             self.k_norm = RMSNorm(kv_width if full else self.head_dim, norm_eps, norm_offset)
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.sinks else None
 
-    def forward(self, x_BTD: torch.Tensor, rotary) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, rotary, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x_BTD.shape
         q, gate_BTX = self._queries(x_BTD)
         k = self.k_proj(x_BTD)
@@ -47,7 +48,8 @@ class SoftmaxAttention(nn.Module):
             q_BTHK = apply_rope(q_BTHK, cos, sin, self.rope.interleaved)
             k_BTGK = apply_rope(k_BTGK, cos, sin, self.rope.interleaved)
         attention = op("softmax_attention", x_BTD.device)
-        o_BTHK = attention(q_BTHK, k_BTGK, v_BTGK, self.scale, causal=True, window=self.window, sinks_H=self.sinks)
+        o_BTHK = per_segment(lambda q_, k_, v_: attention(q_, k_, v_, self.scale, causal=True, window=self.window,
+                                                         sinks_H=self.sinks), cu_seqlens, q_BTHK, k_BTGK, v_BTGK)
         o_BTX = o_BTHK.reshape(B, T, -1)
         if gate_BTX is not None:
             o_BTX = o_BTX * torch.sigmoid(gate_BTX)

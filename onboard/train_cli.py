@@ -1,0 +1,163 @@
+"""`onboard train PKG --data FILE.jsonl`: read the package and its release, check and pack the data, train.
+
+Reads only the package (spec, weight map, lora.yaml, plan.yaml's memory policy) and the release
+folder it names (or --model-dir): weights and tokenizer files. The data is read, checked and
+tokenized before the model is built, so a malformed line fails before any step.
+torch and the runtime are imported when the command runs, so the other commands start fast.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from onboard.errors import OnboardError
+
+
+class MemoryPlan(BaseModel):
+    """plan.yaml's `memory:` section: op kinds to recompute and to offload (runtime/memory.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+    recompute: list[str] = []
+    offload: list[str] = []
+
+
+def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
+    p.add_argument("pkg")
+    p.add_argument("--data", required=True, help="jsonl of {\"text\": ...} or {\"messages\": [...]}")
+    p.add_argument("--steps", type=positive_int, default=100)
+    p.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per packed row")
+    p.add_argument("--batch-size", type=positive_int, default=1, help="packed rows per micro-batch")
+    p.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--eval-every", type=positive_int, default=50)
+    p.add_argument("--checkpoint-every", type=positive_int, default=50)
+    p.add_argument("--eval-fraction", type=float, default=0.1, help="documents held out for eval loss")
+    p.add_argument("--recompute", default=None, help="op kinds to recompute, e.g. attention,moe (over plan.yaml)")
+    p.add_argument("--offload", default=None, help="op kinds whose activations go to host memory (over plan.yaml)")
+    p.add_argument("--out", default=None, help="run folder (default: PKG/runs/latest)")
+    p.add_argument("--resume", action="store_true", help="continue from the run folder's last complete checkpoint")
+    p.add_argument("--model-dir", default=None, help="the release folder, if it moved since new-model")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def memory_policy(pkg: Path, recompute: str | None, offload: str | None):
+    from runtime.memory import MemoryPolicy
+
+    plan_path = pkg / "plan.yaml"
+    plan = MemoryPlan()
+    if plan_path.exists():
+        try:
+            plan = MemoryPlan.model_validate((yaml.safe_load(plan_path.read_text()) or {}).get("memory") or {})
+        except (yaml.YAMLError, ValidationError, AttributeError) as err:
+            raise OnboardError(plan_path, "memory", f"expected {{recompute: [kinds], offload: [kinds]}} ({err})") from None
+    kinds = lambda flag, planned: tuple(planned if flag is None else [k for k in flag.split(",") if k])  # noqa: E731
+    try:
+        return MemoryPolicy(kinds(recompute, plan.recompute), kinds(offload, plan.offload))
+    except ValueError as err:
+        raise OnboardError(plan_path, "memory", str(err)) from None
+
+
+def load_tokenizer(release: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(release, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise OnboardError(release, "tokenizer", f"the release's tokenizer files do not load ({err})") from None
+
+
+def prepare_data(data_path: Path, tokenizer, seq_len: int, eval_fraction: float, seed: int):
+    from runtime.data import pack, read_jsonl, split_eval, tokenize
+    from runtime.train import TrainData
+
+    documents = tokenize(read_jsonl(data_path), tokenizer)
+    try:
+        train_docs, eval_docs = split_eval(documents, eval_fraction, seed)
+    except ValueError as err:
+        raise OnboardError(data_path, None, str(err)) from None
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return TrainData(pack(train_docs, seq_len, pad), pack(eval_docs, seq_len, pad))
+
+
+def read_lora(pkg: Path, weight_map: dict):
+    """The package's LoRA plan (PKG/lora.yaml) as a runtime LoraConfig."""
+    from runtime.lora_file import read_lora_yaml
+
+    path = pkg / "lora.yaml"
+    if not path.exists():
+        raise OnboardError(path, None, "missing: the package has no LoRA plan (rerun `onboard new-model`)")
+    return read_lora_yaml(path, weight_map)
+
+
+def build_model(spec: dict, weight_map: dict, release: Path, lora_config, policy, device):
+    """The runtime model: bf16 base weights from the release, fp32 LoRA factors, the memory policy."""
+    import torch
+
+    from runtime.lora import apply_lora
+    from runtime.memory import apply_memory_policy
+    from runtime.model import HybridDecoder
+    from runtime.weights import load_release
+
+    with torch.device(device):
+        model = HybridDecoder(spec).to(torch.bfloat16)
+    vision = spec["naming"].get("vision_prefix")
+    load_release(model, release, weight_map, skip_prefixes=(vision,) if vision else ())
+    apply_lora(model, lora_config)
+    apply_memory_policy(model, policy)
+    return model
+
+
+def run(args) -> int:
+    """0 trained; 1 aborted (non-finite steps); 3 the release's chat template cannot mask assistant turns."""
+    import dataclasses
+
+    import torch
+
+    from runtime.data import ChatTemplateError
+    from runtime.lora import lora_state_dict
+    from runtime.run_folder import save_adapter, write_run_json
+    from runtime.train import TrainConfig, TrainingAborted, train
+
+    pkg = Path(args.pkg)
+    spec, weight_map, source = _read_package(pkg)
+    release = Path(args.model_dir) if args.model_dir else source
+    policy = memory_policy(pkg, args.recompute, args.offload)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+                      warmup_steps=min(10, max(1, args.steps // 10)), eval_every=args.eval_every,
+                      checkpoint_every=args.checkpoint_every)
+    try:
+        data = prepare_data(Path(args.data), load_tokenizer(release), args.seq_len, args.eval_fraction, cfg.seed)
+    except ChatTemplateError as err:
+        print(f"onboard: gap: {release}: chat template: {err}", file=sys.stderr)
+        return 3
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    lora_config = read_lora(pkg, weight_map)
+    model = build_model(spec, weight_map, release, lora_config, policy, device)
+    out = Path(args.out) if args.out else pkg / "runs" / "latest"
+    write_run_json(out, pkg, release, train=dataclasses.asdict(cfg), seq_len=args.seq_len, data=str(args.data),
+                   memory=dataclasses.asdict(policy))
+    try:
+        state = train(model, data, cfg, out, resume=args.resume, progress=not args.no_progress)
+    except TrainingAborted as err:
+        print(f"onboard: error: {err}", file=sys.stderr)
+        return 1
+    save_adapter(out, lora_state_dict(model), lora_config)
+    print(f"trained {state['step']} steps into {out}; eval loss {state['eval_loss']:.4f}, "
+          f"best {state['best_eval_loss']:.4f} at step {state['best_step']}")
+    return 0
+
+
+def _read_package(pkg: Path) -> tuple[dict, dict, Path]:
+    """(spec, weight map, release folder) of a package written by `onboard new-model`."""
+    try:
+        manifest = yaml.safe_load((pkg / "package.yaml").read_text())
+        spec = json.loads((pkg / "spec.json").read_text())
+        weight_map = json.loads((pkg / "weight_map.json").read_text())
+        return spec, weight_map, Path(manifest["source"]["path"])
+    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as err:
+        raise OnboardError(pkg, None, f"not a package written by `onboard new-model` ({err})") from None

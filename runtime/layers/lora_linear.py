@@ -1,0 +1,53 @@
+"""A linear layer with a LoRA pair, and the weight layers read when they hand it to a fused op.
+
+LoraLinear keeps the base layer's own weight and bias Parameters (same objects, same names), so a
+model loads the release before or after LoRA is applied and checkpoints keep the base names.
+Shape legend: O out width, I in width, r rank.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LoraLinear(nn.Linear):
+    """y = x W^T + b + scale * dropout(x) A^T B^T, the LoRA path in the factors' dtype (fp32), as PEFT does."""
+
+    def __init__(self, base: nn.Linear, rank: int, scale: float, dropout: float):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        device = base.weight.device
+        self.lora_A = nn.Parameter(torch.zeros(rank, self.in_features, dtype=torch.float32, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, dtype=torch.float32, device=device))
+        self.lora_scale = scale
+        self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.lora_merged = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if self.lora_merged:
+            return out
+        low_rank = F.linear(F.linear(self.dropout(x).to(self.lora_A.dtype), self.lora_A), self.lora_B)
+        return out + (self.lora_scale * low_rank).to(out.dtype)
+
+    def delta_weight(self) -> torch.Tensor:
+        """scale * B @ A, [O, I] in fp32."""
+        return self.lora_scale * (self.lora_B @ self.lora_A)
+
+    def effective_weight(self) -> torch.Tensor:
+        """W + scale * B A in W's dtype, for layers that read the weight instead of calling the module.
+        Dropout acts on the layer's input, which such a reader never hands over: refused while training."""
+        if self.lora_merged:
+            return self.weight
+        if self.training and isinstance(self.dropout, nn.Dropout):
+            raise ValueError("LoRA dropout is not available on a projection its layer reads as a weight (fused op)")
+        return self.weight + self.delta_weight().to(self.weight.dtype)
+
+
+def weight_of(linear: nn.Linear) -> torch.Tensor:
+    """The weight a layer multiplies by when it passes it to an op rather than calling the module.
+    With LoRA this materializes W + scale * B A (and autograd then forms the [O, I] weight gradient
+    to reach A and B): correct, at the cost of one dense weight gradient for that projection."""
+    return linear.effective_weight() if isinstance(linear, LoraLinear) else linear.weight

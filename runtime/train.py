@@ -1,0 +1,213 @@
+"""The LoRA training loop: frozen base weights, fp32 LoRA factors trained by AdamW, packed batches.
+
+Per step: `grad_accum` micro-batches of `batch_size` packed rows (flattened into one sequence with
+cu_seqlens), the chunked LM-head loss summed and divided by the trained tokens of the whole step,
+gradient clipping, cosine schedule with warmup. A step whose loss or gradient norm is not finite is
+skipped (no update) and `max_bad_steps` of them in a row abort. Eval loss every `eval_every` steps,
+a checkpoint every `checkpoint_every` steps and at the end; metrics.jsonl and plots in the run folder.
+Data order, schedule and RNG are functions of the step, so a resumed run repeats a straight one.
+Data-parallel ranks (torch.distributed, when initialized) read disjoint rows and sum token counts;
+one process is the same code with a group of one.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime import checkpoint
+from runtime.data import IGNORE, PackedRows, batch_rows, cu_seqlens_of
+from runtime.flops import peak_flops, step_flops
+from runtime.lora import lora_parameters
+from runtime.loss import chunked_cross_entropy
+from runtime.metrics import MetricsLog, expert_counts, imbalance, peak_memory_gib, plot
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    batch_size: int = 1  # packed rows per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0  # max global grad norm
+    eval_every: int = 50
+    checkpoint_every: int = 50
+    keep_last: int = 2  # step folders kept besides the best
+    max_bad_steps: int = 3  # non-finite steps in a row before aborting
+    loss_chunk: int = 1024  # tokens per LM-head chunk
+    seed: int = 0  # data order
+
+
+class TrainingAborted(RuntimeError):
+    pass
+
+
+@dataclass
+class TrainData:
+    train: PackedRows
+    eval: PackedRows
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup over warmup_steps, then cosine from lr down to lr * min_lr_ratio at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps - 1)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def _rank_and_size() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _sum_over_ranks(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(value)
+    return value
+
+
+def micro_batch(rows: PackedRows, indices: list[int], device: torch.device) -> dict:
+    """Rows flattened into one packed sequence: input_ids [1, B*L], labels [B*L], positions, cu_seqlens."""
+    take = lambda t: t[indices].to(device)  # noqa: E731
+    return {"input_ids": take(rows.tokens_NL).reshape(1, -1), "labels": take(rows.labels_NL).reshape(-1),
+            "positions": take(rows.positions_NL).reshape(1, -1),
+            "cu_seqlens": cu_seqlens_of(rows.segments_NL[indices]).to(device)}
+
+
+def loss_sum(model: nn.Module, batch: dict, chunk: int) -> torch.Tensor:
+    h_BTD = model.hidden_states(batch["input_ids"], batch["positions"], cu_seqlens=batch["cu_seqlens"])
+    return chunked_cross_entropy(h_BTD[0], model.head_weight(), batch["labels"], chunk)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, rows: PackedRows, cfg: TrainConfig, device: torch.device) -> float:
+    """Mean loss over every trained token of the eval rows (this rank's share, summed over ranks)."""
+    rank, size = _rank_and_size()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for first in range(rank * cfg.batch_size, len(rows), size * cfg.batch_size):
+        batch = micro_batch(rows, list(range(first, min(first + cfg.batch_size, len(rows)))), device)
+        total[0] += loss_sum(model, batch, cfg.loss_chunk).double()
+        total[1] += (batch["labels"] != IGNORE).sum()
+    total = _sum_over_ranks(total)
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def _step(model, optimizer, params, data: TrainData, cfg: TrainConfig, step: int, device) -> dict:
+    """One optimizer step (or a skipped one); returns its measurements."""
+    rank, size = _rank_and_size()
+    micro = [micro_batch(data.train, batch_rows(len(data.train), step * cfg.grad_accum + m, cfg.batch_size,
+                                                cfg.seed, rank, size), device) for m in range(cfg.grad_accum)]
+    trained = _sum_over_ranks(sum((b["labels"] != IGNORE).sum() for b in micro).to(torch.float32))
+    total, counts, segments = torch.zeros((), device=device), {}, []
+    for batch in micro:
+        loss = loss_sum(model, batch, cfg.loss_chunk) / trained.clamp(min=1)
+        for layer, c in expert_counts(model).items():
+            counts[layer] = counts.get(layer, 0) + c
+        loss.backward()
+        total += loss.detach()
+        segments += torch.diff(batch["cu_seqlens"]).tolist()
+    total = _sum_over_ranks(total)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    finite = bool(torch.isfinite(total) and torch.isfinite(grad_norm))
+    if finite:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": float(total), "grad_norm": float(grad_norm), "finite": finite, "counts": counts,
+            "tokens": sum(segments) * size, "segments": segments}
+
+
+def _record(step: int, result: dict, seconds: float, flops: float, cfg: TrainConfig, device) -> dict:
+    """The metrics line of (1-based) step `step`."""
+    peak = peak_flops(device)
+    return {"kind": "train", "step": step, "loss": result["loss"], "lr": lr_at(step - 1, cfg),
+            "grad_norm": result["grad_norm"], "skipped": not result["finite"], "tokens": result["tokens"],
+            "tokens_per_s": result["tokens"] / seconds, "mfu": None if peak is None else flops / seconds / peak,
+            "peak_mem_gib": peak_memory_gib(device),
+            "expert_counts": {str(k): v.tolist() for k, v in result["counts"].items()},
+            "expert_imbalance": {str(k): imbalance(v) for k, v in result["counts"].items()}}
+
+
+def _progress(enabled: bool):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    TextColumn("{task.fields[stats]}"), console=Console(stderr=True), disable=not enabled)
+
+
+def _stats(record: dict) -> str:
+    mfu = "-" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
+    return (f"loss {record['loss']:.4f}  gnorm {record['grad_norm']:.3g}  {record['tokens_per_s']:.0f} tok/s  "
+            f"MFU {mfu}  peak {record['peak_mem_gib']:.2f} GiB")
+
+
+def _start(model, optimizer, run_dir: Path, resume: bool) -> dict:
+    """The train state to start from: the last complete checkpoint when resuming, else step 0."""
+    root = run_dir / "checkpoints"
+    checkpoint.clear_partial(root)
+    steps = checkpoint.complete_steps(root)
+    if resume and steps:
+        return checkpoint.load(steps[-1], model, optimizer)
+    return {"step": 0, "bad_in_a_row": 0, "eval_loss": None, "best_eval_loss": None, "best_step": None}
+
+
+def _evaluate_into(state: dict, model, data: TrainData, cfg: TrainConfig, device, log: MetricsLog) -> None:
+    model.eval()
+    state["eval_loss"] = evaluate(model, data.eval, cfg, device)
+    model.train()
+    if state["best_eval_loss"] is None or state["eval_loss"] < state["best_eval_loss"]:
+        state["best_eval_loss"], state["best_step"] = state["eval_loss"], state["step"]
+    log.write({"kind": "eval", "step": state["step"], "eval_loss": state["eval_loss"]})
+
+
+def train(model: nn.Module, data: TrainData, cfg: TrainConfig, run_dir: Path, resume: bool = False,
+          progress: bool = True) -> dict:
+    """Train the LoRA factors of `model` (already loaded and adapted); returns the final train state."""
+    run_dir = Path(run_dir)
+    (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+    device = next(iter(lora_parameters(model))).device
+    params = lora_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    state = _start(model, optimizer, run_dir, resume)
+    log = MetricsLog(run_dir / "metrics.jsonl", state["step"] if resume else None)
+    model.train()
+    with _progress(progress) as bar:
+        task = bar.add_task("train", total=cfg.steps, completed=state["step"], stats="")
+        while state["step"] < cfg.steps:
+            started = time.perf_counter()
+            result = _step(model, optimizer, params, data, cfg, state["step"], device)
+            state["step"] += 1
+            record = _record(state["step"], result, time.perf_counter() - started,
+                             step_flops(model, result["segments"]), cfg, device)
+            log.write(record)
+            if not result["finite"]:
+                bar.console.print(f"step {state['step']}: loss {result['loss']}, grad norm {result['grad_norm']}: "
+                                  "not finite, step skipped")
+            _check_finite(state, result, cfg)
+            if state["step"] % cfg.eval_every == 0 or state["step"] == cfg.steps:
+                _evaluate_into(state, model, data, cfg, device, log)
+            if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.steps:
+                checkpoint.save(run_dir / "checkpoints", model, optimizer, state, cfg.keep_last)
+            bar.update(task, completed=state["step"], stats=_stats(record))
+    if log.enabled:
+        plot(run_dir)
+    return state
+
+
+def _check_finite(state: dict, result: dict, cfg: TrainConfig) -> None:
+    state["bad_in_a_row"] = 0 if result["finite"] else state["bad_in_a_row"] + 1
+    if state["bad_in_a_row"] >= cfg.max_bad_steps:
+        raise TrainingAborted(f"step {state['step']}: loss {result['loss']}, grad norm {result['grad_norm']}: "
+                              f"{state['bad_in_a_row']} non-finite steps in a row, aborting")
