@@ -29,6 +29,7 @@ EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 RANK, ALPHA = 16, 32
 PEAK_TFLOPS = 790.0
 WARMUP, REPS = 3, 10
+DEVICE = "cuda"
 
 
 def log(msg: str) -> None:
@@ -110,25 +111,24 @@ POLICIES = {"none": {}, "recompute": dict(recompute=("attention", "linear_attent
             "recompute_offload": dict(recompute=("linear_attention", "moe", "mlp"), offload=("attention",))}
 
 
-def ours_part(work: Path, experts: bool, seq_len: int, policy: str | None = None) -> dict:
-    """The package's model as `onboard train` builds it (LoRA r16 alpha32 on the package's attention
-    targets, the experts too when asked), one packed row of seq_len tokens, the chunked loss."""
+def ours_setup(work: Path, experts: bool, seq_len: int, policy: str | None = None):
+    """(step, model, trainable params): the package's model as `onboard train` builds it (LoRA r16 alpha32 on the
+    package's attention targets, the experts too when asked), one packed row of seq_len tokens, the chunked loss."""
     import dataclasses
     import json as json_
 
     import torch
     from onboard.train_cli import build_model, read_lora
     from runtime.data import Document, pack
-    from runtime.flops import step_flops
     from runtime.memory import MemoryPolicy
     from runtime.train import loss_sum, micro_batch
     spec, weight_map = (json_.loads((work / "pkg" / name).read_text()) for name in ("spec.json", "weight_map.json"))
     lora = dataclasses.replace(read_lora(work / "pkg", weight_map), rank=RANK, alpha=ALPHA, experts=experts)
-    model = build_model(spec, weight_map, work / "release", lora, MemoryPolicy(**POLICIES[policy or "none"]), "cuda")
+    model = build_model(spec, weight_map, work / "release", lora, MemoryPolicy(**POLICIES[policy or "none"]), DEVICE)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     ids = token_batch(seq_len, model.config.vocab_size)
-    batch = micro_batch(pack([Document(ids[0].tolist(), [True] * seq_len)], seq_len, 0), [0], torch.device("cuda"))
+    batch = micro_batch(pack([Document(ids[0].tolist(), [True] * seq_len)], seq_len, 0), [0], torch.device(DEVICE))
 
     def step():
         loss = loss_sum(model, batch, 1024) / (seq_len - 1)
@@ -137,10 +137,60 @@ def ours_part(work: Path, experts: bool, seq_len: int, policy: str | None = None
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
+    return step, model, params
+
+
+def ours_part(work: Path, experts: bool, seq_len: int, policy: str | None = None) -> dict:
+    from runtime.flops import step_flops
+    step, model, params = ours_setup(work, experts, seq_len, policy)
     seconds, first, peak = timed_steps(step)
     flops = step_flops(model, [seq_len])
     return dict(seconds=seconds, first_loss=first, peak_gib=peak, trainable=sum(p.numel() for p in params),
                 flops=flops, mfu=flops / seconds / (PEAK_TFLOPS * 1e12))
+
+
+# kernel-name fragments -> the op kind a GPU kernel belongs to (first match wins; the rest is "other")
+KERNEL_KINDS = (
+    ("gdn/kda kernels", ("prep_blocked", "prep_columns", "scan_kernel", "scan_bwd", "state_grad", "wy_grad",
+                         "diag_token", "gram_grad", "dg_finish")),
+    ("moe grouped gemm + routing", ("grouped", "_router", "gather", "combine", "glu", "swiglu", "topk")),
+    ("attention (sdpa)", ("flash", "fmha", "cudnn", "attention")),
+    ("matmul (cuBLAS)", ("gemm", "nvjet", "cutlass", "xmma", "sm90")),
+    ("loss (chunked lm head + ce)", ("cross_entropy", "log_softmax", "softmax", "logsumexp", "nll")),
+    ("conv1d", ("conv",)),
+    ("optimizer", ("adam", "foreach", "multi_tensor")),
+    ("copies / casts", ("copy", "cast", "memcpy", "to_copy")),
+    ("elementwise / reductions", ("elementwise", "vectorized", "reduce", "unrolled", "fill")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lower = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in lower for k in keys)), "other")
+
+
+def profile_part(work: Path, seq_len: int) -> dict:
+    """GPU time per kernel and per op kind over 3 profiled steps after 3 warm-up ones (ms per step)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    step, _, _ = ours_setup(work, False, seq_len)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    per_kernel = {}
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0:
+            per_kernel[event.key] = per_kernel.get(event.key, 0.0) + event.self_device_time_total / 3e3
+    kinds = {}
+    for name, ms in per_kernel.items():
+        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:40]
+    return dict(gpu_ms_per_step=sum(per_kernel.values()), ops=dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+                top_kernels=[dict(name=n[:160], ms=round(ms, 4), kind=kernel_kind(n)) for n, ms in top])
 
 
 def in_subprocess(args: list[str], timeout: int = 400) -> dict:
@@ -209,8 +259,7 @@ def run_part(args) -> dict:
     if args.part == "ours":
         return ours_part(args.work, args.experts, args.seq_len, args.policy)
     if args.part == "profile":
-        from bench.step_profile import profile_ours
-        return profile_ours(args.work, args.seq_len)
+        return profile_part(args.work, args.seq_len)
     return peft_part(args.work, args.experts, args.part == "peft_fla", args.seq_len)
 
 
