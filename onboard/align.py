@@ -10,8 +10,10 @@ from onboard.align_model import distinct_layers, tier1, tier2
 from onboard.align_ops import tier0
 from onboard.align_reference import read_package
 from onboard.align_report import AlignmentReport, tier_result
+from onboard.align_tier4 import tier4
 from onboard.align_vision import vision_checks
 from onboard.errors import OnboardError
+from onboard.plan import Cluster, Workload
 
 # Alignment of large releases runs a prefix of the model (both sides) holding every distinct layer kind.
 MAX_ALIGN_LAYERS = 8
@@ -23,13 +25,17 @@ def layers_to_run(spec: dict, max_layers: int = MAX_ALIGN_LAYERS) -> int:
     return max(max(kinds.values()) + 1, min(spec["num_layers"], max_layers))
 
 
-def run(pkg: Path, tiers: list[int], tamper=None, progress=print, max_layers: int = MAX_ALIGN_LAYERS) -> AlignmentReport:
+def run(pkg: Path, tiers: list[int], tamper=None, progress=print, max_layers: int = MAX_ALIGN_LAYERS,
+        cluster: Cluster | None = None) -> AlignmentReport:
+    """cluster: the target of tier 4 (required for it)."""
     pkg = Path(pkg)
     if not (pkg / "package.yaml").exists():
         raise OnboardError(pkg, "package.yaml", "not a package written by `onboard new-model`")
+    if 4 in tiers and cluster is None:
+        raise OnboardError(None, "--tiers", "tier 4 needs the target cluster: --gpus N --gpu-mem-gib G")
     spec, weight_map, source = read_package(pkg)
     num_layers = layers_to_run(spec, max_layers)
-    if num_layers < spec["num_layers"]:
+    if num_layers < spec["num_layers"] and min(tiers) < 3:
         progress(f"aligning the first {num_layers} of {spec['num_layers']} layers (every distinct layer kind is among them)")
     torch.manual_seed(0)
     results, divergence = [], None
@@ -46,14 +52,25 @@ def run(pkg: Path, tiers: list[int], tamper=None, progress=print, max_layers: in
             checks, divergence = tier2(spec, weight_map, source, num_layers, tamper=tamper)
             if spec.get("vision"):
                 checks += vision_checks(spec, weight_map, source, pkg, num_layers)
+        elif tier == 4:
+            checks = tier4(spec, weight_map, source, cluster, _plan_workload(pkg), progress)
         else:
-            raise OnboardError(None, "--tiers", f"tier {tier} is not available here (0, 1, 2)")
+            raise OnboardError(None, "--tiers", f"tier {tier} is not available here (0, 1, 2, 4)")
         results.append(tier_result(tier, checks))
         progress(f"tier {tier}: {'pass' if results[-1].passed else 'FAIL'} ({results[-1].num_failed} of {len(checks)} checks failed)")
     report = AlignmentReport(package=str(pkg.resolve()), source=str(source), spec_hash=spec_hash(pkg), tiers=results,
                              first_divergence=divergence, passed=all(t.passed for t in results) and len(results) == len(tiers))
     _write(pkg, report)
     return report
+
+
+def _plan_workload(pkg: Path) -> Workload:
+    """The sequence length and LoRA rank the package's plan.yaml was made for (defaults without one)."""
+    import yaml
+
+    plan_path = pkg / "plan.yaml"
+    workload = yaml.safe_load(plan_path.read_text())["workload"] if plan_path.exists() else {}
+    return Workload(workload.get("seq_len", 4096), workload.get("lora_rank", 16), None)
 
 
 def spec_hash(pkg: Path) -> str:

@@ -85,8 +85,12 @@ def _search_progress(quiet: bool):
 def _align(args) -> int:
     from onboard import align
 
+    from onboard.plan import Cluster
+
     tiers = _tier_list(args.tiers)
-    report = align.run(Path(args.pkg), tiers, progress=lambda line: print(line, file=sys.stderr), max_layers=args.max_layers)
+    cluster = Cluster(args.gpus, args.gpu_mem_gib, args.gpus_per_node) if args.gpus and args.gpu_mem_gib else None
+    report = align.run(Path(args.pkg), tiers, progress=lambda line: print(line, file=sys.stderr), max_layers=args.max_layers,
+                       cluster=cluster)
     print(report.summary_line())
     if args.check:
         regressed = align.regressions(Path(args.pkg), report)
@@ -101,8 +105,8 @@ def _tier_list(text: str) -> list[int]:
         tiers = sorted({int(t) for t in text.split(",") if t.strip()})
     except ValueError:
         raise OnboardError(None, "--tiers", f"expected a comma-separated list of tier numbers, got {text!r}")
-    if not tiers or any(t not in (0, 1, 2) for t in tiers):
-        raise OnboardError(None, "--tiers", f"tiers 0, 1 and 2 are available, got {text!r}")
+    if not tiers or any(t not in (0, 1, 2, 4) for t in tiers):
+        raise OnboardError(None, "--tiers", f"tiers 0, 1, 2 and 4 are available, got {text!r}")
     return tiers
 
 
@@ -144,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="fail on a regression against alignment/baseline.json")
     p.add_argument("--max-layers", type=_positive_int, default=8,
                    help="align a prefix of at most this many layers (extended to hold every distinct layer kind)")
+    p.add_argument("--gpus", type=_positive_int, default=None, help="tier 4: GPUs of the target cluster")
+    p.add_argument("--gpu-mem-gib", type=_positive_float, default=None, help="tier 4: memory of one GPU")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=8, help="tier 4: GPUs per node (default 8)")
     p.set_defaults(run=_align)
     return parser
 
