@@ -14,6 +14,7 @@ from onboard.align_tier4 import tier4
 from onboard.align_vision import vision_checks
 from onboard.errors import OnboardError
 from onboard.plan import Cluster, Workload
+from runtime.parallel.placement import MeshShape
 
 # Alignment of large releases runs a prefix of the model (both sides) holding every distinct layer kind.
 MAX_ALIGN_LAYERS = 8
@@ -26,8 +27,8 @@ def layers_to_run(spec: dict, max_layers: int = MAX_ALIGN_LAYERS) -> int:
 
 
 def run(pkg: Path, tiers: list[int], tamper=None, progress=print, max_layers: int = MAX_ALIGN_LAYERS,
-        cluster: Cluster | None = None) -> AlignmentReport:
-    """cluster: the target of tier 4 (required for it)."""
+        cluster: Cluster | None = None, mesh: MeshShape | None = None) -> AlignmentReport:
+    """cluster: the target of tier 4 (required for it); mesh: check that mesh instead of the plan's choice."""
     pkg = Path(pkg)
     if not (pkg / "package.yaml").exists():
         raise OnboardError(pkg, "package.yaml", "not a package written by `onboard new-model`")
@@ -53,7 +54,7 @@ def run(pkg: Path, tiers: list[int], tamper=None, progress=print, max_layers: in
             if spec.get("vision"):
                 checks += vision_checks(spec, weight_map, source, pkg, num_layers)
         elif tier == 4:
-            checks = tier4(spec, weight_map, source, cluster, _plan_workload(pkg), progress)
+            checks = tier4(spec, weight_map, source, cluster, _plan_workload(pkg), progress, mesh)
         else:
             raise OnboardError(None, "--tiers", f"tier {tier} is not available here (0, 1, 2, 4)")
         results.append(tier_result(tier, checks))

@@ -22,8 +22,10 @@ from runtime.weights import shard_order
 TIER = 4
 
 
-def tier4(spec: dict, weight_map: dict, source: Path, cluster: Cluster, workload: Workload, progress=print) -> list[Check]:
-    plan = search(ModelSpec.model_validate(spec), cluster, workload, find_smallest=False)
+def tier4(spec: dict, weight_map: dict, source: Path, cluster: Cluster, workload: Workload, progress=print,
+          only: MeshShape | None = None) -> list[Check]:
+    """Checks for the plan's best candidate on the cluster (on mesh `only` when given)."""
+    plan = search(ModelSpec.model_validate(spec), cluster, workload, find_smallest=False, only=only)
     if plan.chosen is None:
         return [_check("plan", 0, 1, False, "fits", plan.reason)]
     mesh = MeshShape(plan.chosen.dp_shard, plan.chosen.ep)

@@ -85,12 +85,13 @@ def _search_progress(quiet: bool):
 def _align(args) -> int:
     from onboard import align
 
-    from onboard.plan import Cluster
+    from onboard.plan import Cluster, parse_mesh
 
     tiers = _tier_list(args.tiers)
     cluster = Cluster(args.gpus, args.gpu_mem_gib, args.gpus_per_node) if args.gpus and args.gpu_mem_gib else None
+    mesh = parse_mesh(args.mesh, args.gpus) if args.mesh and args.gpus else None
     report = align.run(Path(args.pkg), tiers, progress=lambda line: print(line, file=sys.stderr), max_layers=args.max_layers,
-                       cluster=cluster)
+                       cluster=cluster, mesh=mesh)
     print(report.summary_line())
     if args.check:
         regressed = align.regressions(Path(args.pkg), report)
@@ -151,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=_positive_int, default=None, help="tier 4: GPUs of the target cluster")
     p.add_argument("--gpu-mem-gib", type=_positive_float, default=None, help="tier 4: memory of one GPU")
     p.add_argument("--gpus-per-node", type=_positive_int, default=8, help="tier 4: GPUs per node (default 8)")
+    p.add_argument("--mesh", default=None, help="tier 4: check this mesh (e.g. dp2xep64) instead of the plan's choice")
     p.set_defaults(run=_align)
     return parser
 
