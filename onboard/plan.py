@@ -27,6 +27,7 @@ from runtime.parallel.placement import MeshShape, PlacementError, experts_per_ra
 # H200 dense bf16 ceiling measured in TARGETS.md; the fraction of it a step sustains (recompute included).
 PEAK_TFLOPS = 790.0
 MFU = 0.35
+FLOPS = PEAK_TFLOPS * 1e12 * MFU
 # Per GPU, one direction: NVLink 4 (900 GB/s both ways) and one 400 Gb/s NIC per GPU; host offload over PCIe 5.
 INTRA_NODE_GBPS = 450.0
 INTER_NODE_GBPS = 50.0
@@ -222,31 +223,42 @@ def _all_to_all_seconds(num_bytes: float, group: list[int], gpus_per_node: int) 
 
 def estimate_time(m: ModelSummary, mesh: MeshShape, policy: str, micro_batch: int, cluster: Cluster,
                   seq_len: int) -> StepTime:
-    spec, b, tokens, world = m.spec, m.dtype_bytes, micro_batch * seq_len, mesh.world
-    rate, k = PEAK_TFLOPS * 1e12 * MFU, cluster.gpus_per_node
+    tokens, world, k = micro_batch * seq_len, mesh.world, cluster.gpus_per_node
     # forward, backward (input gradients only: the base is frozen), and the recompute's second forward
     passes = 2 if policy == "none" else 3
-    compute = (passes * tokens * (2 * m.matmul_active + m.attention_flops) + 6 * m.lora * tokens) / rate
-    moe = [l for l in m.layers if l.num_experts]
-    # dispatch and combine per pass, each the busiest rank's share of top_k copies of its tokens
-    a2a_bytes = [2 * passes * tokens * l.top_k * spec.hidden_size * b * EXPERT_IMBALANCE * (mesh.ep - 1) / mesh.ep
-                 for l in moe]
-    a2a = sum(_all_to_all_seconds(x, mesh.ep_group(0), k) for x in a2a_bytes)
-    # the shared expert runs while its layer's tokens travel
-    shared = sum(passes * 6 * spec.hidden_size * l.shared_width * tokens for l in moe) / rate
-    dense_bytes = 2 * m.dense * b * (world - 1) / world
-    expert_bytes = 2 * sum(_local_experts(l, mesh) for l in moe) * b * (mesh.dp_shard - 1) / mesh.dp_shard
-    gather = _ring_seconds(dense_bytes, list(range(world)), k) + _ring_seconds(expert_bytes, mesh.dp_group(0), k)
+    compute = (passes * tokens * (2 * m.matmul_active + m.attention_flops) + 6 * m.lora * tokens) / FLOPS
+    a2a, shared = _all_to_all_time(m, mesh, tokens, passes, k)
+    gather = _all_gather_time(m, mesh, k)
     reduce_scatter = _ring_seconds(4 * m.lora * (world - 1) / world, list(range(world)), k)
-    offload = 2 * spec.num_layers * spec.hidden_size * b * tokens / (HOST_GBPS * 1e9) if policy == "offload" else 0.0
+    layer_inputs = m.spec.num_layers * m.spec.hidden_size * m.dtype_bytes * tokens
+    offload = 2 * layer_inputs / (HOST_GBPS * 1e9) if policy == "offload" else 0.0
     # prefetch hides all but the first layer's gather behind compute, as far as compute lasts
     background = gather + reduce_scatter + offload
-    hidden = min(a2a, shared) + min(background * (1 - 1 / max(1, spec.num_layers)), compute)
+    hidden = min(a2a, shared) + min(background * (1 - 1 / max(1, m.spec.num_layers)), compute)
     exposed = a2a + background - hidden
     step = compute + exposed
     return StepTime(compute=compute, all_to_all=a2a, all_gather=gather, reduce_scatter=reduce_scatter,
                     offload=offload, overlapped=hidden, exposed=exposed, step=step,
                     tokens_per_s=world * tokens / step)
+
+
+def _all_to_all_time(m: ModelSummary, mesh: MeshShape, tokens: int, passes: int, k: int) -> tuple[float, float]:
+    """(seconds of dispatch + combine over the step, seconds of shared-expert compute they can hide behind)."""
+    moe = [layer for layer in m.layers if layer.num_experts]
+    # dispatch and combine per pass, each the busiest rank's share of top_k copies of its tokens
+    sent = [2 * passes * tokens * layer.top_k * m.spec.hidden_size * m.dtype_bytes * EXPERT_IMBALANCE
+            * (mesh.ep - 1) / mesh.ep for layer in moe]
+    seconds = sum(_all_to_all_seconds(x, mesh.ep_group(0), k) for x in sent)
+    shared = sum(passes * 6 * m.spec.hidden_size * layer.shared_width * tokens for layer in moe) / FLOPS
+    return seconds, shared
+
+
+def _all_gather_time(m: ModelSummary, mesh: MeshShape, k: int) -> float:
+    """Dense weights gathered over every rank, experts over their dp_shard group, in forward and again in backward."""
+    dense = 2 * m.dense * m.dtype_bytes * (mesh.world - 1) / mesh.world
+    experts = 2 * sum(_local_experts(layer, mesh) for layer in m.layers) * m.dtype_bytes
+    experts *= (mesh.dp_shard - 1) / mesh.dp_shard
+    return _ring_seconds(dense, list(range(mesh.world)), k) + _ring_seconds(experts, mesh.dp_group(0), k)
 
 
 def evaluate(m: ModelSummary, mesh: MeshShape, policy: str, micro_batch: int, cluster: Cluster,
@@ -307,14 +319,12 @@ def search(spec: ModelSpec, cluster: Cluster, workload: Workload, progress: Call
     shapes = [only] if only else meshes(cluster.gpus)
     candidates = sorted((c for mesh in shapes for c in mesh_candidates(m, mesh, cluster, workload)), key=_rank_key)
     chosen = candidates[0] if candidates and candidates[0].fits else None
-    plan = ParallelPlan(model=spec.architecture, gpus=cluster.gpus, gpus_per_node=cluster.gpus_per_node,
+    nothing = chosen is None
+    return ParallelPlan(model=spec.architecture, gpus=cluster.gpus, gpus_per_node=cluster.gpus_per_node,
                         gpu_mem_gib=cluster.gpu_mem_gib, seq_len=workload.seq_len, lora_rank=workload.lora_rank,
-                        assumptions=ASSUMPTIONS, chosen=chosen, candidates=candidates, reason="")
-    if chosen is None:
-        plan.reason = _nothing_fits(candidates, cluster)
-        if find_smallest:
-            plan.smallest_gpus = smallest_gpus(m, cluster, workload, progress)
-    return plan
+                        assumptions=ASSUMPTIONS, chosen=chosen, candidates=candidates,
+                        reason=_nothing_fits(candidates, cluster) if nothing else "",
+                        smallest_gpus=smallest_gpus(m, cluster, workload, progress) if nothing and find_smallest else None)
 
 
 def _nothing_fits(candidates: list[Candidate], cluster: Cluster) -> str:
@@ -328,9 +338,18 @@ def _nothing_fits(candidates: list[Candidate], cluster: Cluster) -> str:
 
 def smallest_gpus(m: ModelSummary, cluster: Cluster, workload: Workload,
                   progress: Callable[[int, int], None] | None = None, limit: int = 1 << 16) -> Optional[int]:
-    """Smallest GPU count above cluster.gpus (whole nodes once past one node) where some candidate fits."""
+    """Smallest GPU count above cluster.gpus (whole nodes once past one node) where some candidate fits;
+    None when none up to `limit` does."""
     k = cluster.gpus_per_node
-    counts = [n for n in range(cluster.gpus + 1, k + 1)] + list(range(max(k, cluster.gpus // k * k) + k, limit + 1, k))
+    # no GPU count shrinks a rank below one sequence's offloaded activations plus the workspace, and the
+    # weights need at least their whole size spread over the room left: start the search there
+    room = cluster.gpu_mem_gib * USABLE_FRACTION * GIB - activations(m.spec, workload.seq_len, "offload")
+    room -= WORKSPACE_GIB * GIB
+    if room <= 0:
+        return None
+    start = max(cluster.gpus + 1, math.ceil((m.dense + m.vision + sum(_all_experts(m))) * m.dtype_bytes / room))
+    # up to one node any count; past it whole nodes
+    counts = list(range(start, k + 1)) + list(range((max(start - 1, k) // k + 1) * k, limit + 1, k))
     for done, gpus in enumerate(counts):
         if progress:
             progress(done, len(counts))
@@ -338,6 +357,10 @@ def smallest_gpus(m: ModelSummary, cluster: Cluster, workload: Workload,
         if any(c.fits for mesh in meshes(gpus) for c in mesh_candidates(m, mesh, bigger, workload)):
             return gpus
     return None
+
+
+def _all_experts(m: ModelSummary) -> list[int]:
+    return [layer.num_experts * layer.expert for layer in m.layers]
 
 
 ASSUMPTIONS = {"peak_tflops": PEAK_TFLOPS, "mfu": MFU, "intra_node_gbps": INTRA_NODE_GBPS,

@@ -51,5 +51,7 @@ def print_plan(plan: ParallelPlan, console: Console | None = None) -> None:
         console.print(f"[bold]chosen[/] {breakdown(plan.chosen)}")
     else:
         console.print(f"[red]{plan.reason}[/]")
-        smallest = f"{plan.smallest_gpus} GPUs" if plan.smallest_gpus else "none up to the search limit"
-        console.print(f"smallest GPU count that fits: {smallest}")
+        if plan.smallest_gpus:
+            console.print(f"smallest GPU count that fits: {plan.smallest_gpus} GPUs")
+        else:
+            console.print("no GPU count fits: a rank's activations, buffers and workspace do not shrink with more GPUs")
