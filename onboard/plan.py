@@ -42,6 +42,7 @@ MICRO_BATCHES = (1, 2, 4, 8)
 class Memory(BaseModel):
     """Per-rank GiB."""
     weights: float
+    experts: float  # the routed experts' part of weights
     lora: float
     activations: float
     all_to_all: float
@@ -52,12 +53,15 @@ class Memory(BaseModel):
 
 
 class StepTime(BaseModel):
-    """Seconds per step on one rank (all ranks run in lockstep)."""
+    """Seconds per step on one rank (all ranks run in lockstep), and the GiB each collective moves for it."""
     compute: float
     all_to_all: float
     all_gather: float
     reduce_scatter: float
     offload: float
+    all_to_all_gib: float  # sent by the busiest rank, dispatch and combine, every pass
+    all_gather_gib: float  # received: dense weights and its dp_shard group's experts, forward and backward
+    reduce_scatter_gib: float  # LoRA gradients, fp32
     overlapped: float  # communication hidden behind compute
     exposed: float  # communication on the critical path
     step: float
@@ -186,8 +190,8 @@ def estimate_memory(m: ModelSummary, mesh: MeshShape, policy: str, micro_batch: 
     # one MoE layer's dispatch send buffer and the (busiest rank's) receive buffer; combine reuses them
     a2a = micro_batch * seq_len * top_k * spec.hidden_size * b * (1 + EXPERT_IMBALANCE) if mesh.ep > 1 else 0
     gib = [x / GIB for x in (weights, lora, acts, a2a, _gather_buffers(m, mesh))] + [WORKSPACE_GIB]
-    return Memory(weights=gib[0], lora=gib[1], activations=gib[2], all_to_all=gib[3], all_gather=gib[4],
-                  workspace=gib[5], total=sum(gib), capacity=cluster.gpu_mem_gib * USABLE_FRACTION)
+    return Memory(weights=gib[0], experts=experts * b / GIB, lora=gib[1], activations=gib[2], all_to_all=gib[3],
+                  all_gather=gib[4], workspace=gib[5], total=sum(gib), capacity=cluster.gpu_mem_gib * USABLE_FRACTION)
 
 
 def _gather_buffers(m: ModelSummary, mesh: MeshShape) -> int:
@@ -227,9 +231,10 @@ def estimate_time(m: ModelSummary, mesh: MeshShape, policy: str, micro_batch: in
     # forward, backward (input gradients only: the base is frozen), and the recompute's second forward
     passes = 2 if policy == "none" else 3
     compute = (passes * tokens * (2 * m.matmul_active + m.attention_flops) + 6 * m.lora * tokens) / FLOPS
-    a2a, shared = _all_to_all_time(m, mesh, tokens, passes, k)
-    gather = _all_gather_time(m, mesh, k)
-    reduce_scatter = _ring_seconds(4 * m.lora * (world - 1) / world, list(range(world)), k)
+    a2a_bytes, a2a, shared = _all_to_all_time(m, mesh, tokens, passes, k)
+    gather_bytes, gather = _all_gather_time(m, mesh, k)
+    rs_bytes = 4 * m.lora * (world - 1) / world
+    reduce_scatter = _ring_seconds(rs_bytes, list(range(world)), k)
     layer_inputs = m.spec.num_layers * m.spec.hidden_size * m.dtype_bytes * tokens
     offload = 2 * layer_inputs / (HOST_GBPS * 1e9) if policy == "offload" else 0.0
     # prefetch hides all but the first layer's gather behind compute, as far as compute lasts
@@ -238,27 +243,29 @@ def estimate_time(m: ModelSummary, mesh: MeshShape, policy: str, micro_batch: in
     exposed = a2a + background - hidden
     step = compute + exposed
     return StepTime(compute=compute, all_to_all=a2a, all_gather=gather, reduce_scatter=reduce_scatter,
-                    offload=offload, overlapped=hidden, exposed=exposed, step=step,
+                    offload=offload, all_to_all_gib=a2a_bytes / GIB, all_gather_gib=gather_bytes / GIB,
+                    reduce_scatter_gib=rs_bytes / GIB, overlapped=hidden, exposed=exposed, step=step,
                     tokens_per_s=world * tokens / step)
 
 
-def _all_to_all_time(m: ModelSummary, mesh: MeshShape, tokens: int, passes: int, k: int) -> tuple[float, float]:
-    """(seconds of dispatch + combine over the step, seconds of shared-expert compute they can hide behind)."""
+def _all_to_all_time(m: ModelSummary, mesh: MeshShape, tokens: int, passes: int, k: int) -> tuple[float, float, float]:
+    """(bytes and seconds of dispatch + combine over the step, seconds of shared-expert compute hiding them)."""
     moe = [layer for layer in m.layers if layer.num_experts]
     # dispatch and combine per pass, each the busiest rank's share of top_k copies of its tokens
     sent = [2 * passes * tokens * layer.top_k * m.spec.hidden_size * m.dtype_bytes * EXPERT_IMBALANCE
             * (mesh.ep - 1) / mesh.ep for layer in moe]
     seconds = sum(_all_to_all_seconds(x, mesh.ep_group(0), k) for x in sent)
     shared = sum(passes * 6 * m.spec.hidden_size * layer.shared_width * tokens for layer in moe) / FLOPS
-    return seconds, shared
+    return sum(sent), seconds, shared
 
 
-def _all_gather_time(m: ModelSummary, mesh: MeshShape, k: int) -> float:
-    """Dense weights gathered over every rank, experts over their dp_shard group, in forward and again in backward."""
+def _all_gather_time(m: ModelSummary, mesh: MeshShape, k: int) -> tuple[float, float]:
+    """(bytes, seconds): dense weights gathered over every rank, experts over their dp_shard group, in forward
+    and again in backward."""
     dense = 2 * m.dense * m.dtype_bytes * (mesh.world - 1) / mesh.world
     experts = 2 * sum(_local_experts(layer, mesh) for layer in m.layers) * m.dtype_bytes
     experts *= (mesh.dp_shard - 1) / mesh.dp_shard
-    return _ring_seconds(dense, list(range(mesh.world)), k) + _ring_seconds(experts, mesh.dp_group(0), k)
+    return dense + experts, _ring_seconds(dense, list(range(mesh.world)), k) + _ring_seconds(experts, mesh.dp_group(0), k)
 
 
 def evaluate(m: ModelSummary, mesh: MeshShape, policy: str, micro_batch: int, cluster: Cluster,

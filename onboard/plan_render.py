@@ -26,7 +26,7 @@ def breakdown(c: Candidate) -> str:
     """One line: where a candidate's per-rank memory goes, and its step time."""
     m, t = c.memory, c.time
     return (f"{c.mesh} ({c.experts_per_rank} experts/rank), {c.policy}, micro-batch {c.micro_batch}: per rank "
-            f"weights {m.weights:.1f} + LoRA {m.lora:.2f} + activations {m.activations:.1f} + all-to-all {m.all_to_all:.1f} "
+            f"weights {m.weights:.1f} (experts {m.experts:.1f}) + LoRA {m.lora:.2f} + activations {m.activations:.1f} + all-to-all {m.all_to_all:.1f} "
             f"+ all-gather {m.all_gather:.1f} + workspace {m.workspace:.1f} = {m.total:.1f} GiB of {m.capacity:.1f}; "
             f"step {t.step:.2f} s (compute {t.compute:.2f}, exposed comm {t.exposed:.2f}, overlapped {t.overlapped:.2f}), "
             f"{t.tokens_per_s:,.0f} tokens/s")
