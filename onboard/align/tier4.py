@@ -6,11 +6,17 @@ rank), every runtime tensor filled, each rank's memory within the GPU, the EP an
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
-from onboard.align_report import Check
+import yaml
+
+from onboard.align.progress import Progress
+from onboard.align.report import Check
+from onboard.errors import OnboardError
 from onboard.memory import DTYPE_BYTES, GIB
 from onboard.plan import Cluster, Workload, search
 from onboard.spec import ModelSpec
@@ -22,18 +28,46 @@ from runtime.weights import shard_order
 TIER = 4
 
 
-def tier4(spec: dict, weight_map: dict, source: Path, cluster: Cluster, workload: Workload, progress=print,
-          only: MeshShape | None = None) -> list[Check]:
-    """Checks for the plan's best candidate on the cluster (on mesh `only` when given)."""
-    plan = search(ModelSpec.model_validate(spec), cluster, workload, find_smallest=False, only=only)
+@dataclass(frozen=True)
+class Target:
+    """The cluster tier 4 checks the package for."""
+    cluster: Cluster
+    workload: Workload  # sequence length and LoRA rank of the package's plan.yaml
+    mesh: Optional[MeshShape] = None  # None: the plan's best candidate
+
+
+def tier4_target(pkg: Path, cluster: Cluster | None, mesh: MeshShape | None) -> Target:
+    if cluster is None:
+        raise OnboardError(None, "--tiers", "tier 4 needs the target cluster: --gpus N --gpu-mem-gib G")
+    return Target(cluster, plan_workload(Path(pkg) / "plan.yaml"), mesh)
+
+
+def plan_workload(path: Path) -> Workload:
+    """The sequence length and LoRA rank plan.yaml was made for (the planner's defaults without one)."""
+    if not path.exists():
+        return Workload(4096, 16, None)
+    workload = yaml.safe_load(path.read_text())
+    workload = workload.get("workload") if isinstance(workload, dict) else None
+    if not isinstance(workload, dict) or not all(isinstance(workload.get(k), int) for k in ("seq_len", "lora_rank")):
+        raise OnboardError(path, "workload", "expected integer seq_len and lora_rank (a plan written by `onboard plan`)")
+    return Workload(workload["seq_len"], workload["lora_rank"], None)
+
+
+def tier4(spec: dict, weight_map: dict, source: Path, goal: Target, progress: Progress | None = None) -> list[Check]:
+    """Checks for the plan's best candidate on the target cluster (or for the target's mesh)."""
+    progress = progress or Progress()
+    plan = search(ModelSpec.model_validate(spec), goal.cluster, goal.workload, find_smallest=False, only=goal.mesh)
     if plan.chosen is None:
         return [_check("plan", 0, 1, False, "fits", plan.reason)]
-    mesh = MeshShape(plan.chosen.dp_shard, plan.chosen.ep)
-    progress(f"tier 4: {mesh} ({plan.chosen.experts_per_rank} experts/rank, {plan.chosen.policy}, micro-batch "
-             f"{plan.chosen.micro_batch}) on {cluster.gpus} GPUs; building the model on the meta device")
+    mesh, cluster = MeshShape(plan.chosen.dp_shard, plan.chosen.ep), goal.cluster
+    progress.note(f"tier 4: {mesh} ({plan.chosen.experts_per_rank} experts/rank, {plan.chosen.policy}, micro-batch "
+                  f"{plan.chosen.micro_batch}) on {cluster.gpus} GPUs")
+    progress.plan(2)
+    progress.group("runtime model on the meta device")
     with torch.device("meta"):
         model = HybridDecoder(spec)
     targets, experts = model_targets(model), moe_layers(model.config)
+    progress.group(f"placement of every rank ({mesh.world})")
     loads = loads_by_rank(weight_map, targets, experts, mesh)
     released = list(name for names in shard_order(Path(source)).values() for name in names)
     return [_experts_once(experts, mesh), _released_once(released, weight_map, targets, loads, mesh),
