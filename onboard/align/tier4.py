@@ -58,7 +58,7 @@ def tier4(spec: dict, weight_map: dict, source: Path, goal: Target, progress: Pr
     progress = progress or Progress()
     plan = search(ModelSpec.model_validate(spec), goal.cluster, goal.workload, find_smallest=False, only=goal.mesh)
     if plan.chosen is None:
-        return [_check("plan", 0, 1, False, "fits", plan.reason)]
+        return [_check("plan", 0, 1, False, "fitting_candidates", plan.reason)]
     mesh, cluster = MeshShape(plan.chosen.dp_shard, plan.chosen.ep), goal.cluster
     progress.note(f"tier 4: {mesh} ({plan.chosen.experts_per_rank} experts/rank, {plan.chosen.policy}, micro-batch "
                   f"{plan.chosen.micro_batch}) on {cluster.gpus} GPUs")
@@ -108,8 +108,10 @@ def _released_once(released: list[str], weight_map: dict, targets: dict, loads: 
         expected = [(entry["expert"], entry["expert"] + 1)] if entry["expert"] is not None else [(0, shape[0] if shape else 1)]
         if not _covers(reads[name], expected, mesh.world if is_buffer else 1):
             bad.append(name)
-    detail = (f"{len(weight_map)} mapped tensors, {sum(map(len, loads.values()))} reads; {len(outside)} released "
-              f"tensors outside the weight map (vision tower, frozen, whole on every rank)")
+    detail = f"{len(weight_map)} mapped tensors, {sum(map(len, loads.values()))} reads"
+    if outside:
+        detail += (f"; {len(outside)} released tensors the decoder does not load (e.g. {outside[0]}; a vision "
+                   "tower is kept whole on every rank)")
     return _check("released_tensors_owned_once", len(bad), 0, not bad, "tensors_misread",
                   detail + (f"; misread: {bad[:3]}" if bad else ""))
 
