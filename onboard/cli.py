@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -41,23 +42,61 @@ def _example_model(args) -> int:
 def _new_model(args) -> int:
     from onboard.package import write_package
 
-    pkg, report = write_package(Path(args.model_dir), Path(args.out), args.gpu_mem_gib, args.lora_rank, args.seq_len)
+    pkg, report = write_package(Path(args.model_dir), Path(args.out), args.gpu_mem_gib, args.lora_rank, args.seq_len,
+                                args.gpus, args.gpus_per_node)
     counts = report.summary["ops"]
     print(f"wrote {pkg}: {counts['covered']} ops covered, {counts['variant']} variant, {counts['fallback']} fallback, "
           f"{counts['missing']} missing; {len(report.weights.missing)} weights missing")
     return EXIT_GAPS if report.summary["gaps_remain"] else 0
 
 
+def _plan(args) -> int:
+    from onboard.manifest import read_manifest
+    from onboard.plan import Cluster, Workload, parse_mesh, search
+    from onboard.plan_render import plan_yaml, print_plan
+    from onboard.recognize import recognize
+
+    spec = recognize(read_manifest(args.model_dir))
+    cluster = Cluster(args.gpus, args.gpu_mem_gib, args.gpus_per_node)
+    with _search_progress(args.json) as progress:
+        only = parse_mesh(args.mesh, args.gpus) if args.mesh else None
+        plan = search(spec, cluster, Workload(args.seq_len, args.lora_rank, args.micro_batch), progress, only=only)
+    if args.out:
+        Path(args.out).write_text(plan_yaml(plan))
+    if args.json:
+        sys.stdout.write(plan.model_dump_json(indent=2) + "\n")
+    else:
+        print_plan(plan)
+    return 0 if plan.chosen else EXIT_GAPS
+
+
+@contextlib.contextmanager
+def _search_progress(quiet: bool):
+    """A rich progress bar on stderr for the smallest-GPU-count search (silent under --json)."""
+    if quiet:
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("searching larger GPU counts", total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
 def _align(args) -> int:
     from onboard.align import read_baseline, regressions, run_alignment
     from onboard.align.progress import progress_on_stderr
+    from onboard.plan import Cluster, parse_mesh
 
     tiers = _tier_list(args.tiers)
     # read first: a missing baseline is refused before any tier runs (and before one is written)
     baseline = read_baseline(Path(args.pkg)) if args.check else None
     model_dir = Path(args.model_dir) if args.model_dir else None
+    cluster = Cluster(args.gpus, args.gpu_mem_gib, args.gpus_per_node) if args.gpus and args.gpu_mem_gib else None
+    mesh = parse_mesh(args.mesh, args.gpus) if args.mesh and args.gpus else None
     report = run_alignment(Path(args.pkg), tiers, model_dir=model_dir, progress=progress_on_stderr(),
-                           max_layers=args.max_layers)
+                           max_layers=args.max_layers, cluster=cluster, mesh=mesh)
     print(report.summary_line())
     if baseline is not None:
         regressed = regressions(baseline, report)
@@ -85,8 +124,8 @@ def _tier_list(text: str) -> list[int]:
         tiers = sorted({int(t) for t in text.split(",") if t.strip()})
     except ValueError:
         raise OnboardError(None, "--tiers", f"expected a comma-separated list of tier numbers, got {text!r}")
-    if not tiers or any(t not in (0, 1, 2) for t in tiers):
-        raise OnboardError(None, "--tiers", f"tiers 0, 1 and 2 are available, got {text!r}")
+    if not tiers or any(t not in (0, 1, 2, 4) for t in tiers):
+        raise OnboardError(None, "--tiers", f"tiers 0, 1, 2 and 4 are available, got {text!r}")
     return tiers
 
 
@@ -111,7 +150,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model_dir")
     p.add_argument("--out", required=True)
     _add_budget_args(p)
+    _add_cluster_args(p, required=False)
     p.set_defaults(run=_new_model)
+    p = sub.add_parser("plan", help="search dp_shard x ep meshes, activation policies and micro-batches for a cluster")
+    p.add_argument("model_dir")
+    _add_cluster_args(p, required=True)
+    _add_budget_args(p)
+    p.add_argument("--micro-batch", type=_positive_int, default=None, help="sequences per rank per step (default: searched)")
+    p.add_argument("--mesh", default=None, help="evaluate only this mesh, e.g. dp2xep64 (every policy and micro-batch)")
+    p.add_argument("--json", action="store_true", help="the ParallelPlan (every candidate) as JSON")
+    p.add_argument("--out", default=None, help="also write the plan as YAML (the package's plan.yaml format)")
+    p.set_defaults(run=_plan)
     p = sub.add_parser("align", help="run the alignment tiers against the model's own implementation")
     p.add_argument("pkg")
     p.add_argument("--tiers", default="0,1,2", help="comma-separated, e.g. 0,1,2")
@@ -121,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the release folder, when it is no longer where package.yaml records it (another machine)")
     p.add_argument("--max-layers", type=_positive_int, default=8,
                    help="align a prefix of at most this many layers (extended to hold every distinct layer kind)")
+    p.add_argument("--gpus", type=_positive_int, default=None, help="tier 4: GPUs of the target cluster")
+    p.add_argument("--gpu-mem-gib", type=_positive_float, default=None, help="tier 4: memory of one GPU")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=8, help="tier 4: GPUs per node (default 8)")
+    p.add_argument("--mesh", default=None, help="tier 4: check this mesh (e.g. dp2xep64) instead of the plan's choice")
     p.set_defaults(run=_align)
     p = sub.add_parser("train", help="train the package's LoRA on a jsonl file (run folder: checkpoints, metrics, plots)")
     train_cli.add_arguments(p, _positive_int)
@@ -139,6 +192,13 @@ def _add_budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-mem-gib", type=_positive_float, default=80.0, help="memory of one GPU (default 80)")
     p.add_argument("--lora-rank", type=_positive_int, default=16)
     p.add_argument("--seq-len", type=_positive_int, default=4096, help="training sequence length for activations")
+
+
+def _add_cluster_args(p: argparse.ArgumentParser, required: bool) -> None:
+    """The cluster a plan is for (plan, new-model; align tier 4)."""
+    p.add_argument("--gpus", type=_positive_int, required=required, default=None if required else 8,
+                   help="GPUs to plan for" + ("" if required else " (default 8)"))
+    p.add_argument("--gpus-per-node", type=_positive_int, default=8, help="GPUs per node (default 8)")
 
 
 def _positive_int(text: str) -> int:

@@ -22,6 +22,8 @@ DEFAULT_LORA_TARGETS = (r"(^|\.)(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|k
 # Headroom for the CUDA context, allocator fragmentation and NCCL buffers.
 USABLE_FRACTION = 0.9
 WORKSPACE_GIB = 4.0
+# fp32 LoRA parameter, its gradient and AdamW's two moments
+LORA_STATE_BYTES = 16
 
 
 class MemoryBudget(BaseModel):
@@ -80,22 +82,43 @@ def _state_bytes(spec: ModelSpec, b: int) -> tuple[int, int]:
     return per_token, per_sequence
 
 
+# Activation policies: keep everything; recompute each layer in backward from its kept input; recompute with
+# the layer inputs offloaded to host memory (the current and the next one in flight stay on the GPU).
+POLICIES = ("none", "recompute", "offload")
+
+
+def activation_bytes_per_token(spec: ModelSpec, policy: str) -> int:
+    """What backward needs kept per token under `policy`, all layers (one layer rebuilt at a time)."""
+    b = DTYPE_BYTES.get(spec.dtype, 2)
+    if policy == "none":
+        return sum(_layer_activation_bytes(spec, layer, b) for layer in spec.layers)
+    one_layer = max((_layer_activation_bytes(spec, layer, b) for layer in spec.layers), default=0)
+    kept_inputs = spec.num_layers if policy == "recompute" else min(2, spec.num_layers)
+    return kept_inputs * spec.hidden_size * b + one_layer
+
+
+def activations(spec: ModelSpec, seq_len: int, policy: str = "recompute") -> int:
+    """Bytes one sequence of seq_len needs on a GPU: activations, attention state, the loss's logits."""
+    b = DTYPE_BYTES.get(spec.dtype, 2)
+    per_token_state, per_sequence_state = _state_bytes(spec, b)
+    # logits in fp32 for the loss dominate short models: vocab x 4 bytes per token, twice (fwd + grad)
+    per_token = activation_bytes_per_token(spec, policy) + per_token_state + 8 * spec.vocab_size
+    return seq_len * per_token + per_sequence_state
+
+
 def budget(spec: ModelSpec, gpu_mem_gib: float = 80.0, lora_rank: int = 16, seq_len: int = 4096) -> MemoryBudget:
     b = DTYPE_BYTES.get(spec.dtype, 2)
     weights = (spec.params.total + spec.params.buffers) * b
     n_lora = lora_params(spec, lora_rank)
-    lora_states = 16 * n_lora
-    no_recompute = sum(_layer_activation_bytes(spec, layer, b) for layer in spec.layers)
-    one_layer = max((_layer_activation_bytes(spec, layer, b) for layer in spec.layers), default=0)
-    recompute = spec.num_layers * spec.hidden_size * b + one_layer
+    lora_states = LORA_STATE_BYTES * n_lora
     per_token_state, per_sequence_state = _state_bytes(spec, b)
-    # logits in fp32 for the loss dominate short models: vocab x 4 bytes per token, twice (fwd + grad)
-    activations = seq_len * (recompute + per_token_state + 8 * spec.vocab_size) + per_sequence_state
-    capacity = gpu_mem_gib * GIB * USABLE_FRACTION - activations - WORKSPACE_GIB * GIB
+    per_gpu = activations(spec, seq_len)
+    capacity = gpu_mem_gib * GIB * USABLE_FRACTION - per_gpu - WORKSPACE_GIB * GIB
     min_gpus = math.ceil((weights + lora_states) / capacity) if capacity > 0 else -1
     return MemoryBudget(
         dtype_bytes=b, weights_gib=weights / GIB, lora_rank=lora_rank, lora_params=n_lora,
-        lora_states_gib=lora_states / GIB, activation_bytes_per_token=no_recompute,
-        activation_bytes_per_token_recompute=recompute, state_bytes_per_token=per_token_state,
-        recurrent_state_bytes_per_sequence=per_sequence_state, seq_len=seq_len, gpu_mem_gib=gpu_mem_gib,
-        per_gpu_activations_gib=activations / GIB, min_gpus=max(min_gpus, 1) if min_gpus > 0 else -1)
+        lora_states_gib=lora_states / GIB, activation_bytes_per_token=activation_bytes_per_token(spec, "none"),
+        activation_bytes_per_token_recompute=activation_bytes_per_token(spec, "recompute"),
+        state_bytes_per_token=per_token_state, recurrent_state_bytes_per_sequence=per_sequence_state,
+        seq_len=seq_len, gpu_mem_gib=gpu_mem_gib, per_gpu_activations_gib=per_gpu / GIB,
+        min_gpus=max(min_gpus, 1) if min_gpus > 0 else -1)

@@ -17,6 +17,8 @@ import yaml
 from onboard.errors import OnboardError
 from onboard.gap import analyze
 from onboard.manifest import read_manifest
+from onboard.plan import Cluster, Workload, search
+from onboard.plan_render import plan_yaml
 from onboard.recognize import recognize
 from onboard.render import gap_markdown
 from onboard.weight_map import build_weight_map
@@ -27,20 +29,23 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def write_package(model_dir: Path, out: Path, gpu_mem_gib: float = 80.0, lora_rank: int = 16, seq_len: int = 4096):
-    """Returns (package path, gap report)."""
+def write_package(model_dir: Path, out: Path, gpu_mem_gib: float = 80.0, lora_rank: int = 16, seq_len: int = 4096,
+                  gpus: int = 8, gpus_per_node: int = 8):
+    """Returns (package path, gap report); plan.yaml is the parallel plan for `gpus` GPUs of gpu_mem_gib."""
     model_dir, out = Path(model_dir).resolve(), Path(out)
     if out.exists():
         raise OnboardError(out, None, "package folder already exists; choose another --out or remove it")
     manifest = read_manifest(model_dir)
     spec = recognize(manifest)
     report = analyze(spec, manifest, gpu_mem_gib, lora_rank, seq_len)
+    plan = search(spec, Cluster(gpus, gpu_mem_gib, gpus_per_node), Workload(seq_len, lora_rank, None))
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
         _write_files(tmp, model_dir, manifest, spec, report)
         _write_lora_yaml(tmp, spec, lora_rank)
+        (tmp / "plan.yaml").write_text(plan_yaml(plan))
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -70,3 +70,12 @@ def seed_dir(tmp_path_factory) -> Path:
         (out / "model.safetensors.index.json").write_bytes(src.read())
     return out
 
+
+
+@pytest.fixture(scope="session")
+def seed_spec(seed_dir):
+    """The seed example's ModelSpec (recognized once per session)."""
+    from onboard.manifest import read_manifest
+    from onboard.recognize import recognize
+
+    return recognize(read_manifest(seed_dir))

@@ -13,8 +13,11 @@ from onboard.align.tier0_ops import tier0
 from onboard.align.tier1_layers import distinct_layers, tier1
 from onboard.align.tier2_model import tier2
 from onboard.align.tier2_training import training_checks
+from onboard.align.tier4 import Target, tier4, tier4_target
 from onboard.align.vision import vision_checks
 from onboard.errors import OnboardError
+from onboard.plan import Cluster
+from runtime.parallel.placement import MeshShape
 
 # Alignment of large releases runs a prefix of the model (both sides) holding every distinct layer kind.
 MAX_ALIGN_LAYERS = 8
@@ -27,17 +30,20 @@ def layers_to_run(spec: dict, max_layers: int = MAX_ALIGN_LAYERS) -> int:
 
 
 def run_alignment(pkg: Path, tiers: list[int], model_dir: Path | None = None, tamper=None,
-                  progress: Progress | None = None, max_layers: int = MAX_ALIGN_LAYERS) -> AlignmentReport:
+                  progress: Progress | None = None, max_layers: int = MAX_ALIGN_LAYERS,
+                  cluster: Cluster | None = None, mesh: MeshShape | None = None) -> AlignmentReport:
     """`model_dir` overrides the release folder package.yaml records; `tamper(model)` edits our model after
-    loading (tests break an op on purpose)."""
+    loading (tests break an op on purpose); `cluster` is tier 4's target (required for it), `mesh` the mesh
+    it checks instead of the plan's choice."""
     pkg, progress = Path(pkg), progress or Progress()
     inputs = read_package(pkg, model_dir)
+    goal = tier4_target(pkg, cluster, mesh) if 4 in tiers else None
     num_layers = layers_to_run(inputs.spec, max_layers)
-    if num_layers < inputs.spec["num_layers"]:
+    if num_layers < inputs.spec["num_layers"] and min(tiers) < 3:
         progress.note(f"aligning the first {num_layers} of {inputs.spec['num_layers']} layers "
                       "(every distinct layer kind is among them)")
     torch.manual_seed(0)
-    results, divergence = _run_tiers(sorted(tiers), inputs, num_layers, tamper, progress)
+    results, divergence = _run_tiers(sorted(tiers), inputs, num_layers, tamper, progress, goal)
     report = AlignmentReport(package=str(pkg.resolve()), source=str(inputs.source), spec_hash=inputs.spec_hash,
                              tiers=results, first_divergence=divergence,
                              passed=all(t.passed for t in results) and len(results) == len(tiers))
@@ -45,8 +51,8 @@ def run_alignment(pkg: Path, tiers: list[int], model_dir: Path | None = None, ta
     return report
 
 
-def _run_tiers(tiers: list[int], inputs: AlignInputs, num_layers: int, tamper, progress: Progress
-               ) -> tuple[list[TierResult], Divergence | None]:
+def _run_tiers(tiers: list[int], inputs: AlignInputs, num_layers: int, tamper, progress: Progress,
+               goal: Target | None) -> tuple[list[TierResult], Divergence | None]:
     """Each tier only when the one below passed."""
     results, divergence = [], None
     for tier in tiers:
@@ -54,15 +60,15 @@ def _run_tiers(tiers: list[int], inputs: AlignInputs, num_layers: int, tamper, p
             progress.note(f"tier {tier}: skipped (tier {results[-1].tier} failed)")
             break
         progress.start_tier(tier)
-        checks, found = _run_tier(tier, inputs, num_layers, tamper, progress)
+        checks, found = _run_tier(tier, inputs, num_layers, tamper, progress, goal)
         divergence = divergence or found
         results.append(tier_result(tier, checks))
         progress.end_tier(results[-1].summary())
     return results, divergence
 
 
-def _run_tier(tier: int, inputs: AlignInputs, num_layers: int, tamper, progress: Progress
-              ) -> tuple[list[Check], Divergence | None]:
+def _run_tier(tier: int, inputs: AlignInputs, num_layers: int, tamper, progress: Progress,
+              goal: Target | None) -> tuple[list[Check], Divergence | None]:
     spec, weight_map, source = inputs.spec, inputs.weight_map, inputs.source
     if tier == 0:
         return tier0(spec, progress=progress), None
@@ -74,7 +80,9 @@ def _run_tier(tier: int, inputs: AlignInputs, num_layers: int, tamper, progress:
             checks += vision_checks(spec, weight_map, source, inputs.vision_config, num_layers, progress=progress)
         checks += training_checks(spec, weight_map, source, inputs.lora_plan, num_layers, progress=progress)
         return checks, divergence
-    raise OnboardError(None, "--tiers", f"tier {tier} is not available here (0, 1, 2)")
+    if tier == 4:
+        return tier4(spec, weight_map, source, goal, progress=progress), None
+    raise OnboardError(None, "--tiers", f"tier {tier} is not available here (0, 1, 2, 4)")
 
 
 def _write(pkg: Path, report: AlignmentReport) -> None:
