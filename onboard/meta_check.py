@@ -9,6 +9,7 @@ from typing import Optional
 
 from pydantic import BaseModel
 
+from onboard.config_checks import transformers_config
 from onboard.manifest import Manifest
 from onboard.spec import ModelSpec
 
@@ -26,14 +27,14 @@ class MetaCheck(BaseModel):
 
 def _build_on_meta(manifest: Manifest):
     import torch
-    from transformers import AutoConfig
     from transformers.models.auto import modeling_auto as auto
 
     family = manifest.config.get("model_type")
     names = {**auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, **auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}
     if family not in names:
         return None
-    config = AutoConfig.for_model(**{k: v for k, v in manifest.config.items() if k not in ("transformers_version",)})
+    # built from a copy: transformers' config class may refuse the values (bad input) or edit them
+    config = transformers_config(manifest.config, manifest.root / "config.json")
     cls = getattr(__import__("transformers"), names[family])
     with torch.device("meta"):
         return cls(config)
