@@ -10,6 +10,7 @@ from typing import Optional
 from pydantic import BaseModel
 
 from onboard.config_checks import transformers_config
+from onboard.errors import BadInput
 from onboard.manifest import Manifest
 from onboard.spec import ModelSpec
 
@@ -62,7 +63,15 @@ def _is_moe(layer) -> bool:
 
 
 def meta_check(spec: ModelSpec, manifest: Manifest) -> Optional[MetaCheck]:
-    model = _build_on_meta(manifest)
+    try:
+        model = _build_on_meta(manifest)
+    except BadInput:
+        raise
+    # a config its class accepts but its model cannot be built from (an activation transformers
+    # does not know, a padding id beyond the vocabulary): the cross-check failed, a disagreement
+    except Exception as exc:  # noqa: BLE001
+        return MetaCheck(model_class="(not built)", params=0, params_agree=False,
+                         layer_disagreements=[f"transformers could not build the model: {type(exc).__name__}: {str(exc)[:200]}"])
     if model is None:
         return None
     # Persistent buffers count too: releases store them (DeepSeek's correction bias, MiniMax decays)
