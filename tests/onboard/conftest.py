@@ -4,19 +4,29 @@ In-process so that hundreds of hostile inputs cost no interpreter start each; it
 `main` a user's `onboard` runs, with stdout and stderr captured. Memory is the growth of the
 process's resident set, sampled every 20 ms by a thread (tracemalloc would slow torch's import
 a hundredfold and miss native allocations).
+
+The fuzz tests take their example count from ONBOARD_FUZZ_EXAMPLES (default 12, for CI; the
+issue's done-when runs 500 each: `ONBOARD_FUZZ_EXAMPLES=500 pytest tests/onboard/test_fuzz_*.py
+--hypothesis-show-statistics` prints the exit-code counts), seeds random per run.
 """
 from __future__ import annotations
 
 import contextlib
 import io
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from onboard.cli import main
+
+settings.register_profile("onboard-fuzz", max_examples=int(os.environ.get("ONBOARD_FUZZ_EXAMPLES", "12")),
+                          deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
 # The issue's done-when: no hang over 30 s, no memory over 2 GiB.
 TIME_LIMIT_S = 30.0
@@ -82,3 +92,21 @@ def run_onboard(*args: str) -> CliRun:
 def onboard_cli():
     """run(*args) -> CliRun: `onboard ARGS` in this process, timed, resident-set growth sampled."""
     return run_onboard
+
+
+def copy_release(source: Path, target: Path) -> Path:
+    """A release folder to break: JSON files copied, shards hard-linked (cheap). A test that
+    changes a shard must replace the file (unlink, write), never write into it."""
+    target.mkdir(parents=True)
+    for path in source.iterdir():
+        if path.suffix == ".safetensors":
+            os.link(path, target / path.name)
+        else:
+            shutil.copy(path, target / path.name)
+    return target
+
+
+@pytest.fixture(scope="session")
+def release_copy():
+    """copy(source, target) -> target: see copy_release."""
+    return copy_release
