@@ -62,6 +62,7 @@ ITEM_TYPES: dict[str, tuple[type, ...]] = {
 EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk")
 LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer")
+PER_EXPERT_NAME = re.compile(r"experts\.\d")
 PART_KEYS = ("text_config", "language_config", "llm_config", "vision_config", "vit_config", "visual")
 
 
@@ -196,15 +197,24 @@ def _ints(*pairs) -> bool:
     return all(pair is not None and type(pair[1]) is int and pair[1] >= 1 for pair in pairs)
 
 
-def check_counts_against_tensors(config: dict, num_tensors: int, path: str | Path) -> None:
-    """Layer and expert counts cannot exceed the tensors that hold them: every layer and every
-    expert of a real release has weights. Bounds all work sized by these counts by the manifest."""
+def check_counts_against_tensors(config: dict, names: list[str], path: str | Path) -> None:
+    """Layer and expert counts cannot exceed the tensors that hold them, so no work sized by them
+    (per-layer specs, per-expert names) outgrows the manifest.
+
+    Every layer and every expert of a real release has weights. Where experts are stored one by
+    one (`experts.N.`), each of them has its own tensors (3 or more) in every MoE layer, and at
+    least 1 layer in 12 is MoE in every such family: layers x experts <= 4 x tensors."""
+    per_expert = PER_EXPERT_NAME.search("\n".join(names)) is not None
     for prefix, part in _parts(config):
-        for key in (*LAYER_KEYS, *EXPERT_KEYS):
-            value = part.get(key)
-            if type(value) is int and value > num_tensors:
-                raise BadInput(path, prefix + key, f"{value} exceeds the {num_tensors} tensors of the release; "
+        counts = {key: part[key] for key in (*LAYER_KEYS, *EXPERT_KEYS) if type(part.get(key)) is int}
+        for key, value in counts.items():
+            if value > len(names):
+                raise BadInput(path, prefix + key, f"{value} exceeds the {len(names)} tensors of the release; "
                                "every layer and expert has weights")
+        layers, experts = _first(counts, LAYER_KEYS), _first(counts, EXPERT_KEYS)
+        if per_expert and layers and experts and layers[1] * experts[1] > 4 * len(names):
+            raise BadInput(path, prefix + experts[0], f"{experts[1]} experts in {layers[1]} layers need more "
+                           f"tensors than the release's {len(names)}, which stores its experts one by one")
 
 
 def transformers_config(config: dict, path: str | Path):

@@ -83,7 +83,7 @@ def read_manifest(model_dir: str | Path) -> Manifest:
     text_config = _sub_config(config, TEXT_CONFIG_KEYS, root)
     vision_config = _sub_config(config, VISION_CONFIG_KEYS, root)
     weights = _read_weights(root)
-    check_counts_against_tensors(config, len(weights.tensors), root / CONFIG_NAME)
+    check_counts_against_tensors(config, list(weights.tensors), root / CONFIG_NAME)
     return Manifest(
         root, config, config if text_config is None else text_config, vision_config,
         weights.tensors, weights.shard_files, weights.total_bytes, weights.shards_present,

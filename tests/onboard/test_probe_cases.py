@@ -218,3 +218,20 @@ def test_a_bug_is_one_line_and_a_trace_file(onboard_cli, monkeypatch, tmp_path):
     trace = Path(line.rsplit("full trace in ", 1)[1])
     assert "Traceback" in trace.read_text() and "broken" in trace.read_text()
     trace.unlink()
+
+
+@pytest.mark.parametrize("experts, code", [(896, 0), (12_000, 2)], ids=["as-released", "experts-x-layers-beyond-the-tensors"])
+def test_per_expert_names_bound_the_expert_count(seed_dir, onboard_cli, tmp_path, experts, code):
+    """The 2.8T index stores experts one by one: 12,000 experts in 61 layers would need 2.2M
+    tensors; the release has 157k, so the per-expert work the count asks for is never started."""
+    release = tmp_path / "seed"
+    release.mkdir()
+    shutil.copy(seed_dir / INDEX_NAME, release / INDEX_NAME)
+    config = json.loads((seed_dir / "config.json").read_text())
+    config["text_config"]["n_routed_experts"] = experts
+    (release / "config.json").write_text(json.dumps(config))
+    result = onboard_cli("inspect", release, "--json")
+    result.assert_bounded()
+    assert result.code == code, result.err
+    if code == 2:
+        assert "text_config.n_routed_experts: 12000 experts in 61 layers need more tensors" in result.err
