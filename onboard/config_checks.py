@@ -54,11 +54,17 @@ KEY_TYPES: dict[str, tuple[type, ...]] = {
     "swiglu_limit": NUMBER, "swiglu_alpha": NUMBER, "moe_norm_min": NUMBER,
     "tie_word_embeddings": (bool,), "norm_topk_prob": (bool,), "moe_renormalize": (bool,), "rope_interleave": (bool,),
 }
+# Inside rope_parameters / rope_scaling (or each per-layer-type dict of them).
+ROPE_KEY_TYPES: dict[str, tuple[type, ...]] = {
+    "rope_type": (str,), "type": (str,), "rope_theta": NUMBER, "partial_rotary_factor": NUMBER, "factor": NUMBER,
+    "mrope_section": (list,), "mrope_interleaved": (bool,),
+}
 # Items of the list-valued keys above.
 ITEM_TYPES: dict[str, tuple[type, ...]] = {
     "architectures": (str,), "layer_types": (str,), "mlp_layer_types": (str,), "mlp_only_layers": (int,),
-    "attn_type_list": (int,),
+    "attn_type_list": (int,), "mrope_section": (int,),
 }
+ROPE_KEYS = ("rope_parameters", "rope_scaling")
 EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk")
 LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer")
@@ -70,8 +76,22 @@ def check_config(config: dict, path: str | Path) -> None:
     """Every check that needs only config.json; raises BadInput at the first bad value."""
     check_config_dims(config, path)
     for prefix, part in _parts(config):
-        _check_key_types(part, prefix, path)
+        _check_key_types(part, KEY_TYPES, prefix, path)
+        for key, rope in _rope_dicts(part):
+            _check_key_types(rope, ROPE_KEY_TYPES, f"{prefix}{key}.", path)
         _check_relations(part, prefix, path)
+
+
+def _rope_dicts(part: dict) -> list[tuple[str, dict]]:
+    """rope_parameters and rope_scaling, or the per-layer-type dicts they hold (sliding/full)."""
+    found = []
+    for key in ROPE_KEYS:
+        rope = part.get(key)
+        if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+            found += [(f"{key}.{kind}", sub) for kind, sub in rope.items()]
+        elif isinstance(rope, dict):
+            found.append((key, rope))
+    return found
 
 
 def check_config_dims(config: dict, path: str | Path) -> None:
@@ -140,8 +160,8 @@ def _check_number(value: object, key_path: str, high: int, path: str | Path) -> 
         _check_int(value, key_path, -1, high, path)
 
 
-def _check_key_types(part: dict, prefix: str, path: str | Path) -> None:
-    for key, types in KEY_TYPES.items():
+def _check_key_types(part: dict, key_types: dict[str, tuple[type, ...]], prefix: str, path: str | Path) -> None:
+    for key, types in key_types.items():
         value = part.get(key)
         if value is None:
             continue
