@@ -163,19 +163,21 @@ def _check_number(value: object, key_path: str, high: int, path: str | Path) -> 
 def _check_key_types(part: dict, key_types: dict[str, tuple[type, ...]], prefix: str, path: str | Path) -> None:
     for key, types in key_types.items():
         value = part.get(key)
-        if value is None:
-            continue
-        # bool is an int subclass: a flag is never a number here, a number never a flag
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            names = " or ".join(_JSON_NAMES[t] for t in types)
-            raise BadInput(path, prefix + key, f"must be {names}, got {_json_name(value)} {value!r:.40}")
-        for i, item in enumerate(value if key in ITEM_TYPES else ()):
-            if not isinstance(item, ITEM_TYPES[key]) or isinstance(item, bool) and bool not in ITEM_TYPES[key]:
-                expected = _JSON_NAMES[ITEM_TYPES[key][0]]
-                raise BadInput(path, f"{prefix}{key}[{i}]", f"must be {expected}, got {_json_name(item)} {item!r:.40}")
+        if value is not None:
+            _check_type(value, types, prefix + key, path)
+        for i, item in enumerate(value if key in ITEM_TYPES and value is not None else ()):
+            _check_type(item, ITEM_TYPES[key], f"{prefix}{key}[{i}]", path)
 
 
-_JSON_NAMES = {str: "a string", list: "a list", dict: "an object", int: "an integer", float: "a number", bool: "true or false"}
+def _check_type(value: object, types: tuple[type, ...], key_path: str, path: str | Path) -> None:
+    # bool is an int subclass: a flag is never a number here, a number never a flag
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        names = "a number" if types == NUMBER else " or ".join(_JSON_NAMES[t] for t in types)
+        raise BadInput(path, key_path, f"must be {names}, got {_json_name(value)} {value!r:.40}")
+
+
+_JSON_NAMES = {str: "a string", list: "a list", dict: "an object", int: "an integer", float: "a number",
+               bool: "true or false"}
 
 
 def _json_name(value: object) -> str:
