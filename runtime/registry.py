@@ -3,8 +3,12 @@
 Each family names its fp64 reference op, its torch fallback and (where one exists) its fused kernel
 as "module:function" strings, so reading the table imports nothing heavy. `supports` says whether
 the family computes a component with given parameters exactly, as a variant (same op, a parameter
-path exercised less), or not at all. Parameters are the plain dicts of the ModelSpec (the runtime
-does not import `onboard`).
+path exercised less), or not at all.
+
+Predicates and `ops_for_layer` take the plain dicts of the ModelSpec, not runtime/config.py's
+dataclasses: their callers are onboard's gap analysis and alignment tier 0, which judge a spec before
+any runtime model exists (from `ModelSpec.model_dump()`, which the runtime cannot import) and use the
+parameter dicts themselves as tier-0 case keys and op arguments. The runtime's layers never ask.
 """
 from __future__ import annotations
 
@@ -95,9 +99,9 @@ OPS: dict[str, OpFamily] = {op.name: op for op in [
     OpFamily("mla_attention", "attention:mla", "reference_ops.mla:mla_attention", "runtime.ops.mla:mla_attention",
              None, _mla),
     OpFamily("dsa_indexer", "attention:mla_dsa", "reference_ops.dsa:indexer_topk", "runtime.ops.dsa:indexer_topk",
-             "runtime.kernels.sparse_attention:indexer_topk", _dsa),
-    OpFamily("sparse_attention", "attention:mla_dsa", "reference_ops.dsa:sparse_attention",
-             "runtime.ops.dsa:sparse_attention", "runtime.kernels.sparse_attention:sparse_attention", _dsa),
+             "runtime.kernels.dsa:indexer_topk", _dsa),
+    OpFamily("dsa_attention", "attention:mla_dsa", "reference_ops.dsa:sparse_attention",
+             "runtime.ops.dsa:sparse_attention", "runtime.kernels.dsa:sparse_attention", _dsa),
     OpFamily("causal_conv1d", "attention:short_conv", "reference_ops.conv:causal_conv1d",
              "runtime.ops.conv:causal_conv1d", None, _always),
     OpFamily("gated_delta_rule", "attention:gated_delta", "reference_ops.gated_delta:gated_delta_rule",
@@ -110,8 +114,8 @@ OPS: dict[str, OpFamily] = {op.name: op for op in [
              _router),
     OpFamily("moe_experts", "ffn:moe", "reference_ops.moe:swiglu_experts", "runtime.ops.moe:swiglu_experts",
              "runtime.kernels.moe:swiglu_experts", _experts),
-    OpFamily("swiglu_mlp", "ffn:dense", "reference_ops.moe:swiglu_mlp", "runtime.ops.moe:swiglu_mlp",
-             "runtime.kernels.moe:swiglu_mlp", _always),
+    OpFamily("swiglu_mlp", "ffn:dense", "reference_ops.mlp:swiglu_mlp", "runtime.ops.mlp:swiglu_mlp",
+             "runtime.kernels.mlp:swiglu_mlp", _always),
 ]}
 
 
@@ -122,7 +126,7 @@ def ops_for_layer(attention: dict, ffn: dict) -> list[tuple[str, dict]]:
     if kind == "softmax":
         used.append(("softmax_attention", attention))
     elif kind == "mla":
-        used += [("dsa_indexer", attention), ("sparse_attention", attention)] if attention.get("indexer") \
+        used += [("dsa_indexer", attention), ("dsa_attention", attention)] if attention.get("indexer") \
             else [("mla_attention", attention)]
     elif kind == "gated_delta":
         used += [("causal_conv1d", attention), ("gated_delta_rule", attention), ("gated_rms_norm", attention)]
