@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from onboard.config_checks import check_config, check_counts_against_tensors
 from onboard.errors import BadInput, printable
@@ -31,8 +32,9 @@ DTYPE_BYTES = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
+# A NamedTuple rather than a frozen dataclass: built once per tensor (157k for the flagship),
+# at half the cost
+class TensorInfo(NamedTuple):
     name: str
     # None when only the index is on disk (shapes and dtypes live in the shard headers)
     dtype: str | None
