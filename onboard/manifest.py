@@ -77,6 +77,9 @@ class Manifest:
 def read_manifest(model_dir: str | Path) -> Manifest:
     """Read and validate MODEL_DIR; every problem raises BadInput naming the file and key."""
     root = Path(model_dir)
+    if not _encodes(str(root.absolute())):
+        # the path goes into every report and package file, all of them UTF-8 text
+        raise BadInput(root, None, "the folder's path is not valid UTF-8; rename or link it under a UTF-8 name")
     if not _exists(root):
         raise BadInput(root, None, "does not exist; expected a folder with config.json and safetensors weights")
     if not root.is_dir():

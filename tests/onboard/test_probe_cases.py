@@ -235,3 +235,12 @@ def test_per_expert_names_bound_the_expert_count(seed_dir, onboard_cli, tmp_path
     assert result.code == code, result.err
     if code == 2:
         assert "text_config.n_routed_experts: 12000 experts in 61 layers need more tensors" in result.err
+
+
+def test_model_folder_name_not_utf8(release, onboard_cli, tmp_path):
+    """A folder named with bytes that are not UTF-8 (as argv hands them over): refused, named escaped."""
+    renamed = release.rename(tmp_path / os.fsdecode(b"bad\xff"))
+    for fmt in ([], ["--json"]):
+        result = onboard_cli("inspect", renamed, *fmt)
+        result.assert_bounded()
+        assert result.code == 2 and "bad\\udcff: the folder's path is not valid UTF-8" in result.err, result.err
