@@ -84,10 +84,14 @@ def read_manifest(model_dir: str | Path) -> Manifest:
         raise BadInput(root, None, "does not exist; expected a folder with config.json and safetensors weights")
     if not root.is_dir():
         raise BadInput(root, None, "not a directory; expected a folder with config.json and safetensors weights")
-    config = read_config(root)
+    try:
+        config = read_config(root)
+        weights = _read_weights(root)
+    # a folder or file the user cannot read (permissions, I/O errors): the input, not a bug
+    except OSError as exc:
+        raise BadInput(exc.filename or root, None, f"cannot be read ({exc.strerror or exc})") from None
     text_config = _sub_config(config, TEXT_CONFIG_KEYS, root)
     vision_config = _sub_config(config, VISION_CONFIG_KEYS, root)
-    weights = _read_weights(root)
     check_counts_against_tensors(config, list(weights.tensors), root / CONFIG_NAME)
     return Manifest(
         root, config, config if text_config is None else text_config, vision_config,
