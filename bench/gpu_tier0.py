@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from onboard.align_ops import tier0
+from onboard.align.tier0_ops import tier0
 from onboard.example_models import write_example_model
 from onboard.manifest import read_manifest
 from onboard.recognize import recognize

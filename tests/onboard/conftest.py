@@ -1,4 +1,5 @@
-"""The `onboard` command run in this process, with the bounds the reliability tests hold it to.
+"""Shared fixtures of the onboard tests: packages written from the example releases, and the
+`onboard` command run in this process with the bounds the reliability tests hold it to.
 
 In-process so that hundreds of hostile inputs cost no interpreter start each; it is the same
 `main` a user's `onboard` runs, with stdout and stderr captured. Memory is the growth of the
@@ -24,6 +25,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from onboard.cli import main
+from onboard.package import write_package
 
 settings.register_profile("onboard-fuzz", max_examples=int(os.environ.get("ONBOARD_FUZZ_EXAMPLES", "12")),
                           deadline=None, database=None, suppress_health_check=list(HealthCheck))
@@ -110,3 +112,16 @@ def copy_release(source: Path, target: Path) -> Path:
 def release_copy():
     """copy(source, target) -> target: see copy_release."""
     return copy_release
+
+
+@pytest.fixture(scope="session")
+def example_package(example_release, tmp_path_factory):
+    """family -> package folder written by `onboard new-model`; tests that edit a package work on a copy."""
+    cache = {}
+
+    def make(family: str):
+        if family not in cache:
+            cache[family], _ = write_package(example_release(family), tmp_path_factory.mktemp("pkg") / family)
+        return cache[family]
+
+    return make
