@@ -103,7 +103,7 @@ def test_torch_dtype_list_with_the_index_only(release, onboard_cli):
     assert result.code == 2 and "torch_dtype: must be a string" in result.err
 
 
-def test_a_million_empty_tensors_are_refused_before_parsing(release, onboard_cli):
+def test_header_beyond_the_tensor_cap_is_refused_before_parsing(release, onboard_cli):
     header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(200_001)}
     raw = json.dumps(header).encode()
     shard = shards(release)[0]
