@@ -59,6 +59,7 @@ MOE_CONFIG = MoEConfig(
     num_experts=E, top_k=K_TOP, expert_intermediate_size=F_EXPERT, num_shared_experts=1,
     shared_intermediate_size=F_SHARED, shared_expert_gate=True,
     router=RouterConfig(scoring="softmax", norm_topk_prob=True))
+_RUNTIME_LAYERS = {}
 
 
 def runtime_layer(block) -> MoE:

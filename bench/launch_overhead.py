@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench.bench_gated_delta import make_inputs, ours, time_forward, time_forward_backward, training_step
+from bench.bench_gated_delta import make_inputs, ours, training_step, wall
 
 
 @triton.jit
@@ -117,7 +117,7 @@ def main() -> None:
     for kind in ("gdn", "kda"):
         x = make_inputs(kind, 8192, 32, 128)
         result[kind] = {
-            "fwd_wall_ms": time_forward(ours(kind), x), "fwdbwd_wall_ms": time_forward_backward(ours(kind), x)[0],
+            "fwd_wall_ms": wall(ours(kind), x, False)["ms"], "fwdbwd_wall_ms": wall(ours(kind), x, True)["ms"],
             "fwd": timeline(ours(kind), x, False), "fwdbwd": timeline(ours(kind), x, True),
             "host_profile_fwdbwd": host_profile(ours(kind), x, True)}
         print(kind, json.dumps(result[kind]), flush=True)

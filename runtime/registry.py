@@ -106,7 +106,7 @@ OPS: dict[str, OpFamily] = {op.name: op for op in [
              "runtime.ops.conv:causal_conv1d", None, _always),
     OpFamily("gated_delta_rule", "attention:gated_delta", "reference_ops.gated_delta:gated_delta_rule",
              "runtime.ops.gated_delta:gated_delta_rule", "runtime.kernels.gated_delta:gated_delta_rule", _always),
-    OpFamily("kda", "attention:kda", "reference_ops.kda:kda", "runtime.ops.gated_delta:kda",
+    OpFamily("kda", "attention:kda", "reference_ops.kda:kda", "runtime.ops.kda:kda",
              "runtime.kernels.gated_delta:kda", _always),
     OpFamily("lightning_attention", "attention:lightning", "reference_ops.lightning:lightning_attention",
              "runtime.ops.lightning:lightning_attention", None, _always),
