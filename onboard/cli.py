@@ -1,17 +1,23 @@
-"""The `onboard` command. Exit codes: 0 ok, 2 bad input (one line on stderr), 3 gaps remain."""
+"""The `onboard` command. Exit codes: 0 ok, 1 a bug (one line, trace in a file), 2 bad input (one line), 3 gaps remain."""
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
+import math
+import os
 import sys
 from pathlib import Path
 
 from onboard import train_cli
-from onboard.errors import OnboardError
+from onboard.errors import BadInput, report_internal_error
+from runtime.config import SpecError
 from runtime.errors import InputFileError
 
+EXIT_BUG = 1
 EXIT_BAD_INPUT = 2
 EXIT_GAPS = 3
+EXIT_INTERRUPTED = 130
 
 
 def _inspect(args) -> int:
@@ -123,9 +129,9 @@ def _tier_list(text: str) -> list[int]:
     try:
         tiers = sorted({int(t) for t in text.split(",") if t.strip()})
     except ValueError:
-        raise OnboardError(None, "--tiers", f"expected a comma-separated list of tier numbers, got {text!r}")
+        raise BadInput(None, "--tiers", f"expected a comma-separated list of tier numbers, got {text!r}")
     if not tiers or any(t not in (0, 1, 2, 4) for t in tiers):
-        raise OnboardError(None, "--tiers", f"tiers 0, 1, 2 and 4 are available, got {text!r}")
+        raise BadInput(None, "--tiers", f"tiers 0, 1, 2 and 4 are available, got {text!r}")
     return tiers
 
 
@@ -194,6 +200,11 @@ def _add_budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=_positive_int, default=4096, help="training sequence length for activations")
 
 
+# Far above any real use (a 1M-token sequence, a rank-65536 adapter), low enough that no
+# estimate built from an argument overflows or allocates by it.
+ARG_LIMIT = 1 << 31
+
+
 def _add_cluster_args(p: argparse.ArgumentParser, required: bool) -> None:
     """The cluster a plan is for (plan, new-model; align tier 4)."""
     p.add_argument("--gpus", type=_positive_int, required=required, default=None if required else 8,
@@ -203,25 +214,43 @@ def _add_cluster_args(p: argparse.ArgumentParser, required: bool) -> None:
 
 def _positive_int(text: str) -> int:
     value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    if not 1 <= value <= ARG_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, {ARG_LIMIT}], got {text}")
     return value
 
 
 def _positive_float(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    if not (value > 0 and math.isfinite(value) and value <= ARG_LIMIT):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text}")
     return value
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # a name that slipped past the checks must not turn printing into a crash
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors="backslashreplace")
     try:
         return args.run(args)
-    except (OnboardError, InputFileError) as err:
+    except (BadInput, InputFileError) as err:
         print(f"onboard: error: {err.one_line()}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    # a package's spec.json the runtime cannot read (the message names the key path)
+    except SpecError as err:
+        print(f"onboard: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("onboard: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # the reader (`| head`) went away; point stdout at devnull so the exit-time flush is quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    # the one place a bug is caught: the user gets one line, the trace goes to a file
+    except Exception as exc:  # noqa: BLE001
+        print(f"onboard: {report_internal_error(exc)}", file=sys.stderr)
+        return EXIT_BUG
 
 
 if __name__ == "__main__":

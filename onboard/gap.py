@@ -12,6 +12,7 @@ from onboard.memory import MemoryBudget, budget
 from onboard.meta_check import MetaCheck, meta_check
 from onboard.spec import ModelSpec, Unrecognized
 from onboard.weight_layout import expected_tensors
+from runtime.kernels.available import kernels_available
 from runtime.registry import OPS, ops_for_layer
 
 Status = Literal["covered", "variant", "generated", "fallback", "missing"]
@@ -41,14 +42,24 @@ class WeightCheck(BaseModel):
     shapes_checked: bool  # False when only the index is present (no headers to read shapes from)
     expected: int
     present: int
+    # tensors under the vision prefix: loaded whole by the release's own vision tower, so not
+    # matched name by name here; present + vision_tensors is every tensor of the release
+    vision_tensors: int
     missing: list[str]
     unexpected: list[str]
     shape_mismatches: list[ShapeMismatch]
 
 
+class KernelsHere(BaseModel):
+    """Whether the fused kernels named in `ops` can run on this machine (the report is the same either way)."""
+    available: bool
+    reason: str
+
+
 class GapReport(BaseModel):
     model: dict
     ops: list[OpGap]
+    kernels: KernelsHere
     weights: WeightCheck
     memory: MemoryBudget
     meta_check: Optional[MetaCheck]  # transformers' own model on the meta device, when it knows the family
@@ -72,7 +83,7 @@ def op_gaps(spec: ModelSpec) -> list[OpGap]:
 
 def _op_gap(name: str, support: str, layers: list[int], family: str) -> OpGap:
     op = OPS[name]
-    has_runtime = op.resolve("fallback") is not None
+    has_runtime = op.exists("fallback")
     if support != "unsupported" and has_runtime:
         status = "covered" if support == "exact" else "variant"
         detail = "" if support == "exact" else "supported through a less exercised parameter path"
@@ -82,7 +93,7 @@ def _op_gap(name: str, support: str, layers: list[int], family: str) -> OpGap:
         status, detail = "missing", "no runtime op and no reference implementation to fall back on"
     return OpGap(op=name, covers=op.covers, status=status, layers=layers,
                  runtime_op=op.fallback if status in ("covered", "variant") else None,
-                 kernel=op.kernel if status in ("covered", "variant") and op.resolve("kernel") else None,
+                 kernel=op.kernel if status in ("covered", "variant") and op.exists("kernel") else None,
                  reference_op=op.reference, detail=detail)
 
 
@@ -100,6 +111,7 @@ def check_weights(spec: ModelSpec, manifest: Manifest) -> WeightCheck:
                            f"shape {tuple(first.actual)} contradicts config.json, which implies {tuple(first.expected)}"
                            f" ({len(mismatches)} tensor(s) disagree)")
     return WeightCheck(shapes_checked=manifest.shards_present, expected=len(expected), present=len(present),
+                       vision_tensors=len(manifest.tensors) - len(present),
                        missing=sorted(n for n in expected if n not in present),
                        unexpected=sorted(n for n in present if n not in expected), shape_mismatches=[])
 
@@ -119,7 +131,9 @@ def analyze(spec: ModelSpec, manifest: Manifest, gpu_mem_gib: float = 80.0, lora
     counts = {s: sum(1 for o in ops if o.status == s) for s in ("covered", "variant", "generated", "fallback", "missing")}
     gaps = counts["missing"] > 0 or bool(weights.missing)
     meta = meta_check(spec, manifest) if spec.family in REFERENCE_FAMILIES else None
-    return GapReport(model=model_summary(spec, manifest), ops=ops, weights=weights,
+    available, reason = kernels_available()
+    return GapReport(model=model_summary(spec, manifest), ops=ops, kernels=KernelsHere(available=available, reason=reason),
+                     weights=weights,
                      memory=budget(spec, gpu_mem_gib, lora_rank, seq_len), meta_check=meta,
                      unrecognized=list(spec.unrecognized) + unexpected_as_unrecognized(weights.unexpected),
                      summary={"ops": counts, "gaps_remain": gaps,

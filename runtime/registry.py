@@ -13,6 +13,7 @@ parameter dicts themselves as tier-0 case keys and op arguments. The runtime's l
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional
 
@@ -41,6 +42,12 @@ class OpFamily:
         except ModuleNotFoundError:
             return None
         return getattr(module, fn_name, None)
+
+    def exists(self, which: Literal["reference", "fallback", "kernel"]) -> bool:
+        """Whether that implementation's module is in this tree, without importing it (no torch,
+        no triton): gap analysis needs only this, and every entry resolving is a registry test."""
+        target = getattr(self, which)
+        return target is not None and importlib.util.find_spec(target.split(":")[0]) is not None
 
 
 def _always(params: dict) -> Support:
