@@ -1,19 +1,21 @@
 """Runs inside the sandbox before the candidate: `python -I sandbox_guard.py WORKDIR SCRIPT ARGS...`.
 
-An audit hook refuses writes outside WORKDIR, sockets, subprocesses and ctypes. Audit hooks are a tripwire, not a
-sandbox (ctypes can bypass them, which is why ctypes is refused first); in bwrap mode the operating system enforces
-the same rules underneath. A refusal is printed as `sandbox-refused: EVENT DETAIL` on stderr for the report.
+An audit hook refuses writes outside WORKDIR, sockets, subprocesses, ctypes and imports of the hidden packages.
+Audit hooks are a tripwire, not a sandbox (ctypes can bypass them, which is why ctypes is refused); in bwrap mode
+the operating system enforces the same rules underneath. A refusal is printed as `sandbox-refused: EVENT DETAIL`
+on stderr for the report. Standalone on purpose: it is copied into the work dir, since its own folder is hidden.
 """
 import os
 import runpy
 import sys
 
-WORKDIR = ""
+# the references a candidate is compared with and the model's own code (bwrap also hides them behind tmpfs)
+HIDDEN_PACKAGES = ("reference_ops", "transformers", "onboard", "agents")
 BLOCKED_EVENTS = ("socket.connect", "socket.bind", "socket.sendto", "subprocess.Popen", "os.system", "os.exec",
                   "os.posix_spawn", "os.fork", "os.forkpty", "pty.spawn", "ctypes.dlopen", "ctypes.cdata")
-# the references a candidate is compared with and the model's own code (also hidden by bwrap's tmpfs mounts)
-HIDDEN_PACKAGES = ("reference_ops", "transformers", "onboard", "agents")
+PATH_EVENTS = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "shutil.rmtree")
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+WORKDIR = ""
 
 
 def _inside(path) -> bool:
@@ -26,9 +28,7 @@ def _inside(path) -> bool:
 def _writes(mode, flags) -> bool:
     if isinstance(mode, str) and any(c in mode for c in "wax+"):
         return True
-    return isinstance(flags, int) and bool(flags & # the references a candidate is compared with and the model's own code (also hidden by bwrap's tmpfs mounts)
-HIDDEN_PACKAGES = ("reference_ops", "transformers", "onboard", "agents")
-WRITE_FLAGS)
+    return isinstance(flags, int) and bool(flags & WRITE_FLAGS)
 
 
 def _refuse(event: str, detail) -> None:
@@ -39,7 +39,7 @@ def _refuse(event: str, detail) -> None:
 def _hook(event: str, args) -> None:
     if event == "open" and _writes(args[1], args[2]) and not _inside(args[0]):
         _refuse(event, args[0])
-    elif event in ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "shutil.rmtree") and not _inside(args[0]):
+    elif event in PATH_EVENTS and not _inside(args[0]):
         _refuse(event, args[0])
     elif event == "import" and args[0].split(".")[0] in HIDDEN_PACKAGES:
         _refuse(event, args[0])
@@ -50,7 +50,7 @@ def _hook(event: str, args) -> None:
 def main() -> None:
     global WORKDIR
     WORKDIR, script = os.path.realpath(sys.argv[1]), sys.argv[2]
-    # torch loads its libraries through ctypes: imported before the hook, so candidates get it but not ctypes
+    # torch loads its libraries through ctypes: imported before the hook, so candidates get torch but not ctypes
     try:
         import torch  # noqa: F401
     except ImportError:
