@@ -12,6 +12,8 @@ from onboard.align_reference import read_package
 from onboard.align_report import AlignmentReport, tier_result
 from onboard.align_vision import vision_checks
 from onboard.errors import OnboardError
+from onboard.model_references import register_references
+from runtime.package_ops import load_package_ops
 
 # Alignment of large releases runs a prefix of the model (both sides) holding every distinct layer kind.
 MAX_ALIGN_LAYERS = 8
@@ -28,6 +30,9 @@ def run(pkg: Path, tiers: list[int], tamper=None, progress=print, max_layers: in
     if not (pkg / "package.yaml").exists():
         raise OnboardError(pkg, "package.yaml", "not a package written by `onboard new-model`")
     spec, weight_map, source = read_package(pkg)
+    # the package's generated ops run in the runtime, the model's own functions are their reference
+    load_package_ops(pkg)
+    register_references(pkg)
     num_layers = layers_to_run(spec, max_layers)
     if num_layers < spec["num_layers"]:
         progress(f"aligning the first {num_layers} of {spec['num_layers']} layers (every distinct layer kind is among them)")

@@ -14,7 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_ACTIVATIONS = {
+# By config `hidden_act` name. Alignment adds the model's own function for an activation a package
+# generated (onboard/model_references.py), so the candidate is compared with the release's definition.
+ACTIVATIONS = {
     "silu": F.silu,
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -84,7 +86,7 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, activation: str, clamp: float | N
         up = up.clamp(-clamp, clamp)
     if glu_alpha is not None:
         return gate * torch.sigmoid(glu_alpha * gate) * (up + 1)
-    return _ACTIVATIONS[activation](gate) * up
+    return ACTIVATIONS[activation](gate) * up
 
 
 def _split_gate_up(gate_up_2F: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,5 +147,5 @@ def swiglu_mlp(
 ) -> torch.Tensor:
     """Dense gated MLP (also the shared expert): down(act(gate(x)) * up(x)). Returns y_TD in fp64."""
     x_TD = _f64(x_TD)
-    h_TF = _ACTIVATIONS[activation](x_TD @ _f64(w_gate_FD).T) * (x_TD @ _f64(w_up_FD).T)
+    h_TF = ACTIVATIONS[activation](x_TD @ _f64(w_gate_FD).T) * (x_TD @ _f64(w_up_FD).T)
     return h_TF @ _f64(w_down_DF).T

@@ -16,11 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-_ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
+from runtime.ops.activations import ACTIVATIONS
+
 
 
 def _group_mask(choice_TE: torch.Tensor, num_groups: int, topk_groups: int, top2_sum: bool) -> torch.Tensor:
@@ -155,7 +152,7 @@ def glu(gate, up, activation: str, clamp: float | None, glu_alpha: float | None)
         up = up.clamp(-clamp, clamp)
     if glu_alpha is not None:
         return gate * torch.sigmoid(glu_alpha * gate) * (up + 1)
-    return _ACTIVATIONS[activation](gate) * up
+    return ACTIVATIONS[activation](gate) * up
 
 
 def swiglu_experts(
@@ -209,7 +206,7 @@ def swiglu_mlp(
 ) -> torch.Tensor:
     """Dense gated MLP (also the shared expert): down(act(gate(x)) * up(x)); with the shared-expert
     gate gate_1D [1, D] times sigmoid(x @ gate_1D^T), plus residual_TD (the routed experts' output)."""
-    out_TD = F.linear(_ACTIVATIONS[activation](F.linear(x_TD, w_gate_FD)) * F.linear(x_TD, w_up_FD), w_down_DF)
+    out_TD = F.linear(ACTIVATIONS[activation](F.linear(x_TD, w_gate_FD)) * F.linear(x_TD, w_up_FD), w_down_DF)
     if gate_1D is not None:
         out_TD = out_TD * torch.sigmoid(F.linear(x_TD, gate_1D))
     return out_TD if residual_TD is None else residual_TD + out_TD
