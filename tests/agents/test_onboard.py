@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,19 @@ def test_without_an_llm_the_op_is_a_gap_needing_one(relu2_release, tmp_path):
     assert not (pkg / "ops").exists() and not (pkg / "alignment" / "report.json").exists()
 
 
+def test_a_router_scoring_with_no_reference_to_validate_against_needs_a_person(example_release, llm_server, tmp_path):
+    release = tmp_path / "release"
+    shutil.copytree(example_release("deepseek_v3"), release)
+    config = json.loads((release / "config.json").read_text())
+    (release / "config.json").write_text(json.dumps({**config, "scoring_func": "sqrtsoftplus"}))
+    pkg = tmp_path / "pkg"
+    assert cli.main(["new-model", str(release), "--out", str(pkg), "--llm-url", llm_server.url, "--llm-model", "m"]) == 3
+    gap = _gap(pkg, "moe_router")
+    assert gap["status"] == "missing" and gap["needs"] == "person" and "sqrtsoftplus" in gap["detail"]
+    assert "no slot for a generated router_scoring" in gap["evidence"]["failures"][0]["detail"]
+    assert llm_server.requests == []
+
+
 @pytest.fixture(scope="module")
 def onboarded(relu2_release, tmp_path_factory):
     """The relu2 release onboarded through the scripted LLM: a wrong answer (plain relu), then the right one."""
@@ -57,7 +71,8 @@ def test_the_wrong_candidate_is_refused_with_its_metric_and_the_fixed_one_lands(
     assert (pkg / "ops" / "activation_relu2.py").read_text().rstrip().endswith("return torch.relu(x) ** 2")
     gap = _gap(pkg, "moe_experts")
     assert gap["status"] == "generated" and gap["evidence"]["attempts"] == 2
-    assert gap["evidence"]["tiers"] == {"0": gap["evidence"]["tiers"]["0"], "1": gap["evidence"]["tiers"]["1"]}
+    tiers = gap["evidence"]["tiers"]
+    assert sorted(tiers) == ["0", "1"] and all(passed == total for passed, total in (t.split("/") for t in tiers.values()))
     package = yaml.safe_load((pkg / "package.yaml").read_text())
     assert package["generated_ops"][0]["name"] == "relu2" and package["status"] == "ready-for-alignment"
     report = json.loads((pkg / "alignment" / "report.json").read_text())
