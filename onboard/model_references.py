@@ -38,7 +38,7 @@ def source(kind: str, name: str) -> Optional[str]:
 
 def register_references(pkg: Path) -> list[str]:
     """Put the model's own function for each generated op of the package into reference_ops' tables."""
-    from reference_ops.moe import ACTIVATIONS
+    from reference_ops.mlp import ACTIVATIONS
 
     tables = {"activation": ACTIVATIONS}
     entries = yaml.safe_load((Path(pkg) / "package.yaml").read_text()).get("generated_ops") or []

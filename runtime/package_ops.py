@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from runtime.ops.activations import ACTIVATIONS
+from runtime.ops.mlp import ACTIVATIONS
 
 # Kinds the runtime's layers look up by name; a generated op of another kind has no slot to go into.
 TABLES = {"activation": ACTIVATIONS}

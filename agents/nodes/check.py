@@ -6,7 +6,8 @@ import shutil
 
 from langgraph.runtime import Runtime
 
-from onboard import align
+from onboard.align import run_alignment
+from onboard.align.progress import Progress
 from onboard.generated import GeneratedOp
 from onboard.package import write_package
 
@@ -50,7 +51,7 @@ def layer_failures(state: OnboardState, op: GeneratedOp, folder, context: Contex
     o = state["options"]
     shutil.rmtree(folder / "package", ignore_errors=True)
     pkg, _ = write_package(o.model_dir, folder / "package", o.gpu_mem_gib, o.lora_rank, o.seq_len, generated=[op])
-    report = align.run(pkg, LAYER_TIERS, progress=lambda line: context.progress(f"  {line}"))
+    report = run_alignment(pkg, LAYER_TIERS, progress=Progress(lambda line: context.progress(f"  {line}")))
     failed = [c for t in report.tiers for c in t.checks if c.verdict == "fail"]
     if report.passed:
         op.evidence["tiers"] = {str(t.tier): f"{t.num_checks - t.num_failed}/{t.num_checks}" for t in report.tiers}

@@ -9,7 +9,8 @@ from pathlib import Path
 import yaml
 from langgraph.runtime import Runtime
 
-from onboard import align as alignment
+from onboard.align import run_alignment
+from onboard.align.progress import Progress
 from onboard.package import write_package
 from onboard.render import gap_markdown, jinja_env
 
@@ -56,7 +57,7 @@ def _replace(path: Path, text: str) -> None:
 
 
 def align(state: OnboardState, runtime: Runtime[Context]) -> dict:
-    report = alignment.run(Path(state["package"]), ALIGN_TIERS, progress=runtime.context.progress)
+    report = run_alignment(Path(state["package"]), ALIGN_TIERS, progress=Progress(runtime.context.progress))
     return {"alignment": Alignment(passed=report.passed, summary=report.summary_line())}
 
 

@@ -88,15 +88,16 @@ def test_the_generated_op_unit_test_passes(onboarded):
 
 
 def test_training_steps_run_through_the_generated_op(onboarded):
-    from onboard.align_reference import load_runtime, read_package
+    from onboard.align.package_files import read_package
+    from onboard.align.reference import load_runtime
     from runtime.model import causal_lm_loss
     from runtime.package_ops import load_package_ops
 
     _, pkg, _ = onboarded
     assert load_package_ops(pkg) == ["activation:relu2"]
-    spec, weight_map, source = read_package(pkg)
-    model = load_runtime(spec, weight_map, source, torch.float32).train()
-    ids = torch.randint(0, spec["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    inputs = read_package(pkg)
+    model = load_runtime(inputs.spec, inputs.weight_map, inputs.source, torch.float32).train()
+    ids = torch.randint(0, inputs.spec["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(5):
