@@ -39,6 +39,13 @@ def test_a_hanging_candidate_is_killed_and_reported(tmp_path):
     assert verdict.failures[0].check == "timeout" and verdict.failures[0].value >= 5
 
 
+def test_a_candidate_allocating_without_bound_is_stopped_and_reported(tmp_path):
+    code = "def op(x):\n    hoard = [torch.ones(2**27) for _ in range(64)]\n    return torch.relu(x) ** 2"
+    verdict = validate(TASK, _free_form(code), tmp_path / "w", SALT, Limits(wall_s=60, memory_mib=1024))
+    assert verdict.failures[0].check == "crash"
+    assert "memory" in verdict.failures[0].detail.lower()
+
+
 def test_a_candidate_writing_outside_its_folder_crashes_contained(tmp_path):
     outside = tmp_path / "escaped.txt"
     code = (f"def op(x):\n    with torch.serialization._open_file_like({str(outside)!r}, 'wb') as f:\n"
