@@ -71,6 +71,7 @@ def test_the_wrong_candidate_is_refused_with_its_metric_and_the_fixed_one_lands(
     assert (pkg / "ops" / "activation_relu2.py").read_text().rstrip().endswith("return torch.relu(x) ** 2")
     gap = _gap(pkg, "moe_experts")
     assert gap["status"] == "generated" and gap["evidence"]["attempts"] == 2
+    assert gap["evidence"]["seeds"] == 5 and gap["evidence"]["worst"]["out/float32"] < 1e-6
     tiers = gap["evidence"]["tiers"]
     assert sorted(tiers) == ["0", "1"] and all(passed == total for passed, total in (t.split("/") for t in tiers.values()))
     package = yaml.safe_load((pkg / "package.yaml").read_text())

@@ -54,11 +54,3 @@ def test_a_candidate_writing_outside_its_folder_crashes_contained(tmp_path):
     assert verdict.failures[0].check == "crash" and not outside.exists()
     assert "PermissionError" in verdict.failures[0].detail or "Read-only" in verdict.failures[0].detail
 
-
-def test_a_wrong_candidate_is_refused_with_the_metric_and_the_right_one_passes(tmp_path):
-    wrong = validate(TASK, render(TASK, CandidateAnswer(template="activation", expression="torch.relu(x)")), tmp_path / "a", SALT)
-    forward = [f for f in wrong.failures if f.check == "forward"]
-    assert forward and forward[0].metric == "rel_rms" and forward[0].value > forward[0].tolerance
-    right = validate(TASK, render(TASK, CandidateAnswer(template="activation", expression="torch.relu(x) ** 2")), tmp_path / "b", SALT)
-    assert right.passed, right.failures
-    assert right.evidence["seeds"] == 5 and right.evidence["worst"]["out/float32"] < 1e-6
