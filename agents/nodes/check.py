@@ -3,6 +3,7 @@ for its layers on a trial package holding it; refused candidates go back to gene
 from __future__ import annotations
 
 import shutil
+import traceback
 
 from langgraph.runtime import Runtime
 
@@ -15,7 +16,7 @@ from agents import candidates
 from agents.context import Context
 from agents.nodes.generate import pending, refused, replace
 from agents.state import Failure, OnboardState, OpTask
-from agents.validate import golden, validate as validate_candidate
+from agents.validate import STDERR_TAIL, golden, validate as validate_candidate
 
 LAYER_TIERS = [0, 1]
 MAX_REPORTED = 6
@@ -51,10 +52,14 @@ def layer_failures(state: OnboardState, op: GeneratedOp, folder, context: Contex
     o = state["options"]
     shutil.rmtree(folder / "package", ignore_errors=True)
     pkg, _ = write_package(o.model_dir, folder / "package", o.gpu_mem_gib, o.lora_rank, o.seq_len, generated=[op])
-    report = run_alignment(pkg, LAYER_TIERS, progress=Progress(lambda line: context.progress(f"  {line}")))
-    failed = [c for t in report.tiers for c in t.checks if c.verdict == "fail"]
-    if report.passed:
-        op.evidence["tiers"] = {str(t.tier): f"{t.num_checks - t.num_failed}/{t.num_checks}" for t in report.tiers}
-    return [Failure(check=f"tier{c.tier}:{c.name}", metric=c.metric, value=c.value, tolerance=c.tolerance,
-                    detail=c.detail or "") for c in failed[:MAX_REPORTED]] or ([] if report.passed else
-            [Failure(check="tiers", detail=report.summary_line())])
+    try:
+        report = run_alignment(pkg, LAYER_TIERS, progress=Progress(lambda line: context.progress(f"  {line}")))
+    except Exception:  # the candidate's code runs in this process here: whatever it raises is its failure
+        return [Failure(check="tiers", metric="exception", detail=traceback.format_exc()[-STDERR_TAIL:])]
+    if not report.passed:
+        failed = [c for t in report.tiers for c in t.checks if c.verdict == "fail"]
+        return [Failure(check=f"tier{c.tier}:{c.name}", metric=c.metric, value=c.value, tolerance=c.tolerance,
+                        detail=c.detail or "") for c in failed[:MAX_REPORTED]] or [
+            Failure(check="tiers", detail=report.summary_line())]
+    op.evidence["tiers"] = {str(t.tier): f"{t.num_checks - t.num_failed}/{t.num_checks}" for t in report.tiers}
+    return []
