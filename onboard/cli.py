@@ -46,14 +46,23 @@ def _example_model(args) -> int:
 
 
 def _new_model(args) -> int:
-    from onboard.package import write_package
+    """The onboarding graph (agents/graph.py); exit 0 only for a package without gaps that passes tiers 0-2."""
+    from agents.graph import run
+    from agents.state import RunOptions
 
-    pkg, report = write_package(Path(args.model_dir), Path(args.out), args.gpu_mem_gib, args.lora_rank, args.seq_len,
-                                args.gpus, args.gpus_per_node)
-    counts = report.summary["ops"]
-    print(f"wrote {pkg}: {counts['covered']} ops covered, {counts['variant']} variant, {counts['fallback']} fallback, "
-          f"{counts['missing']} missing; {len(report.weights.missing)} weights missing")
-    return EXIT_GAPS if report.summary["gaps_remain"] else 0
+    if (args.llm_url is None) != (args.llm_model is None):
+        raise BadInput(None, "--llm-model" if args.llm_url else "--llm-url", "--llm-url and --llm-model go together")
+    options = RunOptions(model_dir=str(Path(args.model_dir).resolve()), out=str(Path(args.out).absolute()),
+                         gpu_mem_gib=args.gpu_mem_gib, lora_rank=args.lora_rank, seq_len=args.seq_len, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+                         llm_url=args.llm_url, llm_model=args.llm_model, max_attempts=args.max_attempts)
+    state = run(options, resume=args.resume, progress=lambda line: print(line, file=sys.stderr))
+    counts = state["report"].summary["ops"]
+    print(f"wrote {state['package']}: {counts['covered']} ops covered, {counts['variant']} variant, "
+          f"{counts['generated']} generated, {counts['fallback']} fallback, {counts['missing']} missing; "
+          f"{len(state['report'].weights.missing)} weights missing")
+    if state.get("alignment"):
+        print(f"alignment: {state['alignment'].summary}")
+    return state["exit_code"]
 
 
 def _plan(args) -> int:
@@ -152,11 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", type=_positive_int, default=1, help="split into about this many safetensors shards")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=_example_model)
-    p = sub.add_parser("new-model", help="write the package (spec, weight map, gap report) for a release")
+    p = sub.add_parser("new-model", help="onboard a release: the package, generated ops for its gaps, alignment")
     p.add_argument("model_dir")
     p.add_argument("--out", required=True)
     _add_budget_args(p)
     _add_cluster_args(p, required=False)
+    p.add_argument("--llm-url", help="OpenAI-compatible endpoint (e.g. http://localhost:8000/v1); key: OPENAI_API_KEY")
+    p.add_argument("--llm-model", help="model name the endpoint serves")
+    p.add_argument("--max-attempts", type=_positive_int, default=3, help="candidates per missing op (default 3)")
+    p.add_argument("--resume", action="store_true", help="continue the interrupted run of this --out")
     p.set_defaults(run=_new_model)
     p = sub.add_parser("plan", help="search dp_shard x ep meshes, activation policies and micro-batches for a cluster")
     p.add_argument("model_dir")

@@ -30,6 +30,8 @@ class OpGap(BaseModel):
     kernel: Optional[str]
     reference_op: str
     detail: str = ""
+    needs: Optional[Literal["llm", "person"]] = None  # who can close a missing op (set by the agents)
+    evidence: Optional[dict] = None  # a generated op's validation, or why its candidates were refused
 
 
 class ShapeMismatch(BaseModel):
@@ -87,6 +89,9 @@ def _op_gap(name: str, support: str, layers: list[int], family: str) -> OpGap:
     if support != "unsupported" and has_runtime:
         status = "covered" if support == "exact" else "variant"
         detail = "" if support == "exact" else "supported through a less exercised parameter path"
+    elif support == "unsupported" and has_runtime:
+        # the layer is built from this op, which cannot compute these parameters: nothing runs it
+        status, detail = "missing", "the runtime op does not compute these parameters"
     elif family in REFERENCE_FAMILIES:
         status, detail = "fallback", "runs through the model's own transformers module (slow)"
     else:
@@ -128,16 +133,19 @@ def analyze(spec: ModelSpec, manifest: Manifest, gpu_mem_gib: float = 80.0, lora
             seq_len: int = 4096) -> GapReport:
     ops = op_gaps(spec)
     weights = check_weights(spec, manifest)
-    counts = {s: sum(1 for o in ops if o.status == s) for s in ("covered", "variant", "generated", "fallback", "missing")}
-    gaps = counts["missing"] > 0 or bool(weights.missing)
     meta = meta_check(spec, manifest) if spec.family in REFERENCE_FAMILIES else None
     available, reason = kernels_available()
     return GapReport(model=model_summary(spec, manifest), ops=ops, kernels=KernelsHere(available=available, reason=reason),
                      weights=weights,
                      memory=budget(spec, gpu_mem_gib, lora_rank, seq_len), meta_check=meta,
                      unrecognized=list(spec.unrecognized) + unexpected_as_unrecognized(weights.unexpected),
-                     summary={"ops": counts, "gaps_remain": gaps,
-                              "meta_check_agrees": meta.agrees if meta else None})
+                     summary=summarize(ops, weights, meta))
+
+
+def summarize(ops: list[OpGap], weights: WeightCheck, meta: Optional[MetaCheck]) -> dict:
+    counts = {s: sum(1 for o in ops if o.status == s) for s in ("covered", "variant", "generated", "fallback", "missing")}
+    gaps = counts["missing"] > 0 or bool(weights.missing)
+    return {"ops": counts, "gaps_remain": gaps, "meta_check_agrees": meta.agrees if meta else None}
 
 
 def model_summary(spec: ModelSpec, manifest: Manifest) -> dict:

@@ -15,11 +15,13 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Sequence
 
 import yaml
 
 from onboard.errors import BadInput
 from onboard.gap import analyze
+from onboard.generated import GeneratedOp, mark_generated
 from onboard.manifest import read_manifest
 from onboard.plan import Cluster, Workload, search
 from onboard.plan_render import plan_yaml
@@ -34,13 +36,14 @@ def _sha256(path: Path) -> str:
 
 
 def write_package(model_dir: Path, out: Path, gpu_mem_gib: float = 80.0, lora_rank: int = 16, seq_len: int = 4096,
-                  gpus: int = 8, gpus_per_node: int = 8):
-    """Returns (package path, gap report); plan.yaml is the parallel plan for `gpus` GPUs of gpu_mem_gib."""
+                  gpus: int = 8, gpus_per_node: int = 8, generated: Sequence[GeneratedOp] = ()):
+    """Returns (package path, gap report); plan.yaml is the parallel plan for `gpus` GPUs of gpu_mem_gib.
+    `generated`: validated operator candidates, written into PKG/ops/ and marked `generated` in the gap report."""
     model_dir, out = Path(model_dir).resolve(), Path(out).absolute()
     _check_out(out, model_dir)
     manifest = read_manifest(model_dir)
     spec = recognize(manifest)
-    report = analyze(spec, manifest, gpu_mem_gib, lora_rank, seq_len)
+    report = mark_generated(analyze(spec, manifest, gpu_mem_gib, lora_rank, seq_len), list(generated))
     plan = search(spec, Cluster(gpus, gpu_mem_gib, gpus_per_node), Workload(seq_len, lora_rank, None))
     with _made_parents(out.parent), _locked(out):
         _check_out(out, model_dir)
@@ -48,7 +51,7 @@ def write_package(model_dir: Path, out: Path, gpu_mem_gib: float = 80.0, lora_ra
         tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
         try:
             tmp.mkdir()
-            _write_files(tmp, model_dir, manifest, spec, report)
+            _write_files(tmp, model_dir, manifest, spec, report, generated)
             _write_lora_yaml(tmp, spec, lora_rank)
             (tmp / "plan.yaml").write_text(plan_yaml(plan))
             tmp.rename(out)
@@ -128,7 +131,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _write_files(pkg: Path, model_dir: Path, manifest, spec, report) -> None:
+def _write_files(pkg: Path, model_dir: Path, manifest, spec, report, generated: Sequence[GeneratedOp]) -> None:
     (pkg / "spec.json").write_text(spec.model_dump_json(indent=2))
     (pkg / "weight_map.json").write_text(json.dumps(build_weight_map(spec), indent=1))
     (pkg / "gap_report.json").write_text(report.model_dump_json(indent=2))
@@ -142,8 +145,19 @@ def _write_files(pkg: Path, model_dir: Path, manifest, spec, report) -> None:
                    "config_sha256": _sha256(model_dir / "config.json")},
         "spec_hash": spec.spec_hash(),
         "ops_used": ops,
-        "generated_ops": [],
+        "generated_ops": _write_generated(pkg, generated),
         "status": "gaps" if report.summary["gaps_remain"] else "ready-for-alignment",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     (pkg / "package.yaml").write_text(yaml.safe_dump(package, sort_keys=False))
+
+
+def _write_generated(pkg: Path, generated: Sequence[GeneratedOp]) -> list[dict]:
+    """PKG/ops/<file>.py and test_<file>.py per generated op; the package.yaml entries."""
+    if generated:
+        (pkg / "ops").mkdir()
+    for op in generated:
+        (pkg / "ops" / op.file).write_text(op.source)
+        (pkg / "ops" / f"test_{op.file}").write_text(op.test_source)
+    return [{"kind": op.kind, "name": op.name, "file": f"ops/{op.file}", "reference": op.reference,
+             "closes": op.closes, "evidence": op.evidence} for op in generated]

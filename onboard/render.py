@@ -20,14 +20,14 @@ TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 STATUS_STYLE = {"covered": "green", "variant": "yellow", "generated": "cyan", "fallback": "magenta", "missing": "red"}
 
 
-def _env() -> jinja2.Environment:
+def jinja_env() -> jinja2.Environment:
     return jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=False,
                               undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
 
 
 def gap_markdown(report: GapReport) -> str:
     data = _printable(report.model_dump())
-    return _env().get_template("gap_report.md.j2").render(r=data, m=data["model"], mem=data["memory"])
+    return jinja_env().get_template("gap_report.md.j2").render(r=data, m=data["model"], mem=data["memory"])
 
 
 def _printable(value):

@@ -85,8 +85,14 @@ def _router(params: dict) -> Support:
     return "exact"
 
 
-def _experts(params: dict) -> Support:
-    return "exact" if params.get("activation", "silu") == "silu" else "variant"
+def _activation(params: dict) -> Support:
+    """silu is the path every kernel fuses; other activations the runtime has (or a package generated) run unfused."""
+    from runtime.ops.mlp import ACTIVATIONS
+
+    name = params.get("activation", "silu")
+    if name == "silu":
+        return "exact"
+    return "variant" if name in ACTIVATIONS else "unsupported"
 
 
 OPS: dict[str, OpFamily] = {op.name: op for op in [
@@ -113,9 +119,9 @@ OPS: dict[str, OpFamily] = {op.name: op for op in [
     OpFamily("moe_router", "ffn:moe", "reference_ops.moe:route", "runtime.ops.moe:route", "runtime.kernels.moe:route",
              _router),
     OpFamily("moe_experts", "ffn:moe", "reference_ops.moe:swiglu_experts", "runtime.ops.moe:swiglu_experts",
-             "runtime.kernels.moe:swiglu_experts", _experts),
+             "runtime.kernels.moe:swiglu_experts", _activation),
     OpFamily("swiglu_mlp", "ffn:dense", "reference_ops.mlp:swiglu_mlp", "runtime.ops.mlp:swiglu_mlp",
-             "runtime.kernels.mlp:swiglu_mlp", _always),
+             "runtime.kernels.mlp:swiglu_mlp", _activation),
 ]}
 
 

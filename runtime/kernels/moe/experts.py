@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.kernels import buffers
+from runtime.ops import moe as torch_ops
 from runtime.kernels.moe.combine import sum_k
 from runtime.kernels.moe.gather import gather_tokens
 from runtime.kernels.moe.grouped_gemm import (
@@ -254,9 +255,13 @@ def swiglu_experts(
     lora_scale: float = 1.0,
 ) -> torch.Tensor:
     """Routed experts, y_TD = sum_j weights[t, j] * expert_{idx[t, j]}(x[t]), in x's dtype.
-    Contract of reference_ops/moe.py; the kernels implement silu and the gpt-oss GLU only."""
+    Contract of reference_ops/moe.py; the kernels implement silu and the gpt-oss GLU, other activations
+    (a package's generated ones too) run through the torch fallback, as the dense MLP kernel does."""
     if activation != "silu" and glu_alpha is None:
-        raise ValueError(f"swiglu_experts kernel: activation {activation!r} is not fused; use runtime.ops.moe")
+        return torch_ops.swiglu_experts(
+            x_TD, weights_Tk, idx_Tk, w_gate_up_E2FD, w_down_EDF, b_gate_up_E2F=b_gate_up_E2F, b_down_ED=b_down_ED,
+            activation=activation, clamp=clamp, interleaved_gate_up=interleaved_gate_up, lora_gate_up=lora_gate_up,
+            lora_down=lora_down, lora_scale=lora_scale)
     A_gu, B_gu = lora_gate_up if lora_gate_up is not None else (None, None)
     A_d, B_d = lora_down if lora_down is not None else (None, None)
     glu = Glu(interleaved_gate_up, clamp, glu_alpha)
