@@ -42,7 +42,7 @@ def slice_config():
 
 
 def prepare(work: Path) -> None:
-    """The release (transformers' init, bf16 shards) and its package."""
+    """The release (transformers' init, bf16 shards) and its package (what `onboard new-model` writes)."""
     import torch
     from transformers import Qwen3NextForCausalLM
     torch.manual_seed(0)
@@ -50,8 +50,9 @@ def prepare(work: Path) -> None:
         model = Qwen3NextForCausalLM(slice_config()).to(torch.bfloat16)
     model.save_pretrained(work / "release", max_shard_size="4GB")
     del model
-    subprocess.run([sys.executable, "-m", "onboard.cli", "new-model", str(work / "release"), "--out",
-                    str(work / "pkg")], check=True)
+    # the package writer alone: new-model would also align the full-width slice against transformers on the CPU
+    from onboard.package import write_package
+    write_package(work / "release", work / "pkg")
 
 
 def token_batch(seq_len: int, vocab: int):
