@@ -133,7 +133,7 @@ class _SwigluExperts(torch.autograd.Function):
         x = Rows(x_data, ctx.x_by_token)
         dy = Rows(dy_TD.contiguous().to(ctx.dtypes["x"]), True)
         lora = Lora(A_gu, B_gu, A_d, B_d, ctx.scale)
-        glu_sched = _own_tiles(sched, GLU_BWD_BLOCK_M)
+        glu_sched = retiled(sched, GLU_BWD_BLOCK_M)
         d_gate_up, dw_P, dyb = _backward_glu(dy, w_d, w_P, gate_up, lora, glu_sched, ctx.glu, need["weights"])
         lg = None
         if A_gu is not None and (need["x"] or need["A_gu"]):
@@ -142,10 +142,6 @@ class _SwigluExperts(torch.autograd.Function):
         grads |= _weight_grads(x, dy, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg, lora, sched, need)
         params = dict(w_gu=w_gu, w_d=w_d, A_gu=A_gu, B_gu=B_gu, A_d=A_d, B_d=B_d)
         return (*(_cast(grads.get(n), params.get(n), ctx.dtypes.get(n)) for n in need), None, None)
-
-
-def _own_tiles(sched: Schedule, block_m: int) -> Schedule:
-    return sched if block_m == sched.block_m else retiled(sched, block_m)
 
 
 def _backward_glu(dy: Rows, w_d, w_P, gate_up, lora: Lora, sched: Schedule, glu: Glu, want_dw: bool):
@@ -194,7 +190,9 @@ def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg,
     s = lora.scale
     grads = {}
     if need["w_gu"]:
-        grads["w_gu"] = _gate_up_wgrad(d_gate_up, x, sched)
+        # x's rows are the copy in expert order here (_x_rows): torch._grouped_mm where it takes them
+        grad = sorted_rows_wgrad(d_gate_up, x.data, sched)
+        grads["w_gu"] = grad if grad is not None else grouped_wgrad(d_gate_up, x.data, sched)
     if need["w_d"]:
         grads["w_d"] = grouped_wgrad(dy.data, h, sched, gather_a=dy.by_token, row_scale_P=w_P)
     if need["b_gu"]:
@@ -210,12 +208,6 @@ def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg,
     if need["B_d"]:
         grads["B_d"] = grouped_wgrad(dy.data, ha, sched, gather_a=dy.by_token, row_scale_P=w_P, alpha=s)
     return grads
-
-
-def _gate_up_wgrad(d_gate_up, x: Rows, sched: Schedule) -> torch.Tensor:
-    """x's rows are the copy in expert order here (_x_rows): torch._grouped_mm where it takes them."""
-    grad = sorted_rows_wgrad(d_gate_up, x.data, sched)
-    return grad if grad is not None else grouped_wgrad(d_gate_up, x.data, sched)
 
 
 def _lora_grad_rows(d_gate_up, lora: Lora, sched: Schedule) -> torch.Tensor:
