@@ -152,7 +152,7 @@ def sparse_attention_bwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, do_BTHV, scal
     S, V = idx_BTS.shape[-1], o_BTHV.shape[-1]
     tiles = _tiles(H, V, K - V, BWD_HEADS, BWD_KEYS)
     delta_BTH = (o_BTHV.float() * do_BTHV.float()).sum(-1)
-    dq_BTHK = buffers.empty(q_BTHK.shape, dtype=q_BTHK.dtype, device=q_BTHK.device)
+    dq_BTHK = buffers.empty(*q_BTHK.shape, dtype=q_BTHK.dtype, device=q_BTHK.device)
     # atomically accumulated: must start at zero
     dkv32_BTK = torch.zeros(kv_BTK.shape, dtype=torch.float32, device=kv_BTK.device)
     grid = (B * T * triton.cdiv(H, tiles["BH"]),)

@@ -224,9 +224,8 @@ def _scan_bwd(prep, do, dht, layout, per_channel, want_dh0, storage):
 
 
 def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale, per_channel, l2norm, storage):
-    """(dq, dk, dv, dg, dbeta) in the inputs' dtypes: backward.state_grad_kernel, then wy_grad_kernel (GDN: it
-    also finishes dq, dk, dg); KDA then backward.gram_grad_kernel, diagonal.diag_grad_token_kernel and
-    dg_finish_kernel. With the qk l2norm every kernel reads the inverse norms prep stored."""
+    """(dq, dk, dv, dg, dbeta) in the inputs' dtypes, by the backward launches of the module docstring. With the
+    qk l2norm every kernel reads the inverse norms prep stored."""
     num_tokens, num_heads, key_dim = q.shape
     value_dim = v.shape[-1]
     dq, dk, dv, dg, dbeta = [buffers.empty(*t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v, g, beta)]
