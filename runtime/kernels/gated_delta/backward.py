@@ -314,8 +314,8 @@ def gram_grad_kernel(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr,
         gc = load_cols(gcs_ptr, start, valid, head, 0, H, K, S, K)
         da_l, da_p = gram_rows_grad(k_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr, chunk_start, start, valid, gc, head, b,
                                     H, K, C, S, L2NORM, PREC)
-        dc = gram_cols_grad(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr, chunk_start, chunk_end, start,
-                            gc, head, b, scale, H, K, C, S, L2NORM, PREC)
+        dc = gram_cols_grad(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr, chunk_start, chunk_end, gc,
+                            head, b, scale, H, K, C, S, L2NORM, PREC)
         add_cols(part_dq_ptr, da_p, start, valid, head, 0, H, K, S, K)
         add_cols(part_dk_ptr, beta[:, None] * da_l + dc, start, valid, head, 0, H, K, S, K)
         add_cols(part_dgc_ptr, k * (beta[:, None] * da_l - dc) + q * da_p, start, valid, head, 0, H, K, S, K)
@@ -345,7 +345,7 @@ def gram_rows_grad(k_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr, chunk_start, start
 
 
 @triton.jit
-def gram_cols_grad(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr, chunk_start, chunk_end, start,
+def gram_cols_grad(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr, chunk_start, chunk_end,
                    gc_SK, head, b, scale, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
                    L2NORM: tl.constexpr, PREC: tl.constexpr):
     """dc (both matrices' share of dk as the column key) of sub-chunk b's rows against the later sub-chunks."""

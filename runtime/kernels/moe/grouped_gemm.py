@@ -97,24 +97,17 @@ def _mainloop(a_ptr, stride_am, a_rows, row_ok, w_ptr, stride_wn, stride_wk, w_r
 
 
 @triton.jit
-def _low_rank(l_ptr, stride_lm, rows, row_ok, r_ptr, stride_rn, stride_rr, w_rows, col_ok, rank,
-              BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
-    """L[rows] @ R^T for one tile: [BLOCK_M, r] x [r, BLOCK_N]."""
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank
-    lo = tl.load(l_ptr + rows[:, None].to(tl.int64) * stride_lm + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-    hi = tl.load(r_ptr + w_rows[None, :] * stride_rn + offs_r[:, None] * stride_rr, mask=col_ok[None, :] & r_ok[:, None], other=0.0)
-    return tl.dot(lo, hi.to(lo.dtype), input_precision=PRECISION)
-
-
-@triton.jit
 def _extra_terms(acc, rows, row_ok, w_rows, col_ok, l_ptr, stride_lm, r_ptr, stride_rn, stride_rr, rank, lora_scale,
                  bias_ptr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
                  PRECISION: tl.constexpr):
     """acc + LoRA term + bias for the W rows `w_rows` (r_ptr and bias_ptr already at the expert)."""
     if HAS_LORA:
-        acc += lora_scale * _low_rank(l_ptr, stride_lm, rows, row_ok, r_ptr, stride_rn, stride_rr, w_rows, col_ok,
-                                      rank, BLOCK_R, PRECISION)
+        # L[rows] @ R^T for the tile: [BLOCK_M, r] x [r, BLOCK_N]
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < rank
+        lo = tl.load(l_ptr + rows[:, None].to(tl.int64) * stride_lm + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+        hi = tl.load(r_ptr + w_rows[None, :] * stride_rn + offs_r[:, None] * stride_rr, mask=col_ok[None, :] & r_ok[:, None], other=0.0)
+        acc += lora_scale * tl.dot(lo, hi.to(lo.dtype), input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + w_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     return acc
