@@ -105,8 +105,10 @@ def _extra_terms(acc, rows, row_ok, w_rows, col_ok, l_ptr, stride_lm, r_ptr, str
         # L[rows] @ R^T for the tile: [BLOCK_M, r] x [r, BLOCK_N]
         offs_r = tl.arange(0, BLOCK_R)
         r_ok = offs_r < rank
-        lo = tl.load(l_ptr + rows[:, None].to(tl.int64) * stride_lm + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-        hi = tl.load(r_ptr + w_rows[None, :] * stride_rn + offs_r[:, None] * stride_rr, mask=col_ok[None, :] & r_ok[:, None], other=0.0)
+        lo = tl.load(l_ptr + rows[:, None].to(tl.int64) * stride_lm + offs_r[None, :],
+                     mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+        hi = tl.load(r_ptr + w_rows[None, :] * stride_rn + offs_r[:, None] * stride_rr,
+                     mask=col_ok[None, :] & r_ok[:, None], other=0.0)
         acc += lora_scale * tl.dot(lo, hi.to(lo.dtype), input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + w_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
