@@ -20,10 +20,10 @@ from runtime.weights import load_release
 
 def build_sharded_model(spec: dict, weight_map: dict, release: Path, lora_config: LoraConfig, plan: ParallelPlan,
                         mesh, rank: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                        skip_prefixes=()) -> nn.Module:
+                        skip_prefixes=(), num_layers: int | None = None) -> nn.Module:
     """The model of `spec` with LoRA, parallelized by `plan` over `mesh`, holding only rank `rank`'s slices."""
     with torch.device("meta"):
-        model = HybridDecoder(spec).to(dtype)
+        model = HybridDecoder(spec, num_layers).to(dtype)
         apply_lora(model, lora_config)
     parallelize(model, mesh, plan)
     model.to_empty(device=device)
