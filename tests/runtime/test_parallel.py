@@ -1,11 +1,13 @@
 """The distributed runtime on CPU with gloo, in real processes (torch.multiprocessing spawn): expert-parallel
 dispatch and FSDP2 give the one-process loss and LoRA gradients; tier 3 (world 1, 2, 4 and the ep-resize
-resume); capacity dropping; the uneven-experts error."""
+resume); capacity dropping; the uneven-experts error; `onboard train --nproc` and a failed rank under torchrun."""
 from __future__ import annotations
 
 import json
 import os
 import socket
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import torch.multiprocessing as mp
 import yaml
 
 from onboard.align.tier3 import tier3
+from runtime.metrics import read_metrics
 from runtime.lora import LoraConfig, apply_lora, initial_value
 from runtime.model import HybridDecoder
 from runtime.ops.moe import sort_by_expert
@@ -127,3 +130,46 @@ def test_experts_not_divisible_by_ep_is_refused(example_spec):
     model = HybridDecoder(example_spec("qwen3_moe"))
     with pytest.raises(PlacementError, match=r"\b8\b.*ep=3"):
         parallelize(model, None, ParallelPlan(MeshShape(1, 3)))
+
+
+def _train_args(package: Path, data: Path, out: Path) -> list[str]:
+    return [str(package), "--data", str(data), "--steps", "2", "--seq-len", "32", "--out", str(out), "--no-progress",
+            "--checkpoint-every", "1", "--eval-every", "2"]
+
+
+def _data(path: Path) -> Path:
+    path.write_text("".join(json.dumps({"text": f"The river runs past mill number {i} under the bridge."}) + "\n"
+                            for i in range(8)))
+    return path
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_onboard_train_nproc_runs_torchrun(example_package, tmp_path):
+    """`onboard train --nproc 2 --ep 2` with a capacity factor: adapter written, per-expert counts summed over
+    ranks, drops counted."""
+    package = example_package("qwen3_moe")
+    out = tmp_path / "run"
+    done = _run([sys.executable, "-m", "onboard.cli", "train", *_train_args(package, _data(tmp_path / "d.jsonl"), out),
+                 "--nproc", "2", "--ep", "2", "--capacity-factor", "1.0"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "adapter").is_dir() and [p.name for p in (out / "checkpoints").iterdir()] != []
+    top_k = json.loads((package / "spec.json").read_text())["layers"][0]["ffn"]["top_k"]
+    for record in read_metrics(out / "metrics.jsonl")[0]:
+        for layer, counts in record["expert_counts"].items():
+            assert sum(counts) == record["tokens"] * top_k
+            assert 0 < record["expert_drop_rate"][layer] < 1
+            assert record["expert_imbalance"][layer] >= 1
+
+
+def test_a_failed_rank_ends_the_job_and_commits_no_checkpoint(example_package, tmp_path):
+    out = tmp_path / "run"
+    done = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                 "-m", "tests.runtime.rank_failure", *_train_args(example_package("qwen3_moe"),
+                                                                  _data(tmp_path / "d.jsonl"), out), "--ep", "2"])
+    assert done.returncode != 0
+    assert "injected failure on rank 1 while saving" in done.stderr
+    assert not list((out / "checkpoints").glob("step-*"))
