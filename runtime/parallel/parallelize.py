@@ -4,7 +4,8 @@
    dispatches tokens to the others' with all_to_all;
 2. the memory policy (runtime/memory.py): recompute / offload per op kind;
 3. FSDP2 fully_shard: each MoE layer's experts over the dp_shard dim (the ranks sharing one EP rank's
-   experts), each decoder layer and then the root over the whole mesh flattened (placement.py's rules).
+   experts), each decoder layer and then the root over the whole mesh flattened (placement.py's rules),
+   each layer prefetching the next one's gathers.
 Gradients are summed, never averaged, over ranks: the trainer already divides the loss by the trained
 tokens of all ranks, and expert and dense gradients reduce over groups of different sizes.
 """
@@ -57,6 +58,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> None:
     # stay gathered from its forward to the end of backward
     fully_shard(model, mesh=world, reshard_after_forward=False)
     register_fsdp_forward_method(model, "hidden_states")
+    _prefetch_one_layer_ahead(list(model.layers))
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -64,8 +66,15 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-def is_parallel(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+def _prefetch_one_layer_ahead(layers: list[nn.Module]) -> None:
+    """Each layer's forward gathers the next layer's weights (its experts too) and each backward the previous
+    one's: explicit, since the dispatch's host sync for split sizes stalls FSDP's implicit prefetch (torchtitan)."""
+    def units(layer):
+        return [layer] + ([layer.ffn.experts] if isinstance(layer.ffn, MoE) else [])
+
+    for before, after in zip(layers, layers[1:]):
+        before.set_modules_to_forward_prefetch(units(after))
+        after.set_modules_to_backward_prefetch(units(before))
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 import yaml
 
 from onboard.align.tier3 import tier3
+from runtime.memory import MemoryPolicy
 from runtime.metrics import read_metrics
 from runtime.lora import LoraConfig, apply_lora, initial_value
 from runtime.model import HybridDecoder
@@ -68,7 +69,9 @@ def _worker(rank, world, port, mesh, package, out):
     sharded.initial_value = lambda name, shape, config: (
         _start_B(name, shape) if name.endswith("_B") else initial_value(name, shape, config))
     spec, weight_map, source = package
-    model = sharded.build_sharded_model(spec, weight_map, source, LORA, ParallelPlan(mesh),
+    # recompute of the MoE blocks: the dispatch's all_to_all runs again in backward
+    plan = ParallelPlan(mesh, MemoryPolicy(recompute=("moe",)))
+    model = sharded.build_sharded_model(spec, weight_map, source, LORA, plan,
                                         device_mesh(mesh, "cpu"), rank, torch.device("cpu"), torch.float32)
     loss, grads = _loss_and_grads(model, [r for r in range(ROWS) if r % world == rank])
     dist.all_reduce(loss)
@@ -84,7 +87,8 @@ def _free_port() -> int:
 
 
 def test_expert_parallel_step_equals_one_process(example_package, tmp_path, monkeypatch):
-    """ep2 over 2 processes: loss and every LoRA gradient (A factors included: B starts non-zero) vs one process."""
+    """ep2 over 2 processes with MoE recompute: loss and every LoRA gradient (A factors included: B starts
+    non-zero) vs one process."""
     package = _package(example_package("qwen3_moe"))
     spec, weight_map, source = package
     model = HybridDecoder(spec).float()
