@@ -1,6 +1,8 @@
 """Time read_manifest (and recognize, when present) on the flagship index: 157k tensors, 16 MB.
 
-    python bench/bench_manifest.py [--model-dir DIR] [--repeat 3]
+    python bench/bench_manifest.py [MODEL_DIR] [--repeat 3]
+
+MODEL_DIR defaults to ../shared/examples/seed-2.8t beside the repository.
 
 Prints a table and writes bench/results/<date>-manifest.json. The baseline is a bare json.load
 of the index: the floor any reader pays before validating or building anything.
@@ -56,9 +58,11 @@ def cpu_name() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", type=Path, default=SEED_DIR)
+    parser.add_argument("model_dir", type=Path, nargs="?", default=SEED_DIR, help=f"default {SEED_DIR}")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
+    if not (args.model_dir / INDEX_NAME).is_file():
+        parser.error(f"{args.model_dir / INDEX_NAME} does not exist; pass the folder of a release with a weight index")
 
     index_path = args.model_dir / INDEX_NAME
     json_ms, json_cpu, _ = best_ms(lambda: json.loads(index_path.read_bytes()), args.repeat)

@@ -1,17 +1,23 @@
-"""The `onboard` command. Exit codes: 0 ok, 2 bad input (one line on stderr), 3 gaps remain."""
+"""The `onboard` command. Exit codes: 0 ok, 1 a bug (one line, trace in a file), 2 bad input (one line), 3 gaps remain."""
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
+import math
+import os
 import sys
 from pathlib import Path
 
 from onboard import train_cli
-from onboard.errors import OnboardError
+from onboard.errors import BadInput, report_internal_error
+from runtime.config import SpecError
 from runtime.errors import InputFileError
 
+EXIT_BUG = 1
 EXIT_BAD_INPUT = 2
 EXIT_GAPS = 3
+EXIT_INTERRUPTED = 130
 
 
 def _inspect(args) -> int:
@@ -40,14 +46,23 @@ def _example_model(args) -> int:
 
 
 def _new_model(args) -> int:
-    from onboard.package import write_package
+    """The onboarding graph (agents/graph.py); exit 0 only for a package without gaps that passes tiers 0-2."""
+    from agents.graph import run
+    from agents.state import RunOptions
 
-    pkg, report = write_package(Path(args.model_dir), Path(args.out), args.gpu_mem_gib, args.lora_rank, args.seq_len,
-                                args.gpus, args.gpus_per_node)
-    counts = report.summary["ops"]
-    print(f"wrote {pkg}: {counts['covered']} ops covered, {counts['variant']} variant, {counts['fallback']} fallback, "
-          f"{counts['missing']} missing; {len(report.weights.missing)} weights missing")
-    return EXIT_GAPS if report.summary["gaps_remain"] else 0
+    if (args.llm_url is None) != (args.llm_model is None):
+        raise BadInput(None, "--llm-model" if args.llm_url else "--llm-url", "--llm-url and --llm-model go together")
+    options = RunOptions(model_dir=str(Path(args.model_dir).resolve()), out=str(Path(args.out).absolute()),
+                         gpu_mem_gib=args.gpu_mem_gib, lora_rank=args.lora_rank, seq_len=args.seq_len, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+                         llm_url=args.llm_url, llm_model=args.llm_model, max_attempts=args.max_attempts)
+    state = run(options, resume=args.resume, progress=lambda line: print(line, file=sys.stderr))
+    counts = state["report"].summary["ops"]
+    print(f"wrote {state['package']}: {counts['covered']} ops covered, {counts['variant']} variant, "
+          f"{counts['generated']} generated, {counts['fallback']} fallback, {counts['missing']} missing; "
+          f"{len(state['report'].weights.missing)} weights missing")
+    if state.get("alignment"):
+        print(f"alignment: {state['alignment'].summary}")
+    return state["exit_code"]
 
 
 def _plan(args) -> int:
@@ -123,9 +138,9 @@ def _tier_list(text: str) -> list[int]:
     try:
         tiers = sorted({int(t) for t in text.split(",") if t.strip()})
     except ValueError:
-        raise OnboardError(None, "--tiers", f"expected a comma-separated list of tier numbers, got {text!r}")
+        raise BadInput(None, "--tiers", f"expected a comma-separated list of tier numbers, got {text!r}")
     if not tiers or any(t not in (0, 1, 2, 3, 4) for t in tiers):
-        raise OnboardError(None, "--tiers", f"tiers 0 to 4 are available, got {text!r}")
+        raise BadInput(None, "--tiers", f"tiers 0 to 4 are available, got {text!r}")
     return tiers
 
 
@@ -146,11 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", type=_positive_int, default=1, help="split into about this many safetensors shards")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(run=_example_model)
-    p = sub.add_parser("new-model", help="write the package (spec, weight map, gap report) for a release")
+    p = sub.add_parser("new-model", help="onboard a release: the package, generated ops for its gaps, alignment")
     p.add_argument("model_dir")
     p.add_argument("--out", required=True)
     _add_budget_args(p)
     _add_cluster_args(p, required=False)
+    p.add_argument("--llm-url", help="OpenAI-compatible endpoint (e.g. http://localhost:8000/v1); key: OPENAI_API_KEY")
+    p.add_argument("--llm-model", help="model name the endpoint serves")
+    p.add_argument("--max-attempts", type=_positive_int, default=3, help="candidates per missing op (default 3)")
+    p.add_argument("--resume", action="store_true", help="continue the interrupted run of this --out")
     p.set_defaults(run=_new_model)
     p = sub.add_parser("plan", help="search dp_shard x ep meshes, activation policies and micro-batches for a cluster")
     p.add_argument("model_dir")
@@ -194,6 +213,11 @@ def _add_budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=_positive_int, default=4096, help="training sequence length for activations")
 
 
+# Far above any real use (a 1M-token sequence, a rank-65536 adapter), low enough that no
+# estimate built from an argument overflows or allocates by it.
+ARG_LIMIT = 1 << 31
+
+
 def _add_cluster_args(p: argparse.ArgumentParser, required: bool) -> None:
     """The cluster a plan is for (plan, new-model; align tier 4)."""
     p.add_argument("--gpus", type=_positive_int, required=required, default=None if required else 8,
@@ -203,25 +227,43 @@ def _add_cluster_args(p: argparse.ArgumentParser, required: bool) -> None:
 
 def _positive_int(text: str) -> int:
     value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    if not 1 <= value <= ARG_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected an integer in [1, {ARG_LIMIT}], got {text}")
     return value
 
 
 def _positive_float(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    if not (value > 0 and math.isfinite(value) and value <= ARG_LIMIT):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text}")
     return value
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # a name that slipped past the checks must not turn printing into a crash
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors="backslashreplace")
     try:
         return args.run(args)
-    except (OnboardError, InputFileError) as err:
+    except (BadInput, InputFileError) as err:
         print(f"onboard: error: {err.one_line()}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    # a package's spec.json the runtime cannot read (the message names the key path)
+    except SpecError as err:
+        print(f"onboard: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("onboard: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # the reader (`| head`) went away; point stdout at devnull so the exit-time flush is quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    # the one place a bug is caught: the user gets one line, the trace goes to a file
+    except Exception as exc:  # noqa: BLE001
+        print(f"onboard: {report_internal_error(exc)}", file=sys.stderr)
+        return EXIT_BUG
 
 
 if __name__ == "__main__":

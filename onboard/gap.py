@@ -12,6 +12,7 @@ from onboard.memory import MemoryBudget, budget
 from onboard.meta_check import MetaCheck, meta_check
 from onboard.spec import ModelSpec, Unrecognized
 from onboard.weight_layout import expected_tensors
+from runtime.kernels.available import kernels_available
 from runtime.registry import OPS, ops_for_layer
 
 Status = Literal["covered", "variant", "generated", "fallback", "missing"]
@@ -29,6 +30,8 @@ class OpGap(BaseModel):
     kernel: Optional[str]
     reference_op: str
     detail: str = ""
+    needs: Optional[Literal["llm", "person"]] = None  # who can close a missing op (set by the agents)
+    evidence: Optional[dict] = None  # a generated op's validation, or why its candidates were refused
 
 
 class ShapeMismatch(BaseModel):
@@ -41,14 +44,24 @@ class WeightCheck(BaseModel):
     shapes_checked: bool  # False when only the index is present (no headers to read shapes from)
     expected: int
     present: int
+    # tensors under the vision prefix: loaded whole by the release's own vision tower, so not
+    # matched name by name here; present + vision_tensors is every tensor of the release
+    vision_tensors: int
     missing: list[str]
     unexpected: list[str]
     shape_mismatches: list[ShapeMismatch]
 
 
+class KernelsHere(BaseModel):
+    """Whether the fused kernels named in `ops` can run on this machine (the report is the same either way)."""
+    available: bool
+    reason: str
+
+
 class GapReport(BaseModel):
     model: dict
     ops: list[OpGap]
+    kernels: KernelsHere
     weights: WeightCheck
     memory: MemoryBudget
     meta_check: Optional[MetaCheck]  # transformers' own model on the meta device, when it knows the family
@@ -72,17 +85,20 @@ def op_gaps(spec: ModelSpec) -> list[OpGap]:
 
 def _op_gap(name: str, support: str, layers: list[int], family: str) -> OpGap:
     op = OPS[name]
-    has_runtime = op.resolve("fallback") is not None
+    has_runtime = op.exists("fallback")
     if support != "unsupported" and has_runtime:
         status = "covered" if support == "exact" else "variant"
         detail = "" if support == "exact" else "supported through a less exercised parameter path"
+    elif support == "unsupported" and has_runtime:
+        # the layer is built from this op, which cannot compute these parameters: nothing runs it
+        status, detail = "missing", "the runtime op does not compute these parameters"
     elif family in REFERENCE_FAMILIES:
         status, detail = "fallback", "runs through the model's own transformers module (slow)"
     else:
         status, detail = "missing", "no runtime op and no reference implementation to fall back on"
     return OpGap(op=name, covers=op.covers, status=status, layers=layers,
                  runtime_op=op.fallback if status in ("covered", "variant") else None,
-                 kernel=op.kernel if status in ("covered", "variant") and op.resolve("kernel") else None,
+                 kernel=op.kernel if status in ("covered", "variant") and op.exists("kernel") else None,
                  reference_op=op.reference, detail=detail)
 
 
@@ -100,6 +116,7 @@ def check_weights(spec: ModelSpec, manifest: Manifest) -> WeightCheck:
                            f"shape {tuple(first.actual)} contradicts config.json, which implies {tuple(first.expected)}"
                            f" ({len(mismatches)} tensor(s) disagree)")
     return WeightCheck(shapes_checked=manifest.shards_present, expected=len(expected), present=len(present),
+                       vision_tensors=len(manifest.tensors) - len(present),
                        missing=sorted(n for n in expected if n not in present),
                        unexpected=sorted(n for n in present if n not in expected), shape_mismatches=[])
 
@@ -116,14 +133,19 @@ def analyze(spec: ModelSpec, manifest: Manifest, gpu_mem_gib: float = 80.0, lora
             seq_len: int = 4096) -> GapReport:
     ops = op_gaps(spec)
     weights = check_weights(spec, manifest)
-    counts = {s: sum(1 for o in ops if o.status == s) for s in ("covered", "variant", "generated", "fallback", "missing")}
-    gaps = counts["missing"] > 0 or bool(weights.missing)
     meta = meta_check(spec, manifest) if spec.family in REFERENCE_FAMILIES else None
-    return GapReport(model=model_summary(spec, manifest), ops=ops, weights=weights,
+    available, reason = kernels_available()
+    return GapReport(model=model_summary(spec, manifest), ops=ops, kernels=KernelsHere(available=available, reason=reason),
+                     weights=weights,
                      memory=budget(spec, gpu_mem_gib, lora_rank, seq_len), meta_check=meta,
                      unrecognized=list(spec.unrecognized) + unexpected_as_unrecognized(weights.unexpected),
-                     summary={"ops": counts, "gaps_remain": gaps,
-                              "meta_check_agrees": meta.agrees if meta else None})
+                     summary=summarize(ops, weights, meta))
+
+
+def summarize(ops: list[OpGap], weights: WeightCheck, meta: Optional[MetaCheck]) -> dict:
+    counts = {s: sum(1 for o in ops if o.status == s) for s in ("covered", "variant", "generated", "fallback", "missing")}
+    gaps = counts["missing"] > 0 or bool(weights.missing)
+    return {"ops": counts, "gaps_remain": gaps, "meta_check_agrees": meta.agrees if meta else None}
 
 
 def model_summary(spec: ModelSpec, manifest: Manifest) -> dict:

@@ -9,6 +9,8 @@ from typing import Optional
 
 from pydantic import BaseModel
 
+from onboard.config_checks import transformers_config
+from onboard.errors import BadInput
 from onboard.manifest import Manifest
 from onboard.spec import ModelSpec
 
@@ -26,14 +28,14 @@ class MetaCheck(BaseModel):
 
 def _build_on_meta(manifest: Manifest):
     import torch
-    from transformers import AutoConfig
     from transformers.models.auto import modeling_auto as auto
 
     family = manifest.config.get("model_type")
     names = {**auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, **auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}
     if family not in names:
         return None
-    config = AutoConfig.for_model(**{k: v for k, v in manifest.config.items() if k not in ("transformers_version",)})
+    # built from a copy: transformers' config class may refuse the values (bad input) or edit them
+    config = transformers_config(manifest.config, manifest.root / "config.json")
     cls = getattr(__import__("transformers"), names[family])
     with torch.device("meta"):
         return cls(config)
@@ -61,7 +63,15 @@ def _is_moe(layer) -> bool:
 
 
 def meta_check(spec: ModelSpec, manifest: Manifest) -> Optional[MetaCheck]:
-    model = _build_on_meta(manifest)
+    try:
+        model = _build_on_meta(manifest)
+    except BadInput:
+        raise
+    # a config its class accepts but its model cannot be built from (an activation transformers
+    # does not know, a padding id beyond the vocabulary): the cross-check failed, a disagreement
+    except Exception as exc:  # noqa: BLE001
+        return MetaCheck(model_class="(not built)", params=0, params_agree=False,
+                         layer_disagreements=[f"transformers could not build the model: {type(exc).__name__}: {str(exc)[:200]}"])
     if model is None:
         return None
     # Persistent buffers count too: releases store them (DeepSeek's correction bias, MiniMax decays)

@@ -1,21 +1,27 @@
 """`onboard new-model`: write the package a release needs for alignment and training, atomically.
 
-Everything is written into a temporary sibling folder, which is renamed to PKG at the end: an
-interrupted or failed run leaves no half-written package behind.
+Everything is written into a temporary sibling folder `.PKG.partial-PID`, which is renamed to
+PKG at the end: a failed run leaves no half-written package and no parent folder it made; one
+killed outright leaves its partial folder, which the next run removes once that PID is gone.
+Runs on the same PKG are serialized by a lock file beside it: the second one fails with exit 2.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
+from typing import Sequence
 
 import yaml
 
-from onboard.errors import OnboardError
+from onboard.errors import BadInput
 from onboard.gap import analyze
+from onboard.generated import GeneratedOp, mark_generated
 from onboard.manifest import read_manifest
 from onboard.plan import Cluster, Workload, search
 from onboard.plan_render import plan_yaml
@@ -30,25 +36,27 @@ def _sha256(path: Path) -> str:
 
 
 def write_package(model_dir: Path, out: Path, gpu_mem_gib: float = 80.0, lora_rank: int = 16, seq_len: int = 4096,
-                  gpus: int = 8, gpus_per_node: int = 8):
-    """Returns (package path, gap report); plan.yaml is the parallel plan for `gpus` GPUs of gpu_mem_gib."""
-    model_dir, out = Path(model_dir).resolve(), Path(out)
-    if out.exists():
-        raise OnboardError(out, None, "package folder already exists; choose another --out or remove it")
+                  gpus: int = 8, gpus_per_node: int = 8, generated: Sequence[GeneratedOp] = ()):
+    """Returns (package path, gap report); plan.yaml is the parallel plan for `gpus` GPUs of gpu_mem_gib.
+    `generated`: validated operator candidates, written into PKG/ops/ and marked `generated` in the gap report."""
+    model_dir, out = Path(model_dir).resolve(), Path(out).absolute()
+    _check_out(out, model_dir)
     manifest = read_manifest(model_dir)
     spec = recognize(manifest)
-    report = analyze(spec, manifest, gpu_mem_gib, lora_rank, seq_len)
+    report = mark_generated(analyze(spec, manifest, gpu_mem_gib, lora_rank, seq_len), list(generated))
     plan = search(spec, Cluster(gpus, gpu_mem_gib, gpus_per_node), Workload(seq_len, lora_rank, None))
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-        _write_files(tmp, model_dir, manifest, spec, report)
-        _write_lora_yaml(tmp, spec, lora_rank)
-        (tmp / "plan.yaml").write_text(plan_yaml(plan))
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with _made_parents(out.parent), _locked(out):
+        _check_out(out, model_dir)
+        _remove_stale_partials(out)
+        tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+        try:
+            tmp.mkdir()
+            _write_files(tmp, model_dir, manifest, spec, report, generated)
+            _write_lora_yaml(tmp, spec, lora_rank)
+            (tmp / "plan.yaml").write_text(plan_yaml(plan))
+            tmp.rename(out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out, report
 
 
@@ -60,7 +68,70 @@ def _write_lora_yaml(pkg: Path, spec, lora_rank: int) -> None:
     (pkg / "lora.yaml").write_text(lora_yaml_text(lora))
 
 
-def _write_files(pkg: Path, model_dir: Path, manifest, spec, report) -> None:
+def _check_out(out: Path, model_dir: Path) -> None:
+    if out.exists() or out.is_symlink():
+        raise BadInput(out, None, "package folder already exists; choose another --out or remove it")
+    if out.resolve().is_relative_to(model_dir):
+        raise BadInput(out, "--out", f"inside the model folder {model_dir}; the release is read, never written")
+
+
+@contextlib.contextmanager
+def _made_parents(folder: Path):
+    """Create the missing parents of PKG; remove the ones made here if the run fails."""
+    missing = [p for p in [folder, *folder.parents] if not p.exists()]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        yield
+    except OSError as exc:
+        _remove_empty(missing)
+        raise BadInput(folder, "--out", f"cannot write the package there ({exc.strerror or exc})") from None
+    except BaseException:
+        _remove_empty(missing)
+        raise
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for made in folders:  # deepest first; a folder something else wrote into stays
+        with contextlib.suppress(OSError):
+            made.rmdir()
+
+
+@contextlib.contextmanager
+def _locked(out: Path):
+    """flock on `.PKG.lock` beside PKG: released by the kernel even when the holder is killed."""
+    lock_path = out.parent / f".{out.name}.lock"
+    with open(lock_path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BadInput(out, None, f"another `onboard new-model` is writing this package (lock {lock_path})") from None
+        try:
+            yield
+        finally:
+            # unlinked while held: a run waiting on this file fails cleanly, a later one makes a new lock
+            lock_path.unlink(missing_ok=True)
+
+
+def _remove_stale_partials(out: Path) -> None:
+    """`.PKG.partial-PID` folders whose process is gone (killed before it could clean up)."""
+    stem = f".{out.name}.partial-"
+    for partial in out.parent.iterdir():
+        pid = partial.name.removeprefix(stem)
+        if partial.name.startswith(stem) and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(partial, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def _write_files(pkg: Path, model_dir: Path, manifest, spec, report, generated: Sequence[GeneratedOp]) -> None:
     (pkg / "spec.json").write_text(spec.model_dump_json(indent=2))
     (pkg / "weight_map.json").write_text(json.dumps(build_weight_map(spec), indent=1))
     (pkg / "gap_report.json").write_text(report.model_dump_json(indent=2))
@@ -74,8 +145,19 @@ def _write_files(pkg: Path, model_dir: Path, manifest, spec, report) -> None:
                    "config_sha256": _sha256(model_dir / "config.json")},
         "spec_hash": spec.spec_hash(),
         "ops_used": ops,
-        "generated_ops": [],
+        "generated_ops": _write_generated(pkg, generated),
         "status": "gaps" if report.summary["gaps_remain"] else "ready-for-alignment",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     (pkg / "package.yaml").write_text(yaml.safe_dump(package, sort_keys=False))
+
+
+def _write_generated(pkg: Path, generated: Sequence[GeneratedOp]) -> list[dict]:
+    """PKG/ops/<file>.py and test_<file>.py per generated op; the package.yaml entries."""
+    if generated:
+        (pkg / "ops").mkdir()
+    for op in generated:
+        (pkg / "ops" / op.file).write_text(op.source)
+        (pkg / "ops" / f"test_{op.file}").write_text(op.test_source)
+    return [{"kind": op.kind, "name": op.name, "file": f"ops/{op.file}", "reference": op.reference,
+             "closes": op.closes, "evidence": op.evidence} for op in generated]

@@ -5,7 +5,7 @@ from rich.console import Console
 from rich.table import Table
 
 from onboard.plan import Candidate, ParallelPlan
-from onboard.render import _env
+from onboard.render import jinja_env
 
 
 def alternatives(plan: ParallelPlan) -> list[Candidate]:
@@ -19,7 +19,7 @@ def alternatives(plan: ParallelPlan) -> list[Candidate]:
 def plan_yaml(plan: ParallelPlan) -> str:
     chosen = plan.chosen.model_dump() if plan.chosen else None
     rows = [dict(a.model_dump(), mesh=a.mesh) for a in alternatives(plan)]
-    return _env().get_template("plan.yaml.j2").render(p=plan.model_dump(), c=chosen, alternatives=rows)
+    return jinja_env().get_template("plan.yaml.j2").render(p=plan.model_dump(), c=chosen, alternatives=rows)
 
 
 def breakdown(c: Candidate) -> str:

@@ -104,7 +104,8 @@ class DenseFFN(_Spec):
 
 
 class RouterSpec(_Spec):
-    scoring: Literal["softmax", "sigmoid"]
+    # what the config names (scoring_func); the registry covers softmax and sigmoid, anything else is a gap
+    scoring: str
     norm_topk_prob: bool
     routed_scaling_factor: float = 1.0
     correction_bias: bool = False  # bias steering selection only (DeepSeek noaux_tc, Ernie)

@@ -118,12 +118,16 @@ def build_model(spec: dict, weight_map: dict, release: Path, lora_config, policy
     return model
 
 
+def _check_ep(ep: int, world: int) -> None:
+    if world % ep:
+        raise OnboardError(None, "--ep", f"{ep} does not divide the world size {world}")
+
+
 def _plan(args, world: int, policy):
     from runtime.parallel.parallelize import ParallelPlan
     from runtime.parallel.placement import MeshShape
 
-    if world % args.ep:
-        raise OnboardError(None, "--ep", f"{args.ep} does not divide the world size {world}")
+    _check_ep(args.ep, world)
     return ParallelPlan(MeshShape(world // args.ep, args.ep), policy, args.capacity_factor)
 
 
@@ -145,6 +149,7 @@ def run(args) -> int:
     if (args.nproc > 1 or args.nnodes > 1) and "LOCAL_RANK" not in os.environ:
         from onboard.launch import launch
 
+        _check_ep(args.ep, args.nproc * args.nnodes)
         return launch(_parser(), args)
     return _train(args)
 

@@ -107,7 +107,7 @@ class DenseFFNConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    scoring: Literal["softmax", "sigmoid"]  # logits to expert scores
+    scoring: str  # logits to expert scores: "softmax" or "sigmoid" (the gap report marks any other missing)
     norm_topk_prob: bool  # renormalize the chosen k scores to sum to 1
     routed_scaling_factor: float = 1.0  # multiplies the routing weights
     correction_bias: bool = False  # bias steering selection only (DeepSeek noaux_tc)

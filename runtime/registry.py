@@ -13,6 +13,7 @@ parameter dicts themselves as tier-0 case keys and op arguments. The runtime's l
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional
 
@@ -41,6 +42,12 @@ class OpFamily:
         except ModuleNotFoundError:
             return None
         return getattr(module, fn_name, None)
+
+    def exists(self, which: Literal["reference", "fallback", "kernel"]) -> bool:
+        """Whether that implementation's module is in this tree, without importing it (no torch,
+        no triton): gap analysis needs only this, and every entry resolving is a registry test."""
+        target = getattr(self, which)
+        return target is not None and importlib.util.find_spec(target.split(":")[0]) is not None
 
 
 def _always(params: dict) -> Support:
@@ -78,8 +85,14 @@ def _router(params: dict) -> Support:
     return "exact"
 
 
-def _experts(params: dict) -> Support:
-    return "exact" if params.get("activation", "silu") == "silu" else "variant"
+def _activation(params: dict) -> Support:
+    """silu is the path every kernel fuses; other activations the runtime has (or a package generated) run unfused."""
+    from runtime.ops.mlp import ACTIVATIONS
+
+    name = params.get("activation", "silu")
+    if name == "silu":
+        return "exact"
+    return "variant" if name in ACTIVATIONS else "unsupported"
 
 
 OPS: dict[str, OpFamily] = {op.name: op for op in [
@@ -106,9 +119,9 @@ OPS: dict[str, OpFamily] = {op.name: op for op in [
     OpFamily("moe_router", "ffn:moe", "reference_ops.moe:route", "runtime.ops.moe:route", "runtime.kernels.moe:route",
              _router),
     OpFamily("moe_experts", "ffn:moe", "reference_ops.moe:swiglu_experts", "runtime.ops.moe:swiglu_experts",
-             "runtime.kernels.moe:swiglu_experts", _experts),
+             "runtime.kernels.moe:swiglu_experts", _activation),
     OpFamily("swiglu_mlp", "ffn:dense", "reference_ops.mlp:swiglu_mlp", "runtime.ops.mlp:swiglu_mlp",
-             "runtime.kernels.mlp:swiglu_mlp", _always),
+             "runtime.kernels.mlp:swiglu_mlp", _activation),
 ]}
 
 

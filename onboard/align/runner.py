@@ -19,6 +19,8 @@ from onboard.align.vision import vision_checks
 from onboard.errors import OnboardError
 from onboard.plan import Cluster
 from runtime.parallel.placement import MeshShape
+from onboard.model_references import register_references
+from runtime.package_ops import load_package_ops
 
 # Alignment of large releases runs a prefix of the model (both sides) holding every distinct layer kind.
 MAX_ALIGN_LAYERS = 8
@@ -39,6 +41,9 @@ def run_alignment(pkg: Path, tiers: list[int], model_dir: Path | None = None, ta
     pkg, progress = Path(pkg), progress or Progress()
     inputs = read_package(pkg, model_dir)
     goal = tier4_target(pkg, cluster, mesh) if 4 in tiers else None
+    # the package's generated ops run in the runtime, the model's own functions are their reference
+    load_package_ops(pkg)
+    register_references(pkg)
     num_layers = layers_to_run(inputs.spec, max_layers)
     if num_layers < inputs.spec["num_layers"] and min(tiers) < 3:
         progress.note(f"aligning the first {num_layers} of {inputs.spec['num_layers']} layers "

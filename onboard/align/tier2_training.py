@@ -20,7 +20,6 @@ from onboard.align.progress import Progress
 from onboard.align.reference import load_reference, load_runtime
 from onboard.align.report import Check
 from onboard.align.tier2_model import logits_check
-from onboard.export import write_merged, write_peft
 from onboard.peft_format import key_pairs, peft_config, to_peft
 from runtime.lora import LoraConfig, apply_lora, lora_parameters, lora_state_dict
 from runtime.lora_file import read_lora_yaml
@@ -83,6 +82,9 @@ def _logits_check(name: str, actual: torch.Tensor, expected: torch.Tensor) -> Ch
 
 def _export_checks(ours, config, spec, weight_map, source: Path, num_layers: int, ids) -> list[Check]:
     from peft import PeftModel
+
+    # imported here: onboard.export reads packages through onboard.align, which imports this module
+    from onboard.export import write_merged, write_peft
 
     state, family = lora_state_dict(ours), spec["family"]
     held = set(dict(ours.named_parameters())) | set(dict(ours.named_buffers()))

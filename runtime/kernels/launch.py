@@ -23,6 +23,11 @@ import torch
 MAX_KEYS = 64
 
 
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def current_device() -> int:
     return torch.cuda.current_device()
 
@@ -45,7 +50,7 @@ class FastLaunch:
         return functools.partial(self._launch, grid)
 
     def _launch(self, grid, *args, **kwargs):
-        if os.environ.get("TRITON_INTERPRET") == "1" or callable(grid):
+        if interpreting() or callable(grid):
             return self.kernel[grid](*args, **kwargs)
         # Triton compiles for, and launches on, the current device
         key = (current_device(), tuple(map(_arg_key, args)), tuple(kwargs.items()))

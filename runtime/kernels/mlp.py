@@ -86,10 +86,6 @@ def swiglu_backward_kernel(gus_ptr, dh_ptr, dgus_ptr, T, F, N, stride_g, HAS_GAT
              mask=row_ok[:, None] & (tail < N)[None, :])
 
 
-def _stacked_rows(F: int, gated: bool) -> int:
-    return triton.cdiv(2 * F + int(gated), 8) * 8
-
-
 @functools.cache
 def _zero_rows(num_rows: int, D: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # cached, so that stacking the weights is one launch (the cat), not a fill and a cat
@@ -100,7 +96,8 @@ def _stack_weights(w_gate_FD, w_up_FD, g_1D) -> torch.Tensor:
     """[N, D]: gate rows, up rows, g (when given), zero rows."""
     F, D = w_gate_FD.shape
     parts = [w_gate_FD, w_up_FD] + ([g_1D] if g_1D is not None else [])
-    pad = _stacked_rows(F, g_1D is not None) - 2 * F - int(g_1D is not None)
+    num_rows = 2 * F + int(g_1D is not None)
+    pad = triton.cdiv(num_rows, 8) * 8 - num_rows
     if pad:
         parts.append(_zero_rows(pad, D, w_gate_FD.dtype, w_gate_FD.device))
     return torch.cat(parts)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# By config `hidden_act` name (the experts read it too); a package's generated activations are added when
+# it loads (runtime/package_ops.py), so the registry's predicates see them.
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu": F.gelu,

@@ -235,3 +235,10 @@ def test_half_router_logits_keep_fp32_and_give_half_grads():
     logits.backward(torch.empty(5, 3, device="meta"))
     assert (x.grad.dtype, x.grad.shape) == (torch.bfloat16, x.shape)
     assert (w.grad.dtype, w.grad.shape) == (torch.bfloat16, w.shape)
+
+
+def test_experts_kernel_runs_an_unfused_activation_through_the_torch_path():
+    """A package's generated activation reaches the kernel entry point on CUDA: it must compute, not refuse."""
+    leaves, idx = _problem(bias=True, lora_rank=2)
+    ours = _call(kernels.swiglu_experts, leaves, idx, activation="gelu")
+    torch.testing.assert_close(ours, _call(torch_ops.swiglu_experts, leaves, idx, activation="gelu"), rtol=0, atol=0)

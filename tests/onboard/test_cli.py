@@ -104,3 +104,10 @@ def test_align_a_prefix_of_a_deeper_release(tmp_path):
                          ids=["not-a-package", "unknown-tier"])
 def test_align_bad_input(args, needle):
     _assert_one_line_error(onboard(*args), needle)
+
+
+def test_every_command_module_imports_first_in_a_fresh_interpreter():
+    """Each command's module imported first thing, as `onboard CMD` does (an import cycle shows only so)."""
+    for module in ("onboard.export", "onboard.train_cli", "onboard.package", "onboard.plan", "onboard.align"):
+        result = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, (module, result.stderr[-2000:])

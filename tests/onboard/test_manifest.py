@@ -2,7 +2,7 @@
 
 The valid release is a tiny Qwen3-MoE (2 layers, hidden 32, 4 experts) saved in 6 shards; each
 bad-input case copies it, breaks one thing, and expects an OnboardError whose one line names the
-file and the key. check_config_dims is also run over every transformers default config, so the
+file and the key. check_config is also run over every transformers default config, so the
 size rules never refuse a real family.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from onboard.config_checks import check_config_dims
+from onboard.config_checks import check_config
 from onboard.errors import OnboardError
 from onboard.manifest import INDEX_NAME, SINGLE_NAME, read_manifest
 
@@ -318,8 +318,11 @@ def test_single_file_symlink_outside_is_refused(single_release, tmp_path):
 
 
 def test_model_dir_must_exist(tmp_path):
-    with pytest.raises(OnboardError, match="not a directory"):
+    with pytest.raises(OnboardError, match="nope: does not exist"):
         read_manifest(tmp_path / "nope")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OnboardError, match="file: not a directory"):
+        read_manifest(tmp_path / "file")
 
 
 @pytest.mark.parametrize(
@@ -333,7 +336,7 @@ def test_model_dir_must_exist(tmp_path):
     ids=["zero-means-none", "sentinels-and-floats", "long-context-and-lists", "nested-lists"],
 )
 def test_config_values_real_models_use_pass(config):
-    check_config_dims(config, "config.json")
+    check_config(config, "config.json")
 
 
 @pytest.mark.parametrize(
@@ -351,7 +354,7 @@ def test_config_values_real_models_use_pass(config):
 )
 def test_config_values_no_model_has_are_refused(config, key):
     with pytest.raises(OnboardError) as info:
-        check_config_dims(config, "config.json")
+        check_config(config, "config.json")
     assert info.value.one_line().startswith(f"config.json: {key}: ")
 
 
@@ -368,6 +371,6 @@ def test_every_transformers_default_config_passes():
             # a few configs cannot be built without arguments; they are not our concern
             except Exception:
                 continue
-        check_config_dims(config, f"{family}/config.json")
+        check_config(config, f"{family}/config.json")
         checked += 1
     assert checked > 500

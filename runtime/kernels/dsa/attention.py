@@ -133,10 +133,6 @@ def _tiles(H, V, R, max_heads, keys):
                 BV=max(16, triton.next_power_of_2(V)), BR=max(16, triton.next_power_of_2(R)))
 
 
-def _grid(num_tokens, H, tiles):
-    return (num_tokens * triton.cdiv(H, tiles["BH"]),)
-
-
 def sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, scale, v_dim):
     """-> (o_BTHV in q's dtype, lse_BTH fp32 in base 2, +inf for heads without keys)."""
     B, T, H, K = q_BTHK.shape
@@ -144,8 +140,9 @@ def sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, scale, v_dim):
     tiles = _tiles(H, v_dim, R, FWD_HEADS, FWD_KEYS)
     o_BTHV = buffers.empty(B, T, H, v_dim, dtype=q_BTHK.dtype, device=q_BTHK.device)
     lse_BTH = buffers.empty(B, T, H, dtype=torch.float32, device=q_BTHK.device)
-    _fwd_kernel[_grid(B * T, H, tiles)](q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale * LOG2E, T, H, S, v_dim, R,
-                                        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **tiles)
+    grid = (B * T * triton.cdiv(H, tiles["BH"]),)
+    _fwd_kernel[grid](q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale * LOG2E, T, H, S, v_dim, R,
+                      num_warps=NUM_WARPS, num_stages=NUM_STAGES, **tiles)
     return o_BTHV, lse_BTH
 
 
@@ -155,12 +152,13 @@ def sparse_attention_bwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, do_BTHV, scal
     S, V = idx_BTS.shape[-1], o_BTHV.shape[-1]
     tiles = _tiles(H, V, K - V, BWD_HEADS, BWD_KEYS)
     delta_BTH = (o_BTHV.float() * do_BTHV.float()).sum(-1)
-    dq_BTHK = buffers.empty(q_BTHK.shape, dtype=q_BTHK.dtype, device=q_BTHK.device)
+    dq_BTHK = buffers.empty(*q_BTHK.shape, dtype=q_BTHK.dtype, device=q_BTHK.device)
     # atomically accumulated: must start at zero
     dkv32_BTK = torch.zeros(kv_BTK.shape, dtype=torch.float32, device=kv_BTK.device)
-    _bwd_kernel[_grid(B * T, H, tiles)](q_BTHK, kv_BTK, idx_BTS, do_BTHV, lse_BTH, delta_BTH, dq_BTHK, dkv32_BTK,
-                                        scale, scale * LOG2E, T, H, S, V, K - V,
-                                        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **tiles)
+    grid = (B * T * triton.cdiv(H, tiles["BH"]),)
+    _bwd_kernel[grid](q_BTHK, kv_BTK, idx_BTS, do_BTHV, lse_BTH, delta_BTH, dq_BTHK, dkv32_BTK,
+                      scale, scale * LOG2E, T, H, S, V, K - V,
+                      num_warps=NUM_WARPS, num_stages=NUM_STAGES, **tiles)
     return dq_BTHK, dkv32_BTK.to(kv_BTK.dtype)
 
 

@@ -4,24 +4,7 @@ Same signatures and return values as reference_ops/gated_delta.py and reference_
 o in q's dtype, final state in fp32. Inputs bf16 or fp32; accumulation and state in fp32.
 function.py launches the kernels of forward.py, diagonal.py and backward.py (helpers in common.py).
 """
-from __future__ import annotations
-
-import torch
-
 from runtime.kernels.gated_delta.function import chunk_delta_rule
 
-
-def gated_delta_rule(
-    q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, scale=None, initial_state_BHKV=None, use_qk_l2norm=True, cu_seqlens=None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o_BTHV, final_state_BHKV); g_BTH log decay per head and token."""
-    return chunk_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, scale, initial_state_BHKV, use_qk_l2norm,
-                            cu_seqlens)
-
-
-def kda(
-    q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale=None, initial_state_BHKV=None, use_qk_l2norm=True, cu_seqlens=None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o_BTHV, final_state_BHKV); g_BTHK log decay per head, token and key channel."""
-    return chunk_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale, initial_state_BHKV, use_qk_l2norm,
-                            cu_seqlens)
+# one entry for both: g's shape picks the decay, g_BTH per head and token (GDN) or g_BTHK per key channel too (KDA)
+gated_delta_rule = kda = chunk_delta_rule

@@ -20,7 +20,9 @@ import triton
 import triton.language as tl
 
 from runtime.kernels.gated_delta.common import decayed_gram_bwd, mm, row_of, scalar_gram_bwd, store_diag
-from runtime.kernels.gated_delta.forward import chunk_tokens, load_chunk_decay, rows_at, state_offsets
+from runtime.kernels.gated_delta.forward import (
+    add_cols, chunk_tokens, load_chunk_decay, load_cols, rows_at, state_offsets, store_cols,
+)
 
 
 @triton.jit
@@ -38,7 +40,7 @@ def scan_bwd_kernel(do_ptr, p_ptr, kbar_ptr, qg_ptr, w_ptr, glast_ptr, dht_ptr, 
     first_chunk = tl.load(chunk_offsets_ptr + seq)
     num_chunks = tl.cdiv(eos - bos, C)
     col0 = vb * BV
-    seq_offs = state_offsets(seq, head, col0, H, K, V, BV)
+    seq_offs = state_offsets(seq, head, 0, col0, H, K, V, K, BV)
     dh = tl.zeros([K, BV], tl.float32)
     if HAS_DHT:
         dh += tl.load(dht_ptr + seq_offs)
@@ -47,7 +49,7 @@ def scan_bwd_kernel(do_ptr, p_ptr, kbar_ptr, qg_ptr, w_ptr, glast_ptr, dht_ptr, 
         chunk = first_chunk + c
         row0 = bos + c * C
         valid = (row0 + tl.arange(0, C) < eos)[:, None]
-        tl.store(dh_ptr + state_offsets(chunk, head, col0, H, K, V, BV), dh.to(dh_ptr.dtype.element_ty))
+        tl.store(dh_ptr + state_offsets(chunk, head, 0, col0, H, K, V, K, BV), dh.to(dh_ptr.dtype.element_ty))
         do = tl.load(rows_at(do_ptr, row0, head, H, V, col0, C, BV), mask=valid, other=0.0)
         p = tl.load(rows_at(p_ptr, row0, head, H, C, 0, C, C), mask=valid, other=0.0)
         kbar = tl.load(rows_at(kbar_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
@@ -70,27 +72,6 @@ def l2norm_bwd(y, inv, dy, USE: tl.constexpr):
     else:
         dx = dy
     return dx
-
-
-@triton.jit
-def load_cols(ptr, start, valid_R, head, col0, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-              BD: tl.constexpr):
-    """x_R,BD in fp32: rows start .. start + R, columns col0 .. col0 + BD of a packed [T, H, D] tensor (see
-    forward.rows_at); rows past the sequence end read as 0."""
-    return tl.load(rows_at(ptr, start, head, H, D, col0, R, BD), mask=valid_R[:, None], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def store_cols(ptr, x, start, valid_R, head, col0, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
-               BD: tl.constexpr):
-    tl.store(rows_at(ptr, start, head, H, D, col0, R, BD), x.to(ptr.dtype.element_ty), mask=valid_R[:, None])
-
-
-@triton.jit
-def add_cols(ptr, x, start, valid_R, head, col0, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr):
-    """Adds x_R,BD to the fp32 rows of a packed [T, H, D] tensor (load_cols' block), in place."""
-    store_cols(ptr, x + load_cols(ptr, start, valid_R, head, col0, H, D, R, BD), start, valid_R, head, col0, H, D,
-               R, BD)
 
 
 @triton.jit
@@ -125,14 +106,6 @@ def gc_block(g_ptr, tok_C, valid_C, start, head, col0, H: tl.constexpr, K: tl.co
 
 
 @triton.jit
-def state_block_offsets(chunk, head, row0, col0, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                        BK: tl.constexpr, BV: tl.constexpr):
-    """Offsets of the [BK, BV] block at (row0, col0) of state `chunk` (of [NC, H, K, V]) for this head."""
-    base = (chunk.to(tl.int64) * H + head) * K * V
-    return base + (row0 + tl.arange(0, BK))[:, None] * V + col0 + tl.arange(0, BV)[None, :]
-
-
-@triton.jit
 def state_grad_kernel(q_ptr, k_ptr, g_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, do_ptr, chunk_start_ptr, chunk_end_ptr,
                       norms_ptr, dq_ptr, dk_ptr, dw_ptr, dgc_ptr, dgl_ptr, dpdiag_ptr, dpfull_ptr, gcs_ptr, scale,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
@@ -148,8 +121,7 @@ def state_grad_kernel(q_ptr, k_ptr, g_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, d
     NK: tl.constexpr = K // BK
     # the K blocks of one chunk run side by side: the later ones read do, v_new and dv_new from L2
     chunk, kb, head = tl.program_id(0) // NK, tl.program_id(0) % NK, tl.program_id(1)
-    tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
-    start = tl.load(chunk_start_ptr + chunk)
+    start, tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
     col0 = kb * BK
     dqg = tl.zeros([C, BK], tl.float32)
     dkbar = tl.zeros([C, BK], tl.float32)
@@ -157,7 +129,7 @@ def state_grad_kernel(q_ptr, k_ptr, g_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, d
     dp = tl.zeros([C, C], tl.float32)
     dlam = tl.zeros([BK], tl.float32)
     for vb in range(V // BV):
-        offs = state_block_offsets(chunk, head, col0, vb * BV, H, K, V, BK, BV)
+        offs = state_offsets(chunk, head, col0, vb * BV, H, K, V, BK, BV)
         h = tl.load(h_ptr + offs)
         dh = tl.load(dh_ptr + offs)
         do = tl.load(rows_at(do_ptr, start, head, H, V, vb * BV, C, BV), mask=valid[:, None], other=0.0)
@@ -219,8 +191,7 @@ def wy_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, dvnew_ptr, dw
     With L2NORM the inverse norms come from prep's [T, H, 2] (norms_ptr)."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     NK: tl.constexpr = K // BK
-    tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
-    start = tl.load(chunk_start_ptr + chunk)
+    start, tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
     beta = tl.load(beta_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32)
     tinv = load_cols(tinv_ptr, start, valid, head, 0, H, C, C, C)
     k_inv = row_scales(norms_ptr, 0, 1.0, start, valid, head, H, C, L2NORM)
@@ -311,12 +282,8 @@ def sub_chunk_rows(ptr, norms_ptr, slot: tl.constexpr, scale, start, valid_S, he
                    S: tl.constexpr, L2NORM: tl.constexpr):
     """x_SK in fp32, l2-normalized over K (with L2NORM: prep's stored inverse norms, see row_scales) and times
     scale: the S rows of a sub-chunk of a packed [T, H, K] tensor."""
-    x = load_cols(ptr, start, valid_S, head, 0, H, K, S, K)
-    if L2NORM:
-        y = x * stored_inv_norms(norms_ptr, (start + tl.arange(0, S)) * H + head, slot, valid_S)[:, None]
-    else:
-        y = x * scale
-    return y
+    f_S = row_scales(norms_ptr, slot, scale, start, valid_S, head, H, S, L2NORM)
+    return load_cols(ptr, start, valid_S, head, 0, H, K, S, K) * f_S[:, None]
 
 
 @triton.jit
@@ -347,8 +314,8 @@ def gram_grad_kernel(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr,
         gc = load_cols(gcs_ptr, start, valid, head, 0, H, K, S, K)
         da_l, da_p = gram_rows_grad(k_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr, chunk_start, start, valid, gc, head, b,
                                     H, K, C, S, L2NORM, PREC)
-        dc = gram_cols_grad(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr, chunk_start, chunk_end, start,
-                            gc, head, b, scale, H, K, C, S, L2NORM, PREC)
+        dc = gram_cols_grad(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr, chunk_start, chunk_end, gc,
+                            head, b, scale, H, K, C, S, L2NORM, PREC)
         add_cols(part_dq_ptr, da_p, start, valid, head, 0, H, K, S, K)
         add_cols(part_dk_ptr, beta[:, None] * da_l + dc, start, valid, head, 0, H, K, S, K)
         add_cols(part_dgc_ptr, k * (beta[:, None] * da_l - dc) + q * da_p, start, valid, head, 0, H, K, S, K)
@@ -378,7 +345,7 @@ def gram_rows_grad(k_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr, chunk_start, start
 
 
 @triton.jit
-def gram_cols_grad(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr, chunk_start, chunk_end, start,
+def gram_cols_grad(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr, chunk_start, chunk_end,
                    gc_SK, head, b, scale, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
                    L2NORM: tl.constexpr, PREC: tl.constexpr):
     """dc (both matrices' share of dk as the column key) of sub-chunk b's rows against the later sub-chunks."""
@@ -417,10 +384,9 @@ def state_dg_shares(dgc_ptr, dgl_ptr, tok_C, valid_C, chunk, head, H: tl.constex
     NK slots of dgl [NC, H, NK])."""
     row_offs = (tok_C.to(tl.int64) * H + head) * (NK + 1)
     dgc = tl.zeros([tok_C.shape[0]], tl.float32)
-    for slot in tl.static_range(NK):
-        dgc += tl.load(dgc_ptr + row_offs + slot, mask=valid_C, other=0.0)
     dgl = 0.0
     for slot in tl.static_range(NK):
+        dgc += tl.load(dgc_ptr + row_offs + slot, mask=valid_C, other=0.0)
         dgl += tl.load(dgl_ptr + (chunk.to(tl.int64) * H + head) * NK + slot)
     return dgc, dgl
 

@@ -154,7 +154,7 @@ def dg_finish_kernel(dgc_ptr, dgl_ptr, chunk_start_ptr, chunk_end_ptr, dg_ptr, H
     """Per (chunk, head, BK channels), per-channel decay: dg_t = dgc_last + sum of dgc over s >= t in the chunk
     (column blocks: a cumsum over whole [C, K] rows holds too many registers)."""
     chunk, head, col0 = tl.program_id(0), tl.program_id(1), tl.program_id(2) * BK
-    tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
+    _, tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
     offs = (tok.to(tl.int64) * H + head)[:, None] * K + col0 + tl.arange(0, BK)[None, :]
     dgc = tl.load(dgc_ptr + offs, mask=valid[:, None], other=0.0)
     dgl = tl.load(dgl_ptr + (chunk.to(tl.int64) * H + head) * K + col0 + tl.arange(0, BK))

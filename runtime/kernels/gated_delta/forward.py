@@ -22,10 +22,11 @@ from runtime.kernels.gated_delta.common import (
 
 @triton.jit
 def chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C: tl.constexpr):
+    """(first token, the C tokens, which of them are in the chunk) of a chunk."""
     start = tl.load(chunk_start_ptr + chunk)
     end = tl.load(chunk_end_ptr + chunk)
     tok = start + tl.arange(0, C)
-    return tok, tok < end
+    return start, tok, tok < end
 
 
 @triton.jit
@@ -37,16 +38,24 @@ def rows_at(ptr, row0, head, H: tl.constexpr, D: tl.constexpr, col0, R: tl.const
 
 
 @triton.jit
-def load_cols(ptr, row0, valid_C, head, H: tl.constexpr, D: tl.constexpr, col0, C: tl.constexpr, BD: tl.constexpr):
-    """x_C,BD in its stored dtype: columns col0 .. col0 + BD of rows row0 .. row0 + C; invalid rows read 0."""
-    return tl.load(rows_at(ptr, row0, head, H, D, col0, C, BD), mask=valid_C[:, None], other=0.0)
+def load_cols(ptr, start, valid_R, head, col0, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+              BD: tl.constexpr):
+    """x_R,BD in fp32: rows start .. start + R, columns col0 .. col0 + BD of a packed [T, H, D] tensor (see
+    rows_at); rows past the sequence end read as 0."""
+    return tl.load(rows_at(ptr, start, head, H, D, col0, R, BD), mask=valid_R[:, None], other=0.0).to(tl.float32)
 
 
 @triton.jit
-def store_cols(ptr, x, row0, valid_C, head, H: tl.constexpr, D: tl.constexpr, col0, BD: tl.constexpr):
-    C: tl.constexpr = x.shape[0]
-    tl.store(rows_at(ptr, row0, head, H, D, col0, C, BD), x.to(ptr.dtype.element_ty), mask=valid_C[:, None])
+def store_cols(ptr, x, start, valid_R, head, col0, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr,
+               BD: tl.constexpr):
+    tl.store(rows_at(ptr, start, head, H, D, col0, R, BD), x.to(ptr.dtype.element_ty), mask=valid_R[:, None])
 
+
+@triton.jit
+def add_cols(ptr, x, start, valid_R, head, col0, H: tl.constexpr, D: tl.constexpr, R: tl.constexpr, BD: tl.constexpr):
+    """Adds x_R,BD to the fp32 rows of a packed [T, H, D] tensor (load_cols' block), in place."""
+    store_cols(ptr, x + load_cols(ptr, start, valid_R, head, col0, H, D, R, BD), start, valid_R, head, col0, H, D,
+               R, BD)
 
 @triton.jit
 def raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
@@ -63,13 +72,14 @@ def raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H: tl.constexpr, K: tl.co
     k_sq = tl.zeros([C], tl.float32)
     q_sq = tl.zeros([C], tl.float32)
     for col0 in tl.static_range(0, K, BD):
-        k_blk = load_cols(k_ptr, start, valid, head, H, K, col0, C, BD)
-        q_blk = load_cols(q_ptr, start, valid, head, H, K, col0, C, BD)
+        # in their stored dtype: bf16 Gram operands are exact for bf16 inputs
+        k_blk = tl.load(rows_at(k_ptr, start, head, H, K, col0, C, BD), mask=valid[:, None], other=0.0)
+        q_blk = tl.load(rows_at(q_ptr, start, head, H, K, col0, C, BD), mask=valid[:, None], other=0.0)
         k_sq += tl.sum(k_blk.to(tl.float32) * k_blk.to(tl.float32), 1)
         q_sq += tl.sum(q_blk.to(tl.float32) * q_blk.to(tl.float32), 1)
         if PER_CHANNEL:
             # the cumsum runs down each column: a column block's is the chunk's
-            gc_blk = tl.cumsum(load_cols(g_ptr, start, valid, head, H, K, col0, C, BD).to(tl.float32), 0)
+            gc_blk = tl.cumsum(load_cols(g_ptr, start, valid, head, col0, H, K, C, BD), 0)
             kk += decayed_gram(k_blk.to(tl.float32), k_blk.to(tl.float32), gc_blk, C, S, PREC)
             qk += decayed_gram(q_blk.to(tl.float32), k_blk.to(tl.float32), gc_blk, C, S, PREC)
         else:
@@ -96,10 +106,8 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
     STORE_NORMS stores the rows' inverse norms [T, H, 2] at inv_ptr (k's, then q's times the scale) for
     prep_columns_kernel and the backward kernels."""
     chunk, head = tl.program_id(0), tl.program_id(1)
-    start, end = tl.load(chunk_start_ptr + chunk), tl.load(chunk_end_ptr + chunk)
+    start, tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
     rows = tl.arange(0, C)
-    tok = start + rows
-    valid = tok < end
     kk, qk, kk_BSS, k_sq, q_sq = raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H, K, C, S, BD, PER_CHANNEL,
                                            GRAM_PREC, PREC)
     k_inv = tl.full([C], 1.0, tl.float32)
@@ -114,7 +122,7 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
     # L's diagonal blocks apart, [C / S, S, S]: the merge below reads only l_mat's other blocks
     NS: tl.constexpr = C // S
     if PER_CHANNEL:
-        l_BSS = tl.reshape(load_cols(ldiag_ptr, start, valid, head, H, S, 0, C, S), [NS, S, S])
+        l_BSS = tl.reshape(load_cols(ldiag_ptr, start, valid, head, 0, H, S, C, S), [NS, S, S])
         p_mat += load_diag(pdiag_ptr, tok, valid, head, H, C, S)
         gc = tl.zeros([C], tl.float32)
     else:
@@ -130,11 +138,11 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
         diag_decay = tl.exp(tl.where((ii[:, None] > ii[None, :])[None, :, :], g_BS[:, :, None] - g_BS[:, None, :],
                                      float("-inf")))
         l_BSS = row_scale[:, :, None] * kk_BSS * col_scale[:, None, :] * diag_decay
-    store_cols(p_ptr, p_mat, start, valid, head, H, C, 0, C)
+    store_cols(p_ptr, p_mat, start, valid, head, 0, H, C, C, C)
     # the doubling's partial products cancel where keys repeat: they want fp32 accuracy
     tinv = merge_block_inverse(l_mat, block_diagonal(diag_block_inverse(l_BSS, S, "tf32x3"), C, S), C, S, PREC)
     if STORE_TINV:
-        store_cols(tinv_ptr, tinv, start, valid, head, H, C, 0, C)
+        store_cols(tinv_ptr, tinv, start, valid, head, 0, H, C, C, C)
     if STORE_NORMS:
         # the programs of the column kernel and of the backward would each re-read q and k whole for them
         inv_offs = (tok.to(tl.int64) * H + head) * 2
@@ -157,11 +165,9 @@ def prep_columns_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
     Gram-and-inverse kernel holds no column tiles and this one no Gram products: fewer registers each, and
     (K + V) / BD programs per chunk and head share the column work."""
     chunk, head, blk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    start, end = tl.load(chunk_start_ptr + chunk), tl.load(chunk_end_ptr + chunk)
-    tok = start + tl.arange(0, C)
-    valid = tok < end
+    start, tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
     # padded rows read 0; Tinv is lower triangular, so the valid rows never reach them
-    tinv = load_cols(tinv_ptr, start, valid, head, H, C, 0, C, C).to(tl.float32)
+    tinv = load_cols(tinv_ptr, start, valid, head, 0, H, C, C, C)
     beta = tl.load(beta_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32)
     if blk < K // BD:
         # k's and q's inverse norms (q's with the scale) as prep_blocked_kernel stored them
@@ -183,7 +189,7 @@ def key_columns(q_ptr, k_ptr, g_ptr, kbar_ptr, w_ptr, qg_ptr, glast_ptr, tinv, b
     """prep_blocked_kernel's key-side outputs of columns col0 .. col0 + BD: kbar, w, qg (per channel gc_last)."""
     rows = tl.arange(0, C)
     if PER_CHANNEL:
-        gc_blk = tl.cumsum(load_cols(g_ptr, start, valid, head, H, K, col0, C, BD).to(tl.float32), 0)
+        gc_blk = tl.cumsum(load_cols(g_ptr, start, valid, head, col0, H, K, C, BD), 0)
         gl_blk = row_of(gc_blk, C - 1, C)
         tl.store(glast_ptr + (chunk.to(tl.int64) * H + head) * K + col0 + tl.arange(0, BD), gl_blk)
         kbar_decay = tl.exp(gl_blk[None, :] - gc_blk)
@@ -191,12 +197,12 @@ def key_columns(q_ptr, k_ptr, g_ptr, kbar_ptr, w_ptr, qg_ptr, glast_ptr, tinv, b
         gc_blk = gc[:, None]
         kbar_decay = tl.exp(tl.sum(tl.where(rows == C - 1, gc, 0.0), 0) - gc_blk)
     e_g = tl.exp(gc_blk)
-    k_hat = load_cols(k_ptr, start, valid, head, H, K, col0, C, BD).to(tl.float32) * k_inv[:, None]
-    store_cols(kbar_ptr, k_hat * kbar_decay, start, valid, head, H, K, col0, BD)
+    k_hat = load_cols(k_ptr, start, valid, head, col0, H, K, C, BD) * k_inv[:, None]
+    store_cols(kbar_ptr, k_hat * kbar_decay, start, valid, head, col0, H, K, C, BD)
     w_blk = tl.dot(tinv, beta[:, None] * k_hat * e_g, input_precision=PREC)
-    store_cols(w_ptr, w_blk, start, valid, head, H, K, col0, BD)
-    q_blk = load_cols(q_ptr, start, valid, head, H, K, col0, C, BD).to(tl.float32)
-    store_cols(qg_ptr, q_blk * q_inv[:, None] * e_g, start, valid, head, H, K, col0, BD)
+    store_cols(w_ptr, w_blk, start, valid, head, col0, H, K, C, BD)
+    q_blk = load_cols(q_ptr, start, valid, head, col0, H, K, C, BD)
+    store_cols(qg_ptr, q_blk * q_inv[:, None] * e_g, start, valid, head, col0, H, K, C, BD)
 
 
 @triton.jit
@@ -204,16 +210,17 @@ def value_columns(v_ptr, u_ptr, tinv, beta, start, valid, head, col0, H: tl.cons
                   BD: tl.constexpr, PREC: tl.constexpr):
     """u = Tinv (beta v) of columns col0 .. col0 + BD."""
     C: tl.constexpr = tinv.shape[0]
-    v_blk = load_cols(v_ptr, start, valid, head, H, V, col0, C, BD).to(tl.float32)
+    v_blk = load_cols(v_ptr, start, valid, head, col0, H, V, C, BD)
     u_blk = tl.dot(tinv, beta[:, None] * v_blk, input_precision=PREC)
-    store_cols(u_ptr, u_blk, start, valid, head, H, V, col0, BD)
+    store_cols(u_ptr, u_blk, start, valid, head, col0, H, V, C, BD)
 
 
 @triton.jit
-def state_offsets(index, head, col0, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
-    """Offsets of the [K, BV] block of state `index` (of [*, H, K, V]) for this head."""
+def state_offsets(index, head, row0, col0, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr):
+    """Offsets of the [BK, BV] block at (row0, col0) of state `index` (of [*, H, K, V]) for this head."""
     base = (index.to(tl.int64) * H + head) * K * V
-    return base + tl.arange(0, K)[:, None] * V + col0 + tl.arange(0, BV)[None, :]
+    return base + (row0 + tl.arange(0, BK))[:, None] * V + col0 + tl.arange(0, BV)[None, :]
 
 
 @triton.jit
@@ -240,14 +247,14 @@ def scan_kernel(w_ptr, u_ptr, kbar_ptr, glast_ptr, h0_ptr, qg_ptr, p_ptr, cu_ptr
     bos, eos = tl.load(cu_ptr + seq), tl.load(cu_ptr + seq + 1)
     first_chunk = tl.load(chunk_offsets_ptr + seq)
     col0 = vb * BV
-    seq_offs = state_offsets(seq, head, col0, H, K, V, BV)
+    seq_offs = state_offsets(seq, head, 0, col0, H, K, V, K, BV)
     h = tl.zeros([K, BV], tl.float32)
     if HAS_H0:
         h += tl.load(h0_ptr + seq_offs)
     for c in range(tl.cdiv(eos - bos, C)):
         chunk = first_chunk + c
         h_stored = h.to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + state_offsets(chunk, head, col0, H, K, V, BV), h_stored)
+        tl.store(h_ptr + state_offsets(chunk, head, 0, col0, H, K, V, K, BV), h_stored)
         row0 = bos + c * C
         valid = (row0 + tl.arange(0, C) < eos)[:, None]
         w = tl.load(rows_at(w_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)

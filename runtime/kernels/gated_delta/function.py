@@ -15,14 +15,13 @@ sequences, C chunk size, S sub-chunk size, X 1 (GDN) or K (KDA).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
 from runtime.kernels import buffers
 from runtime.kernels.gated_delta import backward, diagonal, forward
-from runtime.kernels.launch import fast
+from runtime.kernels.launch import fast, interpreting
 
 CHUNK_SIZE = 64
 SUB_CHUNK = 16
@@ -79,7 +78,7 @@ class Storage:
 def _bf16_dots() -> str:
     """common.mm's PREC for bf16 operands: the interpreter's bf16 tl.dot is wrong, so it gets the same rounding
     with an fp32 product."""
-    return "bf16_rounded" if os.environ.get("TRITON_INTERPRET") == "1" else "bf16"
+    return "bf16_rounded" if interpreting() else "bf16"
 
 
 class ChunkLayout:
@@ -119,10 +118,6 @@ def _batched_layout(batch: int, num_tokens: int, chunk_size: int, device: torch.
     return ChunkLayout.batched(batch, num_tokens, chunk_size, device)
 
 
-def _config():
-    return dict(C=CHUNK_SIZE, S=min(SUB_CHUNK, CHUNK_SIZE), PREC=DOT_PRECISION)
-
-
 def _token_diag_heads(num_heads: int) -> int:
     """TOKEN_DIAG_HEADS, or the largest power of two below it dividing H."""
     heads = TOKEN_DIAG_HEADS
@@ -134,13 +129,12 @@ def _token_diag_heads(num_heads: int) -> int:
 def _token_diagonals(q, k, g, beta, layout, scale, l2norm):
     """KDA: the exact diagonal blocks of L and P as rows [T, H, S] fp32 (diagonal.diag_token_kernel)."""
     num_tokens, num_heads, key_dim = q.shape
-    cfg = _config()
-    ldiag, pdiag = (buffers.empty(num_tokens, num_heads, cfg["S"], dtype=torch.float32, device=q.device)
+    ldiag, pdiag = (buffers.empty(num_tokens, num_heads, SUB_CHUNK, dtype=torch.float32, device=q.device)
                     for _ in range(2))
     heads = _token_diag_heads(num_heads)
-    fast(diagonal.diag_token_kernel)[(layout.num_chunks * cfg["C"], num_heads // heads)](
+    fast(diagonal.diag_token_kernel)[(layout.num_chunks * CHUNK_SIZE, num_heads // heads)](
         q, k, g, beta, layout.chunk_start, layout.chunk_end, ldiag, pdiag, scale,
-        H=num_heads, K=key_dim, C=cfg["C"], S=cfg["S"], BH=heads, L2NORM=l2norm, num_warps=heads)
+        H=num_heads, K=key_dim, C=CHUNK_SIZE, S=SUB_CHUNK, BH=heads, L2NORM=l2norm, num_warps=heads)
     return ldiag, pdiag
 
 
@@ -168,7 +162,6 @@ def _prep_launches(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_t
     """forward.prep_blocked_kernel writing the buffers of out: whole for GDN; for KDA after its diagonal blocks
     and only to P, Tinv and the inverse norms, prep_columns_kernel making the rest."""
     num_heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[-1]
-    cfg = _config()
     diags = _token_diagonals(q, k, g, beta, layout, scale, l2norm) if per_channel else (q, q)
     # k's and q's inverse norms per token [T, H, 2]: for the backward, and for KDA's second launch
     inverse_norms = out.get("norms", out["glast"])
@@ -181,13 +174,14 @@ def _prep_launches(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_t
         out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], inverse_norms, *diags,
         scale, H=num_heads, K=key_dim, V=value_dim, BD=min(PREP_BLOCK, key_dim, value_dim), PER_CHANNEL=per_channel,
         L2NORM=l2norm, STORE_TINV=store_tinv, STORE_NORMS=per_channel or "norms" in out,
-        GRAM_PREC=gram, num_warps=PREP_WARPS, **cfg)
+        GRAM_PREC=gram, num_warps=PREP_WARPS, C=CHUNK_SIZE, S=SUB_CHUNK,
+        PREC=DOT_PRECISION)
     if per_channel:
         columns = min(PREP_COLUMN_BLOCK, key_dim, value_dim)
         fast(forward.prep_columns_kernel)[(layout.num_chunks, num_heads, key_dim // columns + value_dim // columns)](
             q, k, v, g, beta, layout.chunk_start, layout.chunk_end, out["tinv"], inverse_norms, out["qg"],
-            out["kbar"], out["w"], out["u"], out["glast"], H=num_heads, K=key_dim, V=value_dim, C=cfg["C"],
-            BD=columns, PREC=cfg["PREC"], num_warps=4 if columns <= 32 else 8)
+            out["kbar"], out["w"], out["u"], out["glast"], H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE,
+            BD=columns, PREC=DOT_PRECISION, num_warps=4 if columns <= 32 else 8)
 
 
 def _scan(prep, h0, layout, per_channel, out_dtype, storage):
@@ -230,30 +224,28 @@ def _scan_bwd(prep, do, dht, layout, per_channel, want_dh0, storage):
 
 
 def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale, per_channel, l2norm, storage):
-    """(dq, dk, dv, dg, dbeta) in the inputs' dtypes: backward.state_grad_kernel, then wy_grad_kernel (GDN: it
-    also finishes dq, dk, dg); KDA then backward.gram_grad_kernel, diagonal.diag_grad_token_kernel and
-    dg_finish_kernel. With the qk l2norm every kernel reads the inverse norms prep stored."""
+    """(dq, dk, dv, dg, dbeta) in the inputs' dtypes, by the backward launches of the module docstring. With the
+    qk l2norm every kernel reads the inverse norms prep stored."""
     num_tokens, num_heads, key_dim = q.shape
     value_dim = v.shape[-1]
-    cfg = _config()
     dq, dk, dv, dg, dbeta = [buffers.empty(*t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v, g, beta)]
     blocks = dict(BK=min(KEY_BLOCK, key_dim), BV=min(VALUE_BLOCK, value_dim))
     state_blocks = dict(blocks, BK=min(STATE_GRAD_KEY_BLOCK, key_dim))
     # state_grad_kernel's key blocks: the slots of dgc and dgl it writes
     num_key_blocks = key_dim // state_blocks["BK"]
     s = _grad_scratch(q, layout, per_channel, num_key_blocks, storage)
-    dims = dict(H=num_heads, K=key_dim, C=cfg["C"], L2NORM=l2norm)
+    dims = dict(H=num_heads, K=key_dim, C=CHUNK_SIZE, L2NORM=l2norm)
     bounds = (layout.chunk_start, layout.chunk_end)
     # (a pointer argument only without the l2norm)
     norms = prep.get("norms", s["dq"])
     fast(backward.state_grad_kernel)[(layout.num_chunks * num_key_blocks, num_heads)](
         q, k, g, h, dh, v_new, dv_new, do, *bounds, norms, s["dq"], s["dk"], s["dw"], s["dgc"], s["dgl"],
-        s["dpdiag"], s["dpfull"], s["gcs"], scale, V=value_dim, S=cfg["S"], PER_CHANNEL=per_channel,
-        PREC=cfg["PREC"], DOTS=storage.dots, **state_blocks, **dims, num_warps=GRAD_WARPS, num_stages=GRAD_STAGES)
+        s["dpdiag"], s["dpfull"], s["gcs"], scale, V=value_dim, S=SUB_CHUNK, PER_CHANNEL=per_channel,
+        PREC=DOT_PRECISION, DOTS=storage.dots, **state_blocks, **dims, num_warps=GRAD_WARPS, num_stages=GRAD_STAGES)
     fast(backward.wy_grad_kernel)[(layout.num_chunks, num_heads)](
         q, k, v, g, beta, prep["tinv"], dv_new, s["dw"], norms, *bounds, dv, s["dk"], s["dgc"],
         s["db"] if per_channel else dbeta, s["dldiag"], s["dlfull"], s["gcs"], s["dq"], s["dgl"], dq, dk, dg, scale,
-        V=value_dim, S=cfg["S"], PER_CHANNEL=per_channel, PREC=cfg["PREC"], GRAD_DOTS=storage.dots,
+        V=value_dim, S=SUB_CHUNK, PER_CHANNEL=per_channel, PREC=DOT_PRECISION, GRAD_DOTS=storage.dots,
         SLOT=num_key_blocks, **blocks, **dims, num_warps=GRAD_WARPS, num_stages=GRAD_STAGES)
     if per_channel:
         _diagonal_grads(q, k, g, beta, norms, s, layout, scale, dq, dk, dg, dbeta, dims)
@@ -264,18 +256,17 @@ def _diagonal_grads(q, k, g, beta, norms, s, layout, scale, dq, dk, dg, dbeta, d
     """KDA: the decayed Gram backward off the diagonal blocks (gram_grad_kernel), then the diagonal blocks' share
     with the final dq, dk, dbeta (diag_grad_token_kernel) and dg's reverse cumsum (dg_finish_kernel)."""
     num_heads, key_dim = q.shape[1], q.shape[2]
-    cfg = _config()
     bounds = (layout.chunk_start, layout.chunk_end)
-    fast(backward.gram_grad_kernel)[(layout.num_chunks * (cfg["C"] // cfg["S"]), num_heads)](
+    fast(backward.gram_grad_kernel)[(layout.num_chunks * (CHUNK_SIZE // SUB_CHUNK), num_heads)](
         q, k, beta, s["gcs"], s["dlfull"], s["dpfull"], norms, *bounds, s["dq"], s["dk"], s["dgc"], s["db"],
-        scale, S=cfg["S"], PREC=cfg["PREC"], **dims, num_warps=GRAM_GRAD_WARPS)
+        scale, S=SUB_CHUNK, PREC=DOT_PRECISION, **dims, num_warps=GRAM_GRAD_WARPS)
     heads = _token_diag_heads(num_heads)
-    fast(diagonal.diag_grad_token_kernel)[(layout.num_chunks * cfg["C"], num_heads // heads)](
+    fast(diagonal.diag_grad_token_kernel)[(layout.num_chunks * CHUNK_SIZE, num_heads // heads)](
         q, k, g, beta, norms, *bounds, s["dldiag"], s["dpdiag"], s["dq"], s["dk"], s["dgc"], s["db"], dq, dk,
-        dbeta, scale, S=cfg["S"], BH=heads, **dims, num_warps=heads)
+        dbeta, scale, S=SUB_CHUNK, BH=heads, **dims, num_warps=heads)
     finish_block = min(DG_FINISH_BLOCK, key_dim)
     fast(diagonal.dg_finish_kernel)[(layout.num_chunks, num_heads, key_dim // finish_block)](
-        s["dgc"], s["dgl"], *bounds, dg, H=num_heads, K=key_dim, C=cfg["C"], BK=finish_block, num_warps=4)
+        s["dgc"], s["dgl"], *bounds, dg, H=num_heads, K=key_dim, C=CHUNK_SIZE, BK=finish_block, num_warps=4)
 
 
 def _grad_scratch(q, layout, per_channel, num_key_blocks, storage):
@@ -283,7 +274,6 @@ def _grad_scratch(q, layout, per_channel, num_key_blocks, storage):
     [T, H, K], dgc_last [NC, H, K], dbeta's share [T, H], dL and dP diagonal blocks [T, H, S] and whole [T, H, C];
     GDN dgc [T, H, NK + 1] (a slot per key block of state_grad_kernel, the last unwritten), dgc_last [NC, H, NK]."""
     num_tokens, num_heads, key_dim = q.shape
-    cfg = _config()
     f32 = dict(dtype=torch.float32, device=q.device)
     s = {name: buffers.empty(num_tokens, num_heads, key_dim, **f32) for name in ("dq", "dk")}
     s["dw"] = buffers.empty(num_tokens, num_heads, key_dim, dtype=storage.dtype, device=q.device)
@@ -291,8 +281,8 @@ def _grad_scratch(q, layout, per_channel, num_key_blocks, storage):
         s["dgc"] = buffers.empty(num_tokens, num_heads, key_dim, **f32)
         s["dgl"] = buffers.empty(layout.num_chunks, num_heads, key_dim, **f32)
         s["db"] = buffers.empty(num_tokens, num_heads, **f32)
-        s["dldiag"], s["dpdiag"] = (buffers.empty(num_tokens, num_heads, cfg["S"], **f32) for _ in range(2))
-        s["dlfull"], s["dpfull"] = (buffers.empty(num_tokens, num_heads, cfg["C"], **f32) for _ in range(2))
+        s["dldiag"], s["dpdiag"] = (buffers.empty(num_tokens, num_heads, SUB_CHUNK, **f32) for _ in range(2))
+        s["dlfull"], s["dpfull"] = (buffers.empty(num_tokens, num_heads, CHUNK_SIZE, **f32) for _ in range(2))
         s["gcs"] = buffers.empty(num_tokens, num_heads, key_dim, **f32)
     else:
         s["dgc"] = buffers.empty(num_tokens, num_heads, num_key_blocks + 1, **f32)
@@ -333,8 +323,10 @@ class ChunkDeltaRule(torch.autograd.Function):
         return dq, dk, dv, dg, dbeta, dh0, None, None, None, None
 
 
-def chunk_delta_rule(q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, scale, initial_state_BHKV, use_qk_l2norm, cu_seqlens):
-    """Shared entry of gated_delta_rule and kda: checks, packs the batch into time, unpacks the output."""
+def chunk_delta_rule(
+    q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, scale=None, initial_state_BHKV=None, use_qk_l2norm=True, cu_seqlens=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o_BTHV, final_state_BHKV), g the log decay g_BTH (GDN) or g_BTHK (KDA); packs the batch into time."""
     batch, num_tokens, num_heads, key_dim = q_BTHK.shape
     if cu_seqlens is not None and batch != 1:
         raise ValueError(f"cu_seqlens needs batch 1, got q of shape {tuple(q_BTHK.shape)}")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.kernels import buffers
+from runtime.ops import moe as torch_ops
 from runtime.kernels.moe.combine import sum_k
 from runtime.kernels.moe.gather import gather_tokens
 from runtime.kernels.moe.grouped_gemm import (
@@ -74,12 +75,8 @@ def _block_m(num_rows: int, num_experts: int) -> int:
 def _gate_up(x: Rows, w_gu, b_gu, lora: Lora, sched: Schedule, glu: Glu):
     """-> (gate_up_S2F pre-activation, h_SF, xa_Sr or None)."""
     S, two_f, dtype, device = sched.pair_S.numel(), w_gu.shape[1], x.data.dtype, x.data.device
-    xa = None
-    low_rank = None
-    if lora.A_gu_ErD is not None:
-        xa = grouped_gemm(x.data, Weight(lora.A_gu_ErD), sched,
-                          buffers.empty(S, lora.A_gu_ErD.shape[1], dtype=dtype, device=device), gather_a=x.by_token)
-        low_rank = LowRank(xa, Weight(lora.B_gu_E2Fr), lora.scale)
+    xa = _rank_rows(x, Weight(lora.A_gu_ErD), sched) if lora.A_gu_ErD is not None else None
+    low_rank = LowRank(xa, Weight(lora.B_gu_E2Fr), lora.scale) if xa is not None else None
     gate_up = buffers.empty(S, two_f, dtype=dtype, device=device)
     h = buffers.empty(S, two_f // 2, dtype=dtype, device=device)
     grouped_gemm(x.data, Weight(w_gu), sched, h, mode=MODE_GLU_FWD, gather_a=x.by_token, bias_EN=b_gu,
@@ -90,12 +87,8 @@ def _gate_up(x: Rows, w_gu, b_gu, lora: Lora, sched: Schedule, glu: Glu):
 def _down(h_SF, w_d, b_d, w_P, lora: Lora, sched: Schedule):
     """-> (y_TD, ha_Sr or None): the weighted rows land in pair order, then sum over k."""
     S, D = h_SF.shape[0], w_d.shape[1]
-    ha = None
-    low_rank = None
-    if lora.A_d_ErF is not None:
-        ha = grouped_gemm(h_SF, Weight(lora.A_d_ErF), sched,
-                          buffers.empty(S, lora.A_d_ErF.shape[1], dtype=h_SF.dtype, device=h_SF.device))
-        low_rank = LowRank(ha, Weight(lora.B_d_EDr), lora.scale)
+    ha = _rank_rows(Rows(h_SF, False), Weight(lora.A_d_ErF), sched) if lora.A_d_ErF is not None else None
+    low_rank = LowRank(ha, Weight(lora.B_d_EDr), lora.scale) if ha is not None else None
     y_pairs = buffers.empty(S, D, dtype=h_SF.dtype, device=h_SF.device)
     grouped_gemm(h_SF, Weight(w_d), sched, y_pairs, scatter_out=True, row_scale_P=w_P, bias_EN=b_d, low_rank=low_rank)
     return sum_k(y_pairs, sched.top_k), ha
@@ -133,31 +126,24 @@ class _SwigluExperts(torch.autograd.Function):
         x = Rows(x_data, ctx.x_by_token)
         dy = Rows(dy_TD.contiguous().to(ctx.dtypes["x"]), True)
         lora = Lora(A_gu, B_gu, A_d, B_d, ctx.scale)
-        glu_sched = _own_tiles(sched, GLU_BWD_BLOCK_M)
+        glu_sched = retiled(sched, GLU_BWD_BLOCK_M)
         d_gate_up, dw_P, dyb = _backward_glu(dy, w_d, w_P, gate_up, lora, glu_sched, ctx.glu, need["weights"])
         lg = None
         if A_gu is not None and (need["x"] or need["A_gu"]):
-            lg = _lora_grad_rows(d_gate_up, lora, sched)
+            # d_gate_up @ B_gu per sorted row: the rank-r signal reaching A_gu and, through it, x
+            lg = _rank_rows(Rows(d_gate_up, False), Weight(B_gu, transposed=True), sched)
         grads = _input_grads(d_gate_up, dw_P, w_gu, b_d, dy.data, idx_Tk, lg, lora, sched, need)
         grads |= _weight_grads(x, dy, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg, lora, sched, need)
         params = dict(w_gu=w_gu, w_d=w_d, A_gu=A_gu, B_gu=B_gu, A_d=A_d, B_d=B_d)
         return (*(_cast(grads.get(n), params.get(n), ctx.dtypes.get(n)) for n in need), None, None)
 
 
-def _own_tiles(sched: Schedule, block_m: int) -> Schedule:
-    return sched if block_m == sched.block_m else retiled(sched, block_m)
-
-
 def _backward_glu(dy: Rows, w_d, w_P, gate_up, lora: Lora, sched: Schedule, glu: Glu, want_dw: bool):
     """-> (d_gate_up_S2F, d(routing weight) in pair order [T * k] or None, dy @ B_d per row or None)."""
     S, dtype, device = sched.pair_S.numel(), dy.data.dtype, dy.data.device
-    dyb = None
-    low_rank = None
-    if lora.A_d_ErF is not None:
-        dyb = grouped_gemm(dy.data, Weight(lora.B_d_EDr, transposed=True), sched,
-                           buffers.empty(S, lora.B_d_EDr.shape[2], dtype=dtype, device=device), gather_a=dy.by_token)
-        low_rank = LowRank(dyb, Weight(lora.A_d_ErF, transposed=True), lora.scale)
-    d_gate_up = buffers.empty(gate_up.shape, dtype=dtype, device=device)
+    dyb = _rank_rows(dy, Weight(lora.B_d_EDr, transposed=True), sched) if lora.A_d_ErF is not None else None
+    low_rank = LowRank(dyb, Weight(lora.A_d_ErF, transposed=True), lora.scale) if dyb is not None else None
+    d_gate_up = buffers.empty(*gate_up.shape, dtype=dtype, device=device)
     # the kernel adds one partial sum per column tile into each pair's entry
     dw_P = torch.zeros(S, dtype=torch.float32, device=device) if want_dw else None
     grouped_gemm(dy.data, Weight(w_d, transposed=True), sched, d_gate_up, mode=MODE_GLU_BWD, gather_a=dy.by_token,
@@ -194,7 +180,9 @@ def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg,
     s = lora.scale
     grads = {}
     if need["w_gu"]:
-        grads["w_gu"] = _gate_up_wgrad(d_gate_up, x, sched)
+        # x's rows are the copy in expert order here (_x_rows): torch._grouped_mm where it takes them
+        grad = sorted_rows_wgrad(d_gate_up, x.data, sched)
+        grads["w_gu"] = grad if grad is not None else grouped_wgrad(d_gate_up, x.data, sched)
     if need["w_d"]:
         grads["w_d"] = grouped_wgrad(dy.data, h, sched, gather_a=dy.by_token, row_scale_P=w_P)
     if need["b_gu"]:
@@ -212,16 +200,11 @@ def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg,
     return grads
 
 
-def _gate_up_wgrad(d_gate_up, x: Rows, sched: Schedule) -> torch.Tensor:
-    """x's rows are the copy in expert order here (_x_rows): torch._grouped_mm where it takes them."""
-    grad = sorted_rows_wgrad(d_gate_up, x.data, sched)
-    return grad if grad is not None else grouped_wgrad(d_gate_up, x.data, sched)
-
-
-def _lora_grad_rows(d_gate_up, lora: Lora, sched: Schedule) -> torch.Tensor:
-    """d_gate_up @ B_gu per sorted row: the rank-r signal reaching A_gu and, through it, x."""
-    out = buffers.empty(d_gate_up.shape[0], lora.B_gu_E2Fr.shape[2], dtype=d_gate_up.dtype, device=d_gate_up.device)
-    return grouped_gemm(d_gate_up, Weight(lora.B_gu_E2Fr, transposed=True), sched, out)
+def _rank_rows(a: Rows, w: Weight, sched: Schedule) -> torch.Tensor:
+    """[S, r]: a's rows times the rank-r LoRA factor w of their expert."""
+    out = buffers.empty(sched.pair_S.numel(), w.data.shape[2 if w.transposed else 1], dtype=a.data.dtype,
+                        device=a.data.device)
+    return grouped_gemm(a.data, w, sched, out, gather_a=a.by_token)
 
 
 def _segment_sum(rows_SN: torch.Tensor, sched: Schedule) -> torch.Tensor:
@@ -254,9 +237,13 @@ def swiglu_experts(
     lora_scale: float = 1.0,
 ) -> torch.Tensor:
     """Routed experts, y_TD = sum_j weights[t, j] * expert_{idx[t, j]}(x[t]), in x's dtype.
-    Contract of reference_ops/moe.py; the kernels implement silu and the gpt-oss GLU only."""
+    Contract of reference_ops/moe.py; the kernels implement silu and the gpt-oss GLU, other activations
+    (a package's generated ones too) run through the torch fallback, as the dense MLP kernel does."""
     if activation != "silu" and glu_alpha is None:
-        raise ValueError(f"swiglu_experts kernel: activation {activation!r} is not fused; use runtime.ops.moe")
+        return torch_ops.swiglu_experts(
+            x_TD, weights_Tk, idx_Tk, w_gate_up_E2FD, w_down_EDF, b_gate_up_E2F=b_gate_up_E2F, b_down_ED=b_down_ED,
+            activation=activation, clamp=clamp, interleaved_gate_up=interleaved_gate_up, lora_gate_up=lora_gate_up,
+            lora_down=lora_down, lora_scale=lora_scale)
     A_gu, B_gu = lora_gate_up if lora_gate_up is not None else (None, None)
     A_d, B_d = lora_down if lora_down is not None else (None, None)
     glu = Glu(interleaved_gate_up, clamp, glu_alpha)

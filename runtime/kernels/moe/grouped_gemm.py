@@ -17,14 +17,13 @@ Shape legend: S sorted rows, N accumulator columns, K reduction width, E experts
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.launch import fast
+from runtime.kernels.launch import fast, interpreting
 from runtime.kernels.moe.schedule import Schedule
 
 MODE_PLAIN, MODE_GLU_FWD, MODE_GLU_BWD = 0, 1, 2
@@ -42,12 +41,6 @@ def _glu_parts(gate, up, CLAMP: tl.constexpr, limit, HAS_ALPHA: tl.constexpr, al
     else:
         sig = tl.sigmoid(gate)
     return gate, up, sig
-
-
-@triton.jit
-def _glu_forward(gate, up, CLAMP: tl.constexpr, limit, HAS_ALPHA: tl.constexpr, alpha):
-    gate, up, sig = _glu_parts(gate, up, CLAMP, limit, HAS_ALPHA, alpha)
-    return gate * sig * up
 
 
 @triton.jit
@@ -104,32 +97,22 @@ def _mainloop(a_ptr, stride_am, a_rows, row_ok, w_ptr, stride_wn, stride_wk, w_r
 
 
 @triton.jit
-def _low_rank(l_ptr, stride_lm, rows, row_ok, r_ptr, stride_rn, stride_rr, w_rows, col_ok, rank,
-              BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
-    """L[rows] @ R^T for one tile: [BLOCK_M, r] x [r, BLOCK_N]."""
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank
-    lo = tl.load(l_ptr + rows[:, None].to(tl.int64) * stride_lm + offs_r[None, :], mask=row_ok[:, None] & r_ok[None, :], other=0.0)
-    hi = tl.load(r_ptr + w_rows[None, :] * stride_rn + offs_r[:, None] * stride_rr, mask=col_ok[None, :] & r_ok[:, None], other=0.0)
-    return tl.dot(lo, hi.to(lo.dtype), input_precision=PRECISION)
-
-
-@triton.jit
 def _extra_terms(acc, rows, row_ok, w_rows, col_ok, l_ptr, stride_lm, r_ptr, stride_rn, stride_rr, rank, lora_scale,
                  bias_ptr, HAS_LORA: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
                  PRECISION: tl.constexpr):
     """acc + LoRA term + bias for the W rows `w_rows` (r_ptr and bias_ptr already at the expert)."""
     if HAS_LORA:
-        acc += lora_scale * _low_rank(l_ptr, stride_lm, rows, row_ok, r_ptr, stride_rn, stride_rr, w_rows, col_ok,
-                                      rank, BLOCK_R, PRECISION)
+        # L[rows] @ R^T for the tile: [BLOCK_M, r] x [r, BLOCK_N]
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < rank
+        lo = tl.load(l_ptr + rows[:, None].to(tl.int64) * stride_lm + offs_r[None, :],
+                     mask=row_ok[:, None] & r_ok[None, :], other=0.0)
+        hi = tl.load(r_ptr + w_rows[None, :] * stride_rn + offs_r[:, None] * stride_rr,
+                     mask=col_ok[None, :] & r_ok[:, None], other=0.0)
+        acc += lora_scale * tl.dot(lo, hi.to(lo.dtype), input_precision=PRECISION)
     if HAS_BIAS:
-        acc += _bias_row(bias_ptr, w_rows, col_ok)
+        acc += tl.load(bias_ptr + w_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     return acc
-
-
-@triton.jit
-def _bias_row(bias_ptr, w_rows, col_ok):
-    return tl.load(bias_ptr + w_rows, mask=col_ok, other=0.0).to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -186,7 +169,8 @@ def grouped_gemm_kernel(
         acc_up = _extra_terms(acc_up, rows, row_ok, w_rows + up_offset, col_ok, l_ptr, stride_lm, r_ptr, stride_rn,
                               stride_rr, rank, lora_scale, bias_ptr, HAS_LORA, HAS_BIAS, BLOCK_R, PRECISION)
         _store_pair(gu_ptr, stride_gum, rows, w_rows, up_offset, mask, acc, acc_up)
-        h = _glu_forward(acc, acc_up, CLAMP, limit, HAS_ALPHA, alpha)
+        gate, up, sig = _glu_parts(acc, acc_up, CLAMP, limit, HAS_ALPHA, alpha)
+        h = gate * sig * up
         tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_cm + units[None, :], h.to(c_ptr.dtype.element_ty), mask=mask)
     else:
         gu_base = gu_ptr + rows[:, None].to(tl.int64) * stride_gum + (units * row_mult)[None, :]
@@ -199,12 +183,8 @@ def grouped_gemm_kernel(
         _store_pair(c_ptr, stride_cm, rows, units * row_mult, up_offset, mask, d_gate, d_up)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _tuned_configs() -> list[triton.Config]:
-    if _interpreting():
+    if interpreting():
         return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
     # The autotuner's candidates, one per GEMM of the block at Qwen3-Next widths that it wins
     # (bench/NOTES.md has the sweep): two accumulators (GLU forward) leave no room for 256 units.

@@ -14,13 +14,12 @@ Shape legend: S sorted rows, M and N the two sides of the gradient, E experts.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from runtime.kernels import buffers
+from runtime.kernels.launch import interpreting
 from runtime.kernels.moe.schedule import Schedule
 
 
@@ -60,7 +59,7 @@ def grouped_wgrad_kernel(
 
 
 def _tuned_configs() -> list[triton.Config]:
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if interpreting():
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
     # The autotuner's candidates: 8 warps win the gate/up gradient, 4 the down one (bench/NOTES.md)
     return [

@@ -104,6 +104,8 @@ def build_schedule(idx_Tk: torch.Tensor, num_experts: int, block_m: int) -> Sche
 
 def retiled(sched: Schedule, block_m: int) -> Schedule:
     """The same sorted rows cut into row tiles of another height, for a GEMM that runs best with
-    its own tile (one more launch, still without a host sync)."""
+    its own tile (one more launch, still without a host sync); sched itself when its tiles are that height."""
+    if block_m == sched.block_m:
+        return sched
     _, tile_expert, tile_start = _row_tiles(sched.expert_S, sched.num_experts, block_m)
     return replace(sched, tile_expert=tile_expert, tile_start=tile_start, block_m=block_m)

@@ -1,0 +1,77 @@
+"""plan, assemble, align, review: the package written (atomically, by onboard/package.py), aligned, explained."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import yaml
+from langgraph.runtime import Runtime
+
+from onboard.align import run_alignment
+from onboard.align.progress import Progress
+from onboard.package import write_package
+from onboard.render import gap_markdown, jinja_env
+
+from agents.context import Context
+from agents.state import Alignment, OnboardState
+from agents.tasks import final_report
+
+ALIGN_TIERS = [0, 1, 2]
+
+
+def plan(state: OnboardState, runtime: Runtime[Context]) -> dict:
+    """No parallel planner exists yet: the plan is the memory budget's smallest GPU count."""
+    memory = state["report"].memory
+    runtime.context.progress(f"plan: at least {memory.min_gpus} GPU(s) of {memory.gpu_mem_gib:g} GiB")
+    return {}
+
+
+def assemble(state: OnboardState, runtime: Runtime[Context]) -> dict:
+    o, tasks = state["options"], state["tasks"]
+    out = Path(o.out)
+    # a run killed between the rename and its checkpoint wrote this package already: keep it
+    if not _written_by_this_run(out, state):
+        write_package(o.model_dir, out, o.gpu_mem_gib, o.lora_rank, o.seq_len, o.gpus, o.gpus_per_node,
+                      generated=[t.accepted for t in tasks if t.accepted is not None])
+    report = final_report(state["report"], tasks)
+    _replace(out / "gap_report.json", report.model_dump_json(indent=2))
+    _replace(out / "gap_report.md", gap_markdown(report))
+    runtime.context.progress(f"assemble: wrote {out}")
+    return {"package": str(out), "report": report}
+
+
+def _written_by_this_run(out: Path, state: OnboardState) -> bool:
+    if not (out / "package.yaml").exists():
+        return False
+    written = yaml.safe_load((out / "package.yaml").read_text())
+    return written.get("spec_hash") == state["spec"].spec_hash() and \
+        written.get("source", {}).get("path") == str(Path(state["options"].model_dir).resolve())
+
+
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def align(state: OnboardState, runtime: Runtime[Context]) -> dict:
+    report = run_alignment(Path(state["package"]), ALIGN_TIERS, progress=Progress(runtime.context.progress))
+    return {"alignment": Alignment(passed=report.passed, summary=report.summary_line())}
+
+
+def review(state: OnboardState, runtime: Runtime[Context]) -> dict:
+    """PR.md, the LLM log and every task's attempts into PKG/agents/; the exit code."""
+    pkg, report, aligned = Path(state["package"]), state["report"], state.get("alignment")
+    folder = pkg / "agents"
+    folder.mkdir(exist_ok=True)
+    log = runtime.context.run_dir / "llm.jsonl"
+    if log.exists():
+        shutil.copy(log, folder / "llm.jsonl")
+    (folder / "tasks.json").write_text(json.dumps([t.model_dump(exclude={"accepted"}) for t in state["tasks"]], indent=1))
+    text = jinja_env().get_template("pr.md.j2").render(spec=state["spec"], report=report, tasks=state["tasks"],
+                                                       alignment=aligned)
+    _replace(pkg / "PR.md", text)
+    ok = not report.summary["gaps_remain"] and aligned is not None and aligned.passed
+    return {"exit_code": 0 if ok else 3}

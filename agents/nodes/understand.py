@@ -1,0 +1,42 @@
+"""parse, recognize, analyze: the release read, recognized into a ModelSpec and judged against the registry."""
+from __future__ import annotations
+
+import functools
+import random
+from pathlib import Path
+
+from langgraph.runtime import Runtime
+
+from onboard.gap import analyze as gap_analysis
+from onboard.manifest import read_manifest
+from onboard.recognize import recognize as recognize_spec
+
+from agents.context import Context
+from agents.state import OnboardState
+from agents.tasks import tasks_for, without_llm
+
+
+@functools.lru_cache(maxsize=2)
+def manifest(model_dir: str):
+    return read_manifest(Path(model_dir))
+
+
+def parse(state: OnboardState) -> dict:
+    """Reads and validates the files (a malformed one raises the one-line error the CLI turns into exit 2)."""
+    manifest(state["options"].model_dir)
+    return {}
+
+
+def recognize(state: OnboardState) -> dict:
+    return {"spec": recognize_spec(manifest(state["options"].model_dir))}
+
+
+def analyze(state: OnboardState, runtime: Runtime[Context]) -> dict:
+    o, spec = state["options"], state["spec"]
+    report = gap_analysis(spec, manifest(o.model_dir), o.gpu_mem_gib, o.lora_rank, o.seq_len)
+    tasks = tasks_for(spec)
+    if runtime.context.llm is None:
+        tasks = [without_llm(t) for t in tasks]
+    for t in tasks:
+        runtime.context.progress(f"gap: {t.kind} {t.name!r} ({', '.join(t.closes)}): needs {t.needs}")
+    return {"report": report, "tasks": tasks, "validation_salt": random.SystemRandom().randrange(2**31)}

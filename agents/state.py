@@ -1,0 +1,78 @@
+"""The graph's state: a TypedDict of pydantic values (LangGraph validates pydantic state only on node inputs
+and returns plain dicts; a TypedDict keeps the values typed and checkpointable as they are)."""
+from __future__ import annotations
+
+from typing import Literal, Optional, TypedDict
+
+from pydantic import BaseModel
+
+from onboard.gap import GapReport
+from onboard.generated import GeneratedOp
+from onboard.spec import ModelSpec
+
+
+class RunOptions(BaseModel):
+    model_dir: str
+    out: str
+    gpu_mem_gib: float = 80.0
+    lora_rank: int = 16
+    seq_len: int = 4096
+    gpus: int = 8  # the cluster plan.yaml is planned for
+    gpus_per_node: int = 8
+    llm_url: Optional[str] = None
+    llm_model: Optional[str] = None
+    max_attempts: int = 3  # candidates per op before it is reported missing
+
+
+class Failure(BaseModel):
+    """Why a candidate was refused: which check, which metric, by how much, and the traceback tail."""
+    check: str  # "ast", "template", "llm", "crash", "timeout", "forward", "grad:x", "tier0", ...
+    metric: str = "-"
+    value: Optional[float] = None
+    tolerance: Optional[float] = None
+    dtype: Optional[str] = None
+    detail: str = ""
+
+    @property
+    def value_text(self) -> str:
+        return "-" if self.value is None else f"{self.value:.3e}"
+
+
+class Candidate(BaseModel):
+    template: str
+    source: str  # the rendered module
+    rationale: str = ""
+
+
+class OpTask(BaseModel):
+    """One op the runtime lacks, to be closed by a generated candidate (or reported with its evidence)."""
+    kind: str  # agents/op_kinds.py KINDS
+    name: str  # the spec's name for it, e.g. the config's hidden_act
+    closes: dict[str, list[int]]  # registry op -> layers
+    reference: Optional[str]  # the model's own implementation, None when there is none to validate against
+    needs: Literal["llm", "person"]
+    status: Literal["pending", "accepted", "missing"] = "pending"
+    attempts: int = 0
+    failures: list[Failure] = []  # of the latest attempt
+    history: list[list[Failure]] = []  # every attempt's failures, for the report
+    candidate: Optional[Candidate] = None
+    accepted: Optional[GeneratedOp] = None
+
+
+class Alignment(BaseModel):
+    passed: bool
+    summary: str
+
+
+class OnboardState(TypedDict, total=False):
+    options: RunOptions
+    spec: ModelSpec
+    report: GapReport
+    tasks: list[OpTask]
+    validation_salt: int  # seeds of the fuzzed validation inputs derive from it; never shown to the LLM
+    package: Optional[str]
+    alignment: Optional[Alignment]
+    exit_code: int
+
+
+SERIALIZED_TYPES = [RunOptions, ModelSpec, GapReport, OpTask, Alignment, GeneratedOp, Failure, Candidate]

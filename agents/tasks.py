@@ -1,0 +1,71 @@
+"""Gaps -> tasks: which missing ops a generated candidate can close, and what the report says about the rest.
+
+A task exists for each distinct (kind, name) the runtime lacks, e.g. activation "relu2" used by the experts
+and the shared expert. It needs an LLM when the runtime has a slot for that kind and the model's own
+implementation is there to validate against; otherwise a person.
+"""
+from __future__ import annotations
+
+from onboard import model_references
+from onboard.gap import GapReport
+from onboard.generated import mark_generated
+from onboard.spec import ModelSpec
+from runtime.package_ops import TABLES
+from runtime.registry import OPS, ops_for_layer
+
+from agents.state import Failure, OpTask
+
+# registry op -> (candidate kind, the parameter naming what the op lacks)
+GAP_KINDS = {"moe_experts": ("activation", "activation"), "swiglu_mlp": ("activation", "activation"),
+             "moe_router": ("router_scoring", "router"), "rms_norm": ("norm", "kind")}
+
+
+def _name(params: dict, key: str) -> str:
+    value = params[key]
+    return value["scoring"] if key == "router" else str(value)
+
+
+def tasks_for(spec: ModelSpec) -> list[OpTask]:
+    found: dict[tuple[str, str], dict[str, list[int]]] = {}
+    for layer in spec.layers:
+        used = [("rms_norm", spec.norm.model_dump())] + ops_for_layer(layer.attention.model_dump(), layer.ffn.model_dump())
+        for op, params in used:
+            if op in GAP_KINDS and OPS[op].supports(params) == "unsupported":
+                kind, key = GAP_KINDS[op]
+                found.setdefault((kind, _name(params, key)), {}).setdefault(op, []).append(layer.index)
+    return [_task(kind, name, closes) for (kind, name), closes in sorted(found.items())]
+
+
+def _task(kind: str, name: str, closes: dict[str, list[int]]) -> OpTask:
+    has_reference = model_references.reference(kind, name) is not None
+    reference = model_references.describe(kind, name) if has_reference else None
+    if kind not in TABLES:
+        why = f"the runtime has no slot for a generated {kind} yet (runtime/package_ops.py)"
+    elif not has_reference:
+        why = f"no implementation of {kind} {name!r} to validate a candidate against"
+    else:
+        return OpTask(kind=kind, name=name, closes=closes, reference=reference, needs="llm")
+    return OpTask(kind=kind, name=name, closes=closes, reference=reference, needs="person", status="missing",
+                  failures=[Failure(check="reference", detail=why)])
+
+
+def without_llm(task: OpTask) -> OpTask:
+    if task.status != "pending":
+        return task
+    failure = Failure(check="llm", detail="no LLM endpoint configured (--llm-url): a candidate was not generated")
+    return task.model_copy(update=dict(status="missing", failures=[failure]))
+
+
+def final_report(report: GapReport, tasks: list[OpTask]) -> GapReport:
+    """Accepted candidates' gaps become `generated`; the rest say who can close them and why they are open."""
+    report = mark_generated(report, [t.accepted for t in tasks if t.accepted is not None])
+    ops = []
+    for gap in report.ops:
+        task = next((t for t in tasks if t.status == "missing" and gap.op in t.closes
+                     and set(t.closes[gap.op]) & set(gap.layers)), None)
+        if gap.status == "missing" and task is not None:
+            gap = gap.model_copy(update=dict(
+                needs=task.needs, detail=f"{gap.detail}: {task.kind} {task.name!r}",
+                evidence={"attempts": task.attempts, "failures": [f.model_dump() for f in task.failures]}))
+        ops.append(gap)
+    return report.model_copy(update=dict(ops=ops))

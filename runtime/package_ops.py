@@ -1,0 +1,42 @@
+"""Load a package's generated operators (PKG/ops/*.py) and register them where the runtime looks them up.
+
+Each generated file is plain torch that passed validation: it declares KIND (what it extends), NAME (the
+name the spec uses for it, e.g. a config's `hidden_act`) and `op`, the function. Registering puts `op`
+into the runtime's table for that kind, so tiers 0-2 and training run exactly the validated code. Its
+unit test sits beside it as `test_<file>.py` and is not loaded.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from runtime.ops.mlp import ACTIVATIONS
+
+# Kinds the runtime's layers look up by name; a generated op of another kind has no slot to go into.
+TABLES = {"activation": ACTIVATIONS}
+
+
+class PackageOpError(ValueError):
+    """A file in PKG/ops/ is not a generated operator the runtime can register."""
+
+
+def load_package_ops(pkg: Path) -> list[str]:
+    """Register every generated op of the package; returns "kind:name" for each."""
+    loaded = []
+    for path in sorted((Path(pkg) / "ops").glob("*.py")):
+        if path.name.startswith("test_"):
+            continue
+        module = _import(path)
+        kind, name = getattr(module, "KIND", None), getattr(module, "NAME", None)
+        if kind not in TABLES or not isinstance(name, str) or not callable(getattr(module, "op", None)):
+            raise PackageOpError(f"{path}: expected KIND in {sorted(TABLES)}, a NAME string and a function `op`")
+        TABLES[kind][name] = module.op
+        loaded.append(f"{kind}:{name}")
+    return loaded
+
+
+def _import(path: Path):
+    spec = importlib.util.spec_from_file_location(f"package_ops.{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

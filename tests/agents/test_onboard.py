@@ -1,0 +1,130 @@
+"""End to end: a known family whose config asks for an activation the registry lacks (relu2), onboarded by
+`new-model` through the graph. Without an LLM: exit 3 and a gap report naming the op. With the scripted
+LLM server: a wrong candidate refused with its metric in the repair prompt, the fixed one generated,
+tiers 0-2 green, and a few training steps through the generated op. A real `new-model` process SIGKILLed
+mid-run resumes without re-running finished nodes and writes the same package."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from onboard import cli
+from tests.agents.llm_server import answer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _gap(pkg: Path, op: str) -> dict:
+    return next(o for o in json.loads((pkg / "gap_report.json").read_text())["ops"] if o["op"] == op)
+
+
+def test_without_an_llm_the_op_is_a_gap_needing_one(relu2_release, tmp_path):
+    pkg = tmp_path / "pkg"
+    assert cli.main(["new-model", str(relu2_release), "--out", str(pkg)]) == 3
+    gap = _gap(pkg, "moe_experts")
+    assert gap["status"] == "missing" and gap["needs"] == "llm" and "relu2" in gap["detail"]
+    assert "no LLM endpoint" in gap["evidence"]["failures"][0]["detail"]
+    assert not (pkg / "ops").exists() and not (pkg / "alignment" / "report.json").exists()
+
+
+def test_a_router_scoring_with_no_reference_to_validate_against_needs_a_person(example_release, llm_server, tmp_path):
+    release = tmp_path / "release"
+    shutil.copytree(example_release("deepseek_v3"), release)
+    config = json.loads((release / "config.json").read_text())
+    (release / "config.json").write_text(json.dumps({**config, "scoring_func": "sqrtsoftplus"}))
+    pkg = tmp_path / "pkg"
+    assert cli.main(["new-model", str(release), "--out", str(pkg), "--llm-url", llm_server.url, "--llm-model", "m"]) == 3
+    gap = _gap(pkg, "moe_router")
+    assert gap["status"] == "missing" and gap["needs"] == "person" and "sqrtsoftplus" in gap["detail"]
+    assert "no slot for a generated router_scoring" in gap["evidence"]["failures"][0]["detail"]
+    assert llm_server.requests == []
+
+
+@pytest.fixture(scope="module")
+def onboarded(relu2_release, tmp_path_factory):
+    """The relu2 release onboarded through the scripted LLM: a wrong answer (plain relu), then the right one."""
+    from tests.agents.llm_server import ScriptedLLM
+
+    server = ScriptedLLM()
+    server.script(answer("torch.relu(x)"), answer("torch.relu(x) ** 2"))
+    pkg = tmp_path_factory.mktemp("onboarded") / "pkg"
+    code = cli.main(["new-model", str(relu2_release), "--out", str(pkg), "--llm-url", server.url,
+                     "--llm-model", "scripted"])
+    server.close()
+    return code, pkg, server.requests
+
+
+def test_the_wrong_candidate_is_refused_with_its_metric_and_the_fixed_one_lands(onboarded):
+    code, pkg, requests = onboarded
+    assert code == 0
+    first, repair = (r["messages"][0]["content"] for r in requests)
+    assert "class ReLUSquaredActivation" in first  # the model's own code for the op
+    assert "rejected" in repair and "forward (float32): rel_rms" in repair
+    assert (pkg / "ops" / "activation_relu2.py").read_text().rstrip().endswith("return torch.relu(x) ** 2")
+    gap = _gap(pkg, "moe_experts")
+    assert gap["status"] == "generated" and gap["evidence"]["attempts"] == 2
+    assert gap["evidence"]["seeds"] == 5 and gap["evidence"]["worst"]["out/float32"] < 1e-6
+    tiers = gap["evidence"]["tiers"]
+    assert sorted(tiers) == ["0", "1"] and all(passed == total for passed, total in (t.split("/") for t in tiers.values()))
+    package = yaml.safe_load((pkg / "package.yaml").read_text())
+    assert package["generated_ops"][0]["name"] == "relu2" and package["status"] == "ready-for-alignment"
+    report = json.loads((pkg / "alignment" / "report.json").read_text())
+    assert report["passed"] and [t["tier"] for t in report["tiers"]] == [0, 1, 2]
+    assert len((pkg / "agents" / "llm.jsonl").read_text().splitlines()) == 2
+
+
+def test_the_generated_op_unit_test_passes(onboarded):
+    _, pkg, _ = onboarded
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(pkg / "ops")],
+                            capture_output=True, text=True, timeout=300, cwd=pkg)
+    assert result.returncode == 0, result.stdout[-2000:]
+
+
+def test_training_steps_run_through_the_generated_op(onboarded):
+    from onboard.align.package_files import read_package
+    from onboard.align.reference import load_runtime
+    from runtime.model import causal_lm_loss
+    from runtime.package_ops import load_package_ops
+
+    _, pkg, _ = onboarded
+    assert load_package_ops(pkg) == ["activation:relu2"]
+    inputs = read_package(pkg)
+    model = load_runtime(inputs.spec, inputs.weight_map, inputs.source, torch.float32).train()
+    ids = torch.randint(0, inputs.spec["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(5):
+        loss = causal_lm_loss(model(ids), ids)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert all(map(torch.isfinite, map(torch.tensor, losses))) and losses[-1] < losses[0]
+
+
+def test_a_killed_run_resumes_without_redoing_finished_nodes(relu2_release, onboarded, llm_server, tmp_path):
+    pkg = tmp_path / "pkg"
+    argv = [sys.executable, "-m", "onboard.cli", "new-model", str(relu2_release), "--out", str(pkg),
+            "--llm-url", llm_server.url, "--llm-model", "scripted"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    llm_server.script(answer("torch.relu(x) ** 2"), answer("torch.relu(x) ** 2"))
+    first = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    # SIGKILL while the generate node waits for its answer
+    llm_server.on_request = lambda body: first.kill() if len(llm_server.requests) == 1 else None
+    first.wait(timeout=300)
+    assert first.returncode == -9 and "node analyze: done" in first.stderr.read()
+    resumed = subprocess.run(argv + ["--resume"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "node analyze: done" not in resumed.stderr and "node generate: done" in resumed.stderr
+    _, reference_pkg, _ = onboarded
+    for name in ("spec.json", "weight_map.json", "ops/activation_relu2.py"):
+        assert (pkg / name).read_text() == (reference_pkg / name).read_text(), name
+    assert _gap(pkg, "moe_experts")["status"] == "generated"

@@ -1,0 +1,47 @@
+"""The graph's routing functions are pure: each is called on hand-made states, no LLM, no files."""
+from __future__ import annotations
+
+from agents.graph import after_analyze, after_assemble, after_generate, after_validate, build
+from agents.state import Candidate, OpTask
+
+
+def _task(**update) -> OpTask:
+    fields = dict(kind="activation", name="relu2", closes={"moe_experts": [0, 1]}, reference="ref", needs="llm")
+    return OpTask(**{**fields, **update})
+
+
+class _Report:
+    def __init__(self, gaps: bool):
+        self.summary = {"gaps_remain": gaps}
+
+
+def test_a_pending_task_goes_to_generate_and_none_to_plan():
+    assert after_analyze({"tasks": [_task()]}) == "generate"
+    assert after_analyze({"tasks": [_task(status="missing")]}) == "plan"
+    assert after_analyze({"tasks": []}) == "plan"
+
+
+def test_a_candidate_goes_to_validate_a_failed_generation_retries_or_gives_up():
+    candidate = Candidate(template="activation", source="...")
+    assert after_generate({"tasks": [_task(candidate=candidate)]}) == "validate"
+    assert after_generate({"tasks": [_task(attempts=1)]}) == "generate"
+    assert after_generate({"tasks": [_task(status="missing", attempts=3)]}) == "plan"
+
+
+def test_after_validation_the_next_pending_task_or_plan():
+    done = _task(status="accepted")
+    other = OpTask(kind="activation", name="mish", closes={"swiglu_mlp": [2]}, reference="ref", needs="llm")
+    assert after_validate({"tasks": [done, other]}) == "generate"
+    assert after_validate({"tasks": [done, _task(name="x", status="missing")]}) == "plan"
+
+
+def test_alignment_runs_only_without_gaps():
+    assert after_assemble({"report": _Report(gaps=True)}) == "review"
+    assert after_assemble({"report": _Report(gaps=False)}) == "align"
+
+
+def test_the_drawing_has_exactly_the_routed_edges():
+    mermaid = build().compile().get_graph().draw_mermaid()
+    for edge in ("validate -.-> generate", "generate -.-> validate", "analyze -.-> plan", "assemble -.-> align"):
+        assert edge in mermaid
+    assert "analyze -.-> review" not in mermaid

@@ -1,0 +1,113 @@
+"""Shared fixtures of the onboard tests: packages written from the example releases, and the
+`onboard` command run in this process with the bounds the reliability tests hold it to.
+
+In-process so that hundreds of hostile inputs cost no interpreter start each; it is the same
+`main` a user's `onboard` runs, with stdout and stderr captured. Memory is the growth of the
+process's resident set, sampled every 20 ms by a thread (tracemalloc would slow torch's import
+a hundredfold and miss native allocations).
+
+The fuzz tests take their example count from ONBOARD_FUZZ_EXAMPLES (default 12, for CI; the
+issue's done-when runs 500 each: `ONBOARD_FUZZ_EXAMPLES=500 pytest tests/onboard/test_fuzz_*.py
+--hypothesis-show-statistics` prints the exit-code counts), seeds random per run.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from onboard.cli import main
+
+settings.register_profile("onboard-fuzz", max_examples=int(os.environ.get("ONBOARD_FUZZ_EXAMPLES", "12")),
+                          deadline=None, database=None, suppress_health_check=list(HealthCheck))
+
+# The issue's done-when: no hang over 30 s, no memory over 2 GiB.
+TIME_LIMIT_S = 30.0
+MEMORY_LIMIT_BYTES = 2 << 30
+
+
+@dataclass
+class CliRun:
+    code: int
+    out: str
+    err: str
+    seconds: float
+    peak_bytes: int
+
+    def assert_bounded(self) -> None:
+        """Exit 0, 2 or 3, one line on stderr at most for 2, no traceback, within time and memory."""
+        assert self.code in (0, 2, 3), (self.code, self.err[-2000:])
+        assert "Traceback" not in self.err and "Traceback" not in self.out, self.err[-2000:]
+        if self.code == 2:
+            assert len(self.err.strip().splitlines()) == 1, self.err
+        assert self.seconds < TIME_LIMIT_S, self.seconds
+        assert self.peak_bytes < MEMORY_LIMIT_BYTES, self.peak_bytes
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class _PeakRss:
+    """Highest resident set seen while the block runs, above what it was at the start."""
+
+    def __enter__(self):
+        self.start = self.peak = _rss()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while not self.done.wait(0.02):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+        self.peak = max(self.peak, _rss())
+        self.growth = self.peak - self.start
+
+
+def run_onboard(*args: str) -> CliRun:
+    out, err = io.StringIO(), io.StringIO()
+    start = time.perf_counter()
+    with _PeakRss() as memory, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return CliRun(code, out.getvalue(), err.getvalue(), time.perf_counter() - start, memory.growth)
+
+
+@pytest.fixture(scope="session")
+def onboard_cli():
+    """run(*args) -> CliRun: `onboard ARGS` in this process, timed, resident-set growth sampled."""
+    return run_onboard
+
+
+def copy_release(source: Path, target: Path) -> Path:
+    """A release folder to break: JSON files copied, shards hard-linked (cheap). A test that
+    changes a shard must replace the file (unlink, write), never write into it."""
+    target.mkdir(parents=True)
+    for path in source.iterdir():
+        if path.suffix == ".safetensors":
+            os.link(path, target / path.name)
+        else:
+            shutil.copy(path, target / path.name)
+    return target
+
+
+@pytest.fixture(scope="session")
+def release_copy():
+    """copy(source, target) -> target: see copy_release."""
+    return copy_release
