@@ -139,8 +139,8 @@ def _tier_list(text: str) -> list[int]:
         tiers = sorted({int(t) for t in text.split(",") if t.strip()})
     except ValueError:
         raise BadInput(None, "--tiers", f"expected a comma-separated list of tier numbers, got {text!r}")
-    if not tiers or any(t not in (0, 1, 2, 4) for t in tiers):
-        raise BadInput(None, "--tiers", f"tiers 0, 1, 2 and 4 are available, got {text!r}")
+    if not tiers or any(t not in (0, 1, 2, 3, 4) for t in tiers):
+        raise BadInput(None, "--tiers", f"tiers 0 to 4 are available, got {text!r}")
     return tiers
 
 

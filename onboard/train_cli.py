@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -43,6 +44,11 @@ def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the run folder's last complete checkpoint")
     p.add_argument("--model-dir", default=None, help="the release folder, if it moved since new-model")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--nproc", type=positive_int, default=1, help="processes per node (torchrun); gloo on CPU, NCCL on GPU")
+    p.add_argument("--ep", type=positive_int, default=1, help="expert-parallel degree (divides the world size)")
+    p.add_argument("--capacity-factor", type=float, default=None, help="cap tokens per expert (default dropless)")
+    p.add_argument("--nnodes", type=positive_int, default=1, help="nodes (run the same command on each)")
+    p.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous, with --nnodes > 1")
 
 
 def memory_policy(pkg: Path, recompute: str | None, offload: str | None):
@@ -112,14 +118,49 @@ def build_model(spec: dict, weight_map: dict, release: Path, lora_config, policy
     return model
 
 
+def _check_ep(ep: int, world: int) -> None:
+    if world % ep:
+        raise OnboardError(None, "--ep", f"{ep} does not divide the world size {world}")
+
+
+def _plan(args, world: int, policy):
+    from runtime.parallel.parallelize import ParallelPlan
+    from runtime.parallel.placement import MeshShape
+
+    _check_ep(args.ep, world)
+    return ParallelPlan(MeshShape(world // args.ep, args.ep), policy, args.capacity_factor)
+
+
+def build_parallel_model(spec: dict, weight_map: dict, release: Path, lora_config, plan, rank: int, device):
+    """This rank's part of the runtime model, parallelized by `plan` (runtime/parallel/)."""
+    import torch
+
+    from runtime.parallel.load import build_sharded_model
+    from runtime.parallel.parallelize import device_mesh
+
+    vision = spec["naming"].get("vision_prefix")
+    return build_sharded_model(spec, weight_map, release, lora_config, plan, device_mesh(plan.mesh, device.type),
+                               rank, device, torch.bfloat16, skip_prefixes=(vision,) if vision else ())
+
+
 def run(args) -> int:
-    """0 trained; 1 aborted (non-finite steps); 3 the release's chat template cannot mask assistant turns."""
+    """0 trained; 1 aborted (non-finite steps, or a failed rank); 3 the release's chat template cannot mask
+    assistant turns. With --nproc > 1 (outside torchrun) the job is relaunched under torchrun."""
+    if (args.nproc > 1 or args.nnodes > 1) and "LOCAL_RANK" not in os.environ:
+        from onboard.launch import launch
+
+        _check_ep(args.ep, args.nproc * args.nnodes)
+        return launch(_parser(), args)
+    return _train(args)
+
+
+def _train(args) -> int:
     import dataclasses
 
     import torch
 
     from runtime.data import ChatTemplateError
-    from runtime.lora import lora_state_dict
+    from runtime.parallel.process import full_lora_state_dict, is_main, start
     from runtime.run_folder import save_adapter, write_run_json
     from runtime.train import TrainConfig, TrainingAborted, train
 
@@ -135,18 +176,25 @@ def run(args) -> int:
     except ChatTemplateError as err:
         print(f"onboard: gap: {release}: chat template: {err}", file=sys.stderr)
         return 3
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world, device = start()
     lora_config = read_lora(pkg, weight_map)
-    model = build_model(spec, weight_map, release, lora_config, policy, device)
+    if world == 1:
+        model = build_model(spec, weight_map, release, lora_config, policy, device)
+    else:
+        model = build_parallel_model(spec, weight_map, release, lora_config, _plan(args, world, policy), rank, device)
     out = Path(args.out) if args.out else pkg / "runs" / "latest"
-    write_run_json(out, pkg, release, train=dataclasses.asdict(cfg), seq_len=args.seq_len, data=str(args.data),
-                   memory=dataclasses.asdict(policy))
+    if is_main():
+        write_run_json(out, pkg, release, train=dataclasses.asdict(cfg), seq_len=args.seq_len, data=str(args.data),
+                       memory=dataclasses.asdict(policy))
     try:
-        state = train(model, data, cfg, out, resume=args.resume, progress=not args.no_progress)
+        state = train(model, data, cfg, out, resume=args.resume, progress=not args.no_progress and is_main())
     except TrainingAborted as err:
         print(f"onboard: error: {err}", file=sys.stderr)
         return 1
-    save_adapter(out, lora_state_dict(model), lora_config)
+    factors = full_lora_state_dict(model)
+    if not is_main():
+        return 0
+    save_adapter(out, factors, lora_config)
     print(f"trained {state['step']} steps into {out}; eval loss {state['eval_loss']:.4f}, "
           f"best {state['best_eval_loss']:.4f} at step {state['best_step']}")
     return 0
@@ -161,3 +209,31 @@ def _read_package(pkg: Path) -> tuple[dict, dict, Path]:
         return spec, weight_map, Path(manifest["source"]["path"])
     except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as err:
         raise OnboardError(pkg, None, f"not a package written by `onboard new-model` ({err})") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    from onboard.cli import _positive_int
+
+    parser = argparse.ArgumentParser(prog="onboard train")
+    add_arguments(parser, _positive_int)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The trainer module torchrun runs on every rank: `torchrun --nproc-per-node N -m onboard.train_cli PKG ...`."""
+    from onboard.cli import EXIT_BAD_INPUT
+    from runtime.errors import InputFileError
+
+    args = _parser().parse_args(argv)
+    try:
+        return _train(args)
+    except (OnboardError, InputFileError) as err:
+        print(f"onboard: error: {err.one_line()}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    # record: torchrun's summary shows a failed rank's traceback
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(main)())

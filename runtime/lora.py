@@ -98,12 +98,29 @@ def _add_stacked(module: nn.Module, name: str, config: LoraConfig) -> None:
 
 
 def _kaiming(A: nn.Parameter, config: LoraConfig, name: str) -> None:
+    with torch.no_grad():
+        A.copy_(_kaiming_value(tuple(A.shape), config, name))
+
+
+def _kaiming_value(shape: tuple[int, ...], config: LoraConfig, name: str) -> torch.Tensor:
     """PEFT's A init, fan-in the last dim (stacked factors: per expert), from a (seed, name) generator."""
     generator = torch.Generator().manual_seed((config.seed << 32) + zlib.crc32(name.encode()))
-    value = torch.empty(A.shape, dtype=torch.float32).view(-1, A.shape[-1])
+    value = torch.empty(shape, dtype=torch.float32).view(-1, shape[-1])
     nn.init.kaiming_uniform_(value, a=math.sqrt(5), generator=generator)
-    with torch.no_grad():
-        A.copy_(value.view(A.shape))
+    return value.view(shape)
+
+
+# factor leaf -> suffix of the name its generator is seeded by (as _wrap_linears and _add_stacked seed them)
+_SEED_SUFFIX = {"lora_A": "", "lora_gate_up_A": ".gate_up", "lora_down_A": ".down"}
+
+
+def initial_value(name: str, shape: tuple[int, ...], config: LoraConfig) -> torch.Tensor:
+    """The full fp32 starting value of LoRA factor `name` (what apply_lora writes): for a model built
+    elsewhere (the meta device, then sharded) that initializes its own slices."""
+    module, _, leaf = name.rpartition(".")
+    if leaf not in _SEED_SUFFIX:
+        return torch.zeros(shape, dtype=torch.float32)
+    return _kaiming_value(shape, config, module + _SEED_SUFFIX[leaf])
 
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:

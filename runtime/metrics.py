@@ -2,7 +2,7 @@
 
 Expert load is read from each MoE layer's routing of the last forward (`MoE.last_routing`, already
 kept for alignment), so counting changes nothing in the numerics and a recomputed forward (activation
-checkpointing) is not counted twice. Imbalance is max over mean tokens per expert (1 = even).
+checkpointing) is not counted twice. Imbalance is max over mean tokens per expert (1 = even); counts and drops are summed over ranks.
 """
 from __future__ import annotations
 
@@ -28,6 +28,16 @@ def expert_counts(model: nn.Module) -> dict[int, torch.Tensor]:
     for i, moe in moe_layers(model).items():
         num_experts = moe.router.weight.shape[0]
         out[i] = torch.bincount(moe.last_routing.flatten().cpu(), minlength=num_experts)
+    return out
+
+
+def expert_drops(model: nn.Module) -> dict[int, torch.Tensor]:
+    """layer index -> (token, choice) pairs each expert dropped in the last forward for capacity ([E];
+    zeros when dropless or not expert-parallel)."""
+    out = {}
+    for i, moe in moe_layers(model).items():
+        dropped = getattr(moe.experts, "last_dropped", None)
+        out[i] = torch.zeros(moe.router.weight.shape[0], dtype=torch.int64) if dropped is None else dropped.cpu()
     return out
 
 

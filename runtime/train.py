@@ -25,7 +25,8 @@ from runtime.data import IGNORE, PackedRows, batch_rows, cu_seqlens_of
 from runtime.flops import peak_flops, step_flops
 from runtime.lora import lora_parameters
 from runtime.loss import chunked_cross_entropy
-from runtime.metrics import MetricsLog, expert_counts, imbalance, peak_memory_gib, plot
+from runtime.metrics import MetricsLog, expert_counts, expert_drops, imbalance, peak_memory_gib, plot
+from runtime.parallel.grads import clip_grad_norm
 
 
 @dataclass(frozen=True)
@@ -94,12 +95,19 @@ def evaluate(model: nn.Module, rows: PackedRows, cfg: TrainConfig, device: torch
     """Mean loss over every trained token of the eval rows (this rank's share, summed over ranks)."""
     rank, size = _rank_and_size()
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    for first in range(rank * cfg.batch_size, len(rows), size * cfg.batch_size):
-        batch = micro_batch(rows, list(range(first, min(first + cfg.batch_size, len(rows)))), device)
-        total[0] += loss_sum(model, batch, cfg.loss_chunk).double()
-        total[1] += (batch["labels"] != IGNORE).sum()
+    # every rank runs the same number of forwards (expert dispatch and FSDP gathers are collectives);
+    # a rank past the last row repeats row 0 and counts nothing
+    for first in range(rank * cfg.batch_size, _round_up(len(rows), size * cfg.batch_size), size * cfg.batch_size):
+        indices = list(range(first, min(first + cfg.batch_size, len(rows))))
+        batch = micro_batch(rows, indices or [0], device)
+        total[0] += loss_sum(model, batch, cfg.loss_chunk).double() * bool(indices)
+        total[1] += (batch["labels"] != IGNORE).sum() * bool(indices)
     total = _sum_over_ranks(total)
     return float(total[0] / total[1].clamp(min=1))
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _step(model, optimizer, params, data: TrainData, cfg: TrainConfig, step: int, device) -> dict:
@@ -108,23 +116,25 @@ def _step(model, optimizer, params, data: TrainData, cfg: TrainConfig, step: int
     micro = [micro_batch(data.train, batch_rows(len(data.train), step * cfg.grad_accum + m, cfg.batch_size,
                                                 cfg.seed, rank, size), device) for m in range(cfg.grad_accum)]
     trained = _sum_over_ranks(sum((b["labels"] != IGNORE).sum() for b in micro).to(torch.float32))
-    total, counts, segments = torch.zeros((), device=device), {}, []
+    total, load, segments = torch.zeros((), device=device), {}, []
     for batch in micro:
         loss = loss_sum(model, batch, cfg.loss_chunk) / trained.clamp(min=1)
+        drops = expert_drops(model)
         for layer, c in expert_counts(model).items():
-            counts[layer] = counts.get(layer, 0) + c
+            load[layer] = load.get(layer, 0) + torch.stack([c, drops[layer]])
         loss.backward()
         total += loss.detach()
         segments += torch.diff(batch["cu_seqlens"]).tolist()
     total = _sum_over_ranks(total)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+    load = {layer: _sum_over_ranks(v) for layer, v in load.items()}
+    grad_norm = clip_grad_norm(params, cfg.grad_clip)
     finite = bool(torch.isfinite(total) and torch.isfinite(grad_norm))
     if finite:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": float(total), "grad_norm": float(grad_norm), "finite": finite, "counts": counts,
+    return {"loss": float(total), "grad_norm": float(grad_norm), "finite": finite, "load": load,
             "tokens": sum(segments) * size, "segments": segments}
 
 
@@ -135,8 +145,9 @@ def _record(step: int, result: dict, seconds: float, flops: float, cfg: TrainCon
             "grad_norm": result["grad_norm"], "skipped": not result["finite"], "tokens": result["tokens"],
             "tokens_per_s": result["tokens"] / seconds, "mfu": None if peak is None else flops / seconds / peak,
             "peak_mem_gib": peak_memory_gib(device),
-            "expert_counts": {str(k): v.tolist() for k, v in result["counts"].items()},
-            "expert_imbalance": {str(k): imbalance(v) for k, v in result["counts"].items()}}
+            "expert_counts": {str(k): v[0].tolist() for k, v in result["load"].items()},
+            "expert_imbalance": {str(k): imbalance(v[0]) for k, v in result["load"].items()},
+            "expert_drop_rate": {str(k): float(v[1].sum() / v[0].sum().clamp(min=1)) for k, v in result["load"].items()}}
 
 
 def _progress(enabled: bool):

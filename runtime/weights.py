@@ -90,10 +90,12 @@ def _copy_entry(shard, name: str, entry: dict, tensors: dict, select: Select | N
 
 
 def load_release(model: nn.Module, model_dir: Path, weight_map: dict[str, dict], skip_prefixes=(),
-                 select: Select | None = None) -> None:
+                 select: Select | None = None, tensors: dict[str, torch.Tensor] | None = None) -> None:
     """Copy every mapped tensor of MODEL_DIR (the part `select` assigns) into `model`; raise if anything
-    is unmapped or a runtime tensor is not fully written."""
-    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    is unmapped or a runtime tensor is not fully written. tensors: name -> the tensor to write (default
+    the model's own; a sharded model passes its local shards)."""
+    if tensors is None:
+        tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     written: dict[str, int] = {}
     with torch.no_grad():
         for file, names in shard_order(Path(model_dir)).items():

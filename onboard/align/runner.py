@@ -13,6 +13,7 @@ from onboard.align.tier0_ops import tier0
 from onboard.align.tier1_layers import distinct_layers, tier1
 from onboard.align.tier2_model import tier2
 from onboard.align.tier2_training import training_checks
+from onboard.align.tier3 import tier3
 from onboard.align.tier4 import Target, tier4, tier4_target
 from onboard.align.vision import vision_checks
 from onboard.errors import OnboardError
@@ -85,9 +86,11 @@ def _run_tier(tier: int, inputs: AlignInputs, num_layers: int, tamper, progress:
             checks += vision_checks(spec, weight_map, source, inputs.vision_config, num_layers, progress=progress)
         checks += training_checks(spec, weight_map, source, inputs.lora_plan, num_layers, progress=progress)
         return checks, divergence
+    if tier == 3:
+        return tier3(spec, weight_map, source, inputs.lora_plan, progress=progress), None
     if tier == 4:
         return tier4(spec, weight_map, source, goal, progress=progress), None
-    raise OnboardError(None, "--tiers", f"tier {tier} is not available here (0, 1, 2, 4)")
+    raise OnboardError(None, "--tiers", f"tier {tier} is not available here (0 to 4)")
 
 
 def _write(pkg: Path, report: AlignmentReport) -> None:

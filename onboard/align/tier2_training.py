@@ -30,7 +30,7 @@ STEPS = 10
 LR = 1e-3
 
 
-def _config(lora_plan: Path, weight_map: dict, spec: dict) -> LoraConfig:
+def alignment_lora_config(lora_plan: Path, weight_map: dict, spec: dict) -> LoraConfig:
     plan = read_lora_yaml(lora_plan, weight_map)
     moe = any(layer["ffn"]["kind"] == "moe" for layer in spec["layers"])
     # PEFT refuses dropout on expert parameters, and two dropout masks could not agree anyway
@@ -111,7 +111,7 @@ def training_checks(spec: dict, weight_map: dict, source: Path, lora_plan: Path,
     progress = progress or Progress()
     progress.plan(1)
     progress.group(f"training: {STEPS} LoRA steps vs transformers + PEFT, then the exports")
-    config = _config(Path(lora_plan), weight_map, spec)
+    config = alignment_lora_config(Path(lora_plan), weight_map, spec)
     ours = load_runtime(spec, weight_map, source, torch.float32, num_layers)
     apply_lora(ours, config)
     twin = _peft_twin(load_reference(source, spec["family"], torch.float32, num_layers), ours, config, weight_map, source)

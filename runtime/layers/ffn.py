@@ -102,12 +102,13 @@ class Experts(nn.Module):
         return experts(x_TD, weights_Tk, idx_Tk, self.w_gate_up, self.w_down, b_gate_up_E2F=self.b_gate_up,
                        b_down_ED=self.b_down, **self.options, **self._lora_args(x_TD.dtype))
 
-    def _lora_args(self, dtype: torch.dtype) -> dict:
+    def _lora_args(self, dtype: torch.dtype, view=lambda t: t) -> dict:
+        """The op's LoRA arguments; view maps each factor first (expert parallelism: to its local part)."""
         # the grouped GEMMs take one dtype: the fp32 factors are cast to the activations' (autograd casts back)
         if self.lora_gate_up_A is None or self.lora_merged:
             return {}
         factors = (self.lora_gate_up_A, self.lora_gate_up_B, self.lora_down_A, self.lora_down_B)
-        A_gu, B_gu, A_d, B_d = (t.to(dtype) for t in factors)
+        A_gu, B_gu, A_d, B_d = (view(t).to(dtype) for t in factors)
         return dict(lora_gate_up=(A_gu, B_gu), lora_down=(A_d, B_d), lora_scale=self.lora_scale)
 
 

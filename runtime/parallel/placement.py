@@ -125,12 +125,21 @@ def holders(entry: dict, shape: tuple[int, ...], is_buffer: bool, num_experts: d
     m = EXPERT_TARGET.match(entry["target"])
     if m and entry["expert"] is not None:
         return [(_expert_holder(num_experts[int(m.group(1))], mesh, entry["expert"]), (entry["expert"], entry["expert"] + 1), True)]
-    if m:
-        # a fused expert tensor (gpt-oss [E, ...]): each rank reads its experts' rows of it
-        spans = [owned_experts(num_experts[int(m.group(1))], mesh, rank) for rank in range(mesh.world)]
-    else:
-        spans = [fsdp_rows(num_rows, mesh.world, rank) for rank in range(mesh.world)]
+    # a fused expert tensor (gpt-oss [E, ...]): each rank reads its experts' rows of it
+    spans = [rows_held(entry["target"], shape, False, num_experts, mesh, rank) for rank in range(mesh.world)]
     return [(rank, rows, rows == (0, num_rows)) for rank, rows in enumerate(spans) if rows[1] > rows[0]]
+
+
+def rows_held(target: str, shape: tuple[int, ...], is_buffer: bool, num_experts: dict[int, int], mesh: MeshShape,
+              rank: int) -> tuple[int, int]:
+    """Dim-0 rows [lo, hi) of runtime tensor `target` (a parameter or buffer) that `rank` holds."""
+    num_rows = shape[0] if shape else 1
+    if is_buffer:
+        return 0, num_rows
+    m = EXPERT_TARGET.match(target)
+    if m:
+        return owned_experts(num_experts[int(m.group(1))], mesh, rank)
+    return fsdp_rows(num_rows, mesh.world, rank)
 
 
 def _expert_holder(num_experts: int, mesh: MeshShape, expert: int) -> int:

@@ -1,0 +1,36 @@
+"""The process group of a torchrun job: started from torchrun's environment (gloo on CPU, NCCL on GPU),
+or none for one process; and the helpers the trainer's one-writer steps need."""
+from __future__ import annotations
+
+import atexit
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from runtime.lora import is_lora_name
+
+
+def start() -> tuple[int, int, torch.device]:
+    """(rank, world size, this rank's device); joins the job's process group when torchrun started several."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    if world == 1:
+        return 0, 1, torch.device("cuda" if cuda else "cpu")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    atexit.register(dist.destroy_process_group)
+    return dist.get_rank(), world, device
+
+
+def is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def full_lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Runtime name -> whole LoRA factor (gathered from the shards: a collective, every rank calls it)."""
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+            for name, p in model.named_parameters() if is_lora_name(name)}
