@@ -125,11 +125,11 @@ def build_example(family: str, num_layers: int | None = None, seed: int = 0):
     config = example_config(family, num_layers)
     torch.manual_seed(seed)
     model = model_class(family)(config)
-    _perturb(model, seed)
+    perturb(model, seed)
     return model.eval()
 
 
-def _perturb(model, seed: int) -> None:
+def perturb(model, seed: int) -> None:
     """Move every parameter off its init value (ones, zeros) so alignment can see wrong formulas:
     a norm weight of exactly 1 hides a missing (1 + w); a zero bias hides a missing bias."""
     gen = torch.Generator().manual_seed(seed + 1)
@@ -141,12 +141,20 @@ def _perturb(model, seed: int) -> None:
 def write_example_model(family: str, out_dir: Path, num_layers: int | None = None, num_shards: int = 1,
                         seed: int = 0) -> Path:
     """Write the release folder (config.json + safetensors, sharded when num_shards > 1) in bf16."""
-    out_dir = Path(out_dir)
+    _check_out_dir(Path(out_dir), num_shards)
+    return save_release(build_example(family, num_layers, seed), Path(out_dir), num_shards)
+
+
+def _check_out_dir(out_dir: Path, num_shards: int) -> None:
     if out_dir.exists() and any(out_dir.iterdir()):
         raise OnboardError(out_dir, None, "output folder exists and is not empty")
     if num_shards < 1:
         raise OnboardError(None, "--shards", f"expected at least 1 shard, got {num_shards}")
-    model = build_example(family, num_layers, seed).to(torch.bfloat16)
+
+
+def save_release(model, out_dir: Path, num_shards: int = 1) -> Path:
+    """save_pretrained in bf16, split into about num_shards safetensors shards."""
+    model = model.to(torch.bfloat16)
     total_bytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
     shard_bytes = max(1, math.ceil(total_bytes / num_shards)) if num_shards > 1 else "50GB"
     model.config.dtype = torch.bfloat16
