@@ -2,6 +2,7 @@
 write PKG/alignment/report.json (plus baseline.json on the first passing run; --check compares)."""
 from __future__ import annotations
 
+import traceback
 from pathlib import Path
 
 import torch
@@ -9,7 +10,7 @@ import torch
 from onboard.align_model import distinct_layers, tier1, tier2
 from onboard.align_ops import tier0
 from onboard.align_reference import read_package
-from onboard.align_report import AlignmentReport, tier_result
+from onboard.align_report import AlignmentReport, Check, tier_result
 from onboard.align_vision import vision_checks
 from onboard.errors import OnboardError
 
@@ -38,22 +39,38 @@ def run(pkg: Path, tiers: list[int], tamper=None, progress=print, max_layers: in
             progress(f"tier {tier}: skipped (tier {results[-1].tier} failed)")
             break
         progress(f"tier {tier}: running")
-        if tier == 0:
-            checks = tier0(spec)
-        elif tier == 1:
-            checks = tier1(spec, weight_map, source, num_layers)
-        elif tier == 2:
-            checks, divergence = tier2(spec, weight_map, source, num_layers, tamper=tamper)
-            if spec.get("vision"):
-                checks += vision_checks(spec, weight_map, source, pkg, num_layers)
-        else:
-            raise OnboardError(None, "--tiers", f"tier {tier} is not available here (0, 1, 2)")
+        try:
+            checks, found = _run_tier(tier, spec, weight_map, source, pkg, num_layers, tamper)
+            divergence = divergence or found
+        except Exception as err:  # a load or run failure is a failed check, never a traceback
+            checks = [failure_check(tier, err)]
         results.append(tier_result(tier, checks))
         progress(f"tier {tier}: {'pass' if results[-1].passed else 'FAIL'} ({results[-1].num_failed} of {len(checks)} checks failed)")
     report = AlignmentReport(package=str(pkg.resolve()), source=str(source), spec_hash=spec_hash(pkg), tiers=results,
                              first_divergence=divergence, passed=all(t.passed for t in results) and len(results) == len(tiers))
     _write(pkg, report)
     return report
+
+
+def _run_tier(tier: int, spec, weight_map, source, pkg, num_layers, tamper):
+    if tier == 0:
+        return tier0(spec), None
+    if tier == 1:
+        return tier1(spec, weight_map, source, num_layers), None
+    if tier == 2:
+        checks, divergence = tier2(spec, weight_map, source, num_layers, tamper=tamper)
+        if spec.get("vision"):
+            checks += vision_checks(spec, weight_map, source, pkg, num_layers)
+        return checks, divergence
+    raise OnboardError(None, "--tiers", f"tier {tier} is not available here (0, 1, 2)")
+
+
+def failure_check(tier: int, err: Exception) -> Check:
+    """What failed and where: the message (naming the tensor or module) and the innermost frame."""
+    frame = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
+    at = f" at {Path(frame.filename).name}:{frame.lineno} ({frame.name})" if frame else ""
+    return Check(tier=tier, name=f"tier{tier}/run", metric="-", value=float("inf"), tolerance=0.0, verdict="fail",
+                 detail=f"{type(err).__name__}: {str(err)[:300]}{at}")
 
 
 def spec_hash(pkg: Path) -> str:

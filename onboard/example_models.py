@@ -113,11 +113,9 @@ def example_config(family: str, num_layers: int | None = None):
 
 def model_class(family: str):
     """The transformers class a release of this family loads with."""
-    from transformers.models.auto import modeling_auto as auto
+    from onboard.meta_check import transformers_class
 
-    if family in auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
-        return getattr(__import__("transformers"), auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[family])
-    return getattr(__import__("transformers"), auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])
+    return transformers_class(family)
 
 
 def build_example(family: str, num_layers: int | None = None, seed: int = 0):

@@ -46,10 +46,9 @@ class FamilyResult(BaseModel):
 
 
 def model_classes() -> dict[str, str]:
-    """family -> the transformers class a release of it loads with (image-text-to-text first)."""
-    from transformers.models.auto import modeling_auto as auto
+    from onboard.meta_check import transformers_class_names
 
-    return {**auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, **auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}
+    return transformers_class_names()
 
 
 def _parts(config) -> list:

@@ -5,6 +5,8 @@ attention is linear and whether the FFN is a MoE.
 """
 from __future__ import annotations
 
+import functools
+import json
 from typing import Optional
 
 from pydantic import BaseModel
@@ -24,19 +26,47 @@ class MetaCheck(BaseModel):
         return self.params_agree and not self.layer_disagreements
 
 
-def _build_on_meta(manifest: Manifest):
-    import torch
-    from transformers import AutoConfig
+def transformers_class_names() -> dict[str, str]:
+    """family -> the transformers class a release of it loads with (image-text-to-text over causal LM)."""
     from transformers.models.auto import modeling_auto as auto
 
-    family = manifest.config.get("model_type")
-    names = {**auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, **auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}
-    if family not in names:
+    return {**auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, **auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}
+
+
+def transformers_class(family: str):
+    """The class, or None when transformers does not know the family."""
+    name = transformers_class_names().get(family)
+    return getattr(__import__("transformers"), name) if name else None
+
+
+def _build_on_meta(manifest: Manifest):
+    return _build_from_json(json.dumps(manifest.config, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=2)
+def _build_from_json(config_json: str):
+    import torch
+    from transformers import AutoConfig
+
+    config = json.loads(config_json)
+    cls = transformers_class(str(config.get("model_type")))
+    if cls is None:
         return None
-    config = AutoConfig.for_model(**{k: v for k, v in manifest.config.items() if k not in ("transformers_version",)})
-    cls = getattr(__import__("transformers"), names[family])
+    config = AutoConfig.for_model(**{k: v for k, v in config.items() if k not in ("transformers_version",)})
     with torch.device("meta"):
         return cls(config)
+
+
+def transformers_tensors(manifest: Manifest) -> Optional[dict[str, tuple[int, ...]]]:
+    """Released name -> shape that transformers' own model of this config saves (None: family unknown)."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    model = _build_on_meta(manifest)
+    if model is None:
+        return None
+    state = remove_tied_weights_from_state_dict(model.state_dict(), model)
+    return {name: tuple(t.shape) for name, t in revert_weight_conversion(model, state).items()}
 
 
 def _decoder_layers(model):
@@ -70,6 +100,8 @@ def meta_check(spec: ModelSpec, manifest: Manifest) -> Optional[MetaCheck]:
     params += sum(b.numel() for name, b in model.named_buffers() if name in saved)
     problems = []
     for layer_spec, layer in zip(spec.layers, _decoder_layers(model)):
+        if "own_module" in (layer_spec.attention.kind, layer_spec.ffn.kind):
+            continue  # judged by the module itself
         linear = layer_spec.attention.kind in ("gated_delta", "kda", "lightning")
         if linear != _is_linear_attention(layer):
             problems.append(f"layer {layer_spec.index}: spec linear={linear}, transformers {type(layer).__name__}")
