@@ -108,6 +108,7 @@ from runtime.kernels.moe import experts as kernel_experts
 from runtime.kernels.moe import gather
 from runtime.kernels.moe import grouped_gemm as gg
 from runtime.kernels.moe import grouped_wgrad as gw
+from runtime.config import MoEConfig, RouterConfig
 from runtime.kernels.moe.schedule import build_schedule
 from runtime.layers.ffn import MoE
 from runtime.ops import moe as fallback
@@ -169,12 +170,10 @@ def build_block():
     return block
 
 
-MOE_SPEC = dict(
-    num_experts=E, top_k=K_TOP, expert_intermediate_size=F_EXPERT, expert_bias=False, activation="silu",
-    swiglu_limit=None, swiglu_alpha=None, interleaved_gate_up=False, num_shared_experts=1,
+MOE_CONFIG = MoEConfig(
+    num_experts=E, top_k=K_TOP, expert_intermediate_size=F_EXPERT, num_shared_experts=1,
     shared_intermediate_size=F_SHARED, shared_expert_gate=True,
-    router=dict(scoring="softmax", norm_topk_prob=True, routed_scaling_factor=1.0, num_groups=1, topk_groups=1,
-                topk_before_softmax=False, bias=False, correction_bias=False))
+    router=RouterConfig(scoring="softmax", norm_topk_prob=True))
 _RUNTIME_LAYERS = {}
 
 
@@ -184,7 +183,7 @@ def runtime_layer(block) -> MoE:
     if id(block) not in _RUNTIME_LAYERS:
         # on the meta device: every parameter is replaced below, so none is allocated
         with torch.device("meta"):
-            moe = MoE(MOE_SPEC, D)
+            moe = MoE(MOE_CONFIG, D)
         se = block.shared_expert
         moe.router.weight = block.gate.weight
         moe.experts.w_gate_up, moe.experts.w_down = block.experts.gate_up_proj, block.experts.down_proj

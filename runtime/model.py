@@ -1,4 +1,4 @@
-"""The hybrid decoder, assembled from a ModelSpec (the plain dict of the package's spec.json).
+"""The hybrid decoder, assembled from a ModelConfig (runtime/config.py, parsed from the package's spec.json).
 
 Single-device and readable: embedding, per layer (pre-norm attention of any registered kind, pre-norm
 dense or MoE FFN, residuals), final norm, LM head. Parallelism is applied from outside.
@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.config import LayerConfig, ModelConfig, NormConfig
 from runtime.layers.ffn import GatedMLP, MoE
 from runtime.layers.linear_attention import GatedDeltaNet, KimiDeltaAttention, LightningAttention
 from runtime.layers.mla import MLAAttention
@@ -21,45 +22,44 @@ ATTENTION_CLASSES = {"softmax": SoftmaxAttention, "mla": MLAAttention, "gated_de
                      "kda": KimiDeltaAttention, "lightning": LightningAttention}
 
 
-def norm_offset(spec: dict) -> float:
-    return 1.0 if spec["norm"]["kind"] == "rms_1p" else 0.0
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, layer: dict, spec: dict):
+    def __init__(self, layer: LayerConfig, hidden_size: int, norm: NormConfig):
         super().__init__()
-        d, eps, offset = spec["hidden_size"], spec["norm"]["eps"], norm_offset(spec)
+        d, eps, offset = hidden_size, norm.eps, norm.offset
         self.input_layernorm = RMSNorm(d, eps, offset)
         self.post_attention_layernorm = RMSNorm(d, eps, offset)
-        attention = layer["attention"]
-        if attention["kind"] == "softmax":
+        attention = layer.attention
+        if attention.kind == "softmax":
             self.attn = SoftmaxAttention(attention, d, eps, offset)
         else:
-            self.attn = ATTENTION_CLASSES[attention["kind"]](attention, d, eps)
-        ffn = layer["ffn"]
-        self.ffn = MoE(ffn, d) if ffn["kind"] == "moe" else GatedMLP(d, ffn["intermediate_size"], ffn["activation"])
-        self.residual = layer["residual"]
+            self.attn = ATTENTION_CLASSES[attention.kind](attention, d, eps)
+        ffn = layer.ffn
+        self.ffn = MoE(ffn, d) if ffn.kind == "moe" else GatedMLP(d, ffn.intermediate_size, ffn.activation)
+        self.residual = layer.residual
 
     def forward(self, h_BTD: torch.Tensor, rotary: RotaryCache) -> torch.Tensor:
         r = self.residual
         normed_BTD = self.input_layernorm(h_BTD)
-        skip_BTD = normed_BTD if r["skip_from_normed"] else h_BTD
-        h_BTD = skip_BTD * r["attn_alpha"] + self.attn(normed_BTD, rotary) * r["attn_beta"]
+        skip_BTD = normed_BTD if r.skip_from_normed else h_BTD
+        h_BTD = skip_BTD * r.attn_alpha + self.attn(normed_BTD, rotary) * r.attn_beta
         normed_BTD = self.post_attention_layernorm(h_BTD)
-        skip_BTD = normed_BTD if r["skip_from_normed"] else h_BTD
-        return skip_BTD * r["ffn_alpha"] + self.ffn(normed_BTD) * r["ffn_beta"]
+        skip_BTD = normed_BTD if r.skip_from_normed else h_BTD
+        return skip_BTD * r.ffn_alpha + self.ffn(normed_BTD) * r.ffn_beta
 
 
 class HybridDecoder(nn.Module):
-    def __init__(self, spec: dict, num_layers: int | None = None):
-        """num_layers truncates the model (alignment of very large releases runs the first few)."""
+    def __init__(self, config: ModelConfig | dict, num_layers: int | None = None):
+        """config: a ModelConfig, or the spec.json dict (parsed here, once; SpecError if malformed).
+        num_layers truncates the model (alignment of very large releases runs the first few)."""
         super().__init__()
-        self.spec = spec
-        d, vocab = spec["hidden_size"], spec["vocab_size"]
+        if isinstance(config, dict):
+            config = ModelConfig.from_spec(config)
+        self.config = config
+        d, vocab, norm = config.hidden_size, config.vocab_size, config.norm
         self.embed_tokens = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList(DecoderLayer(layer, spec) for layer in spec["layers"][:num_layers])
-        self.norm = RMSNorm(d, spec["norm"]["eps"], norm_offset(spec))
-        self.lm_head = None if spec["tie_word_embeddings"] else nn.Linear(d, vocab, bias=False)
+        self.layers = nn.ModuleList(DecoderLayer(layer, d, norm) for layer in config.layers[:num_layers])
+        self.norm = RMSNorm(d, norm.eps, norm.offset)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(d, vocab, bias=False)
 
     def forward(self, input_ids_BT: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 inputs_embeds_BTD: torch.Tensor | None = None) -> torch.Tensor:

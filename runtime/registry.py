@@ -3,8 +3,12 @@
 Each family names its fp64 reference op, its torch fallback and (where one exists) its fused kernel
 as "module:function" strings, so reading the table imports nothing heavy. `supports` says whether
 the family computes a component with given parameters exactly, as a variant (same op, a parameter
-path exercised less), or not at all. Parameters are the plain dicts of the ModelSpec (the runtime
-does not import `onboard`).
+path exercised less), or not at all.
+
+Predicates and `ops_for_layer` take the plain dicts of the ModelSpec, not runtime/config.py's
+dataclasses: their callers are onboard's gap analysis and alignment tier 0, which judge a spec before
+any runtime model exists (from `ModelSpec.model_dump()`, which the runtime cannot import) and use the
+parameter dicts themselves as tier-0 case keys and op arguments. The runtime's layers never ask.
 """
 from __future__ import annotations
 

@@ -1,23 +1,25 @@
-"""Rotary tables for a layer's RopeSpec (plain dict from spec.json), built once per forward and shared."""
+"""Rotary tables for a layer's RopeConfig, built once per forward and shared by the layers with the same one."""
 from __future__ import annotations
 
 import torch
 
+from runtime.config import RopeConfig
 from runtime.ops.rope import mrope_cos_sin, rope_cos_sin, rope_inv_freq
 
 
-def rope_key(rope: dict) -> tuple:
-    return (rope["theta"], rope["rotary_dim"], repr(rope.get("scaling")), repr(rope.get("mrope_section")),
-            rope.get("mrope_interleaved", False))
+def rope_key(rope: RopeConfig) -> tuple:
+    """What the tables depend on (`interleaved` only changes how they are applied); the scaling dict
+    is not hashable, so it enters by its repr."""
+    return rope.theta, rope.rotary_dim, repr(rope.scaling), rope.mrope_section, rope.mrope_interleaved
 
 
-def cos_sin(rope: dict, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin(rope: RopeConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """positions: [B, T] or, for multimodal rope, [3, B, T]. Returns fp32 cos/sin [B, T, R]."""
-    inv_freq, attention_factor = rope_inv_freq(rope["rotary_dim"], rope["theta"], rope.get("scaling"))
+    inv_freq, attention_factor = rope_inv_freq(rope.rotary_dim, rope.theta, rope.scaling)
     inv_freq = inv_freq.to(positions.device)
-    if rope.get("mrope_section"):
+    if rope.mrope_section:
         positions_3BT = positions if positions.dim() == 3 else positions.unsqueeze(0).expand(3, -1, -1)
-        return mrope_cos_sin(positions_3BT, inv_freq, rope["mrope_section"], rope.get("mrope_interleaved", False),
+        return mrope_cos_sin(positions_3BT, inv_freq, list(rope.mrope_section), rope.mrope_interleaved,
                              attention_factor)
     positions_BT = positions[0] if positions.dim() == 3 else positions
     return rope_cos_sin(positions_BT, inv_freq, attention_factor)
@@ -30,7 +32,7 @@ class RotaryCache:
         self.positions = positions
         self.tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def get(self, rope: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, rope: RopeConfig) -> tuple[torch.Tensor, torch.Tensor]:
         key = rope_key(rope)
         if key not in self.tables:
             self.tables[key] = cos_sin(rope, self.positions)

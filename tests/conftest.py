@@ -1,6 +1,7 @@
 """Shared fixtures: tiny released-model folders of real families, written once per test session."""
 from __future__ import annotations
 
+import json
 import lzma
 import shutil
 from pathlib import Path
@@ -23,6 +24,22 @@ def example_release(tmp_path_factory):
         if family not in cache:
             out = tmp_path_factory.mktemp("releases") / family
             cache[family] = write_example_model(family, out, num_shards=2)
+        return cache[family]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def example_spec(example_release):
+    """family -> the dict a package's spec.json holds for that family's example release (recognized once)."""
+    from onboard.manifest import read_manifest
+    from onboard.recognize import recognize
+
+    cache: dict[str, dict] = {}
+
+    def make(family: str) -> dict:
+        if family not in cache:
+            cache[family] = json.loads(recognize(read_manifest(example_release(family))).model_dump_json())
         return cache[family]
 
     return make

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runtime.config import MoEConfig
 from runtime.dispatch import op
 from runtime.ops.moe import router_logits
 
@@ -31,13 +32,13 @@ class GatedMLP(nn.Module):
 
 
 class Router(nn.Module):
-    def __init__(self, spec: dict, hidden_size: int):
+    def __init__(self, config: MoEConfig, hidden_size: int):
         super().__init__()
-        self.spec, self.top_k = spec["router"], spec["top_k"]
-        num_experts = spec["num_experts"]
+        self.config, self.top_k = config.router, config.top_k
+        num_experts = config.num_experts
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
-        self.bias = nn.Parameter(torch.zeros(num_experts)) if self.spec["bias"] else None
-        if self.spec["correction_bias"]:
+        self.bias = nn.Parameter(torch.zeros(num_experts)) if self.config.bias else None
+        if self.config.correction_bias:
             self.register_buffer("correction_bias", torch.zeros(num_experts))
         else:
             self.correction_bias = None
@@ -50,35 +51,35 @@ class Router(nn.Module):
         logits_TE = router_logits(x_TD, self.weight, self.bias)
         if self.pinned_idx is not None:
             return self._weights_for(logits_TE, self.pinned_idx), self.pinned_idx
-        r = self.spec
+        r = self.config
         return op("moe_router", x_TD.device)(
-            logits_TE, self.top_k, scoring=r["scoring"], norm_topk_prob=r["norm_topk_prob"],
-            routed_scaling_factor=r["routed_scaling_factor"], correction_bias_E=self.correction_bias,
-            num_groups=r["num_groups"], topk_groups=r["topk_groups"], topk_before_softmax=r["topk_before_softmax"])
+            logits_TE, self.top_k, scoring=r.scoring, norm_topk_prob=r.norm_topk_prob,
+            routed_scaling_factor=r.routed_scaling_factor, correction_bias_E=self.correction_bias,
+            num_groups=r.num_groups, topk_groups=r.topk_groups, topk_before_softmax=r.topk_before_softmax)
 
 
     def _weights_for(self, logits_TE: torch.Tensor, idx_Tk: torch.Tensor) -> torch.Tensor:
         """The routing weights the router gives experts idx_Tk (same scoring and normalization rules)."""
-        r = self.spec
-        if r["topk_before_softmax"]:
-            return logits_TE.gather(1, idx_Tk).softmax(-1) * r["routed_scaling_factor"]
-        scores_TE = logits_TE.softmax(-1) if r["scoring"] == "softmax" else logits_TE.sigmoid()
+        r = self.config
+        if r.topk_before_softmax:
+            return logits_TE.gather(1, idx_Tk).softmax(-1) * r.routed_scaling_factor
+        scores_TE = logits_TE.softmax(-1) if r.scoring == "softmax" else logits_TE.sigmoid()
         weights_Tk = scores_TE.gather(1, idx_Tk)
-        if r["norm_topk_prob"]:
+        if r.norm_topk_prob:
             weights_Tk = weights_Tk / weights_Tk.sum(-1, keepdim=True)
-        return weights_Tk * r["routed_scaling_factor"]
+        return weights_Tk * r.routed_scaling_factor
 
 
 class Experts(nn.Module):
-    def __init__(self, spec: dict, hidden_size: int):
+    def __init__(self, config: MoEConfig, hidden_size: int):
         super().__init__()
-        E, width = spec["num_experts"], spec["expert_intermediate_size"]
+        E, width = config.num_experts, config.expert_intermediate_size
         self.w_gate_up = nn.Parameter(torch.zeros(E, 2 * width, hidden_size))
         self.w_down = nn.Parameter(torch.zeros(E, hidden_size, width))
-        self.b_gate_up = nn.Parameter(torch.zeros(E, 2 * width)) if spec["expert_bias"] else None
-        self.b_down = nn.Parameter(torch.zeros(E, hidden_size)) if spec["expert_bias"] else None
-        self.options = dict(activation=spec["activation"], clamp=spec["swiglu_limit"], glu_alpha=spec["swiglu_alpha"],
-                            interleaved_gate_up=spec["interleaved_gate_up"])
+        self.b_gate_up = nn.Parameter(torch.zeros(E, 2 * width)) if config.expert_bias else None
+        self.b_down = nn.Parameter(torch.zeros(E, hidden_size)) if config.expert_bias else None
+        self.options = dict(activation=config.activation, clamp=config.swiglu_limit, glu_alpha=config.swiglu_alpha,
+                            interleaved_gate_up=config.interleaved_gate_up)
 
     def forward(self, x_TD, weights_Tk, idx_Tk) -> torch.Tensor:
         experts = op("moe_experts", x_TD.device)
@@ -87,13 +88,13 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, spec: dict, hidden_size: int):
+    def __init__(self, config: MoEConfig, hidden_size: int):
         super().__init__()
-        self.router = Router(spec, hidden_size)
-        self.experts = Experts(spec, hidden_size)
-        self.shared = GatedMLP(hidden_size, spec["shared_intermediate_size"], spec["activation"]) \
-            if spec["num_shared_experts"] else None
-        self.shared_gate = nn.Linear(hidden_size, 1, bias=False) if spec["shared_expert_gate"] else None
+        self.router = Router(config, hidden_size)
+        self.experts = Experts(config, hidden_size)
+        self.shared = GatedMLP(hidden_size, config.shared_intermediate_size, config.activation) \
+            if config.num_shared_experts else None
+        self.shared_gate = nn.Linear(hidden_size, 1, bias=False) if config.shared_expert_gate else None
         self.last_routing: torch.Tensor | None = None  # idx_Tk of the last forward, for routing-flip counts
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:

@@ -10,16 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.config import GatedDeltaConfig, KDAConfig, LightningConfig
 from runtime.dispatch import op
 from runtime.layers.norm import GatedRMSNorm, RMSNorm, Weight
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, spec: dict, hidden_size: int, norm_eps: float):
+    def __init__(self, config: GatedDeltaConfig, hidden_size: int, norm_eps: float):
         super().__init__()
-        self.J, self.H = spec["num_k_heads"], spec["num_v_heads"]
-        self.K, self.V = spec["head_k_dim"], spec["head_v_dim"]
-        self.layout = spec["fused_projections"]
+        self.J, self.H = config.num_k_heads, config.num_v_heads
+        self.K, self.V = config.head_k_dim, config.head_v_dim
+        self.layout = config.fused_projections
         key, value = self.J * self.K, self.H * self.V
         if self.layout == "qkvz_ba":
             self.in_proj_qkvz = nn.Linear(hidden_size, 2 * key + 2 * value, bias=False)
@@ -29,7 +30,7 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_z = nn.Linear(hidden_size, value, bias=False)
             self.in_proj_b = nn.Linear(hidden_size, self.H, bias=False)
             self.in_proj_a = nn.Linear(hidden_size, self.H, bias=False)
-        self.conv1d = Weight(2 * key + value, 1, spec["conv_kernel_size"])
+        self.conv1d = Weight(2 * key + value, 1, config.conv_kernel_size)
         self.A_log = nn.Parameter(torch.zeros(self.H))
         self.dt_bias = nn.Parameter(torch.ones(self.H))
         self.norm = GatedRMSNorm(self.V, norm_eps)
@@ -66,11 +67,11 @@ class GatedDeltaNet(nn.Module):
 class KimiDeltaAttention(nn.Module):
     """KDA: per-channel decay from a low-rank forget gate; output gate through a low-rank projection."""
 
-    def __init__(self, spec: dict, hidden_size: int, norm_eps: float):
+    def __init__(self, config: KDAConfig, hidden_size: int, norm_eps: float):
         super().__init__()
-        self.H, self.K = spec["num_heads"], spec["head_dim"]
-        width, conv = self.H * self.K, spec["conv_kernel_size"]
-        self.separate_convs = spec["separate_convs"]
+        self.H, self.K = config.num_heads, config.head_dim
+        width, conv = self.H * self.K, config.conv_kernel_size
+        self.separate_convs = config.separate_convs
         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(hidden_size, width, bias=False) for _ in range(3))
         if self.separate_convs:
             self.q_conv1d, self.k_conv1d, self.v_conv1d = (Weight(width, 1, conv) for _ in range(3))
@@ -83,7 +84,7 @@ class KimiDeltaAttention(nn.Module):
         self.b_proj = nn.Linear(hidden_size, self.H, bias=False)
         self.g_a_proj = nn.Linear(hidden_size, self.K, bias=False)
         self.g_b_proj = nn.Linear(self.K, width, bias=False)
-        self.o_norm = GatedRMSNorm(self.K, norm_eps, spec["output_gate_activation"])
+        self.o_norm = GatedRMSNorm(self.K, norm_eps, config.output_gate_activation)
         self.o_proj = nn.Linear(width, hidden_size, bias=False)
 
     def _conv_weight(self) -> torch.Tensor:
@@ -109,9 +110,9 @@ class LightningAttention(nn.Module):
     slope is a release buffer (`slope_rate`, it depends on the layer's depth); the decay tables the
     release also stores are derived from it and kept only so the weight map is complete."""
 
-    def __init__(self, spec: dict, hidden_size: int, norm_eps: float):
+    def __init__(self, config: LightningConfig, hidden_size: int, norm_eps: float):
         super().__init__()
-        self.H, self.K, block = spec["num_heads"], spec["head_dim"], spec["block_size"]
+        self.H, self.K, block = config.num_heads, config.head_dim, config.block_size
         width = self.H * self.K
         self.qkv_proj = nn.Linear(hidden_size, 3 * width, bias=False)
         self.output_gate = nn.Linear(hidden_size, width, bias=False)

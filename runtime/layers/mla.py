@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runtime.config import DSAIndexerConfig, MLAConfig
 from runtime.dispatch import op
 from runtime.layers.norm import RMSNorm
 from runtime.ops.mla import mla_softmax_scale
@@ -17,9 +18,9 @@ from runtime.ops.rope import apply_rope
 
 
 class DSAIndexer(nn.Module):
-    def __init__(self, spec: dict, hidden_size: int, q_in: int):
+    def __init__(self, config: DSAIndexerConfig, hidden_size: int, q_in: int):
         super().__init__()
-        self.I, self.J, self.topk = spec["num_heads"], spec["head_dim"], spec["topk"]
+        self.I, self.J, self.topk = config.num_heads, config.head_dim, config.topk
         self.wq_b = nn.Linear(q_in, self.I * self.J, bias=False)
         self.wk = nn.Linear(hidden_size, self.J, bias=False)
         self.k_norm = nn.LayerNorm(self.J, eps=1e-6)
@@ -45,10 +46,10 @@ class DSAIndexer(nn.Module):
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, spec: dict, hidden_size: int, norm_eps: float):
+    def __init__(self, config: MLAConfig, hidden_size: int, norm_eps: float):
         super().__init__()
-        self.H, self.N, self.R, self.V = spec["num_heads"], spec["qk_nope_head_dim"], spec["qk_rope_head_dim"], spec["v_head_dim"]
-        self.L, self.q_lora_rank, self.rope, self.eps = spec["kv_lora_rank"], spec["q_lora_rank"], spec["rope"], norm_eps
+        self.H, self.N, self.R, self.V = config.num_heads, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.L, self.q_lora_rank, self.rope, self.eps = config.kv_lora_rank, config.q_lora_rank, config.rope, norm_eps
         qk = self.N + self.R
         if self.q_lora_rank:
             self.q_a_proj = nn.Linear(hidden_size, self.q_lora_rank, bias=False)
@@ -60,8 +61,8 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.L, norm_eps)
         self.kv_b_proj = nn.Linear(self.L, self.H * (self.N + self.V), bias=False)
         self.o_proj = nn.Linear(self.H * self.V, hidden_size, bias=False)
-        self.scale = spec.get("scale") or mla_softmax_scale(qk, (self.rope or {}).get("scaling"))
-        self.indexer = DSAIndexer(spec["indexer"], hidden_size, self.q_lora_rank or hidden_size) if spec["indexer"] else None
+        self.scale = config.scale or mla_softmax_scale(qk, self.rope.scaling if self.rope else None)
+        self.indexer = DSAIndexer(config.indexer, hidden_size, self.q_lora_rank or hidden_size) if config.indexer else None
 
     def _cos_sin(self, x_BTD, rotary):
         if self.rope is None:  # NoPE MLA (Kimi): the rotation is the identity
@@ -79,7 +80,7 @@ class MLAAttention(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor, rotary) -> torch.Tensor:
         cos, sin = self._cos_sin(x_BTD, rotary)
-        interleaved = bool(self.rope and self.rope.get("interleaved"))
+        interleaved = bool(self.rope and self.rope.interleaved)
         if self.indexer is None:
             return op("mla_attention", x_BTD.device)(
                 x_BTD, self._weights(), num_heads=self.H, q_lora_rank=self.q_lora_rank, kv_lora_rank=self.L,

@@ -8,28 +8,29 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runtime.config import SoftmaxAttentionConfig
 from runtime.dispatch import op
 from runtime.layers.norm import RMSNorm
 from runtime.ops.rope import apply_rope
 
 
 class SoftmaxAttention(nn.Module):
-    def __init__(self, spec: dict, hidden_size: int, norm_eps: float, norm_offset: float):
+    def __init__(self, config: SoftmaxAttentionConfig, hidden_size: int, norm_eps: float, norm_offset: float):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = spec["num_heads"], spec["num_kv_heads"], spec["head_dim"]
-        self.rope, self.window, self.output_gate = spec["rope"], spec["sliding_window"], spec["output_gate"]
-        self.qk_norm = spec["qk_norm"]
-        self.scale = spec.get("scale") or self.head_dim**-0.5
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.rope, self.window, self.output_gate = config.rope, config.sliding_window, config.output_gate
+        self.qk_norm = config.qk_norm
+        self.scale = config.scale or self.head_dim**-0.5
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden_size, q_width * (2 if self.output_gate else 1), bias=spec["qkv_bias"])
-        self.k_proj = nn.Linear(hidden_size, kv_width, bias=spec["qkv_bias"])
-        self.v_proj = nn.Linear(hidden_size, kv_width, bias=spec["qkv_bias"])
-        self.o_proj = nn.Linear(q_width, hidden_size, bias=spec["o_bias"])
+        self.q_proj = nn.Linear(hidden_size, q_width * (2 if self.output_gate else 1), bias=config.qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, kv_width, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, kv_width, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_width, hidden_size, bias=config.o_bias)
         if self.qk_norm != "none":
             full = self.qk_norm == "full"
             self.q_norm = RMSNorm(q_width if full else self.head_dim, norm_eps, norm_offset)
             self.k_norm = RMSNorm(kv_width if full else self.head_dim, norm_eps, norm_offset)
-        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if spec["sinks"] else None
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.sinks else None
 
     def forward(self, x_BTD: torch.Tensor, rotary) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -43,8 +44,8 @@ class SoftmaxAttention(nn.Module):
             q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
         if self.rope is not None:
             cos, sin = rotary.get(self.rope)
-            q_BTHK = apply_rope(q_BTHK, cos, sin, self.rope.get("interleaved", False))
-            k_BTGK = apply_rope(k_BTGK, cos, sin, self.rope.get("interleaved", False))
+            q_BTHK = apply_rope(q_BTHK, cos, sin, self.rope.interleaved)
+            k_BTGK = apply_rope(k_BTGK, cos, sin, self.rope.interleaved)
         attention = op("softmax_attention", x_BTD.device)
         o_BTHK = attention(q_BTHK, k_BTGK, v_BTGK, self.scale, causal=True, window=self.window, sinks_H=self.sinks)
         o_BTX = o_BTHK.reshape(B, T, -1)

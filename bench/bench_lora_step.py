@@ -1,0 +1,234 @@
+"""LoRA training step on the Qwen3-Next-width 4-layer slice of ../shared/TARGETS.md: ours vs transformers + PEFT.
+
+One release is written by transformers (random init, bf16, save_pretrained) and onboarded with `onboard new-model`;
+every contender then trains from those same weights, each in its own process (clean peak memory; fla importable or
+not): transformers + PEFT with fla's kernels (the peer to beat), the same on transformers' torch path, and our runtime
+through the package. Each step: forward, loss, backward, AdamW on the LoRA parameters; 3 warm-up steps, mean of 10.
+Parts: `attention` LoRA (r16 alpha32 on the attention and linear-attention projections), `experts` (also the routed
+experts: PEFT `target_parameters`), `longest` (the longest power-of-two sequence one step trains under each memory
+policy), `profile` (our step's GPU time per op kind). MFU: runtime/flops.py's count over 790 TFLOP/s.
+
+    python bench/bench_lora_step.py --out $OUT [--parts attention,experts,longest,profile]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkvz", "in_proj_ba", "out_proj"]
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+RANK, ALPHA = 16, 32
+PEAK_TFLOPS = 790.0
+WARMUP, REPS = 3, 10
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def slice_config():
+    from transformers import Qwen3NextConfig
+    return Qwen3NextConfig(num_hidden_layers=4, layer_types=3 * ["linear_attention"] + ["full_attention"])
+
+
+def prepare(work: Path) -> None:
+    """The release (transformers' init, bf16 shards) and its package."""
+    import torch
+    from transformers import Qwen3NextForCausalLM
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3NextForCausalLM(slice_config()).to(torch.bfloat16)
+    model.save_pretrained(work / "release", max_shard_size="4GB")
+    del model
+    subprocess.run([sys.executable, "-m", "onboard.cli", "new-model", str(work / "release"), "--out",
+                    str(work / "pkg")], check=True)
+
+
+def token_batch(seq_len: int, vocab: int):
+    import torch
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(0, vocab, (1, seq_len), generator=generator).cuda()
+
+
+def timed_steps(step) -> tuple[float, float, float]:
+    """(mean s/step over REPS after WARMUP, first loss, peak GiB)."""
+    import torch
+    first = float(step())
+    for _ in range(WARMUP - 1):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(REPS):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / REPS, first, torch.cuda.max_memory_allocated() / 2**30
+
+
+def peft_part(work: Path, experts: bool, fla: bool, seq_len: int) -> dict:
+    import torch
+    if fla:
+        import fla.ops.common.chunk_o as chunk_o
+        # fla refuses its gated backward on Hopper with triton < 3.7.1 (fla issue 640); bypassed to time the
+        # baseline only, as TARGETS.md says
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+    else:
+        sys.modules["fla"] = None  # transformers then takes its torch path
+    import peft
+    from transformers import Qwen3NextForCausalLM
+    model = Qwen3NextForCausalLM.from_pretrained(work / "release", dtype=torch.bfloat16, device_map="cuda",
+                                                 attn_implementation="sdpa")
+    extra = dict(target_parameters=EXPERT_PARAMETERS) if experts else {}
+    model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=ATTENTION_TARGETS,
+                                                       **extra))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    ids = token_batch(seq_len, model.config.vocab_size)
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    seconds, first, peak = timed_steps(step)
+    return dict(seconds=seconds, first_loss=first, peak_gib=peak, trainable=sum(p.numel() for p in params))
+
+
+def ours_part(work: Path, experts: bool, seq_len: int, policy: str | None = None) -> dict:
+    import torch
+    from runtime.train import TrainSetup, build_training_model
+    from runtime.flops import step_flops
+    setup = TrainSetup(package=work / "pkg", model_dir=work / "release", device="cuda", lora_rank=RANK,
+                       lora_alpha=ALPHA, lora_experts=experts, memory_policy=policy)
+    model, lora = build_training_model(setup)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    ids = token_batch(seq_len, model.config.vocab_size)
+
+    def step():
+        loss = model.loss(ids)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    seconds, first, peak = timed_steps(step)
+    flops = step_flops(model.config, seq_len, lora)
+    return dict(seconds=seconds, first_loss=first, peak_gib=peak, trainable=sum(p.numel() for p in params),
+                flops=flops, mfu=flops / seconds / (PEAK_TFLOPS * 1e12))
+
+
+def in_subprocess(args: list[str], timeout: int = 400) -> dict:
+    """Run one part in a fresh process; its JSON result, or the error it ended with."""
+    result = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout)
+    sys.stderr.write(result.stderr[-3000:])
+    if result.returncode != 0:
+        return dict(error=(result.stderr.strip().splitlines() or ["exit %d" % result.returncode])[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def compare(work: Path, experts: bool, seq_len: int = 4096) -> dict:
+    flag = ["--experts"] if experts else []
+    common = ["--work", str(work), "--seq-len", str(seq_len), *flag]
+    peers = {name: in_subprocess(["--part", name, *common]) for name in ("peft_fla", "peft_torch", "ours")}
+    ours, fla, torch_path = peers["ours"], peers["peft_fla"], peers["peft_torch"]
+    tokens = lambda r: seq_len / r["seconds"] if "seconds" in r else None  # noqa: E731
+    result = dict(peers=peers, tokens_per_s=tokens(ours), baseline_tokens_per_s=tokens(fla),
+                  torch_path_tokens_per_s=tokens(torch_path))
+    if "seconds" in ours and "seconds" in fla:
+        result.update(baseline_ms=fla["seconds"] * 1e3, ours_ms=ours["seconds"] * 1e3,
+                      speedup=fla["seconds"] / ours["seconds"], peak_mem_gib=ours["peak_gib"],
+                      baseline_peak_mem_gib=fla["peak_gib"], mfu=ours["mfu"],
+                      max_rel_err=abs(ours["first_loss"] - fla["first_loss"]) / abs(fla["first_loss"]))
+    return result
+
+
+def longest(work: Path, policies: list[str]) -> dict:
+    """Per policy, the longest power-of-two sequence (4096 up to 262144) one step trains."""
+    found = {}
+    for policy in policies:
+        found[policy] = {"longest_seq": None, "tried": {}}
+        seq_len = 4096
+        while seq_len <= 262144:
+            r = in_subprocess(["--part", "ours", "--work", str(work), "--seq-len", str(seq_len), "--policy", policy,
+                               "--one-step"])
+            found[policy]["tried"][seq_len] = r
+            if "error" in r:
+                break
+            found[policy]["longest_seq"] = seq_len
+            seq_len *= 2
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--parts", default="attention,experts,longest,profile")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/lora-slice"))
+    parser.add_argument("--part")
+    parser.add_argument("--experts", action="store_true")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--policy")
+    parser.add_argument("--one-step", action="store_true")
+    args = parser.parse_args()
+    if args.part:
+        print(json.dumps(run_part(args)))
+        return
+    run_all(args)
+
+
+def run_part(args) -> dict:
+    global WARMUP, REPS
+    if args.one_step:
+        WARMUP, REPS = 1, 1
+    if args.part == "ours":
+        return ours_part(args.work, args.experts, args.seq_len, args.policy)
+    if args.part == "profile":
+        from bench.step_profile import profile_ours
+        return profile_ours(args.work, args.seq_len)
+    return peft_part(args.work, args.experts, args.part == "peft_fla", args.seq_len)
+
+
+def run_all(args) -> None:
+    import torch
+    parts = args.parts.split(",")
+    if not (args.work / "pkg").exists():
+        log("writing the slice release and its package")
+        prepare(args.work)
+    base = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
+                shape="Qwen3-Next widths, 4 layers (3 GDN + 1 full attention), 512 experts top-10, seq 4096, batch 1",
+                baseline="transformers + PEFT with fla 0.6.0's kernels (sdpa)",
+                command="python bench/bench_lora_step.py --out $OUT --parts " + args.parts)
+    outputs = {}
+    if "attention" in parts:
+        outputs["lora-step"] = dict(base, name="lora-step", **compare(args.work, experts=False))
+    if "experts" in parts:
+        outputs["lora-step-experts"] = dict(base, name="lora-step-experts", **compare(args.work, experts=True))
+    if "longest" in parts:
+        found = longest(args.work, ["none", "recompute", "recompute_offload"])
+        best = max((f["longest_seq"] or 0, p) for p, f in found.items())
+        outputs["longest-seq"] = dict(base, name="longest-seq", longest_seq=best[0], policy=best[1], policies=found)
+    if "profile" in parts:
+        outputs["lora-step-profile"] = dict(base, name="lora-step-profile",
+                                            **in_subprocess(["--part", "profile", "--work", str(args.work)]))
+    for name, result in outputs.items():
+        log(json.dumps({k: v for k, v in result.items() if k not in ("peers", "policies", "ops")}))
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

@@ -1,0 +1,99 @@
+"""runtime/config.py: every family's spec.json parses into a ModelConfig that mirrors it; a malformed
+spec raises one SpecError naming the key path."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+
+import pytest
+import torch
+
+from onboard.example_models import FAMILIES
+from runtime.config import MLAConfig, ModelConfig, SpecError
+from runtime.model import HybridDecoder
+
+
+def assert_mirrors(config, spec, path: str = "") -> None:
+    """Every field of the (nested) config equals the spec's value under the same key."""
+    if dataclasses.is_dataclass(config):
+        for field in dataclasses.fields(config):
+            assert_mirrors(getattr(config, field.name), spec[field.name], f"{path}.{field.name}")
+    elif isinstance(config, tuple):
+        assert len(config) == len(spec), path
+        for i, (ours, theirs) in enumerate(zip(config, spec)):
+            assert_mirrors(ours, theirs, f"{path}[{i}]")
+    else:
+        assert config == spec and type(config) is type(spec), path
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_parses(family, example_spec):
+    spec = example_spec(family)
+    config = ModelConfig.from_spec(spec)
+    assert_mirrors(config, spec)
+    assert [layer.attention.kind for layer in config.layers] == [layer["attention"]["kind"] for layer in spec["layers"]]
+    assert [layer.ffn.kind for layer in config.layers] == [layer["ffn"]["kind"] for layer in spec["layers"]]
+
+
+def test_dict_entry_point_parses_the_same(example_spec):
+    spec = example_spec("deepseek_v32")
+    with torch.device("meta"):
+        from_dict, from_config = HybridDecoder(spec), HybridDecoder(ModelConfig.from_spec(spec))
+    assert from_dict.config == from_config.config
+    assert isinstance(from_dict.config.layers[0].attention, MLAConfig)
+    assert from_dict.config.layers[0].attention.indexer is not None
+    shapes = lambda model: {n: t.shape for n, t in model.state_dict().items()}
+    assert shapes(from_dict) == shapes(from_config)
+
+
+def _set(spec: dict, path: tuple, value) -> dict:
+    spec = copy.deepcopy(spec)
+    *parents, last = path
+    target = spec
+    for key in parents:
+        target = target[key]
+    if value is _DELETE:
+        del target[last]
+    else:
+        target[last] = value
+    return spec
+
+
+_DELETE = object()
+# qwen3_next: layers 0-2 gated delta + MoE, layer 3 softmax + MoE
+MALFORMED = {
+    "missing-heads": (("layers", 3, "attention", "num_heads"), _DELETE, "layers[3].attention.num_heads: missing"),
+    "missing-router": (("layers", 1, "ffn", "router"), _DELETE, "layers[1].ffn.router: missing"),
+    "missing-layers": (("layers",), _DELETE, "layers: missing"),
+    "string-for-int": (("layers", 0, "ffn", "num_experts"), "8", "layers[0].ffn.num_experts: expected an integer, got string '8'"),
+    "bool-for-int": (("hidden_size",), True, "hidden_size: expected an integer, got boolean True"),
+    "null-for-int": (("vocab_size",), None, "vocab_size: expected an integer, got null"),
+    "null-for-attention": (("layers", 0, "attention"), None, "layers[0].attention: expected an object, got null"),
+    "int-for-bool": (("tie_word_embeddings",), 1, "tie_word_embeddings: expected true or false, got integer 1"),
+    "string-for-float": (("norm", "eps"), "1e-6", "norm.eps: expected a number, got string '1e-6'"),
+    "unknown-choice": (("layers", 2, "attention", "fused_projections"), "qkv", "layers[2].attention.fused_projections: expected one of"),
+    "unknown-kind": (("layers", 0, "attention", "kind"), "mamba", "layers[0].attention.kind: expected one of ['softmax', 'mla'"),
+    "list-for-object": (("layers", 3, "attention", "rope"), [], "layers[3].attention.rope: expected an object, got list []"),
+    "object-for-list": (("layers",), {}, "layers: expected a list, got object {}"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_spec_names_the_key(case, example_spec):
+    path, value, message = MALFORMED[case]
+    spec = _set(example_spec("qwen3_next"), path, value)
+    with pytest.raises(SpecError, match="^" + re.escape(f"pkg/spec.json: {message}")):
+        ModelConfig.from_spec(spec, source="pkg/spec.json")
+
+
+def test_spec_that_is_not_an_object():
+    with pytest.raises(SpecError, match=re.escape("spec.json: expected an object, got list []")):
+        ModelConfig.from_spec([])
+
+
+def test_model_from_a_malformed_dict_raises_spec_error(example_spec):
+    spec = _set(example_spec("qwen3_next"), ("layers", 3, "attention", "num_heads"), _DELETE)
+    with pytest.raises(SpecError, match=re.escape("spec.json: layers[3].attention.num_heads: missing")):
+        HybridDecoder(spec)
+    assert issubclass(SpecError, ValueError)
