@@ -15,15 +15,18 @@ import torch
 from onboard.align_reference import (Recorder, attention_module, decoder_layers, ffn_module, first_tensor, load_reference,
                                      load_runtime)
 from onboard.align_report import Check, Divergence
+from runtime.own_modules import OwnModule, own_slots
 from runtime.registry import ops_for_layer
 from runtime.rotary import RotaryCache
 from runtime.tolerances import Tolerance, compare, tolerance_for
 
-LORA_TARGETS = re.compile(r"^(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|in_proj_\w+|"
+LORA_TARGETS = re.compile(r"(?:^|\.)(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|in_proj_\w+|"
                           r"out_proj|qkv_proj|gate_proj|up_proj|down_proj)\.weight$")
 # The issue's model-level bars: fp32 max-abs within 1e-4 of the logits' max; bf16 rel RMS within 2e-2.
 LOGITS_TOLERANCE = {torch.float32: Tolerance(rel_rms=1e-4, max_abs_rel=1e-4),
                     torch.bfloat16: Tolerance(rel_rms=2e-2, max_abs_rel=1.0)}
+# Packages with own modules: their bf16 logits may be this much further from fp32 than transformers' own bf16 run.
+OWN_MODULE_BF16_MARGIN = 1.1
 
 
 def _tokens(spec: dict, batch: int, T: int, seed: int) -> torch.Tensor:
@@ -31,6 +34,8 @@ def _tokens(spec: dict, batch: int, T: int, seed: int) -> torch.Tensor:
 
 
 def layer_label(layer: dict) -> str:
+    if layer.get("own_layer"):
+        return "own_layer"
     a = layer["attention"]
     kind = "mla_dsa" if a["kind"] == "mla" and a.get("indexer") else a["kind"]
     return f"{kind}+{layer['ffn']['kind']}"
@@ -57,14 +62,22 @@ def _backward_both(hf_out, our_out, seed: int) -> None:
     (our_out.double() * cotangent).sum().backward()
 
 
+def _own_or_ours(part):
+    """An own module's LoRA targets are transformers' module's own parameters, named as there."""
+    return part.module if isinstance(part, OwnModule) else part
+
+
 def _lora_grad_checks(hf_layer, our_layer, index: int, name: str) -> list[Check]:
     checks = []
-    pairs = ((attention_module(hf_layer), our_layer.attn), (ffn_module(hf_layer), our_layer.ffn))
+    if our_layer.own is not None:
+        pairs = ((hf_layer, our_layer.own.module),)
+    else:
+        pairs = ((attention_module(hf_layer), _own_or_ours(our_layer.attn)), (ffn_module(hf_layer), _own_or_ours(our_layer.ffn)))
     for hf_part, our_part in pairs:
         hf_params = dict(hf_part.named_parameters())
         for pname, ours in our_part.named_parameters():
             theirs = hf_params.get(pname)
-            if not LORA_TARGETS.match(pname) or theirs is None or theirs.shape != ours.shape or theirs.grad is None:
+            if not LORA_TARGETS.search(pname) or theirs is None or theirs.shape != ours.shape or theirs.grad is None:
                 continue
             c = compare(ours.grad, theirs.grad, tolerance_for("layer", torch.float32, "grad"))
             checks.append(Check.from_comparison(1, f"{name}/grad:{pname}", c, layer=index, op="lora_target"))
@@ -98,7 +111,7 @@ def _routing_flips(ours, recorder: Recorder, num_layers: int) -> list[Check]:
     """Tokens whose expert set differs when our router sees transformers' hidden states instead of ours."""
     checks = []
     for i, layer in enumerate(ours.layers[:num_layers]):
-        if not hasattr(layer.ffn, "router"):
+        if not hasattr(getattr(layer, "ffn", None), "router"):
             continue
         x = recorder.input("ffn", i)
         with torch.no_grad():
@@ -171,9 +184,13 @@ def _bf16_checks(spec, weight_map, source, num_layers, ids, truth, choices, tamp
         _pin(ours, None)
         theirs_bf16 = load_reference(source, spec["family"], torch.bfloat16, num_layers)
         theirs_bf16 = theirs_bf16(input_ids=ids, use_cache=False).logits.float()
-    tol = LOGITS_TOLERANCE[torch.bfloat16]
+    tol, note = LOGITS_TOLERANCE[torch.bfloat16], "expert/key choices pinned to fp32's"
     free_c, own_c = compare(free, truth, tol), compare(theirs_bf16, truth, tol)
-    return [_logits_check("logits/bfloat16", compare(pinned, truth, tol), torch.bfloat16, "expert/key choices pinned to fp32's"),
+    if own_slots(ours):
+        # own modules are transformers' code with choices we cannot pin: the bar is transformers' own bf16 error
+        tol = Tolerance(rel_rms=max(tol.rel_rms, OWN_MODULE_BF16_MARGIN * own_c.rel_rms), max_abs_rel=tol.max_abs_rel)
+        note += f"; own modules unpinned, bar max(2e-2, {OWN_MODULE_BF16_MARGIN} x transformers' bf16 error)"
+    return [_logits_check("logits/bfloat16", compare(pinned, truth, tol), torch.bfloat16, note),
             _loss_check("bfloat16", pinned, truth, ids, torch.bfloat16),
             Check(tier=2, name="logits/bfloat16-free", metric="rel_rms", value=free_c.rel_rms, tolerance=tol.rel_rms,
                   verdict="info", detail=f"choices free: {flips} token choice flips vs fp32 across layers"),
@@ -209,6 +226,8 @@ def first_divergence(spec, ours, recorder: Recorder, num_layers: int, T: int) ->
         for i, layer in enumerate(ours.layers[:num_layers]):
             if compare(layer(recorder.input("layer", i), rotary), recorder.output("layer", i), tol).passed:
                 continue
+            if layer.own is not None:
+                return Divergence(layer=i, component="layer", kind="own_layer", ops=[], value=float("inf"), tolerance=tol.rel_rms)
             attn = compare(layer.attn(recorder.input("attention", i), rotary), recorder.output("attention", i), tol)
             ffn = compare(layer.ffn(recorder.input("ffn", i)), recorder.output("ffn", i), tol)
             part, c = ("attention", attn) if not attn.passed or ffn.passed else ("ffn", ffn)

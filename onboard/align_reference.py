@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from onboard.example_models import model_class
+from runtime.own_modules import truncated_config
 
 
 def load_reference(source: Path, family: str, dtype: torch.dtype, num_layers: int | None = None) -> nn.Module:
@@ -19,23 +20,10 @@ def load_reference(source: Path, family: str, dtype: torch.dtype, num_layers: in
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    config = _truncated(AutoConfig.from_pretrained(source), num_layers)
+    config = truncated_config(AutoConfig.from_pretrained(source), num_layers)
     model = model_class(family).from_pretrained(source, config=config, dtype=dtype).eval()
     _refresh_derived_buffers(model)
     return model
-
-
-def _truncated(config, num_layers: int | None):
-    """The config with its text model cut to num_layers, per-layer lists cut alike."""
-    text = config.get_text_config()
-    total = text.num_hidden_layers
-    if num_layers is None or num_layers >= total:
-        return config
-    for key, value in list(vars(text).items()):
-        if isinstance(value, list) and len(value) == total:
-            setattr(text, key, value[:num_layers])
-    text.num_hidden_layers = num_layers
-    return config
 
 
 def _refresh_derived_buffers(model: nn.Module) -> None:

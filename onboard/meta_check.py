@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from onboard.manifest import Manifest
 from onboard.spec import ModelSpec
+from runtime.own_modules import transformers_class, transformers_class_names  # noqa: F401 (re-exported for gap)
 
 
 class MetaCheck(BaseModel):
@@ -24,19 +25,6 @@ class MetaCheck(BaseModel):
     @property
     def agrees(self) -> bool:
         return self.params_agree and not self.layer_disagreements
-
-
-def transformers_class_names() -> dict[str, str]:
-    """family -> the transformers class a release of it loads with (image-text-to-text over causal LM)."""
-    from transformers.models.auto import modeling_auto as auto
-
-    return {**auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, **auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}
-
-
-def transformers_class(family: str):
-    """The class, or None when transformers does not know the family."""
-    name = transformers_class_names().get(family)
-    return getattr(__import__("transformers"), name) if name else None
 
 
 def _build_on_meta(manifest: Manifest):

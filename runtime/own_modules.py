@@ -117,7 +117,7 @@ def _decoder(model: nn.Module) -> nn.Module:
     return next(m for m in model.modules() if hasattr(m, "layers") and hasattr(m, "embed_tokens"))
 
 
-def load_own_modules(model: nn.Module, model_dir: Path, family: str) -> None:
+def load_own_modules(model: nn.Module, model_dir: Path) -> None:
     """Fill every OwnModule slot of `model` with transformers' module, the release's weights in it."""
     slots = own_slots(model)
     if not slots:
@@ -126,8 +126,11 @@ def load_own_modules(model: nn.Module, model_dir: Path, family: str) -> None:
 
     dtype = next(p.dtype for p in model.parameters())
     config = truncated_config(AutoConfig.from_pretrained(model_dir), max(s.index for s in slots) + 1)
-    config.get_text_config()._attn_implementation = "sdpa"
-    reference = transformers_class(family).from_pretrained(model_dir, config=config, dtype=dtype)
+    cls = transformers_class(config.model_type)
+    if cls is None:
+        raise RuntimeError(f"{model_dir}: transformers has no model for {config.model_type!r}, whose own modules "
+                           f"layers {sorted({s.index for s in slots})} need")
+    reference = cls.from_pretrained(model_dir, config=config, dtype=dtype)
     decoder = _decoder(reference)
     context = _Context(decoder)
     for slot in slots:

@@ -12,6 +12,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from runtime.own_modules import load_own_modules
+
 
 def shard_order(model_dir: Path) -> dict[str, list[str]]:
     """shard file -> released tensor names in it."""
@@ -57,10 +59,12 @@ def load_release(model: nn.Module, model_dir: Path, weight_map: dict[str, dict],
                     if entry is None:
                         raise KeyError(f"{file}: tensor {name} has no entry in the weight map")
                     if entry["target"] not in tensors:
-                        continue  # layers cut off by a truncated model
+                        continue  # layers cut off by a truncated model, or an own module's tensor
                     slot = _slot(tensors, entry)
                     slot.copy_(_transformed(shard.get_tensor(name), entry).to(slot.dtype))
                     written[entry["target"]] = written.get(entry["target"], 0) + slot.numel()
     unwritten = [n for n, t in tensors.items() if written.get(n, 0) != t.numel()]
     if unwritten:
         raise KeyError(f"runtime tensors not (fully) written by the release: {unwritten[:5]}")
+    # parts run as the model's own modules: transformers loads the release into them by name
+    load_own_modules(model, Path(model_dir))
