@@ -13,7 +13,7 @@ import json
 import subprocess
 import sys
 import tempfile
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +36,14 @@ def run_one(family: str, workdir: Path, timeout: int) -> FamilyResult:
     return FamilyResult.model_validate_json(lines[-1])
 
 
+def write(results: list[FamilyResult], out: Path, command: str, date: str) -> None:
+    results = sorted(results, key=lambda r: r.family)
+    out.write_text(families_markdown(results, command, date))
+    (ROOT / "bench" / "results" / "families.json").write_text(
+        json.dumps({"command": command, "date": date, "summary": summary(results),
+                    "families": [r.model_dump() for r in results]}, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="*")
@@ -44,18 +52,16 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "docs" / "families.md"))
     args = parser.parse_args()
     families, unreadable = moe_families()
-    families = args.families or families
-    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(lambda f: run_one(f, Path(tmp), args.timeout), families))
-    results += [FamilyResult(family=f, model_class=model_classes()[f], built=False, not_built_reason=why)
-                for f, why in unreadable.items() if not args.families]
-    results.sort(key=lambda r: r.family)
+    results = [FamilyResult(family=f, model_class=model_classes()[f], built=False, not_built_reason=why)
+               for f, why in unreadable.items() if not args.families]
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     command = "python bench/family_sweep.py" + (f" --families {' '.join(args.families)}" if args.families else "")
-    Path(args.out).write_text(families_markdown(results, command, date))
-    (ROOT / "bench" / "results" / "families.json").write_text(
-        json.dumps({"command": command, "date": date, "summary": summary(results),
-                    "families": [r.model_dump() for r in results]}, indent=1))
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
+        runs = [pool.submit(run_one, f, Path(tmp), args.timeout) for f in args.families or families]
+        # written after every family, so an interrupted sweep leaves what it found
+        for run in as_completed(runs):
+            results.append(run.result())
+            write(results, Path(args.out), command, date)
     print(json.dumps(summary(results)))
 
 
