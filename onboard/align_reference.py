@@ -51,12 +51,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(decoder.layers)
 
 
-def attention_module(layer: nn.Module) -> nn.Module:
-    return getattr(layer, "linear_attn", None) or layer.self_attn
+def attention_module(layer: nn.Module) -> nn.Module | None:
+    """None for layers without one of the usual names (their own modules are aligned as whole layers)."""
+    return getattr(layer, "linear_attn", None) or getattr(layer, "self_attn", None)
 
 
-def ffn_module(layer: nn.Module) -> nn.Module:
-    return getattr(layer, "mlp", None) or layer.block_sparse_moe
+def ffn_module(layer: nn.Module) -> nn.Module | None:
+    return getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
 
 
 def first_tensor(output) -> torch.Tensor:
@@ -71,6 +72,8 @@ class Recorder:
         self.handles = []
         for i, layer in enumerate(decoder_layers(model)):
             for part, module in (("layer", layer), ("attention", attention_module(layer)), ("ffn", ffn_module(layer))):
+                if module is None:
+                    continue
                 self.handles.append(module.register_forward_hook(self._hook(part, i), with_kwargs=True))
 
     def _hook(self, part: str, index: int):

@@ -44,6 +44,7 @@ class FamilyResult(BaseModel):
     unrecognized: list[str] = []
     steps: dict[str, StepResult] = {}
     tiers_passed: list[int] = []
+    failed_checks: list[str] = []  # the first failed alignment checks, with their detail
 
 
 def model_classes() -> dict[str, str]:
@@ -147,7 +148,7 @@ def run_family(family: str, workdir: Path) -> FamilyResult:
     # new-model aligns a package without gaps itself; a package with gaps is aligned here, to see where it fails
     if pkg.exists() and not (pkg / "alignment" / "report.json").exists():
         result.steps["align"], _ = _run_cli(["align", str(pkg), "--tiers", "0,1,2"])
-    result.tiers_passed = _tiers_passed(pkg)
+    result.tiers_passed, result.failed_checks = _alignment(pkg)
     return result
 
 
@@ -162,11 +163,14 @@ def _read_report(result: FamilyResult, text: str) -> None:
     result.unrecognized = [u["item"] for u in report["unrecognized"]]
 
 
-def _tiers_passed(pkg: Path) -> list[int]:
+def _alignment(pkg: Path) -> tuple[list[int], list[str]]:
+    """(tiers passed, the first failed checks) of the package's alignment report."""
     path = pkg / "alignment" / "report.json"
     if not path.exists():
-        return []
-    return [t["tier"] for t in json.loads(path.read_text())["tiers"] if t["passed"]]
+        return [], []
+    tiers = json.loads(path.read_text())["tiers"]
+    failed = [f"{c['name']}: {c['detail']}"[:240] for t in tiers for c in t["checks"] if c["verdict"] == "fail"]
+    return [t["tier"] for t in tiers if t["passed"]], failed[:3]
 
 
 def summary(results: list[FamilyResult]) -> dict[str, int]:
@@ -175,8 +179,13 @@ def summary(results: list[FamilyResult]) -> dict[str, int]:
     codes = [r.steps["new-model"].exit_code if "new-model" in r.steps else None for r in built]
     return {"tried": len(results), "built": len(built), "exit_0": codes.count(0), "exit_3": codes.count(3),
             "exit_2": codes.count(2), "inspect_exit_2": sum(r.steps["inspect"].exit_code == 2 for r in built),
-            "tracebacks": sum(any(s.exit_code is None for s in r.steps.values()) for r in built),
+            "tracebacks": sum(any(s.exit_code is None and not _timed_out(s) for s in r.steps.values()) for r in built),
+            "timed_out": sum(any(_timed_out(s) for s in r.steps.values()) for r in built),
             "tiers_0_1_2_passed": sum(r.tiers_passed == [0, 1, 2] for r in built)}
+
+
+def _timed_out(step: StepResult) -> bool:
+    return step.exit_code is None and step.traceback.startswith("timed out")
 
 
 def _code(r: FamilyResult, step: str) -> str:
@@ -186,13 +195,23 @@ def _code(r: FamilyResult, step: str) -> str:
 
 def _row(r: FamilyResult) -> str:
     if not r.built:
-        return f"| {r.family} | {r.model_class} | not built: {r.not_built_reason.replace('|', '/')} | | | | | | | |"
+        return f"| {r.family} | {r.model_class} | not built | | | | | | | | {r.not_built_reason.replace('|', '/')} |"
     kinds = ", ".join(f"{k} x{n}" for k, n in r.layer_kinds.items())
     registry = ", ".join(r.ops.get("covered", []) + [f"{o} (variant)" for o in r.ops.get("variant", [])])
     tiers = ",".join(map(str, r.tiers_passed)) or "none"
     return (f"| {r.family} | {r.model_class} | {kinds} | {registry} | {', '.join(r.ops.get('fallback', []))} | "
             f"{', '.join(r.ops.get('missing', []))} | {_code(r, 'inspect')} | {_code(r, 'new-model')} | "
-            f"{_code(r, 'align')} | {tiers} |")
+            f"{_code(r, 'align')} | {tiers} | {_note(r)} |")
+
+
+def _note(r: FamilyResult) -> str:
+    """Why it is not exit 0: a traceback's last line, else the first failed check, else what was not understood."""
+    for step in r.steps.values():
+        if step.exit_code is None:
+            return "traceback: " + (step.traceback.strip().splitlines() or [""])[-1][:200].replace("|", "/")
+    if r.failed_checks:
+        return r.failed_checks[0].replace("|", "/")
+    return "; ".join(r.unrecognized[:4]).replace("|", "/")
 
 
 def families_markdown(results: list[FamilyResult], command: str, date: str) -> str:
@@ -202,8 +221,8 @@ def families_markdown(results: list[FamilyResult], command: str, date: str) -> s
              "`onboard/tiny_config.py` (no family named). Exit codes are the CLI's: 0 ok, 2 bad input, 3 gaps; "
              "`traceback`: an exception escaped the CLI.", "",
              " / ".join(f"{k}: {v}" for k, v in counts.items()), "",
-             "| family | class | layer kinds | registry ops | fallback | missing | inspect | new-model | align | tiers passed |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| family | class | layer kinds | registry ops | fallback | missing | inspect | new-model | align | tiers passed | notes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     return "\n".join(lines + [_row(r) for r in results]) + "\n"
 
 

@@ -3,8 +3,8 @@
 Where transformers knows the family, its model built on the meta device (in the released tensor
 format, as save_pretrained writes it) is the oracle: a release tensor whose shape differs from it
 contradicts the release's own config (bad input); anything else the recognized spec does not
-expect (a tensor of another shape or layout, a tensor no recognized component uses, one we expect
-that neither the release nor the oracle has) is our assumption failing, so the component holding
+expect (a tensor of another shape or layout, a tensor no recognized component uses, one we would use
+that the oracle does not read, one we expect that neither has) is our assumption failing, so the component holding
 it becomes an OwnModule (the whole decoder layer when the tensor sits on the layer itself).
 """
 from __future__ import annotations
@@ -58,6 +58,9 @@ def _disagreements(spec: ModelSpec, present: dict, oracle: Optional[dict], compl
             continue
         if name not in expected:
             why.setdefault(where, f"tensor {INDEX_RE.sub('.N.', name)} not understood")
+        elif oracle is not None and name not in oracle:
+            # we would compute with a tensor the family's own model does not read
+            why.setdefault(where, f"tensor {INDEX_RE.sub('.N.', name)} is not read by transformers' model")
         elif info.shape is not None and tuple(info.shape) != expected[name]:
             why.setdefault(where, f"{name} stored as {tuple(info.shape)}, recognized as {expected[name]}")
     if oracle is not None and complete:
@@ -86,10 +89,17 @@ def _own(layer: LayerSpec, parts: dict[str, str], spec: ModelSpec, present: dict
                                         "ffn": OwnModule(reason=whole, tensors=found["ffn"])})
     fields = {}
     if "attention" in parts:
-        fields["attention"] = OwnModule(reason=parts["attention"], path=paths.pop(), tensors=found["attention"])
+        fields["attention"] = OwnModule(reason=_first_reason(layer.attention, parts["attention"]), path=paths.pop(),
+                                        tensors=found["attention"])
     if "ffn" in parts:
-        fields["ffn"] = OwnModule(reason=parts["ffn"], path=spec.naming.ffn_module, tensors=found["ffn"])
+        fields["ffn"] = OwnModule(reason=_first_reason(layer.ffn, parts["ffn"]), path=spec.naming.ffn_module,
+                                  tensors=found["ffn"])
     return layer.model_copy(update=fields)
+
+
+def _first_reason(part, weights_reason: str) -> str:
+    """A part the config rules already gave up on keeps their reason (the cause; the weights follow from it)."""
+    return part.reason if part.kind == "own_module" else weights_reason
 
 
 def _notes(why: dict) -> list[Unrecognized]:

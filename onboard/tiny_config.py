@@ -19,6 +19,8 @@ CAPS: list[tuple[str, int]] = [
     (r"^(n_group|num_expert_group|n_groups|mamba_n_groups)$", 2),
     (r"^topk_group$", 1),
     (r"(rope|rotary)_head_dim$|^qk_rope_head_dim$", 8),
+    # MLA: nope + rope = 16, the derived qk_head_dim's cap, as families relating the three expect
+    (r"^qk_nope_head_dim$", 8),
     (r"head_dim$|^d_head$|_d_head$|^head_size$|^kv_channels$", 16),
     (r"num_(key_value|kv)_heads$|^n_kv_heads?$|^num_kv$", 2),
     (r"heads$|^n_head$|_n_heads$", 4),
@@ -36,6 +38,7 @@ CAPS: list[tuple[str, int]] = [
     (r"(_period|_freq|_interval|_step|every_n_layers|_group_size)$", MAX_LAYERS),
     (r"_offset$", MAX_LAYERS - 1),
 ]
+WIDTH_KEY_RE = re.compile(r"dim|size|heads|rank")
 LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
 TOKEN_ID_RE = re.compile(r"(_token_id|_token_index|_id)$")
 
@@ -70,6 +73,7 @@ def _shrink_part(part: dict, tokens: _TokenIds, top: bool = False) -> dict:
     keep = _layer_selection(part)
     for key, value in part.items():
         out[key] = _shrink_value(key, value, part, keep, tokens)
+    out.update(_equal_widths_stay_equal(part, out))
     if keep is not None:
         out[_layer_count_key(part)] = len(keep)
     return out
@@ -91,13 +95,20 @@ def _shrink_value(key, value, part: dict, keep: list[int] | None, tokens: _Token
         return value
     if key.endswith("vocab_size"):
         return min(value, VOCAB)
-    if _is_kv_heads(key) and value == _first_int(part, "num_attention_heads", "n_head"):
-        # multi-head (not grouped) attention stays so: some families require kv heads == heads
-        return min(value, cap_for("num_attention_heads"))
     if TOKEN_ID_RE.search(key):
         return tokens.remap(value)
     cap = cap_for(key)
     return min(value, cap) if cap is not None and value > 0 else value
+
+
+def _equal_widths_stay_equal(part: dict, small: dict) -> dict:
+    """Widths equal in the default (head_dim == qk_rope_head_dim in MLA configs; head counts: kv heads ==
+    heads) take the smallest of their shrunk values: families build one from the other."""
+    groups: dict[tuple[int, bool], list[str]] = {}
+    for key, value in part.items():
+        if type(value) is int and value > 1 and WIDTH_KEY_RE.search(str(key)) and cap_for(str(key)):
+            groups.setdefault((value, "heads" in str(key)), []).append(key)
+    return {key: min(small[k] for k in keys) for keys in groups.values() if len(keys) > 1 for key in keys}
 
 
 def _shrink_mapping(value: dict, keep, part: dict) -> dict:
@@ -107,8 +118,9 @@ def _shrink_mapping(value: dict, keep, part: dict) -> dict:
         value = {str(keep.index(int(k))): v for k, v in value.items() if int(k) in keep}
     # relations (kv heads == heads) are judged within the mapping when it sets them itself
     local = {**part, **{k: v for k, v in value.items() if not isinstance(v, dict)}}
-    return {k: _shrink_value(k, v, local, keep, _TokenIds()) if not isinstance(v, dict)
-            else _shrink_mapping(v, keep, local) for k, v in value.items()}
+    small = {k: _shrink_value(k, v, local, keep, _TokenIds()) if not isinstance(v, dict)
+             else _shrink_mapping(v, keep, local) for k, v in value.items()}
+    return small | _equal_widths_stay_equal(value, small)
 
 
 def _scaled_sections(sections: list[int], part: dict) -> list[int]:
@@ -121,10 +133,6 @@ def _scaled_sections(sections: list[int], part: dict) -> list[int]:
     scaled = [max(1, v * target // sum(sections)) for v in sections]
     scaled[0] += target - sum(scaled)
     return scaled
-
-
-def _is_kv_heads(key: str) -> bool:
-    return cap_for(key) == cap_for("num_key_value_heads") and "head" in key and "dim" not in key
 
 
 def _first_int(part: dict, *keys: str) -> int | None:

@@ -68,13 +68,13 @@ def test_zero_rope_width_is_a_gap_not_bad_input(example_release, tmp_path):
 
 
 def _with_extra_tensor(example_release, tmp_path, name: str) -> str:
-    """qwen3_moe's release plus one tensor its transformers model does not have (transformers ignores it)."""
+    """qwen3_moe's release plus one tensor its transformers model does not read (random, so using it would show)."""
     release = tmp_path / "extra"
     shutil.copytree(example_release("qwen3_moe"), release)
     index = json.loads((release / "model.safetensors.index.json").read_text())
     shard = index["weight_map"]["model.layers.0.mlp.gate.weight"]
     tensors = load_file(release / shard)
-    tensors[name] = torch.zeros(8, dtype=torch.bfloat16)
+    tensors[name] = torch.randn(8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     save_file(tensors, release / shard, metadata={"format": "pt"})
     index["weight_map"][name] = shard
     (release / "model.safetensors.index.json").write_text(json.dumps(index))
