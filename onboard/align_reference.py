@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from onboard.example_models import model_class
-from runtime.own_modules import truncated_config
+from runtime.own_modules import text_decoder, truncated_config
 
 
 def load_reference(source: Path, family: str, dtype: torch.dtype, num_layers: int | None = None) -> nn.Module:
@@ -47,8 +47,7 @@ def load_runtime(spec: dict, weight_map: dict, source: Path, dtype: torch.dtype,
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    decoder = next(m for m in model.modules() if hasattr(m, "layers") and hasattr(m, "embed_tokens"))
-    return list(decoder.layers)
+    return list(text_decoder(model).layers)
 
 
 def attention_module(layer: nn.Module) -> nn.Module | None:

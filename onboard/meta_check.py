@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from onboard.manifest import Manifest
 from onboard.spec import ModelSpec
-from runtime.own_modules import transformers_class, transformers_class_names  # noqa: F401 (re-exported for gap)
+from runtime.own_modules import text_decoder, transformers_class, transformers_class_names  # noqa: F401 (gap reads it here)
 
 
 class MetaCheck(BaseModel):
@@ -58,11 +58,10 @@ def transformers_tensors(manifest: Manifest) -> Optional[dict[str, tuple[int, ..
 
 
 def _decoder_layers(model):
-    for module in model.modules():
-        layers = getattr(module, "layers", None)
-        if layers is not None and hasattr(module, "embed_tokens"):
-            return list(layers)
-    return []
+    try:
+        return list(text_decoder(model).layers)
+    except StopIteration:
+        return []
 
 
 def _is_linear_attention(layer) -> bool:

@@ -14,7 +14,7 @@ Shapes = dict[str, tuple[int, ...]]
 def expected_tensors(spec: ModelSpec) -> Shapes:
     """Released tensor name -> shape for the text model (vision tensors are counted, not listed)."""
     n, d = spec.naming, spec.hidden_size
-    out: Shapes = {f"{n.prefix}embed_tokens.weight": (spec.vocab_size, d), f"{n.prefix}{n.final_norm}.weight": (d,)}
+    out: Shapes = {f"{n.prefix}{n.embedding}.weight": (spec.vocab_size, d), f"{n.prefix}{n.final_norm}.weight": (d,)}
     if not spec.tie_word_embeddings:
         out["lm_head.weight"] = (spec.vocab_size, d)
     for layer in spec.layers:

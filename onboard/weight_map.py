@@ -25,7 +25,7 @@ def _entry(target: str, **steps) -> dict:
 
 def build_weight_map(spec: ModelSpec) -> dict[str, dict]:
     n, d = spec.naming, spec.hidden_size
-    out = {f"{n.prefix}embed_tokens.weight": _entry("embed_tokens.weight"), f"{n.prefix}{n.final_norm}.weight": _entry("norm.weight")}
+    out = {f"{n.prefix}{n.embedding}.weight": _entry("embed_tokens.weight"), f"{n.prefix}{n.final_norm}.weight": _entry("norm.weight")}
     if not spec.tie_word_embeddings:
         out["lm_head.weight"] = _entry("lm_head.weight")
     for layer in spec.layers:

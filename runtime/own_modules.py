@@ -74,7 +74,8 @@ class _Context:
         if "linear" in layer_type or "attention" not in layer_type:
             return None
         make = create_sliding_window_causal_mask if "sliding" in layer_type else create_causal_mask
-        return make(config=self.config, inputs_embeds=x_BTD, attention_mask=None, cache=None)
+        # always a tensor: some layers index the mask themselves (sparse-attention indexers)
+        return make(config=self.config, inputs_embeds=x_BTD, attention_mask=None, cache=None, allow_is_causal_skip=False)
 
 
 def _first_tensor(output) -> torch.Tensor:
@@ -113,8 +114,10 @@ def own_slots(model: nn.Module) -> list[OwnModule]:
     return [m for m in model.modules() if isinstance(m, OwnModule)]
 
 
-def _decoder(model: nn.Module) -> nn.Module:
-    return next(m for m in model.modules() if hasattr(m, "layers") and hasattr(m, "embed_tokens"))
+def text_decoder(model: nn.Module) -> nn.Module:
+    """transformers' text decoder inside a model: the module holding both its layers and its token embedding."""
+    return next(m for m in model.modules() if isinstance(getattr(m, "layers", None), nn.ModuleList)
+                and any(isinstance(c, nn.Embedding) for c in m.children()))
 
 
 def load_own_modules(model: nn.Module, model_dir: Path) -> None:
@@ -131,7 +134,7 @@ def load_own_modules(model: nn.Module, model_dir: Path) -> None:
         raise RuntimeError(f"{model_dir}: transformers has no model for {config.model_type!r}, whose own modules "
                            f"layers {sorted({s.index for s in slots})} need")
     reference = cls.from_pretrained(model_dir, config=config, dtype=dtype)
-    decoder = _decoder(reference)
+    decoder = text_decoder(reference)
     context = _Context(decoder)
     for slot in slots:
         module = decoder.layers[slot.index]
