@@ -2,7 +2,7 @@
 in fp32 and bf16 (the CPU suite can run them only under the Triton interpreter, in fp32).
 
     python bench/gpu_tier0.py --out DIR [--families qwen3_next kimi_linear deepseek_v32]
-Writes DIR/gpu_tier0.json: per family the number of checks, failures, and every kernel check.
+Writes DIR/gpu-tier0.json: per family the number of checks, failures, and every kernel check.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from onboard.align_ops import tier0
+from onboard.align.tier0_ops import tier0
 from onboard.example_models import write_example_model
 from onboard.manifest import read_manifest
 from onboard.recognize import recognize
@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--families", nargs="+", default=["qwen3_next", "kimi_linear", "deepseek_v32"])
     args = parser.parse_args()
-    results = {"name": "gpu_tier0", "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    results = {"name": "gpu-tier0", "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "command": "python bench/gpu_tier0.py --out $OUT", "date": datetime.date.today().isoformat(), "families": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for family in args.families:
@@ -43,7 +43,7 @@ def main() -> None:
                 print("  FAIL", name, flush=True)
             # after every family: a run stopped by its time limit keeps what it checked
             Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / "gpu_tier0.json").write_text(json.dumps(results, indent=1))
+            (Path(args.out) / "gpu-tier0.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ one step (how long the GPU waits for the first kernel, how long it sits idle bet
 
     python3 bench/launch_overhead.py --out DIR
 
-Writes DIR/launch_overhead.json:
+Writes DIR/launch-overhead.json:
 - `triton_launch_us`: host microseconds per launch of a kernel with our kernels' argument count (24
   tensors, 4 ints, 12 constexprs), through JITFunction (kernel[grid](...)) and through the compiled
   kernel's own launcher (what a launch costs without Triton's per-call binding, key and cache lookup).
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import datetime
 import io
 import json
 import pstats
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench.bench_gated_delta import make_inputs, ours, time_forward, time_forward_backward, training_step
+from bench.bench_gated_delta import make_inputs, ours, training_step, wall
 
 
 @triton.jit
@@ -109,19 +110,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    result = {"device": torch.cuda.get_device_name(), "triton": triton.__version__,
-              "command": "python3 bench/launch_overhead.py --out $OUT", "triton_launch_us": triton_launch_us()}
+    result = {"name": "launch-overhead", "device": torch.cuda.get_device_name(), "triton": triton.__version__,
+              "date": datetime.date.today().isoformat(), "command": "python3 bench/launch_overhead.py --out $OUT",
+              "triton_launch_us": triton_launch_us()}
     print(result, flush=True)
     for kind in ("gdn", "kda"):
         x = make_inputs(kind, 8192, 32, 128)
         result[kind] = {
-            "fwd_wall_ms": time_forward(ours(kind), x), "fwdbwd_wall_ms": time_forward_backward(ours(kind), x)[0],
+            "fwd_wall_ms": wall(ours(kind), x, False)["ms"], "fwdbwd_wall_ms": wall(ours(kind), x, True)["ms"],
             "fwd": timeline(ours(kind), x, False), "fwdbwd": timeline(ours(kind), x, True),
             "host_profile_fwdbwd": host_profile(ours(kind), x, True)}
         print(kind, json.dumps(result[kind]), flush=True)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "launch_overhead.json").write_text(json.dumps(result, indent=1))
+    (out / "launch-overhead.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

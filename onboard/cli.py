@@ -39,7 +39,8 @@ def _example_model(args) -> int:
 
 def _new_model(args) -> int:
     """Exit 0 only for a package without gaps that passes alignment tiers 0-2."""
-    from onboard import align
+    from onboard.align import run_alignment
+    from onboard.align.progress import progress_on_stderr
     from onboard.package import write_package
 
     pkg, report = write_package(Path(args.model_dir), Path(args.out), args.gpu_mem_gib, args.lora_rank, args.seq_len)
@@ -48,19 +49,24 @@ def _new_model(args) -> int:
           f"{counts['missing']} missing; {len(report.weights.missing)} weights missing")
     if report.summary["gaps_remain"]:
         return EXIT_GAPS
-    aligned = align.run(pkg, [0, 1, 2], progress=lambda line: print(line, file=sys.stderr))
+    aligned = run_alignment(pkg, [0, 1, 2], progress=progress_on_stderr())
     print(f"alignment: {aligned.summary_line()}")
     return 0 if aligned.passed else EXIT_GAPS
 
 
 def _align(args) -> int:
-    from onboard import align
+    from onboard.align import read_baseline, regressions, run_alignment
+    from onboard.align.progress import progress_on_stderr
 
     tiers = _tier_list(args.tiers)
-    report = align.run(Path(args.pkg), tiers, progress=lambda line: print(line, file=sys.stderr), max_layers=args.max_layers)
+    # read first: a missing baseline is refused before any tier runs (and before one is written)
+    baseline = read_baseline(Path(args.pkg)) if args.check else None
+    model_dir = Path(args.model_dir) if args.model_dir else None
+    report = run_alignment(Path(args.pkg), tiers, model_dir=model_dir, progress=progress_on_stderr(),
+                           max_layers=args.max_layers)
     print(report.summary_line())
-    if args.check:
-        regressed = align.regressions(Path(args.pkg), report)
+    if baseline is not None:
+        regressed = regressions(baseline, report)
         if regressed:
             print(f"regressions vs baseline: {', '.join(regressed[:10])}", file=sys.stderr)
             return EXIT_GAPS
@@ -102,7 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("align", help="run the alignment tiers against the model's own implementation")
     p.add_argument("pkg")
     p.add_argument("--tiers", default="0,1,2", help="comma-separated, e.g. 0,1,2")
-    p.add_argument("--check", action="store_true", help="fail on a regression against alignment/baseline.json")
+    p.add_argument("--check", action="store_true",
+                   help="fail on a regression against alignment/baseline.json (exit 2 when there is none)")
+    p.add_argument("--model-dir", default=None,
+                   help="the release folder, when it is no longer where package.yaml records it (another machine)")
     p.add_argument("--max-layers", type=_positive_int, default=8,
                    help="align a prefix of at most this many layers (extended to hold every distinct layer kind)")
     p.set_defaults(run=_align)

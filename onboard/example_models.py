@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from onboard.errors import OnboardError
+from onboard.transformers_classes import model_class
 
 _ATTN = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
              max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -109,13 +110,6 @@ def example_config(family: str, num_layers: int | None = None):
     if num_layers < 1 or num_layers > 64:
         raise OnboardError(None, "--layers", f"expected 1..64 layers, got {num_layers}")
     return AutoConfig.for_model(family, **_config_kwargs(family, num_layers))
-
-
-def model_class(family: str):
-    """The transformers class a release of this family loads with."""
-    from onboard.meta_check import transformers_class
-
-    return transformers_class(family)
 
 
 def build_example(family: str, num_layers: int | None = None, seed: int = 0):

@@ -47,7 +47,7 @@ def write_package(model_dir: Path, out: Path, gpu_mem_gib: float = 80.0, lora_ra
 
 def _write_files(pkg: Path, model_dir: Path, manifest, spec, report) -> None:
     (pkg / "spec.json").write_text(spec.model_dump_json(indent=2))
-    (pkg / "weight_map.json").write_text(json.dumps(build_weight_map(spec), indent=1))
+    (pkg / "weight_map.json").write_text(json.dumps(build_weight_map(spec, report.weights.unexpected), indent=1))
     (pkg / "gap_report.json").write_text(report.model_dump_json(indent=2))
     (pkg / "gap_report.md").write_text(gap_markdown(report))
     if manifest.vision_config is not None:

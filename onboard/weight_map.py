@@ -5,7 +5,8 @@ Entries are plain dicts (written to the package's weight_map.json, read by runti
 `expert` writes into one slice of a stacked [E, ...] tensor, `rows` into a row range of it (gate and
 up halves of w_gate_up), `transpose` swaps the last two dims (gpt-oss stores experts as [E, in, out]),
 `flatten` drops singleton dims (Ernie's [1, E] correction bias). Tensors of a component that runs
-as its own module have no target but `own_module` (the runtime module transformers loads them into).
+as its own module have no target but `own_module` (the runtime module transformers loads them into);
+tensors nothing reads (listed in the gap report) have neither.
 """
 from __future__ import annotations
 
@@ -23,7 +24,12 @@ def _entry(target: str, **steps) -> dict:
             **steps}
 
 
-def build_weight_map(spec: ModelSpec) -> dict[str, dict]:
+def build_weight_map(spec: ModelSpec, unused: list[str] = ()) -> dict[str, dict]:
+    """`unused`: release tensors no runtime part reads (the gap report lists them); mapped to nothing."""
+    return {name: _entry(None) for name in unused} | _mapped(spec)
+
+
+def _mapped(spec: ModelSpec) -> dict[str, dict]:
     n, d = spec.naming, spec.hidden_size
     out = {f"{n.prefix}{n.embedding}.weight": _entry("embed_tokens.weight"), f"{n.prefix}{n.final_norm}.weight": _entry("norm.weight")}
     if not spec.tie_word_embeddings:

@@ -1,4 +1,4 @@
-"""fp64 reference for MoE routing, routed SwiGLU experts and the dense SwiGLU MLP.
+"""fp64 reference for MoE routing and routed SwiGLU experts (the dense MLP: reference_ops/mlp.py).
 
 Written for clarity, not speed: the experts loop over tokens and their k choices.
 Every function casts its floating inputs to fp64 and is differentiable with autograd.
@@ -12,13 +12,8 @@ lora_down = (A_ErF, B_EDr); B's rows follow the weight's row layout.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-_ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
+from reference_ops.mlp import ACTIVATIONS as _ACTIVATIONS
 
 
 def _f64(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -138,12 +133,3 @@ def swiglu_experts(
             y_D = y_D + weights_Tk[t, j] * out_D
         rows.append(y_D)
     return torch.stack(rows)
-
-
-def swiglu_mlp(
-    x_TD: torch.Tensor, w_gate_FD: torch.Tensor, w_up_FD: torch.Tensor, w_down_DF: torch.Tensor, activation: str = "silu"
-) -> torch.Tensor:
-    """Dense gated MLP (also the shared expert): down(act(gate(x)) * up(x)). Returns y_TD in fp64."""
-    x_TD = _f64(x_TD)
-    h_TF = _ACTIVATIONS[activation](x_TD @ _f64(w_gate_FD).T) * (x_TD @ _f64(w_up_FD).T)
-    return h_TF @ _f64(w_down_DF).T

@@ -92,14 +92,14 @@ OPS: dict[str, OpFamily] = {op.name: op for op in [
     OpFamily("mla_attention", "attention:mla", "reference_ops.mla:mla_attention", "runtime.ops.mla:mla_attention",
              None, _mla),
     OpFamily("dsa_indexer", "attention:mla_dsa", "reference_ops.dsa:indexer_topk", "runtime.ops.dsa:indexer_topk",
-             "runtime.kernels.sparse_attention:indexer_topk", _dsa),
-    OpFamily("sparse_attention", "attention:mla_dsa", "reference_ops.dsa:sparse_attention",
-             "runtime.ops.dsa:sparse_attention", "runtime.kernels.sparse_attention:sparse_attention", _dsa),
+             "runtime.kernels.dsa:indexer_topk", _dsa),
+    OpFamily("dsa_attention", "attention:mla_dsa", "reference_ops.dsa:sparse_attention",
+             "runtime.ops.dsa:sparse_attention", "runtime.kernels.dsa:sparse_attention", _dsa),
     OpFamily("causal_conv1d", "attention:short_conv", "reference_ops.conv:causal_conv1d",
              "runtime.ops.conv:causal_conv1d", None, _always),
     OpFamily("gated_delta_rule", "attention:gated_delta", "reference_ops.gated_delta:gated_delta_rule",
              "runtime.ops.gated_delta:gated_delta_rule", "runtime.kernels.gated_delta:gated_delta_rule", _always),
-    OpFamily("kda", "attention:kda", "reference_ops.kda:kda", "runtime.ops.gated_delta:kda",
+    OpFamily("kda", "attention:kda", "reference_ops.kda:kda", "runtime.ops.kda:kda",
              "runtime.kernels.gated_delta:kda", _always),
     OpFamily("lightning_attention", "attention:lightning", "reference_ops.lightning:lightning_attention",
              "runtime.ops.lightning:lightning_attention", None, _always),
@@ -107,8 +107,8 @@ OPS: dict[str, OpFamily] = {op.name: op for op in [
              _router),
     OpFamily("moe_experts", "ffn:moe", "reference_ops.moe:swiglu_experts", "runtime.ops.moe:swiglu_experts",
              "runtime.kernels.moe:swiglu_experts", _experts),
-    OpFamily("swiglu_mlp", "ffn:dense", "reference_ops.moe:swiglu_mlp", "runtime.ops.moe:swiglu_mlp",
-             "runtime.kernels.moe:swiglu_mlp", _always),
+    OpFamily("swiglu_mlp", "ffn:dense", "reference_ops.mlp:swiglu_mlp", "runtime.ops.mlp:swiglu_mlp",
+             "runtime.kernels.mlp:swiglu_mlp", _always),
 ]}
 
 
@@ -119,7 +119,7 @@ def ops_for_layer(attention: dict, ffn: dict) -> list[tuple[str, dict]]:
     if kind == "softmax":
         used.append(("softmax_attention", attention))
     elif kind == "mla":
-        used += [("dsa_indexer", attention), ("sparse_attention", attention)] if attention.get("indexer") \
+        used += [("dsa_indexer", attention), ("dsa_attention", attention)] if attention.get("indexer") \
             else [("mla_attention", attention)]
     elif kind == "gated_delta":
         used += [("causal_conv1d", attention), ("gated_delta_rule", attention), ("gated_rms_norm", attention)]

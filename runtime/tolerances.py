@@ -48,7 +48,15 @@ TF32_KERNEL_TOLERANCES: dict[str, Tolerance] = {
 }
 
 # Per-op overrides, keyed (op, dtype, "out" | "grad"). Each entry says what was observed.
-OP_TOLERANCES: dict[tuple[str, torch.dtype, str], Tolerance] = {}
+# "model_logits" and "model_loss": alignment tier 2's whole-model bars against transformers' fp32 run
+# (the issue's model-level bars): logits in fp32 judged on max-abs within 1e-4 of the logits' max, in
+# bf16 on rel RMS within 2e-2 (its max-abs bar of 1.0 never binds); the loss on its relative difference.
+OP_TOLERANCES: dict[tuple[str, torch.dtype, str], Tolerance] = {
+    ("model_logits", torch.float32, "out"): Tolerance(rel_rms=1e-4, max_abs_rel=1e-4),
+    ("model_logits", torch.bfloat16, "out"): Tolerance(rel_rms=2e-2, max_abs_rel=1.0),
+    ("model_loss", torch.float32, "out"): Tolerance(rel_rms=1e-5, max_abs_rel=1e-5),
+    ("model_loss", torch.bfloat16, "out"): Tolerance(rel_rms=1e-2, max_abs_rel=1e-2),
+}
 
 
 def tolerance_for(op: str, dtype: torch.dtype, kind: str = "out", tf32_kernel: bool = False) -> Tolerance:

@@ -1,11 +1,9 @@
 """Launching an already compiled Triton kernel without Triton's per-call Python work.
 
 `kernel[grid](*args, **kwargs)` binds every argument, builds a cache key from its specialization,
-looks the compiled kernel up and checks the kernel's globals on every call: 64 us of host time per
-launch on the H200 machine's host (triton 3.6, a kernel with our kernels' 28 arguments and 12
-constexprs), against 26 us through the compiled kernel's own launcher (bench/launch_overhead.py,
-2026-11-29). A GDN forward+backward launches 7 kernels, and its host work shows in its wall time
-where the host falls behind the GPU (between the forward and the backward).
+looks the compiled kernel up and checks the kernel's globals on every call: more than twice the
+host time of a launch through the compiled kernel's own launcher (bench/launch_overhead.py,
+bench/NOTES.md). That host work shows in a step's wall time wherever the host falls behind the GPU.
 
 `fast(kernel)[grid](*args, **kwargs)` launches the same compiled kernel Triton would: the first call
 with a given key goes through `kernel[grid]` (compiling if needed) and keeps what it returns, later

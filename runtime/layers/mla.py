@@ -102,6 +102,6 @@ class MLAAttention(nn.Module):
         q_abs_BTHK = torch.cat([q_lat_BTHL, q_rot_BTHR], dim=-1)
         kv_abs_BTK = torch.cat([c_BTL, k_rot_BTR], dim=-1)
         idx_BTS = self.indexer(x_BTD, q_resid_BTQ, cos, sin, self.R)
-        o_lat_BTHL = op("sparse_attention", x_BTD.device)(q_abs_BTHK, kv_abs_BTK, idx_BTS, self.scale, self.L)
+        o_lat_BTHL = op("dsa_attention", x_BTD.device)(q_abs_BTHK, kv_abs_BTK, idx_BTS, self.scale, self.L)
         o_BTHV = torch.einsum("bthl,hvl->bthv", o_lat_BTHL, w_kv_HXL[:, self.N:])
         return self.o_proj(o_BTHV.reshape(B, T, self.H * self.V))

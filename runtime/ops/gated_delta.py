@@ -1,4 +1,5 @@
-"""Gated delta rule (GDN) and KDA in the runtime: chunked torch form, differentiable by autograd.
+"""Gated delta rule (GDN) in the runtime: chunked torch form, differentiable by autograd; KDA's
+(runtime/ops/kda.py) is the same form with a per-channel decay.
 
 Within a chunk of C tokens (local positions i, j), with gc the in-chunk cumulative log decay,
 q, k already l2-normalized and q scaled, and h the state entering the chunk:
@@ -24,18 +25,13 @@ def gated_delta_rule(
     q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, scale=None, initial_state_BHKV=None, use_qk_l2norm=True, cu_seqlens=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o_BTHV in q's dtype, final_state_BHKV in fp32) of the GDN recurrence in docs/ops.md."""
-    return _packed(q_BTHK, k_BTHK, v_BTHV, g_BTH[..., None], beta_BTH, scale, initial_state_BHKV, use_qk_l2norm, cu_seqlens)
+    return chunked_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH[..., None], beta_BTH, scale, initial_state_BHKV,
+                              use_qk_l2norm, cu_seqlens)
 
 
-def kda(
-    q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale=None, initial_state_BHKV=None, use_qk_l2norm=True, cu_seqlens=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o_BTHV in q's dtype, final_state_BHKV in fp32) of KDA: GDN with a per-channel decay g_BTHK."""
-    return _packed(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale, initial_state_BHKV, use_qk_l2norm, cu_seqlens)
-
-
-def _packed(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, cu_seqlens):
-    """Runs each packed sequence on its own; g is [B, T, H, 1 or K]."""
+def chunked_delta_rule(q, k, v, g, beta, scale, initial_state, use_qk_l2norm, cu_seqlens):
+    """(o, final state) of the chunked form for a log decay g [B, T, H, 1] (GDN) or [B, T, H, K] (KDA); runs each
+    packed sequence on its own."""
     if cu_seqlens is None:
         return _chunked(q, k, v, g, beta, scale, initial_state, use_qk_l2norm)
     if q.shape[0] != 1:

@@ -1,5 +1,5 @@
 """Torch fallback for MoE routing (and the fp32 router logits the runtime layer always computes
-in torch), routed SwiGLU experts and the dense SwiGLU MLP (with the shared-expert gate and add).
+in torch) and the routed SwiGLU experts (the dense MLP and shared expert: runtime/ops/mlp.py).
 
 The experts sort the (token, choice) pairs by expert and run two grouped matmuls
 (torch._grouped_mm where this build and dtype support it, else one matmul per expert),
@@ -16,11 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-_ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
+from runtime.ops.mlp import ACTIVATIONS
 
 
 def _group_mask(choice_TE: torch.Tensor, num_groups: int, topk_groups: int, top2_sum: bool) -> torch.Tensor:
@@ -57,9 +53,8 @@ class _HalfLogitsInFp32(torch.autograd.Function):
 
 def router_logits(x_TD: torch.Tensor, w_ED: torch.Tensor, b_E: torch.Tensor | None = None) -> torch.Tensor:
     """Router logits [T, E] in fp32 (routing decisions are precision-sensitive). On CUDA with half
-    inputs one GEMM with an fp32 output: upcasting x and w and multiplying in fp32 runs ~15x slower
-    than the bf16 GEMM would (no tensor cores: at T 16384, D 2048, E 512 about 2 ms fwd+bwd on an
-    H200, estimated from peak rates; bench/bench_moe.py's fp32_router_logits variant times it)."""
+    inputs one GEMM with an fp32 output: upcasting x and w and multiplying in fp32 would run
+    without tensor cores."""
     half = (torch.bfloat16, torch.float16)
     if x_TD.is_cuda and x_TD.dtype in half and w_ED.dtype == x_TD.dtype:
         logits_TE = _HalfLogitsInFp32.apply(x_TD, w_ED)
@@ -155,7 +150,7 @@ def glu(gate, up, activation: str, clamp: float | None, glu_alpha: float | None)
         up = up.clamp(-clamp, clamp)
     if glu_alpha is not None:
         return gate * torch.sigmoid(glu_alpha * gate) * (up + 1)
-    return _ACTIVATIONS[activation](gate) * up
+    return ACTIVATIONS[activation](gate) * up
 
 
 def swiglu_experts(
@@ -195,21 +190,3 @@ def swiglu_experts(
     inverse_S = torch.empty_like(sort.pair_S)
     inverse_S[sort.pair_S] = torch.arange(T * k, device=idx_Tk.device)
     return y_SD[inverse_S].view(T, k, -1).sum(dim=1).to(x_TD.dtype)
-
-
-def swiglu_mlp(
-    x_TD: torch.Tensor,
-    w_gate_FD: torch.Tensor,
-    w_up_FD: torch.Tensor,
-    w_down_DF: torch.Tensor,
-    activation: str = "silu",
-    *,
-    gate_1D: torch.Tensor | None = None,
-    residual_TD: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Dense gated MLP (also the shared expert): down(act(gate(x)) * up(x)); with the shared-expert
-    gate gate_1D [1, D] times sigmoid(x @ gate_1D^T), plus residual_TD (the routed experts' output)."""
-    out_TD = F.linear(_ACTIVATIONS[activation](F.linear(x_TD, w_gate_FD)) * F.linear(x_TD, w_up_FD), w_down_DF)
-    if gate_1D is not None:
-        out_TD = out_TD * torch.sigmoid(F.linear(x_TD, gate_1D))
-    return out_TD if residual_TD is None else residual_TD + out_TD

@@ -7,28 +7,15 @@ import sys
 
 import pytest
 
-from onboard import align
+from onboard.align import read_baseline, regressions, run_alignment
 from onboard.example_models import FAMILIES
-from onboard.package import write_package
-
-
-@pytest.fixture(scope="module")
-def package(example_release, tmp_path_factory):
-    cache = {}
-
-    def make(family: str):
-        if family not in cache:
-            cache[family], _ = write_package(example_release(family), tmp_path_factory.mktemp("pkg") / family)
-        return cache[family]
-
-    return make
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tiers_0_1_2_pass(family, package):
-    pkg = package(family)
-    report = align.run(pkg, [0, 1, 2], progress=lambda line: None)
+def test_tiers_0_1_2_pass(family, example_package):
+    pkg = example_package(family)
+    report = run_alignment(pkg, [0, 1, 2])
     failed = [c.name for t in report.tiers for c in t.checks if c.verdict == "fail"]
     assert report.passed, failed
     assert [t.tier for t in report.tiers] == [0, 1, 2]
@@ -48,14 +35,14 @@ def test_tiers_0_1_2_pass(family, package):
     assert (pkg / "alignment" / "baseline.json").exists()
 
 
-def test_a_broken_gate_names_its_layer_and_op(package):
+def test_a_broken_gate_names_its_layer_and_op(example_package):
     """Flip the sign of one gated-delta layer's decay bias: tier 2 fails and names layer 2's attention."""
-    pkg = package("qwen3_next")
+    pkg = example_package("qwen3_next")
 
     def break_layer_2(model):
         model.layers[2].attn.dt_bias.data.neg_()
 
-    report = align.run(pkg, [2], tamper=break_layer_2, progress=lambda line: None)
+    report = run_alignment(pkg, [2], tamper=break_layer_2)
     assert not report.passed
     d = report.first_divergence
     assert (d.layer, d.component, d.kind) == (2, "attention", "gated_delta")
@@ -63,22 +50,22 @@ def test_a_broken_gate_names_its_layer_and_op(package):
     assert "layer 2 attention" in report.summary_line()
 
 
-def test_a_broken_expert_gate_names_the_ffn(package):
-    pkg = package("qwen3_next")
+def test_a_broken_expert_gate_names_the_ffn(example_package):
+    pkg = example_package("qwen3_next")
 
     def break_shared_gate(model):
         model.layers[1].ffn.shared_gate.weight.data.neg_()
 
-    report = align.run(pkg, [2], tamper=break_shared_gate, progress=lambda line: None)
+    report = run_alignment(pkg, [2], tamper=break_shared_gate)
     d = report.first_divergence
     assert not report.passed and (d.layer, d.component, d.kind) == (1, "ffn", "moe")
 
 
-def test_check_flags_a_regression(package):
-    pkg = package("mixtral")
-    assert align.run(pkg, [2], progress=lambda line: None).passed
-    broken = align.run(pkg, [2], tamper=lambda m: m.layers[0].ffn.router.weight.data.mul_(-1), progress=lambda line: None)
-    assert "logits/float32" in align.regressions(pkg, broken)
+def test_check_flags_a_regression(example_package):
+    pkg = example_package("mixtral")
+    assert run_alignment(pkg, [2]).passed
+    broken = run_alignment(pkg, [2], tamper=lambda m: m.layers[0].ffn.router.weight.data.mul_(-1))
+    assert "logits/float32" in regressions(read_baseline(pkg), broken)
 
 
 SCRIPT = r"""
@@ -100,9 +87,9 @@ print(json.dumps(loaded))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_text_path_uses_no_transformers(family, package, example_release):
+def test_text_path_uses_no_transformers(family, example_package, example_release):
     """The runtime text model imports neither transformers nor onboard: forward and backward in a clean process."""
-    pkg = package(family)
+    pkg = example_package(family)
     out = subprocess.run([sys.executable, "-c", SCRIPT, str(pkg), str(example_release(family))],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

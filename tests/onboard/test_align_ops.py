@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from onboard import align_ops
-from onboard.align_cases import build_case
+from onboard.align import tier0_ops
+from onboard.align.cases import build_case
 from runtime.ops.dsa import indexer_topk
 
 INDEXER_LAYER = {"kind": "mla", "indexer": {"num_heads": 2, "head_dim": 16, "topk": 8}}
@@ -13,12 +13,12 @@ INDEXER_LAYER = {"kind": "mla", "indexer": {"num_heads": 2, "head_dim": 16, "top
 
 def test_selection_metric_accepts_the_fallback_and_rejects_the_worst_keys():
     case = build_case("dsa_indexer", INDEXER_LAYER, 64, 33, 0, torch.float32)
-    assert align_ops._selection_check(indexer_topk, case.kwargs, "cpu") == 1.0
+    assert tier0_ops.selection_check(indexer_topk, case.kwargs, "cpu") == 1.0
 
     def worst(q_BTHK, k_BTK, weights_BTH, scale, topk):
         return indexer_topk(q_BTHK, k_BTK, -weights_BTH, scale, topk)
 
-    assert align_ops._selection_check(worst, case.kwargs, "cpu") < 0.9
+    assert tier0_ops.selection_check(worst, case.kwargs, "cpu") < 0.9
 
 
 def test_a_wrong_op_fails_tier0(monkeypatch):
@@ -27,6 +27,6 @@ def test_a_wrong_op_fails_tier0(monkeypatch):
 
     real = norms.rms_norm
     monkeypatch.setattr(norms, "rms_norm", lambda x, weight, eps, offset=0.0: real(x, weight, eps, 0.0))
-    checks = align_ops.check_op("rms_norm", {"kind": "rms_1p", "eps": 1e-6}, 64, 17, "fallback")
+    checks = tier0_ops.check_op("rms_norm", {"kind": "rms_1p", "eps": 1e-6}, 64, 17, "fallback")
     assert any(c.verdict == "fail" and c.name.endswith("/out0") for c in checks)
     assert any(c.verdict == "fail" and "/grad:" in c.name for c in checks)

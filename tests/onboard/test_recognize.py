@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from onboard.cli import main
-from onboard.example_models import FAMILIES, example_config, model_class
+from onboard.example_models import FAMILIES, example_config
+from onboard.transformers_classes import model_class
 
 # transformers attention module class -> the kind our spec must report
 ATTENTION_KIND_OF_CLASS = {

@@ -10,6 +10,7 @@ from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf
 from reference_ops import dsa as ref
 from runtime.ops import dsa as ops
 from runtime.tolerances import assert_close
+from tests.dsa_problems import assert_same_selection, random_sparse_problem
 
 
 def tiny_config(index_topk):
@@ -115,16 +116,6 @@ def test_topk_indices_pads_early_queries_with_minus_one():
     assert ref.topk_indices(scores_BTT, 50).shape == (1, 7, 7)
 
 
-def random_sparse_problem(B, T, H, K, S, dtype, seed=0):
-    """q, kv and causal random indices (distinct per row, -1 beyond the causal range)."""
-    g = torch.Generator().manual_seed(seed)
-    q_BTHK = torch.randn(B, T, H, K, generator=g).to(dtype)
-    kv_BTK = torch.randn(B, T, K, generator=g).to(dtype)
-    scores_BTT = torch.rand(B, T, T, generator=g).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-    idx_BTS = ref.topk_indices(scores_BTT, S)
-    return q_BTHK, kv_BTK, idx_BTS
-
-
 def test_sparse_attention_matches_dense_masked_attention():
     B, T, H, K, V, S = 2, 21, 3, 10, 6, 5
     q_BTHK, kv_BTK, idx_BTS = random_sparse_problem(B, T, H, K, S, torch.float64)
@@ -133,7 +124,7 @@ def test_sparse_attention_matches_dense_masked_attention():
     probs_BHTT = logits_BHTT.masked_fill(~allowed_BTT[:, None], float("-inf")).softmax(-1)
     expected_BTHV = torch.einsum("bhts,bsv->bthv", probs_BHTT, kv_BTK[..., :V])
     actual_BTHV = ref.sparse_attention(q_BTHK, kv_BTK, idx_BTS, 0.3, V)
-    assert_close(actual_BTHV, expected_BTHV, "sparse_attention")
+    assert_close(actual_BTHV, expected_BTHV, "dsa_attention")
 
 
 def test_sparse_attention_reference_gradients_pass_gradcheck():
@@ -162,23 +153,7 @@ def test_fallback_sparse_attention_forward_and_grads(B, T, H, K, V, S, dtype):
         o_BTHV.backward(do_BTHV.to(cast))
         grads[name] = (o_BTHV, q.grad, kv.grad)
     for label, actual, expected in zip(("o", "dq", "dkv"), grads["ops"], grads["ref"]):
-        assert_close(actual, expected, "sparse_attention", dtype, "out" if label == "o" else "grad", label)
-
-
-def assert_same_selection(actual_BTS, expected_BTS, scores_BTT):
-    """Top-k sets may differ only among keys of equal score (relu makes exact ties at zero):
-    same number of valid keys per query, no repeats, and the same multiset of scores."""
-    assert actual_BTS.shape == expected_BTS.shape
-    assert torch.equal((actual_BTS >= 0).sum(-1), (expected_BTS >= 0).sum(-1))
-    sorted_BTS = actual_BTS.sort(-1).values
-    repeated_BTS = (sorted_BTS[..., 1:] == sorted_BTS[..., :-1]) & (sorted_BTS[..., 1:] >= 0)
-    assert not repeated_BTS.any()
-
-    def picked_scores(idx_BTS):
-        picked_BTS = scores_BTT.double().gather(-1, idx_BTS.clamp(min=0).long())
-        return picked_BTS.masked_fill(idx_BTS < 0, float("-inf")).sort(-1).values
-
-    torch.testing.assert_close(picked_scores(actual_BTS), picked_scores(expected_BTS), rtol=1e-5, atol=1e-6)
+        assert_close(actual, expected, "dsa_attention", dtype, "out" if label == "o" else "grad", label)
 
 
 @pytest.mark.parametrize("T,topk,block_size", [(63, 8, 16), (37, 50, 8)], ids=["T63-top8-blk16", "T37-top50-blk8"])

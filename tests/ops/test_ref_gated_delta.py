@@ -1,5 +1,5 @@
 """GDN and KDA: the fp64 token-loop references vs transformers (Qwen3-Next, Kimi Linear), and the
-chunked torch fallback (runtime/ops/gated_delta.py) vs the references, forward and all gradients.
+chunked torch fallbacks (runtime/ops/gated_delta.py, kda.py) vs the references, forward and all gradients.
 
 Shape legend: B batch, T tokens, H heads, K key dim, V value dim.
 """
@@ -10,11 +10,12 @@ from transformers.models.kimi_linear import modeling_kimi_linear as hf_kda
 from transformers.models.qwen3_next import modeling_qwen3_next as hf_gdn
 
 import runtime.ops.gated_delta as ops
+import runtime.ops.kda as ops_kda
 from reference_ops.gated_delta import gated_delta_rule as ref_gdn
 from reference_ops.kda import kda as ref_kda
 from runtime.tolerances import assert_close, compare, tolerance_for
 
-OPS = {"gdn": ("gated_delta_rule", ref_gdn, ops.gated_delta_rule), "kda": ("kda", ref_kda, ops.kda)}
+OPS = {"gdn": ("gated_delta_rule", ref_gdn, ops.gated_delta_rule), "kda": ("kda", ref_kda, ops_kda.kda)}
 
 
 def make_inputs(kind, B=2, T=63, H=3, K=16, V=12, seed=0, decay=1.0, dtype=torch.float64):

@@ -4,7 +4,7 @@ Shape legend: C chunk size, S sub-chunk size (C = NS * S), K key dim, X 1 (GDN) 
 gc_CX is the in-chunk cumulative log decay: non-increasing down the rows, so exp(gc_i - gc_j) <= 1
 for i >= j. Per-channel decays never form exp(-gc) alone (it overflows for strong decays): products
 across sub-chunks are split around a reference row between i and j, and pairs inside one sub-chunk
-are summed exactly, element by element.
+are summed exactly, element by element (diagonal.py).
 """
 from __future__ import annotations
 
@@ -30,81 +30,30 @@ def row_of(x, r, C: tl.constexpr):
 
 
 @triton.jit
-def decayed_gram(a_CK, c_CK, gc_CX, STRICT: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                 C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr, DIAG: tl.constexpr):
-    """M_CC[i, j] = sum_d a_id c_jd exp(gc_id - gc_jd) for j < i (STRICT) or j <= i, else 0.
-    Per channel without DIAG, the S x S diagonal blocks are left 0 (diagonal.py computes them)."""
-    rows = tl.arange(0, C)
-    if STRICT:
-        keep = rows[:, None] > rows[None, :]
-    else:
-        keep = rows[:, None] >= rows[None, :]
-    if PER_CHANNEL:
-        if DIAG:
-            m_CC = _diag_blocks(a_CK, c_CK, gc_CX, STRICT, C, S)
-        else:
-            m_CC = tl.zeros([C, C], tl.float32)
-        sub = rows // S
-        for s in tl.static_range(1, C // S):
-            ref_K = row_of(gc_CX, s * S, C)
-            a_s = a_CK * tl.exp(tl.where(sub[:, None] == s, gc_CX - ref_K[None, :], float("-inf")))
-            c_s = c_CK * tl.exp(tl.where(rows[:, None] < s * S, ref_K[None, :] - gc_CX, float("-inf")))
-            m_CC += tl.dot(a_s, tl.trans(c_s), input_precision=PREC)
-    else:
-        g_C = tl.sum(gc_CX, 1)
-        decay = tl.exp(tl.where(keep, g_C[:, None] - g_C[None, :], float("-inf")))
-        m_CC = tl.dot(a_CK, tl.trans(c_CK), input_precision=PREC) * decay
-    return m_CC
-
-
-@triton.jit
-def _diag_blocks(a_CK, c_CK, gc_CK, STRICT: tl.constexpr, C: tl.constexpr, S: tl.constexpr):
-    """The S x S diagonal blocks of the per-channel decayed Gram, summed exactly: one column per step."""
-    NS: tl.constexpr = C // S
-    K: tl.constexpr = a_CK.shape[1]
-    a3 = tl.reshape(a_CK, [NS, S, K])
-    c3 = tl.reshape(c_CK, [NS, S, K])
-    g3 = tl.reshape(gc_CK, [NS, S, K])
-    ii = tl.arange(0, S)
+def decayed_gram(a_CK, c_CK, gc_CK, C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr):
+    """Per-channel decay: M_CC[i, j] = sum_d a_id c_jd exp(gc_id - gc_jd) for j in an earlier sub-chunk than i,
+    else 0 (the S x S diagonal blocks are diagonal.py's)."""
     rows = tl.arange(0, C)
     m_CC = tl.zeros([C, C], tl.float32)
-    for jj in range(S):
-        sel = (ii == jj)[None, :, None]
-        c_j = tl.sum(tl.where(sel, c3, 0.0), 1)
-        g_j = tl.sum(tl.where(sel, g3, 0.0), 1)
-        if STRICT:
-            below = ii > jj
-        else:
-            below = ii >= jj
-        e3 = tl.exp(tl.where(below[None, :, None], g3 - g_j[:, None, :], float("-inf")))
-        val_C = tl.reshape(tl.sum(a3 * c_j[:, None, :] * e3, 2), [C])
-        col_C = (rows // S) * S + jj
-        m_CC += tl.where(rows[None, :] == col_C[:, None], val_C[:, None], 0.0)
+    sub = rows // S
+    for s in tl.static_range(1, C // S):
+        ref_K = row_of(gc_CK, s * S, C)
+        a_s = a_CK * tl.exp(tl.where(sub[:, None] == s, gc_CK - ref_K[None, :], float("-inf")))
+        c_s = c_CK * tl.exp(tl.where(rows[:, None] < s * S, ref_K[None, :] - gc_CK, float("-inf")))
+        m_CC += tl.dot(a_s, tl.trans(c_s), input_precision=PREC)
     return m_CC
 
 
 @triton.jit
-def decayed_gram_bwd(dm_CC, a_CK, c_CK, gc_CX, PER_CHANNEL: tl.constexpr,
-                     C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr):
-    """(da_CK, dc_CK) of M = decayed_gram(a, c, gc) given dM already masked to M's pattern.
-    Per channel, the S x S diagonal blocks' share is left out (diagonal.py's kernels add it)."""
+def decayed_gram_bwd(dm_CC, a_CK, c_CK, gc_C1, C: tl.constexpr, PREC: tl.constexpr):
+    """Scalar decay: (da_CK, dc_CK) of M_ij = (a_i . c_j) exp(gc_i - gc_j) given dM already masked to M's
+    pattern."""
     rows = tl.arange(0, C)
-    if PER_CHANNEL:
-        da = tl.zeros_like(a_CK)
-        dc = tl.zeros_like(c_CK)
-        sub = rows // S
-        for s in tl.static_range(1, C // S):
-            ref_K = row_of(gc_CX, s * S, C)
-            fa = tl.exp(tl.where(sub[:, None] == s, gc_CX - ref_K[None, :], float("-inf")))
-            fc = tl.exp(tl.where(rows[:, None] < s * S, ref_K[None, :] - gc_CX, float("-inf")))
-            da += tl.dot(dm_CC, c_CK * fc, input_precision=PREC) * fa
-            dc += tl.dot(tl.trans(dm_CC), a_CK * fa, input_precision=PREC) * fc
-    else:
-        g_C = tl.sum(gc_CX, 1)
-        keep = rows[:, None] >= rows[None, :]
-        dme = dm_CC * tl.exp(tl.where(keep, g_C[:, None] - g_C[None, :], float("-inf")))
-        da = tl.dot(dme, c_CK, input_precision=PREC)
-        dc = tl.dot(tl.trans(dme), a_CK, input_precision=PREC)
+    g_C = tl.sum(gc_C1, 1)
+    keep = rows[:, None] >= rows[None, :]
+    dme = dm_CC * tl.exp(tl.where(keep, g_C[:, None] - g_C[None, :], float("-inf")))
+    da = tl.dot(dme, c_CK, input_precision=PREC)
+    dc = tl.dot(tl.trans(dme), a_CK, input_precision=PREC)
     return da, dc
 
 
@@ -118,36 +67,6 @@ def scalar_gram_bwd(dm_CC, a_raw_CK, c_raw_CK, a_scale_C, c_scale_C, g_C, DOTS: 
     da = mm(dme * c_scale_C[None, :], c_raw_CK, DOTS)
     dc = mm(tl.trans(dme * a_scale_C[:, None]), a_raw_CK, DOTS)
     return da, dc
-
-
-@triton.jit
-def unit_lower_inverse(l_CC, C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr):
-    """(I + L)^-1 for strictly lower L: row substitution inside the S x S diagonal blocks, then block substitution."""
-    NS: tl.constexpr = C // S
-    blk = tl.arange(0, NS)
-    same = blk[:, None, None, None] == blk[None, None, :, None]
-    lb = tl.sum(tl.where(same, tl.reshape(l_CC, [NS, S, NS, S]), 0.0), 2)
-    ii = tl.arange(0, S)
-    eye = (ii[:, None] == ii[None, :]).to(tl.float32)
-    tb = tl.zeros([NS, S, S], tl.float32) + eye[None, :, :]
-    for r in range(1, S):
-        l_row = tl.sum(tl.where(ii[None, :, None] == r, lb, 0.0), 1)
-        new_row = tl.where(ii == r, 1.0, 0.0)[None, :] - tl.sum(l_row[:, :, None] * tb, 1)
-        tb = tl.where(ii[None, :, None] == r, new_row[:, None, :], tb)
-    td = tl.reshape(tl.where(same, tl.reshape(tb, [NS, S, 1, S]), 0.0), [C, C])
-    return block_substitution(l_CC, td, C, S, PREC)
-
-
-@triton.jit
-def block_substitution(l_CC, td_CC, C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr):
-    """(I + L)^-1 from td_CC, the inverses of the S x S diagonal blocks of I + L (zero elsewhere)."""
-    rows = tl.arange(0, C)
-    t_CC = td_CC
-    for s in tl.static_range(1, C // S):
-        ls = tl.where((rows[:, None] // S == s) & (rows[None, :] < s * S), l_CC, 0.0)
-        x = tl.dot(ls, t_CC, input_precision=PREC)
-        t_CC = t_CC - tl.dot(td_CC, x, input_precision=PREC)
-    return t_CC
 
 
 @triton.jit
@@ -211,8 +130,8 @@ def block_diagonal(x_BSS, C: tl.constexpr, S: tl.constexpr):
 def merge_block_inverse(l_CC, td_CC, C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr):
     """(I + L)^-1 from td_CC, the inverses of the S x S diagonal blocks of I + L, merging neighbouring
     blocks level by level (S -> 2S -> ... -> C): for M = [[A, 0], [N, B]], M^-1 = T - T N T with
-    T = blockdiag(A^-1, B^-1). Two products per level, log2(C / S) levels (block_substitution: two
-    per block row, C / S - 1 rows)."""
+    T = blockdiag(A^-1, B^-1). Two products per level, log2(C / S) levels, where substituting block row by
+    block row would take C / S - 1 dependent rounds."""
     rows = tl.arange(0, C)
     t_CC = td_CC
     for level in tl.static_range(0, 7):

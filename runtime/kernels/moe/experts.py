@@ -6,10 +6,9 @@ with the routing weight and the scatter to pair order in its epilogue; one pass 
 token's k rows. Backward: one GEMM gives d(gate/up) and d(routing weight) (GLU backward in the
 epilogue, the weight gradient added at each row's pair), one gives dx (scattered, then summed
 over k), and the per-expert weight gradients run only for the tensors that require grad, so
-frozen experts under LoRA skip them. dy is always gathered by token: its copy (0.33 ms at
-T 16384, k 10, D 2048 on an H200) cost more than it saved. The routing weights are read in the
-router's [T * k] order and the token of a sorted row is pair // k, so neither is permuted.
-`Tuning` holds the settings under measurement; its defaults are the path measured best.
+frozen experts under LoRA skip them. dy is always gathered by token (a copy costs more than it
+saves). The routing weights are read in the router's [T * k] order and the token of a sorted row
+is pair // k, so neither is permuted.
 
 Shape legend: T tokens, D model width, E experts, F expert width, k top-k, r LoRA rank,
 S = T * k pairs in expert-sorted order, P = T * k pairs in the router's order.
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.kernels.moe import buffers
+from runtime.kernels import buffers
 from runtime.kernels.moe.combine import sum_k
 from runtime.kernels.moe.gather import gather_tokens
 from runtime.kernels.moe.grouped_gemm import (
@@ -35,22 +34,9 @@ from runtime.kernels.moe.grouped_wgrad import grouped_wgrad, sorted_rows_wgrad
 from runtime.kernels.moe.schedule import Schedule, build_schedule, retiled
 
 
-@dataclass(frozen=True)
-class Tuning:
-    """Settings timed side by side in bench/bench_moe.py; defaults are the measured best."""
-
-    # row tile of the schedule, so of every grouped GEMM (None: 128, or 64 when experts average
-    # under 128 rows). Tiles are padded per expert: at ~320 rows per expert 64 wastes ~10% of the
-    # rows against ~20% for 128, at the price of lower reuse per loaded weight tile.
-    block_m: int | None = None
-    # row tile of the GLU backward GEMM alone (None: the schedule's tile). 64 measured 12.44 against
-    # 12.83 ms for the block fwd+bwd on an H200 (2026-11-29): less padding per expert (~320 rows).
-    glu_bwd_block_m: int | None = 64
-    # the gate/up weight gradient through torch._grouped_mm where x's rows are a copy in expert order
-    # (grouped_wgrad.sorted_rows_wgrad): 1.59 against 1.91 ms for grouped_wgrad (H200, 2026-11-29)
-    torch_gate_up_wgrad: bool = True
-    # (storing w * h in the GLU backward for the down weight gradient measured 0.16 ms slower: removed)
-    # (weight gradients with 4-16 experts per program measured no faster, 11.79-11.94 vs 11.35 ms: removed)
+# Row tile of the GLU backward GEMM: smaller than the schedule's 128 when experts hold a few hundred
+# rows each, as tiles are padded per expert (the schedule's own tile is _block_m's).
+GLU_BWD_BLOCK_M = 64
 
 
 @dataclass(frozen=True)
@@ -62,11 +48,8 @@ class Rows:
 
 
 def _x_rows(x_TD: torch.Tensor, sched: Schedule, reread: bool) -> Rows:
-    # The gate/up GEMM gathers rows as fast as it reads a copy (1.60 vs 1.61 ms on an H200 at
-    # T 16384, k 10, D 2048), but the gate/up weight gradient reduces over rows and was 2.33 ms
-    # gathered against 1.94 ms on the copy, which itself costs 0.33 ms: copy only for that reader.
-    # (A copy written by the gate/up GEMM from the tiles it loads gave wrong outputs on the H200
-    # under triton 3.6, rel RMS 0.28, while it passed in the interpreter; it was removed.)
+    # The gate/up GEMM gathers rows as fast as it reads a copy, but the gate/up weight gradient
+    # reduces over rows and runs faster on a copy in expert order: copy only for that reader.
     if reread:
         return Rows(gather_tokens(x_TD, sched), False)
     return Rows(x_TD, True)
@@ -94,11 +77,11 @@ def _gate_up(x: Rows, w_gu, b_gu, lora: Lora, sched: Schedule, glu: Glu):
     xa = None
     low_rank = None
     if lora.A_gu_ErD is not None:
-        xa = grouped_gemm(x.data, Weight(lora.A_gu_ErD), sched, buffers.empty((S, lora.A_gu_ErD.shape[1]), dtype, device),
-                          gather_a=x.by_token)
+        xa = grouped_gemm(x.data, Weight(lora.A_gu_ErD), sched,
+                          buffers.empty(S, lora.A_gu_ErD.shape[1], dtype=dtype, device=device), gather_a=x.by_token)
         low_rank = LowRank(xa, Weight(lora.B_gu_E2Fr), lora.scale)
-    gate_up = buffers.empty((S, two_f), dtype, device)
-    h = buffers.empty((S, two_f // 2), dtype, device)
+    gate_up = buffers.empty(S, two_f, dtype=dtype, device=device)
+    h = buffers.empty(S, two_f // 2, dtype=dtype, device=device)
     grouped_gemm(x.data, Weight(w_gu), sched, h, mode=MODE_GLU_FWD, gather_a=x.by_token, bias_EN=b_gu,
                  low_rank=low_rank, gate_up=gate_up, glu=glu)
     return gate_up, h, xa
@@ -110,9 +93,10 @@ def _down(h_SF, w_d, b_d, w_P, lora: Lora, sched: Schedule):
     ha = None
     low_rank = None
     if lora.A_d_ErF is not None:
-        ha = grouped_gemm(h_SF, Weight(lora.A_d_ErF), sched, buffers.empty((S, lora.A_d_ErF.shape[1]), h_SF.dtype, h_SF.device))
+        ha = grouped_gemm(h_SF, Weight(lora.A_d_ErF), sched,
+                          buffers.empty(S, lora.A_d_ErF.shape[1], dtype=h_SF.dtype, device=h_SF.device))
         low_rank = LowRank(ha, Weight(lora.B_d_EDr), lora.scale)
-    y_pairs = buffers.empty((S, D), h_SF.dtype, h_SF.device)
+    y_pairs = buffers.empty(S, D, dtype=h_SF.dtype, device=h_SF.device)
     grouped_gemm(h_SF, Weight(w_d), sched, y_pairs, scatter_out=True, row_scale_P=w_P, bias_EN=b_d, low_rank=low_rank)
     return sum_k(y_pairs, sched.top_k), ha
 
@@ -122,10 +106,10 @@ _INPUTS = ["x", "weights", "idx", "w_gu", "w_d", "b_gu", "b_d", "A_gu", "B_gu", 
 
 class _SwigluExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, weights_Tk, idx_Tk, w_gu, w_d, b_gu, b_d, A_gu, B_gu, A_d, B_d, scale, glu, tuning):
+    def forward(ctx, x_TD, weights_Tk, idx_Tk, w_gu, w_d, b_gu, b_d, A_gu, B_gu, A_d, B_d, scale, glu):
         T, k = idx_Tk.shape
         E = w_gu.shape[0]
-        sched = build_schedule(idx_Tk, E, tuning.block_m or _block_m(T * k, E))
+        sched = build_schedule(idx_Tk, E, _block_m(T * k, E))
         w_P = weights_Tk.reshape(-1).contiguous()
         lora = Lora(A_gu, B_gu, A_d, B_d, scale)
         need = dict(zip(_INPUTS, ctx.needs_input_grad))
@@ -136,7 +120,7 @@ class _SwigluExperts(torch.autograd.Function):
         y_TD, ha = _down(h, w_d, b_d, w_P, lora, sched)
         ctx.save_for_backward(x.data if keep_x else None, w_P, idx_Tk, w_gu, w_d, b_d, A_gu, B_gu, A_d, B_d,
                               gate_up, h, xa, ha)
-        ctx.sched, ctx.scale, ctx.glu, ctx.x_by_token, ctx.tuning = sched, scale, glu, x.by_token, tuning
+        ctx.sched, ctx.scale, ctx.glu, ctx.x_by_token = sched, scale, glu, x.by_token
         ctx.dtypes = {"x": x_TD.dtype, "weights": weights_Tk.dtype, "b_gu": getattr(b_gu, "dtype", None),
                       "b_d": getattr(b_d, "dtype", None)}
         return y_TD
@@ -149,19 +133,19 @@ class _SwigluExperts(torch.autograd.Function):
         x = Rows(x_data, ctx.x_by_token)
         dy = Rows(dy_TD.contiguous().to(ctx.dtypes["x"]), True)
         lora = Lora(A_gu, B_gu, A_d, B_d, ctx.scale)
-        glu_sched = _own_tiles(sched, ctx.tuning.glu_bwd_block_m)
+        glu_sched = _own_tiles(sched, GLU_BWD_BLOCK_M)
         d_gate_up, dw_P, dyb = _backward_glu(dy, w_d, w_P, gate_up, lora, glu_sched, ctx.glu, need["weights"])
         lg = None
         if A_gu is not None and (need["x"] or need["A_gu"]):
             lg = _lora_grad_rows(d_gate_up, lora, sched)
         grads = _input_grads(d_gate_up, dw_P, w_gu, b_d, dy.data, idx_Tk, lg, lora, sched, need)
-        grads |= _weight_grads(x, dy, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg, lora, sched, need, ctx.tuning)
+        grads |= _weight_grads(x, dy, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg, lora, sched, need)
         params = dict(w_gu=w_gu, w_d=w_d, A_gu=A_gu, B_gu=B_gu, A_d=A_d, B_d=B_d)
-        return (*(_cast(grads.get(n), params.get(n), ctx.dtypes.get(n)) for n in need), None, None, None)
+        return (*(_cast(grads.get(n), params.get(n), ctx.dtypes.get(n)) for n in need), None, None)
 
 
-def _own_tiles(sched: Schedule, block_m: int | None) -> Schedule:
-    return sched if block_m is None or block_m == sched.block_m else retiled(sched, block_m)
+def _own_tiles(sched: Schedule, block_m: int) -> Schedule:
+    return sched if block_m == sched.block_m else retiled(sched, block_m)
 
 
 def _backward_glu(dy: Rows, w_d, w_P, gate_up, lora: Lora, sched: Schedule, glu: Glu, want_dw: bool):
@@ -171,9 +155,9 @@ def _backward_glu(dy: Rows, w_d, w_P, gate_up, lora: Lora, sched: Schedule, glu:
     low_rank = None
     if lora.A_d_ErF is not None:
         dyb = grouped_gemm(dy.data, Weight(lora.B_d_EDr, transposed=True), sched,
-                           buffers.empty((S, lora.B_d_EDr.shape[2]), dtype, device), gather_a=dy.by_token)
+                           buffers.empty(S, lora.B_d_EDr.shape[2], dtype=dtype, device=device), gather_a=dy.by_token)
         low_rank = LowRank(dyb, Weight(lora.A_d_ErF, transposed=True), lora.scale)
-    d_gate_up = buffers.empty(gate_up.shape, dtype, device)
+    d_gate_up = buffers.empty(gate_up.shape, dtype=dtype, device=device)
     # the kernel adds one partial sum per column tile into each pair's entry
     dw_P = torch.zeros(S, dtype=torch.float32, device=device) if want_dw else None
     grouped_gemm(dy.data, Weight(w_d, transposed=True), sched, d_gate_up, mode=MODE_GLU_BWD, gather_a=dy.by_token,
@@ -198,19 +182,19 @@ def _input_grads(d_gate_up, dw_P, w_gu, b_d, dy_TD, idx_Tk, lg, lora: Lora, sche
         grads["weights"] = dw_Tk
     if need["x"]:
         low_rank = LowRank(lg, Weight(lora.A_gu_ErD, transposed=True), lora.scale) if lg is not None else None
-        dx_pairs = buffers.empty((d_gate_up.shape[0], w_gu.shape[2]), d_gate_up.dtype, d_gate_up.device)
+        dx_pairs = buffers.empty(d_gate_up.shape[0], w_gu.shape[2], dtype=d_gate_up.dtype, device=d_gate_up.device)
         grouped_gemm(d_gate_up, Weight(w_gu, transposed=True), sched, dx_pairs, scatter_out=True, low_rank=low_rank)
         grads["x"] = sum_k(dx_pairs, k)
     return grads
 
 
 def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg, lora: Lora, sched: Schedule,
-                  need: dict, tuning: Tuning) -> dict:
+                  need: dict) -> dict:
     """h takes the routing weight w as a row scale in the down-side gradients."""
     s = lora.scale
     grads = {}
     if need["w_gu"]:
-        grads["w_gu"] = _gate_up_wgrad(d_gate_up, x, sched, tuning)
+        grads["w_gu"] = _gate_up_wgrad(d_gate_up, x, sched)
     if need["w_d"]:
         grads["w_d"] = grouped_wgrad(dy.data, h, sched, gather_a=dy.by_token, row_scale_P=w_P)
     if need["b_gu"]:
@@ -228,16 +212,15 @@ def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg,
     return grads
 
 
-def _gate_up_wgrad(d_gate_up, x: Rows, sched: Schedule, tuning: Tuning) -> torch.Tensor:
-    grad = None
-    if tuning.torch_gate_up_wgrad and not x.by_token:
-        grad = sorted_rows_wgrad(d_gate_up, x.data, sched)
-    return grad if grad is not None else grouped_wgrad(d_gate_up, x.data, sched, gather_b=x.by_token)
+def _gate_up_wgrad(d_gate_up, x: Rows, sched: Schedule) -> torch.Tensor:
+    """x's rows are the copy in expert order here (_x_rows): torch._grouped_mm where it takes them."""
+    grad = sorted_rows_wgrad(d_gate_up, x.data, sched)
+    return grad if grad is not None else grouped_wgrad(d_gate_up, x.data, sched)
 
 
 def _lora_grad_rows(d_gate_up, lora: Lora, sched: Schedule) -> torch.Tensor:
     """d_gate_up @ B_gu per sorted row: the rank-r signal reaching A_gu and, through it, x."""
-    out = buffers.empty((d_gate_up.shape[0], lora.B_gu_E2Fr.shape[2]), d_gate_up.dtype, d_gate_up.device)
+    out = buffers.empty(d_gate_up.shape[0], lora.B_gu_E2Fr.shape[2], dtype=d_gate_up.dtype, device=d_gate_up.device)
     return grouped_gemm(d_gate_up, Weight(lora.B_gu_E2Fr, transposed=True), sched, out)
 
 
@@ -269,15 +252,13 @@ def swiglu_experts(
     lora_gate_up: tuple[torch.Tensor, torch.Tensor] | None = None,
     lora_down: tuple[torch.Tensor, torch.Tensor] | None = None,
     lora_scale: float = 1.0,
-    tuning: Tuning = Tuning(),
 ) -> torch.Tensor:
     """Routed experts, y_TD = sum_j weights[t, j] * expert_{idx[t, j]}(x[t]), in x's dtype.
-    Contract of reference_ops/moe.py; the kernels implement silu and the gpt-oss GLU only.
-    `tuning` picks settings under measurement (numerically equivalent; the default is the measured best)."""
+    Contract of reference_ops/moe.py; the kernels implement silu and the gpt-oss GLU only."""
     if activation != "silu" and glu_alpha is None:
         raise ValueError(f"swiglu_experts kernel: activation {activation!r} is not fused; use runtime.ops.moe")
     A_gu, B_gu = lora_gate_up if lora_gate_up is not None else (None, None)
     A_d, B_d = lora_down if lora_down is not None else (None, None)
     glu = Glu(interleaved_gate_up, clamp, glu_alpha)
     return _SwigluExperts.apply(x_TD.contiguous(), weights_Tk, idx_Tk, w_gate_up_E2FD, w_down_EDF, b_gate_up_E2F,
-                                b_down_ED, A_gu, B_gu, A_d, B_d, float(lora_scale), glu, tuning)
+                                b_down_ED, A_gu, B_gu, A_d, B_d, float(lora_scale), glu)

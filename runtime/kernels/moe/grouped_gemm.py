@@ -6,16 +6,13 @@ One kernel, three epilogues (MODE):
 - GLU_FWD: each program owns BLOCK_N gate/up units and runs two dots over the same A tile, one
   for the gate rows of W and one for the up rows; stores the pre-activation gate/up (kept for
   the backward) and h = glu(gate, up), with no reshuffling of the accumulator.
-- GLU_BWD: acc = dy @ W_down[e] = dh / w; recomputes h from the saved gate/up, adds the routing
-  weight gradient sum(acc * h) at the row's pair (atomically, one add per column tile), and
-  stores d(gate/up).
-With GATHER_A row s of A is A[pair(s) // k], the sorted row's token, so x and dy need no copy in
-expert order; the row scale (the routing weight) is read at pair(s), in the router's [T * k]
-order. The optional low-rank term is LoRA: scale * L[s] @ R[e]^T with L [S, r].
+- GLU_BWD: acc = dy @ W_down[e] = dh / w; recomputes h from the saved gate/up, adds the routing weight
+  gradient sum(acc * h) at the row's pair (atomically, one add per column tile), stores d(gate/up).
+With GATHER_A row s of A is A[pair(s) // k], the sorted row's token (no copy of x or dy); the
+row scale (the routing weight) is read at pair(s). The low-rank term is LoRA: scale * L[s] @ R[e]^T.
+W[e] is addressed as [N, K] through its strides: nn.Linear layouts and their transposes alike.
 
-Shape legend: S sorted rows, N output columns of the accumulator, K reduction width,
-E experts, r LoRA rank. W[e] is addressed as [N, K] through its strides, so nn.Linear
-layouts and their transposes both work without copies.
+Shape legend: S sorted rows, N accumulator columns, K reduction width, E experts, r LoRA rank.
 """
 from __future__ import annotations
 
@@ -209,13 +206,8 @@ def _interpreting() -> bool:
 def _tuned_configs() -> list[triton.Config]:
     if _interpreting():
         return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
-    # Winners of the per-GEMM sweep in bench/bench_moe.py --sweep (H200, triton 3.6, Qwen3-Next
-    # widths, 2026-11-29): gate/up forward and GLU backward 128 units / stages 4 (1.60 and 1.33 ms;
-    # 256 units do not fit in shared memory with two accumulators), down forward 128 / stages 3
-    # (1.05 ms), dx 256 / stages 3 (1.34 ms). The last two are for 64-row tiles (Tuning.block_m,
-    # glu_bwd_block_m), where they fit without spills (ptxas for sm_90a, triton 3.9, with the
-    # launch's divisibility hints: the GLU backward spills at 128 rows x 128 units with 8 warps and
-    # at 64 rows x 256 units, not at 64 x 128).
+    # The autotuner's candidates, one per GEMM of the block at Qwen3-Next widths that it wins
+    # (bench/NOTES.md has the sweep): two accumulators (GLU forward) leave no room for 256 units.
     return [
         triton.Config({"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
         triton.Config({"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
@@ -234,7 +226,7 @@ _tuned_kernel = triton.autotune(
 )(_even_k_kernel)
 # The autotuner's choice per GEMM shape and flags, launched afterwards without the autotuner and the
 # EVEN_K heuristic in between (their per-call Python work is host time the GPU can wait on; see
-# runtime/kernels/launch.py). Cleared together with _tuned_kernel.cache where that is retuned.
+# runtime/kernels/launch.py).
 CHOSEN_CONFIGS: dict = {}
 # Narrow outputs (the rank-r LoRA projections) take one fixed config sized to N.
 SMALL_N = 64
@@ -292,11 +284,10 @@ def _dw_placeholder(device: torch.device) -> torch.Tensor:
 
 def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, gather_a=False, scatter_out=False,
                  row_scale_P=None, bias_EN=None, low_rank: LowRank | None = None, gate_up=None, dw_P=None,
-                 glu: Glu = Glu(), config: dict | None = None):
+                 glu: Glu = Glu()):
     """Runs the kernel over every row tile of `sched`; writes `out` (and gate_up / dw_P by mode).
     gather_a: A is [T, K], sorted row s reads A[pair(s) // k]; scatter_out: row s lands at out[pair(s)].
-    row_scale_P and dw_P are in pair order ([T * k], the router's). `config` (BLOCK_N, BLOCK_K,
-    num_warps, num_stages) bypasses the autotuner (benchmark sweeps)."""
+    row_scale_P and dw_P are in pair order ([T * k], the router's)."""
     # Accumulator columns: W's N rows, or the F gate/up units in the GLU modes (2F rows of W in GLU_FWD).
     N, K = w.data.shape[2 if w.transposed else 1], a_SK.shape[1]
     N = N // 2 if mode == MODE_GLU_FWD else N
@@ -322,8 +313,7 @@ def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, gath
         CLAMP=glu.clamp is not None, HAS_ALPHA=glu.alpha is not None, PRECISION=_dot_precision(a_SK.dtype),
         BLOCK_M=sched.block_m, BLOCK_R=_small_block(lr.left_Sr.shape[1]),
     )
-    if config is None and N <= SMALL_N:
-        config = dict(BLOCK_N=_small_block(N), BLOCK_K=32, num_warps=4)
+    config = dict(BLOCK_N=_small_block(N), BLOCK_K=32, num_warps=4) if N <= SMALL_N else None
     tuned_key = (N, K, a_SK.dtype, w.data.dtype, out.dtype, *flags.values())
     if config is None and tuned_key in CHOSEN_CONFIGS:
         config = CHOSEN_CONFIGS[tuned_key].all_kwargs()

@@ -5,15 +5,10 @@ A or B may be read by token (row pair(s) // k of a [T, .] tensor: dy is, and x w
 expert order exists), else by sorted row; an expert that received no rows gets zeros. The row
 scale (the routing weight) is read at the row's pair, in the router's [T * k] order.
 
-One program per (output tile, expert). A form with one program per (output tile, 4-16 consecutive
-experts), one loop over their rows and a TMA store at each expert's end, measured no faster on the
-H200 (full fine-tune fwd+bwd 11.79-11.94 ms vs 11.35; bench/bench_moe.py) and was removed.
-
-`sorted_rows_wgrad` is the same gradient through torch._grouped_mm (CUTLASS's grouped GEMM, groups
-along the reduced rows) when both operands' rows are in expert order, unscaled: the gate/up weight
-gradient at Qwen3-Next widths took 1.59 ms there against 1.91 here (H200, bench/bench_moe.py --sweep,
-2026-11-29 15:57, bench/results/2026-11-29-moe-sweep.json); the down one, which scales dy's rows by the
-routing weight first, 1.63 against 1.48, so it stays here.
+One program per (output tile, expert). `sorted_rows_wgrad` is the same gradient through
+torch._grouped_mm (CUTLASS's grouped GEMM, groups along the reduced rows) when both operands' rows
+are in expert order and unscaled: the gate/up weight gradient runs faster there; the down one,
+which scales dy's rows by the routing weight first, stays here (bench/NOTES.md).
 
 Shape legend: S sorted rows, M and N the two sides of the gradient, E experts.
 """
@@ -25,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.moe import buffers
+from runtime.kernels import buffers
 from runtime.kernels.moe.schedule import Schedule
 
 
@@ -67,11 +62,7 @@ def grouped_wgrad_kernel(
 def _tuned_configs() -> list[triton.Config]:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
-    # Winners of bench/bench_moe.py --sweep (H200, 2026-11-29): gate/up 1.94 ms with 8 warps, down
-    # 1.49 ms with 4 (1.52 with 8); stages 4 and BLOCK_K 32/128, 128x256, 256x128 were slower.
-    # Each program reduces only ~5 steps of 64 rows (~320 rows per expert), so the load latency
-    # before its first step is hidden by other programs on the SM: with 2 stages a program takes
-    # 64 KB of shared memory instead of 96, three fit on an SM instead of two (not yet timed).
+    # The autotuner's candidates: 8 warps win the gate/up gradient, 4 the down one (bench/NOTES.md)
     return [
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=3),
@@ -104,15 +95,13 @@ def sorted_rows_wgrad(a_SM: torch.Tensor, b_SN: torch.Tensor, sched: Schedule) -
     return torch._grouped_mm(a_SM.t(), b_SN, offs=sched.ends_E)
 
 
-def grouped_wgrad(a_SM, b_SN, sched: Schedule, *, gather_a=False, gather_b=False, row_scale_P=None, alpha=1.0,
-                  config: dict | None = None) -> torch.Tensor:
+def grouped_wgrad(a_SM, b_SN, sched: Schedule, *, gather_a=False, gather_b=False, row_scale_P=None,
+                  alpha=1.0) -> torch.Tensor:
     """[E, M, N] gradient in b's dtype; a (b) read by token when gather_a (gather_b), else by sorted
-    row; row_scale_P in pair order. `config` (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
-    bypasses the autotuner."""
+    row; row_scale_P in pair order."""
     M, N, E = a_SM.shape[1], b_SN.shape[1], sched.num_experts
-    out = buffers.empty((E, M, N), b_SN.dtype, a_SM.device)
-    if config is None and min(M, N) <= SMALL:
-        config = _small_config(M, N)
+    out = buffers.empty(E, M, N, dtype=b_SN.dtype, device=a_SM.device)
+    config = _small_config(M, N) if min(M, N) <= SMALL else None
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), E)  # noqa: E731
     kernel = grouped_wgrad_kernel if config is not None else _tuned_kernel
     kernel[grid](

@@ -1,7 +1,7 @@
 """Expert-sorted order of the (token, choice) pairs and the row-tile schedule of the grouped GEMMs.
 
 One torch sort, then one Triton launch that finds each expert's rows in the sorted ids and cuts
-them into row tiles (it replaced about twenty tiny torch launches, each a host-side dispatch at
+them into row tiles (instead of some twenty tiny torch launches, each a host-side dispatch at
 the start of the forward, when the GPU waits on the host). No host sync: the grid is sized by an
 upper bound on the number of row tiles (cdiv(S, block_m) + E) and tiles past the real count
 carry expert id E, which the kernels skip. The kernels read a sorted row's token as pair // k and
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from runtime.kernels.launch import fast
-from runtime.kernels.moe import buffers
+from runtime.kernels import buffers
 
 
 @dataclass(frozen=True)
@@ -83,10 +83,11 @@ def _row_tiles(expert_S: torch.Tensor, num_experts: int, block_m: int):
     """(ends_E, tile_expert, tile_start), int32, from the sorted expert ids (one launch)."""
     num_rows, device = expert_S.numel(), expert_S.device
     num_tiles = triton.cdiv(num_rows, block_m) + num_experts
-    ends_E = buffers.empty((num_experts,), torch.int32, device)
-    tile_expert = buffers.empty((num_tiles,), torch.int32, device)
-    tile_start = buffers.empty((num_tiles,), torch.int32, device)
+    ends_E = buffers.empty(num_experts, dtype=torch.int32, device=device)
+    tile_expert = buffers.empty(num_tiles, dtype=torch.int32, device=device)
+    tile_start = buffers.empty(num_tiles, dtype=torch.int32, device=device)
     block_e = triton.next_power_of_2(num_experts)
+    # each program compares its tiles against every expert: about 8192 (tile, expert) pairs a program
     block_tiles = max(16, 8192 // block_e)
     fast(row_tiles_kernel)[(triton.cdiv(num_tiles, block_tiles),)](
         expert_S, num_rows, num_rows.bit_length() + 1, ends_E, tile_expert, tile_start, num_experts, num_tiles,

@@ -14,7 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.sparse_attention import buffers
+from runtime.kernels import buffers
+
+# Queries and keys per program of the scoring kernel, 8 warps (bench/NOTES.md: a larger query tile
+# timed the same); queries per block of indexer_topk: its [B, block, T] fp32 scores bound the memory.
+BLOCK_Q, BLOCK_T, NUM_WARPS = 64, 128, 8
+QUERY_BLOCK = 4096
 
 
 @triton.jit
@@ -45,19 +50,19 @@ def _scores_kernel(q_ptr, k_ptr, w_ptr, out_ptr, first, num_queries, num_keys, T
     tl.store(out_ptrs, scores, mask=query_ok[:, None] & key_ok[None, :])
 
 
-def block_scores(q_BTHK, k_BTK, weights_BTH, scale, first, last, BQ=64, BT=128, num_warps=8):
+def block_scores(q_BTHK, k_BTK, weights_BTH, scale, first, last):
     """Indexer scores of queries first..last-1 against keys 0..last-1 -> [B, last-first, last] fp32."""
     B, T, H, K = q_BTHK.shape
     Q = last - first
-    scores_BQT = buffers.empty((B, Q, last), torch.float32, q_BTHK.device)
-    grid = (triton.cdiv(last, BT), triton.cdiv(Q, BQ), B)
+    scores_BQT = buffers.empty(B, Q, last, dtype=torch.float32, device=q_BTHK.device)
+    grid = (triton.cdiv(last, BLOCK_T), triton.cdiv(Q, BLOCK_Q), B)
     _scores_kernel[grid](q_BTHK, k_BTK, weights_BTH, scores_BQT, first, Q, last, T, H, K, scale,
-                         BQ=BQ, BT=BT, BK=max(16, triton.next_power_of_2(K)), num_warps=num_warps)
+                         BQ=BLOCK_Q, BT=BLOCK_T, BK=max(16, triton.next_power_of_2(K)), num_warps=NUM_WARPS)
     return scores_BQT
 
 
 @torch.no_grad()
-def indexer_topk(q_BTHK, k_BTK, weights_BTH, scale, topk, block_size=4096, **config) -> torch.Tensor:
+def indexer_topk(q_BTHK, k_BTK, weights_BTH, scale, topk, block_size=QUERY_BLOCK) -> torch.Tensor:
     """Top-min(topk, T) keys per query by indexer score; -1 where fewer keys are visible.
 
     q_BTHK [B, T, H, K], k_BTK [B, T, K], weights_BTH [B, T, H] -> idx_BTS [B, T, S] int32,
@@ -69,7 +74,7 @@ def indexer_topk(q_BTHK, k_BTK, weights_BTH, scale, topk, block_size=4096, **con
     idx_BTS = torch.full((B, T, S), -1, dtype=torch.int32, device=k_BTK.device)
     for first in range(0, T, block_size):
         last = min(first + block_size, T)
-        scores_BQT = block_scores(q_BTHK, k_BTK, weights_BTH, scale, first, last, **config)
+        scores_BQT = block_scores(q_BTHK, k_BTK, weights_BTH, scale, first, last)
         values_BQS, block_BQS = scores_BQT.topk(min(S, last), dim=-1)
         idx_BTS[:, first:last, : block_BQS.shape[-1]] = block_BQS.masked_fill_(values_BQS == float("-inf"), -1).to(torch.int32)
     return idx_BTS

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
 
 from pydantic import BaseModel, field_serializer
 
@@ -51,6 +51,14 @@ class TierResult(BaseModel):
     num_failed: int
     checks: list[Check]
 
+    def counts(self) -> dict[str, int]:
+        """Checks per verdict: a skip is not a pass, an info is no verdict at all."""
+        return {verdict: sum(1 for c in self.checks if c.verdict == verdict) for verdict in get_args(Verdict)}
+
+    def summary(self) -> str:
+        counts = ", ".join(f"{n} {verdict}" for verdict, n in self.counts().items())
+        return f"tier {self.tier}: {'pass' if self.passed else 'FAIL'} ({counts})"
+
 
 class AlignmentReport(BaseModel):
     package: str
@@ -61,7 +69,7 @@ class AlignmentReport(BaseModel):
     passed: bool
 
     def summary_line(self) -> str:
-        parts = [f"tier {t.tier}: {'pass' if t.passed else 'FAIL'} ({t.num_checks - t.num_failed}/{t.num_checks})" for t in self.tiers]
+        parts = [t.summary() for t in self.tiers]
         if self.first_divergence:
             d = self.first_divergence
             parts.append(f"first divergence: layer {d.layer} {d.component} ({d.kind}: {', '.join(d.ops)})")

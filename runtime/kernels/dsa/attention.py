@@ -15,9 +15,16 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels.sparse_attention import buffers
+from runtime.kernels import buffers
 
 LOG2E = 1.4426950408889634
+# Heads per program (BH) and selected keys per step (BS): all heads of a token share its gathered
+# kv rows, so more heads per program means fewer gathers. The backward holds q, dO and dq of its
+# heads in shared memory: 64 heads x 576 channels do not fit in an H200's 227 KB, 32 do.
+FWD_HEADS, FWD_KEYS = 64, 64
+BWD_HEADS, BWD_KEYS = 32, 32
+# 8 warps and 2 pipeline stages, forward and backward: the fastest timed (bench/NOTES.md)
+NUM_WARPS, NUM_STAGES = 8, 2
 
 
 @triton.jit
@@ -46,8 +53,7 @@ def _load_heads(ptr, tok, h0, H, width, row_width, col0, BH: tl.constexpr, BW: t
 def _token_and_head0(H, BH: tl.constexpr):
     """(token, first head) of this program on the 1-D grid. A token's head blocks are neighbours in
     launch order, so they run together and gather the same kv rows (and add into the same dkv rows)
-    through L2: the backward took 503.7 ms against 550.9 with the grid walking all tokens once per
-    head block (H200, T=32768, 4 head blocks; the forward's 2: 70.96 against 70.45, noise)."""
+    through L2."""
     head_blocks = tl.cdiv(H, BH)
     pid = tl.program_id(0).to(tl.int64)
     return pid // head_blocks, (pid % head_blocks).to(tl.int32) * BH
@@ -122,50 +128,39 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_
     tl.store(dq_row + V + offs_r[None, :], (dq_r * scale).to(dq_ptr.dtype.element_ty), mask=head_ok & (offs_r[None, :] < R))
 
 
-CONFIG_KEYS = {"BH", "BS", "num_warps", "num_stages"}
-
-
-def _tiles(H, V, R, config, max_heads, keys):
-    # a misspelt or retired key would otherwise time the default while reporting the config asked for
-    if set(config) - CONFIG_KEYS:
-        raise ValueError(f"sparse attention config: unknown keys {sorted(set(config) - CONFIG_KEYS)}; "
-                         f"known: {sorted(CONFIG_KEYS)}")
-    BH = config.get("BH", min(max_heads, max(16, triton.next_power_of_2(H))))
-    return dict(BH=BH, BS=config.get("BS", keys), BV=max(16, triton.next_power_of_2(V)),
-                BR=max(16, triton.next_power_of_2(R)))
+def _tiles(H, V, R, max_heads, keys):
+    return dict(BH=min(max_heads, max(16, triton.next_power_of_2(H))), BS=keys,
+                BV=max(16, triton.next_power_of_2(V)), BR=max(16, triton.next_power_of_2(R)))
 
 
 def _grid(num_tokens, H, tiles):
     return (num_tokens * triton.cdiv(H, tiles["BH"]),)
 
 
-def sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, scale, v_dim, **config):
+def sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, scale, v_dim):
     """-> (o_BTHV in q's dtype, lse_BTH fp32 in base 2, +inf for heads without keys)."""
     B, T, H, K = q_BTHK.shape
     S, R = idx_BTS.shape[-1], K - v_dim
-    # defaults: the fastest of the configs timed by bench/bench_dsa.py on an H200 (T=32768, H=128)
-    tiles = _tiles(H, v_dim, R, config, max_heads=64, keys=64)
-    o_BTHV = buffers.empty((B, T, H, v_dim), q_BTHK.dtype, q_BTHK.device)
-    lse_BTH = buffers.empty((B, T, H), torch.float32, q_BTHK.device)
-    grid = _grid(B * T, H, tiles)
-    _fwd_kernel[grid](q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale * LOG2E, T, H, S, v_dim, R,
-                      num_warps=config.get("num_warps", 8), num_stages=config.get("num_stages", 2), **tiles)
+    tiles = _tiles(H, v_dim, R, FWD_HEADS, FWD_KEYS)
+    o_BTHV = buffers.empty(B, T, H, v_dim, dtype=q_BTHK.dtype, device=q_BTHK.device)
+    lse_BTH = buffers.empty(B, T, H, dtype=torch.float32, device=q_BTHK.device)
+    _fwd_kernel[_grid(B * T, H, tiles)](q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale * LOG2E, T, H, S, v_dim, R,
+                                        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **tiles)
     return o_BTHV, lse_BTH
 
 
-def sparse_attention_bwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, do_BTHV, scale, **config):
+def sparse_attention_bwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, do_BTHV, scale):
     """-> (dq_BTHK in q's dtype, dkv_BTK in kv's dtype); dkv is accumulated in fp32."""
     B, T, H, K = q_BTHK.shape
     S, V = idx_BTS.shape[-1], o_BTHV.shape[-1]
-    # 64 heads x 576 channels of q, dO and dq do not fit in shared memory at once (315 KB > 227 KB on H200)
-    tiles = _tiles(H, V, K - V, config, max_heads=32, keys=32)
+    tiles = _tiles(H, V, K - V, BWD_HEADS, BWD_KEYS)
     delta_BTH = (o_BTHV.float() * do_BTHV.float()).sum(-1)
-    dq_BTHK = buffers.empty(q_BTHK.shape, q_BTHK.dtype, q_BTHK.device)
+    dq_BTHK = buffers.empty(q_BTHK.shape, dtype=q_BTHK.dtype, device=q_BTHK.device)
+    # atomically accumulated: must start at zero
     dkv32_BTK = torch.zeros(kv_BTK.shape, dtype=torch.float32, device=kv_BTK.device)
-    grid = _grid(B * T, H, tiles)
-    _bwd_kernel[grid](q_BTHK, kv_BTK, idx_BTS, do_BTHV, lse_BTH, delta_BTH, dq_BTHK, dkv32_BTK,
-                      scale, scale * LOG2E, T, H, S, V, K - V,
-                      num_warps=config.get("num_warps", 8), num_stages=config.get("num_stages", 2), **tiles)
+    _bwd_kernel[_grid(B * T, H, tiles)](q_BTHK, kv_BTK, idx_BTS, do_BTHV, lse_BTH, delta_BTH, dq_BTHK, dkv32_BTK,
+                                        scale, scale * LOG2E, T, H, S, V, K - V,
+                                        num_warps=NUM_WARPS, num_stages=NUM_STAGES, **tiles)
     return dq_BTHK, dkv32_BTK.to(kv_BTK.dtype)
 
 

@@ -5,11 +5,9 @@ cuBLAS for the three projections, one Triton pass for the activation each way.
 
 gate and up (and the shared-expert gate g, [1, D], when given) are one GEMM over their stacked
 rows, so x is read once forward and dx is one GEMM backward. The sigmoid gate is applied to h
-before the down projection (down is linear, so sigmoid(s) * down(h) = down(sigmoid(s) * h)), and
-the residual (the routed experts' output) is added by the down GEMM itself (addmm in place,
-beta 1): neither the gate nor the add costs a pass over [T, D]. Backward, the same activation
-pass gives d(gate), d(up) and d(s) (a sum over the row's F units). In torch these were ~10
-elementwise launches fwd+bwd over [T, F] and [T, D] and three separate GEMMs each way.
+before the down projection (down is linear), and the residual (the routed experts' output) is
+added by the down GEMM itself (addmm in place): neither costs a pass over [T, D]. Backward, the
+same activation pass gives d(gate), d(up) and d(s) (a sum over the row's F units).
 
 Shape legend: T tokens (all leading dims of x), D model width, F MLP width,
 N = stacked rows: F gate, F up, 1 gate row of g when gated, zero rows up to a multiple of 8
@@ -24,8 +22,13 @@ import triton
 import triton.language as tl
 
 from runtime.kernels.launch import fast
-from runtime.kernels.moe import buffers
-from runtime.ops import moe as torch_ops
+from runtime.kernels import buffers
+from runtime.ops import mlp as torch_ops
+
+
+# Tiles of the activation passes: [32 rows, 128 units] forward, 16 rows walking all units backward;
+# 8 warps keep both free of register spills (the register counts are in bench/NOTES.md)
+FWD_BLOCK_T, BWD_BLOCK_T, MAX_BLOCK_F, NUM_WARPS = 32, 16, 128, 8
 
 
 @triton.jit
@@ -94,7 +97,7 @@ def _zero_rows(num_rows: int, D: int, dtype: torch.dtype, device: torch.device) 
 
 
 def _stack_weights(w_gate_FD, w_up_FD, g_1D) -> torch.Tensor:
-    """[N, D]: gate rows, up rows, g (when given), zero rows (4 MB at F 512, D 2048: ~5 us)."""
+    """[N, D]: gate rows, up rows, g (when given), zero rows."""
     F, D = w_gate_FD.shape
     parts = [w_gate_FD, w_up_FD] + ([g_1D] if g_1D is not None else [])
     pad = _stacked_rows(F, g_1D is not None) - 2 * F - int(g_1D is not None)
@@ -105,24 +108,22 @@ def _stack_weights(w_gate_FD, w_up_FD, g_1D) -> torch.Tensor:
 
 def _activation(gus_TN, F: int, gated: bool) -> torch.Tensor:
     T = gus_TN.shape[0]
-    h_TF = buffers.empty((T, F), gus_TN.dtype, gus_TN.device)
-    block_f = min(128, triton.next_power_of_2(F))
-    grid = (triton.cdiv(T, 32), triton.cdiv(F, block_f))
-    # 8 warps: 74 registers a thread for sm_90a (162 with 4), no spills (bench/kernel_resources.py)
-    fast(swiglu_forward_kernel)[grid](gus_TN, h_TF, T, F, gus_TN.stride(0), HAS_GATE=gated, BLOCK_T=32, BLOCK_F=block_f,
-                                num_warps=8)
+    h_TF = buffers.empty(T, F, dtype=gus_TN.dtype, device=gus_TN.device)
+    block_f = min(MAX_BLOCK_F, triton.next_power_of_2(F))
+    grid = (triton.cdiv(T, FWD_BLOCK_T), triton.cdiv(F, block_f))
+    fast(swiglu_forward_kernel)[grid](gus_TN, h_TF, T, F, gus_TN.stride(0), HAS_GATE=gated, BLOCK_T=FWD_BLOCK_T,
+                                      BLOCK_F=block_f, num_warps=NUM_WARPS)
     return h_TF
 
 
 def _activation_backward(gus_TN, dh_TF, F: int, gated: bool) -> torch.Tensor:
     T, N = gus_TN.shape
-    dgus_TN = buffers.empty((T, N), gus_TN.dtype, gus_TN.device)
-    block_f = min(128, triton.next_power_of_2(F))
-    # one program per 16 rows walks all F units (d(s) sums over them); 8 warps: 109 registers a thread
-    # for sm_90a (250 with 4, which would leave two programs an SM), no spills
-    fast(swiglu_backward_kernel)[(triton.cdiv(T, 16),)](
-        gus_TN, dh_TF.contiguous(), dgus_TN, T, F, N, gus_TN.stride(0), HAS_GATE=gated, BLOCK_T=16, BLOCK_F=block_f,
-        BLOCK_PAD=max(1, triton.next_power_of_2(N - 2 * F)), num_warps=8)
+    dgus_TN = buffers.empty(T, N, dtype=gus_TN.dtype, device=gus_TN.device)
+    block_f = min(MAX_BLOCK_F, triton.next_power_of_2(F))
+    # one program per BWD_BLOCK_T rows walks all F units (d(s) sums over them)
+    fast(swiglu_backward_kernel)[(triton.cdiv(T, BWD_BLOCK_T),)](
+        gus_TN, dh_TF.contiguous(), dgus_TN, T, F, N, gus_TN.stride(0), HAS_GATE=gated, BLOCK_T=BWD_BLOCK_T,
+        BLOCK_F=block_f, BLOCK_PAD=max(1, triton.next_power_of_2(N - 2 * F)), num_warps=NUM_WARPS)
     return dgus_TN
 
 
@@ -181,9 +182,9 @@ def swiglu_mlp(
 ) -> torch.Tensor:
     """residual + sigmoid(x @ gate^T) * down(silu(gate(x)) * up(x)); x [..., D] -> [..., D].
     gate_1D (the shared-expert gate) and residual_TD are optional; residual_TD is overwritten with
-    the result (autograd-safe: it is marked dirty) and returned. Contract of reference_ops/moe.py's
+    the result (autograd-safe: it is marked dirty) and returned. Contract of reference_ops/mlp.py's
     swiglu_mlp composed with the gate and the add; other activations, mixed dtypes and residuals that
-    cannot be written in place use runtime.ops.moe."""
+    cannot be written in place use runtime.ops.mlp."""
     weights = [w_gate_FD, w_up_FD, w_down_DF] + ([gate_1D] if gate_1D is not None else [])
     if activation != "silu" or not _fusable(x_TD, weights, residual_TD):
         return torch_ops.swiglu_mlp(x_TD, w_gate_FD, w_up_FD, w_down_DF, activation, gate_1D=gate_1D,

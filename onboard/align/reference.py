@@ -2,14 +2,19 @@
 loaded from the same release files, plus hooks that record what each transformers layer saw."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from onboard.example_models import model_class
+from onboard.errors import OnboardError
+from onboard.transformers_classes import model_class
 from runtime.own_modules import text_decoder, truncated_config
+
+
+def random_tokens(spec: dict, batch: int, T: int, seed: int) -> torch.Tensor:
+    """Token ids both sides see: uniform over the vocabulary, from their own generator."""
+    return torch.randint(0, spec["vocab_size"], (batch, T), generator=torch.Generator().manual_seed(seed))
 
 
 def load_reference(source: Path, family: str, dtype: torch.dtype, num_layers: int | None = None) -> nn.Module:
@@ -42,7 +47,11 @@ def load_runtime(spec: dict, weight_map: dict, source: Path, dtype: torch.dtype,
 
     model = HybridDecoder(spec, num_layers).to(dtype)
     vision = spec["naming"].get("vision_prefix")
-    load_release(model, source, weight_map, skip_prefixes=(vision,) if vision else ())
+    try:
+        load_release(model, source, weight_map, skip_prefixes=(vision,) if vision else ())
+    except KeyError as err:
+        # the spec and the release's config are checked already: what is left to disagree is the map
+        raise OnboardError("weight_map.json", None, f"does not fit the release in {source}: {err.args[0]}")
     return model.eval()
 
 
@@ -90,13 +99,3 @@ class Recorder:
     def close(self) -> None:
         for handle in self.handles:
             handle.remove()
-
-
-def read_package(pkg: Path) -> tuple[dict, dict, Path]:
-    """(spec dict, weight map, source release folder) of a package written by `onboard new-model`."""
-    import yaml
-
-    manifest = yaml.safe_load((pkg / "package.yaml").read_text())
-    spec = json.loads((pkg / "spec.json").read_text())
-    weight_map = json.loads((pkg / "weight_map.json").read_text())
-    return spec, weight_map, Path(manifest["source"]["path"])

@@ -10,9 +10,10 @@ import os
 
 import torch
 
-from onboard.align_cases import build_case
-from onboard.align_report import Check
-from runtime.registry import OPS
+from onboard.align.cases import build_case
+from onboard.align.progress import Progress
+from onboard.align.report import Check
+from runtime.registry import OPS, ops_for_layer
 from runtime.tolerances import compare, tolerance_for
 
 SEEDS = (0, 1, 2)
@@ -63,7 +64,7 @@ def _device(which: str) -> str:
     return "cuda" if which == "kernel" and torch.cuda.is_available() else "cpu"
 
 
-def _selection_check(fn, kwargs, device: str) -> float:
+def selection_check(fn, kwargs, device: str) -> float:
     """Fraction of selected keys that are admissible: scored (by the fp64 reference) at least as high as the
     k-th best key, within rounding. Tie-aware on purpose: relu makes exact-zero scores common, and which
     of several tied keys a top-k keeps is implementation-defined."""
@@ -107,7 +108,7 @@ def check_op(op: str, params: dict, hidden: int, T: int, which: str) -> list[Che
             case = build_case(op, params, hidden, T, seed, dtype)
             name = f"{op}/{which}/{str(dtype).removeprefix('torch.')}/seed{seed}"
             if op in SELECTION_OPS:
-                overlap = _selection_check(fn, case.kwargs, _device(which))
+                overlap = selection_check(fn, case.kwargs, _device(which))
                 checks.append(Check(tier=0, name=name, metric="selection_overlap", value=overlap, tolerance=0.99,
                                     verdict="pass" if overlap >= 0.99 else "fail", op=op))
                 continue
@@ -134,22 +135,34 @@ def _numeric_checks(op, fn, ref, case, dtype, seed, name, device: str) -> list[C
     return checks
 
 
-def tier0(spec: dict, T: int = 33) -> list[Check]:
-    """Checks for every (op, distinct parameters) the spec uses."""
-    from runtime.registry import ops_for_layer
-
-    seen, checks = set(), []
+def distinct_ops(spec: dict) -> list[tuple[str, dict]]:
+    """Every (op, parameters) the spec uses, once each, in layer order."""
+    seen, out = set(), []
     for layer in spec["layers"]:
         for op, params in [("rms_norm", spec["norm"])] + ops_for_layer(layer["attention"], layer["ffn"]):
             key = (op, repr(sorted(params.items())))
-            if key in seen:
-                continue
-            seen.add(key)
-            checks += check_op(op, params, spec["hidden_size"], T, "fallback")
-            if OPS[op].kernel and OPS[op].resolve("kernel") is not None:
-                if kernel_runnable():
-                    checks += check_op(op, params, spec["hidden_size"], T, "kernel")
-                else:
-                    checks.append(Check(tier=0, name=f"{op}/kernel", metric="-", value=0.0, tolerance=0.0, verdict="skip",
-                                        op=op, detail="no CUDA here and TRITON_INTERPRET is not set"))
+            if key not in seen:
+                seen.add(key)
+                out.append((op, params))
+    return out
+
+
+def tier0(spec: dict, T: int = 33, progress: Progress | None = None) -> list[Check]:
+    """Checks for every (op, distinct parameters) the spec uses: the fallback, and the kernel where one exists."""
+    progress = progress or Progress()
+    ops = distinct_ops(spec)
+    progress.plan(len(ops))
+    checks = []
+    for op, params in ops:
+        progress.group(op)
+        checks += check_op(op, params, spec["hidden_size"], T, "fallback")
+        if OPS[op].kernel and OPS[op].resolve("kernel") is not None:
+            checks += _kernel_checks(op, params, spec["hidden_size"], T)
     return checks
+
+
+def _kernel_checks(op: str, params: dict, hidden: int, T: int) -> list[Check]:
+    if kernel_runnable():
+        return check_op(op, params, hidden, T, "kernel")
+    return [Check(tier=0, name=f"{op}/kernel", metric="-", value=0.0, tolerance=0.0, verdict="skip",
+                  op=op, detail="no CUDA here and TRITON_INTERPRET is not set")]

@@ -2,15 +2,15 @@
 vision tower + our multimodal positions) vs transformers' whole multimodal model."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from onboard.align_model import LOGITS_TOLERANCE, _logits_check
-from onboard.align_reference import load_reference, load_runtime
-from onboard.align_report import Check
-from runtime.tolerances import compare
+from onboard.align.progress import Progress
+from onboard.align.reference import load_reference, load_runtime
+from onboard.align.report import Check
+from onboard.align.tier2_model import logits_check
+from runtime.tolerances import compare, tolerance_for
 from runtime.vision import VisionTower, multimodal_embeddings, multimodal_positions
 
 
@@ -28,8 +28,11 @@ def _image_input(spec: dict, vision_config: dict, seed: int):
     return ids, pixels, grid, (ids == v["image_token_id"]).int()
 
 
-def vision_checks(spec: dict, weight_map: dict, source: Path, pkg: Path, num_layers: int, seed: int = 3) -> list[Check]:
-    vision_config = json.loads((Path(pkg) / "vision_config.json").read_text())
+def vision_checks(spec: dict, weight_map: dict, source: Path, vision_config: dict, num_layers: int, seed: int = 3,
+                  progress: Progress | None = None) -> list[Check]:
+    progress = progress or Progress()
+    progress.plan(1)
+    progress.group("vision path")
     ids, pixels, grid, token_types = _image_input(spec, vision_config, seed)
     ref = load_reference(source, spec["family"], torch.float32, num_layers)
     ours = load_runtime(spec, weight_map, source, torch.float32, num_layers)
@@ -42,11 +45,10 @@ def vision_checks(spec: dict, weight_map: dict, source: Path, pkg: Path, num_lay
         positions = multimodal_positions(ids, spec["vision"]["image_token_id"], grid, spec["vision"]["spatial_merge_size"])
         logits = ours(inputs_embeds_BTD=embeds, positions=positions)
         text_only = ours(inputs_embeds_BTD=embeds)
-    c = compare(logits, truth, LOGITS_TOLERANCE[torch.float32])
-    moved = compare(text_only, truth, LOGITS_TOLERANCE[torch.float32])
-    return [_logits_check("vision/logits/float32", c, torch.float32),
+    tol = tolerance_for("model_logits", torch.float32)
+    c, moved = compare(logits, truth, tol), compare(text_only, truth, tol)
+    return [logits_check("vision/logits/float32", c, torch.float32),
             # guard: the image must matter, and so must its 3-axis positions
             Check(tier=2, name="vision/positions-matter", metric="max_abs_rel", value=moved.max_abs_rel,
-                  tolerance=LOGITS_TOLERANCE[torch.float32].max_abs_rel,
-                  verdict="pass" if moved.max_abs_rel > 10 * LOGITS_TOLERANCE[torch.float32].max_abs_rel else "fail",
+                  tolerance=tol.max_abs_rel, verdict="pass" if moved.max_abs_rel > 10 * tol.max_abs_rel else "fail",
                   detail="logits with 1-D positions must differ from transformers' multimodal run")]

@@ -6,7 +6,7 @@
   forward and backward (dq, dkv).
 Contracts are those of reference_ops/dsa.py.
 """
-from runtime.kernels.sparse_attention.attention import sparse_attention
-from runtime.kernels.sparse_attention.indexer import indexer_topk
+from runtime.kernels.dsa.attention import sparse_attention
+from runtime.kernels.dsa.indexer import indexer_topk
 
 __all__ = ["indexer_topk", "sparse_attention"]

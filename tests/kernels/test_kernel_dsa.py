@@ -1,5 +1,6 @@
 """DSA Triton kernels under TRITON_INTERPRET=1 vs the fp64 reference: sparse attention forward,
-dq, dkv (idx with -1 slots, NaN-prefilled outputs) and the fused indexer top-k.
+dq, dkv (idx with -1 slots, NaN-prefilled outputs, several head blocks per token) and the fused
+indexer top-k.
 
 Shape legend: B batch, T tokens, H heads, K = V + R key width, V value width, S selected keys.
 fp32 inputs: under the interpreter a tl.dot on bf16 operands is wrong in triton 3.9.
@@ -12,18 +13,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from reference_ops import dsa as ref  # noqa: E402
-from runtime.kernels import sparse_attention as kernels  # noqa: E402
-from runtime.kernels.sparse_attention import attention, buffers  # noqa: E402
+from runtime.kernels import dsa as kernels  # noqa: E402
+from runtime.kernels.dsa import attention, indexer  # noqa: E402
 from runtime.tolerances import assert_close  # noqa: E402
-from tests.ops.test_ref_dsa import assert_same_selection, random_sparse_problem  # noqa: E402
+from tests.dsa_problems import assert_same_selection, random_sparse_problem  # noqa: E402
 
-pytestmark = pytest.mark.interpreter
-
-
-@pytest.fixture(autouse=True)
-def nan_buffers(monkeypatch):
-    """Every buffer a kernel writes starts as NaN, so an unwritten element fails the comparison."""
-    monkeypatch.setattr(buffers, "empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
+pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("nan_buffers")]
 
 
 def with_dropped_slots(idx_BTS, fraction, seed):
@@ -52,31 +47,31 @@ def test_sparse_attention_forward_and_grads(B, T, H, V, R, S, drop):
         o_BTHV.backward(do_BTHV.to(dtype))
         results[name] = (o_BTHV, q.grad, kv.grad)
     for label, actual, expected in zip(("o", "dq", "dkv"), results["kernel"], results["ref"]):
-        assert_close(actual, expected, "sparse_attention", torch.float32, "out" if label == "o" else "grad", label)
+        assert_close(actual, expected, "dsa_attention", torch.float32, "out" if label == "o" else "grad", label)
 
 
-def test_several_head_blocks_per_token_match_reference():
+def test_several_head_blocks_per_token_match_reference(monkeypatch):
     """3 heads in blocks of 2 (the second padded), so a token's programs are neighbours on the 1-D
-    grid, through the fwd / bwd entry points the autograd op calls (its default tile holds all heads here)."""
+    grid as at 128 heads; smaller key steps, so that a row's keys take several."""
+    monkeypatch.setattr(attention, "FWD_HEADS", 2)
+    monkeypatch.setattr(attention, "BWD_HEADS", 2)
+    monkeypatch.setattr(attention, "FWD_KEYS", 4)
+    monkeypatch.setattr(attention, "BWD_KEYS", 4)
+    # guards the test: the kernels really see two head blocks per token
+    assert attention._tiles(3, 32, 16, attention.BWD_HEADS, attention.BWD_KEYS)["BH"] == 2
     B, T, H, V, R, S = 2, 19, 3, 32, 16, 8
     q_BTHK, kv_BTK, idx_BTS = random_sparse_problem(B, T, H, V + R, S, torch.float32)
     idx_BTS = with_dropped_slots(idx_BTS, 0.2, seed=4)
     do_BTHV = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(5))
     scale = (V + R) ** -0.5
-    q64, kv64 = q_BTHK.double().requires_grad_(), kv_BTK.double().requires_grad_()
-    o64 = ref.sparse_attention(q64, kv64, idx_BTS, scale, V)
-    o64.backward(do_BTHV.double())
-    tiles = dict(BH=2, BS=4, num_warps=4)
-    o, lse = attention.sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS.to(torch.int32), scale, V, **tiles)
-    dq, dkv = attention.sparse_attention_bwd(q_BTHK, kv_BTK, idx_BTS.to(torch.int32), o, lse, do_BTHV, scale, **tiles)
-    for label, actual, expected in (("o", o, o64), ("dq", dq, q64.grad), ("dkv", dkv, kv64.grad)):
-        assert_close(actual, expected, "sparse_attention", torch.float32, "out" if label == "o" else "grad", label)
-
-
-def test_unknown_config_key_is_refused():
-    q_BTHK, kv_BTK, idx_BTS = random_sparse_problem(1, 9, 2, 48, 8, torch.float32)
-    with pytest.raises(ValueError, match="dkv_t"):
-        attention.sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS.to(torch.int32), 0.2, 32, dkv_t=True)
+    results = {}
+    for name, fn, dtype in (("ref", ref.sparse_attention, torch.float64), ("kernel", kernels.sparse_attention, torch.float32)):
+        q, kv = q_BTHK.to(dtype).requires_grad_(), kv_BTK.to(dtype).requires_grad_()
+        o_BTHV = fn(q, kv, idx_BTS, scale, V)
+        o_BTHV.backward(do_BTHV.to(dtype))
+        results[name] = (o_BTHV, q.grad, kv.grad)
+    for label, actual, expected in zip(("o", "dq", "dkv"), results["kernel"], results["ref"]):
+        assert_close(actual, expected, "dsa_attention", torch.float32, "out" if label == "o" else "grad", label)
 
 
 def test_sparse_attention_query_without_keys_gives_zeros():
@@ -90,24 +85,31 @@ def test_sparse_attention_query_without_keys_gives_zeros():
     assert torch.isfinite(kv.grad).all()
 
 
+@pytest.fixture
+def small_indexer_tiles(monkeypatch):
+    """16 x 16 score tiles: several query and key tiles per block at these T (and a faster interpreter)."""
+    monkeypatch.setattr(indexer, "BLOCK_Q", 16)
+    monkeypatch.setattr(indexer, "BLOCK_T", 16)
+
+
 @pytest.mark.parametrize("B,T,H,K,topk,block_size", [
     pytest.param(1, 37, 4, 32, 8, 16, id="T37-H4-K32-top8-blk16"),
     pytest.param(2, 63, 3, 24, 20, 64, id="B2-T63-H3-K24-top20-one-block"),
     pytest.param(1, 21, 2, 16, 50, 8, id="T21-top50-all-keys"),
 ])
-def test_indexer_topk_selects_the_reference_set(B, T, H, K, topk, block_size):
+def test_indexer_topk_selects_the_reference_set(B, T, H, K, topk, block_size, small_indexer_tiles):
     g = torch.Generator().manual_seed(4)
     q_BTHK, k_BTK, w_BTH = torch.randn(B, T, H, K, generator=g), torch.randn(B, T, K, generator=g), torch.randn(B, T, H, generator=g)
     scores_BTT = ref.indexer_scores(q_BTHK, k_BTK, w_BTH, K**-0.5)
-    actual_BTS = kernels.indexer_topk(q_BTHK, k_BTK, w_BTH, K**-0.5, topk, block_size=block_size, BQ=16, BT=16)
+    actual_BTS = kernels.indexer_topk(q_BTHK, k_BTK, w_BTH, K**-0.5, topk, block_size=block_size)
     assert_same_selection(actual_BTS, ref.topk_indices(scores_BTT, topk), scores_BTT)
 
 
-def test_indexer_block_scores_match_reference_scores():
+def test_indexer_block_scores_match_reference_scores(small_indexer_tiles):
     g = torch.Generator().manual_seed(5)
     q_BTHK, k_BTK, w_BTH = torch.randn(1, 37, 3, 24, generator=g), torch.randn(1, 37, 24, generator=g), torch.rand(1, 37, 3, generator=g)
     expected_BQT = ref.indexer_scores(q_BTHK, k_BTK, w_BTH, 0.3)[:, 13:29, :29]
-    actual_BQT = kernels.indexer.block_scores(q_BTHK, k_BTK, w_BTH, 0.3, 13, 29, BQ=16, BT=16)
+    actual_BQT = indexer.block_scores(q_BTHK, k_BTK, w_BTH, 0.3, 13, 29)
     future_BQT = torch.isinf(expected_BQT)
     assert torch.equal(torch.isinf(actual_BQT) & (actual_BQT < 0), future_BQT)
     assert_close(actual_BQT.masked_fill(future_BQT, 0), expected_BQT.masked_fill(future_BQT, 0), "indexer_scores", torch.float32)

@@ -200,7 +200,7 @@ def _mlp(c: Case, p: dict, d: int, T: int):
 
 BUILDERS = {
     "rms_norm": _norm, "gated_rms_norm": _gated_norm, "rope": _rope, "softmax_attention": _softmax,
-    "mla_attention": _mla, "dsa_indexer": _indexer, "sparse_attention": _sparse, "causal_conv1d": _conv,
+    "mla_attention": _mla, "dsa_indexer": _indexer, "dsa_attention": _sparse, "causal_conv1d": _conv,
     "gated_delta_rule": _delta, "kda": _delta, "lightning_attention": _lightning, "moe_router": _router,
     "moe_experts": _experts, "swiglu_mlp": _mlp,
 }

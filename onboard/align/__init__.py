@@ -1,0 +1,11 @@
+"""`onboard align PKG`: the package's numerical alignment evidence, tier by tier.
+
+Tier 0 (tier0_ops, cases): every op the package uses vs the fp64 reference ops. Tier 1 (tier1_layers):
+each distinct layer type vs transformers' own layer. Tier 2 (tier2_model, vision): the whole model's
+logits and loss, and the vision path of multimodal models. reference.py loads both sides from the
+release; package_files.py validates what the package holds before anything runs; report.py is the
+AlignmentReport written to PKG/alignment/; progress.py reports each check group as it starts.
+"""
+from onboard.align.runner import read_baseline, regressions, run_alignment
+
+__all__ = ["read_baseline", "regressions", "run_alignment"]

@@ -1,0 +1,119 @@
+"""Run the alignment tiers in order, each only when the one below passed, and write PKG/alignment/
+(report.json, tier<N>.json, and baseline.json on the first passing run)."""
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+import torch
+
+from onboard.align.package_files import AlignInputs, read_package, require_package_folder
+from onboard.align.progress import Progress
+from onboard.align.report import AlignmentReport, Check, Divergence, TierResult, tier_result
+from onboard.align.tier0_ops import tier0
+from onboard.align.tier1_layers import distinct_layers, tier1
+from onboard.align.tier2_model import tier2
+from onboard.align.vision import vision_checks
+from onboard.errors import OnboardError
+
+# Alignment of large releases runs a prefix of the model (both sides) holding every distinct layer kind.
+MAX_ALIGN_LAYERS = 8
+
+
+def layers_to_run(spec: dict, max_layers: int = MAX_ALIGN_LAYERS) -> int:
+    """At most max_layers, but never fewer than the prefix that holds every distinct layer kind."""
+    kinds = distinct_layers(spec, spec["num_layers"])
+    return max(max(kinds.values()) + 1, min(spec["num_layers"], max_layers))
+
+
+def run_alignment(pkg: Path, tiers: list[int], model_dir: Path | None = None, tamper=None,
+                  progress: Progress | None = None, max_layers: int = MAX_ALIGN_LAYERS) -> AlignmentReport:
+    """`model_dir` overrides the release folder package.yaml records; `tamper(model)` edits our model after
+    loading (tests break an op on purpose)."""
+    pkg, progress = Path(pkg), progress or Progress()
+    inputs = read_package(pkg, model_dir)
+    num_layers = layers_to_run(inputs.spec, max_layers)
+    if num_layers < inputs.spec["num_layers"]:
+        progress.note(f"aligning the first {num_layers} of {inputs.spec['num_layers']} layers "
+                      "(every distinct layer kind is among them)")
+    torch.manual_seed(0)
+    results, divergence = _run_tiers(sorted(tiers), inputs, num_layers, tamper, progress)
+    report = AlignmentReport(package=str(pkg.resolve()), source=str(inputs.source), spec_hash=inputs.spec_hash,
+                             tiers=results, first_divergence=divergence,
+                             passed=all(t.passed for t in results) and len(results) == len(tiers))
+    _write(pkg, report)
+    return report
+
+
+def _run_tiers(tiers: list[int], inputs: AlignInputs, num_layers: int, tamper, progress: Progress
+               ) -> tuple[list[TierResult], Divergence | None]:
+    """Each tier only when the one below passed."""
+    results, divergence = [], None
+    for tier in tiers:
+        if results and not results[-1].passed:
+            progress.note(f"tier {tier}: skipped (tier {results[-1].tier} failed)")
+            break
+        progress.start_tier(tier)
+        try:
+            checks, found = _run_tier(tier, inputs, num_layers, tamper, progress)
+        except OnboardError:
+            raise  # the package does not fit its release: bad input, one line
+        except Exception as err:  # a load or run failure is a failed check, never a traceback
+            checks, found = [failure_check(tier, err)], None
+        divergence = divergence or found
+        results.append(tier_result(tier, checks))
+        progress.end_tier(results[-1].summary())
+    return results, divergence
+
+
+def _run_tier(tier: int, inputs: AlignInputs, num_layers: int, tamper, progress: Progress
+              ) -> tuple[list[Check], Divergence | None]:
+    spec, weight_map, source = inputs.spec, inputs.weight_map, inputs.source
+    if tier == 0:
+        return tier0(spec, progress=progress), None
+    if tier == 1:
+        return tier1(spec, weight_map, source, num_layers, progress=progress), None
+    if tier == 2:
+        checks, divergence = tier2(spec, weight_map, source, num_layers, tamper=tamper, progress=progress)
+        if inputs.vision_config is not None:
+            checks += vision_checks(spec, weight_map, source, inputs.vision_config, num_layers, progress=progress)
+        return checks, divergence
+    raise OnboardError(None, "--tiers", f"tier {tier} is not available here (0, 1, 2)")
+
+
+def failure_check(tier: int, err: Exception) -> Check:
+    """What failed and where: the message (naming the tensor or module) and the innermost frame."""
+    frame = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
+    at = f" at {Path(frame.filename).name}:{frame.lineno} ({frame.name})" if frame else ""
+    return Check(tier=tier, name=f"tier{tier}/run", metric="-", value=float("inf"), tolerance=0.0, verdict="fail",
+                 detail=f"{type(err).__name__}: {str(err)[:300]}{at}")
+
+
+def _write(pkg: Path, report: AlignmentReport) -> None:
+    folder = pkg / "alignment"
+    folder.mkdir(exist_ok=True)
+    (folder / "report.json").write_text(report.model_dump_json(indent=2))
+    for tier in report.tiers:
+        (folder / f"tier{tier.tier}.json").write_text(tier.model_dump_json(indent=2))
+    if report.passed and not (folder / "baseline.json").exists():
+        (folder / "baseline.json").write_text(report.model_dump_json(indent=2))
+
+
+def read_baseline(pkg: Path) -> AlignmentReport:
+    """alignment/baseline.json; a regression check without one cannot fail, so its absence is bad input."""
+    require_package_folder(Path(pkg))
+    path = Path(pkg) / "alignment" / "baseline.json"
+    if not path.is_file():
+        raise OnboardError(path, None, "missing: --check needs a baseline; run `onboard align` once without --check "
+                                       "and commit alignment/baseline.json")
+    try:
+        return AlignmentReport.model_validate_json(path.read_text())
+    except ValueError as err:
+        raise OnboardError(path, None, f"not a valid alignment report: {str(err).splitlines()[0]}")
+
+
+def regressions(baseline: AlignmentReport, report: AlignmentReport) -> list[str]:
+    """Checks that passed in the baseline and do not pass now (or are gone)."""
+    now = {c.name: c for t in report.tiers for c in t.checks}
+    return [c.name for t in baseline.tiers for c in t.checks
+            if c.verdict == "pass" and (c.name not in now or now[c.name].verdict != "pass")]

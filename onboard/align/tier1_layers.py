@@ -1,0 +1,110 @@
+"""Alignment tier 1: each distinct layer type against the model's own transformers layer.
+
+A layer runs on the hidden states transformers fed it, forward and backward: the output, the input
+gradient and the gradients of LoRA-targetable weights are compared in fp32.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from onboard.align.progress import Progress
+from onboard.align.reference import (Recorder, attention_module, decoder_layers, ffn_module, first_tensor, load_reference,
+                                     load_runtime, random_tokens)
+from onboard.align.report import Check
+from runtime.own_modules import OwnModule
+from runtime.rotary import RotaryCache
+from runtime.tolerances import compare, tolerance_for
+
+LORA_TARGETS = re.compile(r"(?:^|\.)(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|in_proj_\w+|"
+                          r"out_proj|qkv_proj|gate_proj|up_proj|down_proj)\.weight$")
+
+
+def layer_label(layer: dict) -> str:
+    if layer.get("own_layer"):
+        return "own_layer"
+    a = layer["attention"]
+    kind = "mla_dsa" if a["kind"] == "mla" and a.get("indexer") else a["kind"]
+    return f"{kind}+{layer['ffn']['kind']}"
+
+
+def distinct_layers(spec: dict, num_layers: int) -> dict[str, int]:
+    first: dict[str, int] = {}
+    for layer in spec["layers"][:num_layers]:
+        first.setdefault(layer_label(layer), layer["index"])
+    return first
+
+
+def _hf_rerun(layer, recorded, h):
+    args, kwargs, _ = recorded
+    if args:
+        return first_tensor(layer(h, *args[1:], **kwargs))
+    return first_tensor(layer(**{**kwargs, "hidden_states": h}))
+
+
+def _backward_both(hf_out, our_out, seed: int) -> None:
+    # a stream apart from the token seed, so the cotangent is unrelated to the inputs
+    cotangent = torch.randn(hf_out.shape, generator=torch.Generator().manual_seed(seed + 7919), dtype=torch.float64)
+    (hf_out.double() * cotangent).sum().backward()
+    (our_out.double() * cotangent).sum().backward()
+
+
+def _own_or_ours(part):
+    """An own module's LoRA targets are transformers' module's own parameters, named as there."""
+    return part.module if isinstance(part, OwnModule) else part
+
+
+def _lora_grad_checks(hf_layer, our_layer, index: int, name: str) -> list[Check]:
+    checks = []
+    if our_layer.own is not None:
+        pairs = ((hf_layer, our_layer.own.module),)
+    else:
+        pairs = ((attention_module(hf_layer), _own_or_ours(our_layer.attn)),
+                 (ffn_module(hf_layer), _own_or_ours(our_layer.ffn)))
+    for hf_part, our_part in pairs:
+        hf_params = dict(hf_part.named_parameters())
+        for pname, ours in our_part.named_parameters():
+            theirs = hf_params.get(pname)
+            if not LORA_TARGETS.search(pname) or theirs is None or theirs.shape != ours.shape or theirs.grad is None:
+                continue
+            c = compare(ours.grad, theirs.grad, tolerance_for("layer", torch.float32, "grad"))
+            checks.append(Check.from_comparison(1, f"{name}/grad:{pname}", c, layer=index, op="lora_target"))
+    return checks
+
+
+def tier1(spec: dict, weight_map: dict, source: Path, num_layers: int, T: int = 17, seed: int = 0,
+          progress: Progress | None = None) -> list[Check]:
+    progress = progress or Progress()
+    layers = distinct_layers(spec, num_layers)
+    progress.plan(1 + len(layers))
+    progress.group("transformers reference run")
+    ref = load_reference(source, spec["family"], torch.float32, num_layers)
+    ours = load_runtime(spec, weight_map, source, torch.float32, num_layers)
+    recorder = Recorder(ref)
+    with torch.no_grad():
+        ref(input_ids=random_tokens(spec, 1, T, seed), use_cache=False)
+    recorder.close()
+    rotary = RotaryCache(torch.arange(T)[None])
+    checks = []
+    for label, i in layers.items():
+        progress.group(f"layer {i} ({label})")
+        checks += _layer_checks(decoder_layers(ref)[i], ours.layers[i], recorder, i, label, rotary, seed)
+    return checks
+
+
+def _layer_checks(hf_layer, our_layer, recorder: Recorder, i: int, label: str, rotary, seed: int) -> list[Check]:
+    """Both layers on the input transformers fed layer i: output, input gradient, LoRA-target gradients."""
+    h_hf = recorder.input("layer", i).clone().requires_grad_(True)
+    h_ours = h_hf.detach().clone().requires_grad_(True)
+    hf_out, our_out = _hf_rerun(hf_layer, recorder.calls[("layer", i)], h_hf), our_layer(h_ours, rotary)
+    name = f"layer{i}:{label}"
+    out = compare(our_out, hf_out, tolerance_for("layer", torch.float32))
+    checks = [Check.from_comparison(1, f"{name}/out", out, layer=i, op=label)]
+    _backward_both(hf_out, our_out, seed)
+    grad = compare(h_ours.grad, h_hf.grad, tolerance_for("layer", torch.float32, "grad"))
+    checks.append(Check.from_comparison(1, f"{name}/grad:input", grad, layer=i, op=label))
+    return checks + _lora_grad_checks(hf_layer, our_layer, i, name)
+
+

@@ -1,0 +1,33 @@
+"""Torch fallback for the dense SwiGLU MLP and the MoE shared expert (its sigmoid gate and the
+add into the routed experts' output). Runs everywhere, any dtype.
+
+Shape legend: T tokens (all leading dims of x), D model width, F MLP width.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def swiglu_mlp(
+    x_TD: torch.Tensor,
+    w_gate_FD: torch.Tensor,
+    w_up_FD: torch.Tensor,
+    w_down_DF: torch.Tensor,
+    activation: str = "silu",
+    *,
+    gate_1D: torch.Tensor | None = None,
+    residual_TD: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense gated MLP (also the shared expert): down(act(gate(x)) * up(x)); with the shared-expert
+    gate gate_1D [1, D] times sigmoid(x @ gate_1D^T), plus residual_TD (the routed experts' output)."""
+    out_TD = F.linear(ACTIVATIONS[activation](F.linear(x_TD, w_gate_FD)) * F.linear(x_TD, w_up_FD), w_down_DF)
+    if gate_1D is not None:
+        out_TD = out_TD * torch.sigmoid(F.linear(x_TD, gate_1D))
+    return out_TD if residual_TD is None else residual_TD + out_TD
