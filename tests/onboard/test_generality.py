@@ -94,7 +94,8 @@ def test_a_tensor_nobody_recognizes_keeps_its_component_out_of_covered(example_r
 def test_fallback_aligns_and_trains(example_release, tmp_path):
     """new-model: layer 0's FFN through transformers' own module, layer 1 through registry ops; tiers 0-2
     pass (exit 0); the own module's parameters get gradients from the loss like the rest."""
-    from onboard.align_reference import load_runtime, read_package
+    from onboard.align.package_files import read_package
+    from onboard.align.reference import load_runtime
     from runtime.model import causal_lm_loss
 
     release = _with_extra_tensor(example_release, tmp_path, "model.layers.0.mlp.gate.e_score_correction_bias")
@@ -103,9 +104,9 @@ def test_fallback_aligns_and_trains(example_release, tmp_path):
         assert main(["new-model", str(release), "--out", str(pkg)]) == 0
     report = json.loads((pkg / "alignment" / "report.json").read_text())
     assert report["passed"] and [t["tier"] for t in report["tiers"]] == [0, 1, 2]
-    spec, weight_map, source = read_package(pkg)
-    model = load_runtime(spec, weight_map, source, torch.float32).train()
-    ids = torch.randint(0, spec["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(0))
+    inputs = read_package(pkg)
+    model = load_runtime(inputs.spec, inputs.weight_map, inputs.source, torch.float32).train()
+    ids = torch.randint(0, inputs.spec["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(0))
     causal_lm_loss(model(ids), ids).backward()
     own = model.layers[0].ffn.module
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in own.parameters() if p.requires_grad)
