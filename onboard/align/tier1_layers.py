@@ -64,6 +64,8 @@ def _lora_grad_checks(hf_layer, our_layer, index: int, name: str) -> list[Check]
         pairs = ((attention_module(hf_layer), _own_or_ours(our_layer.attn)),
                  (ffn_module(hf_layer), _own_or_ours(our_layer.ffn)))
     for hf_part, our_part in pairs:
+        if hf_part is None:
+            continue  # transformers' layer names this part otherwise: its gradients are in the layer's checks
         hf_params = dict(hf_part.named_parameters())
         for pname, ours in our_part.named_parameters():
             theirs = hf_params.get(pname)
