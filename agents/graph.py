@@ -17,7 +17,7 @@ from langgraph.checkpoint.serde.jsonplus import JsonPlusSerializer
 from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import END, START, StateGraph
 
-from onboard.errors import OnboardError
+from onboard.errors import BadInput
 
 from agents.context import Context
 from agents.llm import LLMClient
@@ -79,11 +79,11 @@ def run(options: RunOptions, resume: bool = False, progress: Callable[[str], Non
     folder = run_dir(Path(options.out))
     checkpoint = folder / "checkpoint.sqlite"
     if Path(options.out).exists() and not folder.exists():
-        raise OnboardError(Path(options.out), None, "package folder already exists; choose another --out or remove it")
+        raise BadInput(Path(options.out), None, "package folder already exists; choose another --out or remove it")
     if resume and not checkpoint.exists():
-        raise OnboardError(folder, None, "nothing to resume: no checkpoint of an earlier run of this --out")
+        raise BadInput(folder, None, "nothing to resume: no checkpoint of an earlier run of this --out")
     if not resume and folder.exists():
-        raise OnboardError(folder, None, "an earlier run of this --out left its state here: pass --resume or remove it")
+        raise BadInput(folder, None, "an earlier run of this --out left its state here: pass --resume or remove it")
     folder.mkdir(parents=True, exist_ok=True)
     # one process, one connection per run folder (SQLite checkpoints are not for concurrent writers)
     connection = sqlite3.connect(checkpoint, check_same_thread=False)
@@ -91,7 +91,7 @@ def run(options: RunOptions, resume: bool = False, progress: Callable[[str], Non
         allowed_msgpack_modules=SERIALIZED_TYPES)))
     try:
         state = _stream(app, options, resume, folder, progress)
-    except OnboardError:
+    except BadInput:
         # bad input: nothing worth resuming
         connection.close()
         shutil.rmtree(folder, ignore_errors=True)

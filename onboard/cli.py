@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from onboard import train_cli
+from onboard.config_view import NotRecognized
 from onboard.errors import BadInput, report_internal_error
 from runtime.config import SpecError
 from runtime.errors import InputFileError
@@ -249,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     except (BadInput, InputFileError) as err:
         print(f"onboard: error: {err.one_line()}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except NotRecognized as gap:
+        # a valid release whose basic widths are not recognized: nothing to report per component
+        print(f"onboard: gap: config.json: {gap}: not recognized", file=sys.stderr)
+        return EXIT_GAPS
     # a package's spec.json the runtime cannot read (the message names the key path)
     except SpecError as err:
         print(f"onboard: error: {err}", file=sys.stderr)

@@ -3,9 +3,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from onboard.errors import OnboardError
-
 _MISSING = object()
+
+
+class NotRecognized(Exception):
+    """A recognition rule that does not hold for this release: a gap (exit 3), never bad input.
+
+    Our key names, value ranges and width relations are assumptions; a valid release of another
+    design breaks them, and the component they describe is then run through its own module."""
+
+    def __init__(self, key: str, message: str):
+        self.key, self.message = key, message
+        super().__init__(f"{key}: {message}")
 
 # Keys that carry no architecture (training, generation, bookkeeping): never reported.
 IGNORED_KEYS = frozenset({
@@ -44,7 +53,7 @@ class ConfigView:
         for key in keys:
             self.used.add(key)
         if default is _MISSING:
-            raise OnboardError(self.path, self._dotted(keys[0]), f"missing (also looked for {', '.join(keys[1:]) or 'no alias'})")
+            raise NotRecognized(self._dotted(keys[0]), f"missing (also looked for {', '.join(keys[1:]) or 'no alias'})")
         return default
 
     def positive_int(self, *keys: str, default: Any = _MISSING, allow_zero: bool = False) -> int:
@@ -53,13 +62,13 @@ class ConfigView:
             return value
         low = 0 if allow_zero else 1
         if isinstance(value, bool) or not isinstance(value, int) or value < low or value > (1 << 31):
-            raise OnboardError(self.path, self._dotted(keys[0]), f"expected an integer >= {low}, got {value!r}")
+            raise NotRecognized(self._dotted(keys[0]), f"recognized for integers >= {low}, got {value!r}")
         return value
 
     def number(self, *keys: str, default: Any = _MISSING) -> float:
         value = self.get(*keys, default=default)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-            raise OnboardError(self.path, self._dotted(keys[0]), f"expected a number, got {value!r}")
+            raise NotRecognized(self._dotted(keys[0]), f"recognized for numbers, got {value!r}")
         return float(value)
 
     def unused(self) -> list[str]:

@@ -26,9 +26,6 @@ class BadInput(Exception):
         return printable(f"{where}: {self.message}")
 
 
-# The name recognition and align code raise; both name the one exception type.
-OnboardError = BadInput
-
 
 def printable(text: str) -> str:
     """text on one line: control characters and lone surrogates escaped, the rest unchanged."""

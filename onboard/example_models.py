@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from onboard.errors import OnboardError
+from onboard.errors import BadInput
 from onboard.example_tokenizer import write_example_tokenizer
 from onboard.transformers_classes import model_class
 
@@ -93,7 +93,7 @@ def _config_kwargs(family: str, num_layers: int) -> dict:
                     n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5,
                     norm_topk_prob=True, use_qk_norm=True, num_hidden_layers=num_layers,
                     rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
-    raise OnboardError(None, "FAMILY", f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    raise BadInput(None, "FAMILY", f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
 
 
 FAMILIES = ("qwen3_next", "qwen3_5_moe", "kimi_linear", "deepseek_v32", "deepseek_v3", "qwen3_moe", "mixtral",
@@ -109,7 +109,7 @@ def example_config(family: str, num_layers: int | None = None):
 
     num_layers = num_layers or DEFAULT_LAYERS.get(family, 2)
     if num_layers < 1 or num_layers > 64:
-        raise OnboardError(None, "--layers", f"expected 1..64 layers, got {num_layers}")
+        raise BadInput(None, "--layers", f"expected 1..64 layers, got {num_layers}")
     return AutoConfig.for_model(family, **_config_kwargs(family, num_layers))
 
 
@@ -118,11 +118,11 @@ def build_example(family: str, num_layers: int | None = None, seed: int = 0):
     config = example_config(family, num_layers)
     torch.manual_seed(seed)
     model = model_class(family)(config)
-    _perturb(model, seed)
+    perturb(model, seed)
     return model.eval()
 
 
-def _perturb(model, seed: int) -> None:
+def perturb(model, seed: int) -> None:
     """Move every parameter off its init value (ones, zeros) so alignment can see wrong formulas:
     a norm weight of exactly 1 hides a missing (1 + w); a zero bias hides a missing bias."""
     gen = torch.Generator().manual_seed(seed + 1)
@@ -133,13 +133,21 @@ def _perturb(model, seed: int) -> None:
 
 def write_example_model(family: str, out_dir: Path, num_layers: int | None = None, num_shards: int = 1,
                         seed: int = 0) -> Path:
-    """Write the release folder (config.json + safetensors, sharded when num_shards > 1, in bf16; the tokenizer)."""
-    out_dir = Path(out_dir)
+    """Write the release folder (config.json + safetensors, sharded when num_shards > 1) in bf16."""
+    _check_out_dir(Path(out_dir), num_shards)
+    return save_release(build_example(family, num_layers, seed), Path(out_dir), num_shards)
+
+
+def _check_out_dir(out_dir: Path, num_shards: int) -> None:
     if out_dir.exists() and any(out_dir.iterdir()):
-        raise OnboardError(out_dir, None, "output folder exists and is not empty")
+        raise BadInput(out_dir, None, "output folder exists and is not empty")
     if num_shards < 1:
-        raise OnboardError(None, "--shards", f"expected at least 1 shard, got {num_shards}")
-    model = build_example(family, num_layers, seed).to(torch.bfloat16)
+        raise BadInput(None, "--shards", f"expected at least 1 shard, got {num_shards}")
+
+
+def save_release(model, out_dir: Path, num_shards: int = 1) -> Path:
+    """save_pretrained in bf16, split into about num_shards safetensors shards."""
+    model = model.to(torch.bfloat16)
     total_bytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
     shard_bytes = max(1, math.ceil(total_bytes / num_shards)) if num_shards > 1 else "50GB"
     model.config.dtype = torch.bfloat16

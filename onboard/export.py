@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from onboard.align.package_files import read_package
-from onboard.errors import OnboardError
+from onboard.errors import BadInput
 from onboard.peft_format import hf_skeleton, key_pairs, peft_config, to_peft
 from runtime.lora import delta_for
 from runtime.run_folder import read_adapter, read_run
@@ -31,7 +31,7 @@ INDEX = "model.safetensors.index.json"
 def _written_atomically(out: Path, write: Callable[[Path], None]) -> Path:
     out = Path(out)
     if out.exists():
-        raise OnboardError(out, None, "output folder already exists; choose another or remove it")
+        raise BadInput(out, None, "output folder already exists; choose another or remove it")
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -6,19 +6,15 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel
 
-from onboard.errors import OnboardError
 from onboard.manifest import Manifest
 from onboard.memory import MemoryBudget, budget
-from onboard.meta_check import MetaCheck, meta_check
+from onboard.meta_check import MetaCheck, meta_check, transformers_class_names
 from onboard.spec import ModelSpec, Unrecognized
 from onboard.weight_layout import expected_tensors
 from runtime.kernels.available import kernels_available
 from runtime.registry import OPS, ops_for_layer
 
 Status = Literal["covered", "variant", "generated", "fallback", "missing"]
-# Families transformers can run: their own modules are the slow fallback for anything we lack.
-REFERENCE_FAMILIES = {"qwen3_next", "qwen3_5_moe", "kimi_linear", "deepseek_v32", "deepseek_v3", "qwen3_moe",
-                      "mixtral", "olmoe", "gpt_oss", "ernie4_5_moe", "minimax", "glm4_moe"}
 
 
 class OpGap(BaseModel):
@@ -75,15 +71,36 @@ def _pattern(name: str) -> str:
 
 def op_gaps(spec: ModelSpec) -> list[OpGap]:
     found: dict[tuple[str, str], set[int]] = {}
+    own: dict[str, tuple[list[int], str]] = {}
     for layer in spec.layers:
         attention, ffn = layer.attention.model_dump(), layer.ffn.model_dump()
         for name, params in [("rms_norm", spec.norm.model_dump())] + ops_for_layer(attention, ffn):
             support = OPS[name].supports(params)
             found.setdefault((name, support), set()).add(layer.index)
-    return [_op_gap(name, support, sorted(layers), spec.family) for (name, support), layers in sorted(found.items())]
+        for part, reason in _own_parts(layer):
+            own.setdefault(part, ([], reason))[0].append(layer.index)
+    knows = spec.family in transformers_class_names()
+    gaps = [_op_gap(name, support, sorted(layers), knows) for (name, support), layers in sorted(found.items())]
+    return gaps + [_own_gap(name, layers, reason, knows) for name, (layers, reason) in sorted(own.items())]
 
 
-def _op_gap(name: str, support: str, layers: list[int], family: str) -> OpGap:
+def _own_parts(layer) -> list[tuple[str, str]]:
+    """(part, reason) of what runs as its own module: the whole decoder layer, or its attention / FFN."""
+    if layer.own_layer:
+        return [("decoder_layer", layer.own_layer)]
+    return [(part, module.reason) for part, module in (("attention", layer.attention), ("ffn", layer.ffn))
+            if module.kind == "own_module"]
+
+
+def _own_gap(part: str, layers: list[int], reason: str, knows: bool) -> OpGap:
+    status = "fallback" if knows else "missing"
+    detail = ("runs through the model's own transformers module (slow): " if knows
+              else "not recognized and transformers does not know the family: ") + reason
+    return OpGap(op=f"own:{part}", covers=f"{part}:own_module", status=status, layers=layers, runtime_op=None,
+                 kernel=None, reference_op="transformers", detail=detail)
+
+
+def _op_gap(name: str, support: str, layers: list[int], knows: bool) -> OpGap:
     op = OPS[name]
     has_runtime = op.exists("fallback")
     if support != "unsupported" and has_runtime:
@@ -92,7 +109,7 @@ def _op_gap(name: str, support: str, layers: list[int], family: str) -> OpGap:
     elif support == "unsupported" and has_runtime:
         # the layer is built from this op, which cannot compute these parameters: nothing runs it
         status, detail = "missing", "the runtime op does not compute these parameters"
-    elif family in REFERENCE_FAMILIES:
+    elif knows:
         status, detail = "fallback", "runs through the model's own transformers module (slow)"
     else:
         status, detail = "missing", "no runtime op and no reference implementation to fall back on"
@@ -103,22 +120,18 @@ def _op_gap(name: str, support: str, layers: list[int], family: str) -> OpGap:
 
 
 def check_weights(spec: ModelSpec, manifest: Manifest) -> WeightCheck:
-    """Expected tensors vs the release. A shape that contradicts the config is bad input (exit 2)."""
+    """Expected tensors vs the release (recognize_weights has turned disagreements inside layers into
+    own modules, so mismatches left here are outside them: a gap, like missing tensors)."""
     expected = expected_tensors(spec)
     vision_prefix = spec.naming.vision_prefix or "\0"
     present = {n: t for n, t in manifest.tensors.items() if not n.startswith(vision_prefix)}
     mismatches = [ShapeMismatch(name=n, expected=list(shape), actual=list(present[n].shape))
                   for n, shape in expected.items()
                   if n in present and present[n].shape is not None and tuple(present[n].shape) != shape]
-    if mismatches:
-        first = mismatches[0]
-        raise OnboardError(manifest.root / (present[first.name].file or ""), first.name,
-                           f"shape {tuple(first.actual)} contradicts config.json, which implies {tuple(first.expected)}"
-                           f" ({len(mismatches)} tensor(s) disagree)")
     return WeightCheck(shapes_checked=manifest.shards_present, expected=len(expected), present=len(present),
                        vision_tensors=len(manifest.tensors) - len(present),
                        missing=sorted(n for n in expected if n not in present),
-                       unexpected=sorted(n for n in present if n not in expected), shape_mismatches=[])
+                       unexpected=sorted(n for n in present if n not in expected), shape_mismatches=mismatches)
 
 
 def unexpected_as_unrecognized(unexpected: list[str]) -> list[Unrecognized]:
@@ -133,7 +146,7 @@ def analyze(spec: ModelSpec, manifest: Manifest, gpu_mem_gib: float = 80.0, lora
             seq_len: int = 4096) -> GapReport:
     ops = op_gaps(spec)
     weights = check_weights(spec, manifest)
-    meta = meta_check(spec, manifest) if spec.family in REFERENCE_FAMILIES else None
+    meta = meta_check(spec, manifest) if spec.family in transformers_class_names() else None
     available, reason = kernels_available()
     return GapReport(model=model_summary(spec, manifest), ops=ops, kernels=KernelsHere(available=available, reason=reason),
                      weights=weights,
@@ -144,7 +157,8 @@ def analyze(spec: ModelSpec, manifest: Manifest, gpu_mem_gib: float = 80.0, lora
 
 def summarize(ops: list[OpGap], weights: WeightCheck, meta: Optional[MetaCheck]) -> dict:
     counts = {s: sum(1 for o in ops if o.status == s) for s in ("covered", "variant", "generated", "fallback", "missing")}
-    gaps = counts["missing"] > 0 or bool(weights.missing)
+    # a tensor nothing uses may change the computation: not understood, so not ready
+    gaps = counts["missing"] > 0 or bool(weights.missing or weights.unexpected or weights.shape_mismatches)
     return {"ops": counts, "gaps_remain": gaps, "meta_check_agrees": meta.agrees if meta else None}
 
 

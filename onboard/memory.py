@@ -11,7 +11,7 @@ import re
 
 from pydantic import BaseModel
 
-from onboard.spec import ModelSpec, MoEFFN
+from onboard.spec import DenseFFN, ModelSpec, MoEFFN, own_tensors
 from onboard.weight_layout import attention_tensors
 
 GIB = 1 << 30
@@ -46,7 +46,7 @@ def lora_params(spec: ModelSpec, rank: int, targets: str = DEFAULT_LORA_TARGETS)
     rx = re.compile(targets)
     total = 0
     for layer in spec.layers:
-        for name, shape in attention_tensors(layer.attention, spec.hidden_size, spec.naming).items():
+        for name, shape in _attention_shapes(layer, spec).items():
             if len(shape) == 2 and rx.search(name):
                 total += rank * (shape[0] + shape[1])
     return total
@@ -55,15 +55,23 @@ def lora_params(spec: ModelSpec, rank: int, targets: str = DEFAULT_LORA_TARGETS)
 def _layer_activation_bytes(spec: ModelSpec, layer, b: int) -> int:
     """Per token: what autograd keeps for one layer (inputs of every matmul, norms, gates)."""
     d = spec.hidden_size
-    attn_widths = sum(s[0] for s in attention_tensors(layer.attention, d, spec.naming).values() if len(s) == 2)
+    attn_widths = sum(s[0] for s in _attention_shapes(layer, spec).values() if len(s) == 2)
     per_token = 4 * d + 2 * attn_widths  # norms in/out, projections' inputs and outputs
     ffn = layer.ffn
     if isinstance(ffn, MoEFFN):
         per_token += ffn.top_k * (d + 3 * ffn.expert_intermediate_size) + ffn.num_experts // 8
         per_token += 3 * ffn.shared_intermediate_size
-    else:
+    elif isinstance(ffn, DenseFFN):
         per_token += 3 * ffn.intermediate_size
+    else:
+        # an own module's structure is unknown: every matmul output kept, experts as if all active
+        per_token += sum(s[0] for s in own_tensors(ffn).values() if len(s) == 2)
     return per_token * b
+
+
+def _attention_shapes(layer, spec: ModelSpec) -> dict:
+    own = own_tensors(layer.attention)
+    return {n: tuple(s) for n, s in own.items()} if own else attention_tensors(layer.attention, spec.hidden_size, spec.naming)
 
 
 def _state_bytes(spec: ModelSpec, b: int) -> tuple[int, int]:

@@ -5,6 +5,8 @@ attention is linear and whether the FFN is a MoE.
 """
 from __future__ import annotations
 
+import functools
+import json
 from typing import Optional
 
 from pydantic import BaseModel
@@ -13,6 +15,7 @@ from onboard.config_checks import transformers_config
 from onboard.errors import BadInput
 from onboard.manifest import Manifest
 from onboard.spec import ModelSpec
+from runtime.own_modules import text_decoder, transformers_class, transformers_class_names  # noqa: F401 (gap reads it here)
 
 
 class MetaCheck(BaseModel):
@@ -27,26 +30,40 @@ class MetaCheck(BaseModel):
 
 
 def _build_on_meta(manifest: Manifest):
-    import torch
-    from transformers.models.auto import modeling_auto as auto
+    return _build_from_json(json.dumps(manifest.config, sort_keys=True), str(manifest.root / "config.json"))
 
-    family = manifest.config.get("model_type")
-    names = {**auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, **auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}
-    if family not in names:
+
+@functools.lru_cache(maxsize=2)
+def _build_from_json(config_json: str, config_path: str):
+    import torch
+
+    config = json.loads(config_json)
+    cls = transformers_class(str(config.get("model_type")))
+    if cls is None:
         return None
     # built from a copy: transformers' config class may refuse the values (bad input) or edit them
-    config = transformers_config(manifest.config, manifest.root / "config.json")
-    cls = getattr(__import__("transformers"), names[family])
+    config = transformers_config(config, config_path)
     with torch.device("meta"):
         return cls(config)
 
 
+def transformers_tensors(manifest: Manifest) -> Optional[dict[str, tuple[int, ...]]]:
+    """Released name -> shape that transformers' own model of this config saves (None: family unknown)."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    model = _build_on_meta(manifest)
+    if model is None:
+        return None
+    state = remove_tied_weights_from_state_dict(model.state_dict(), model)
+    return {name: tuple(t.shape) for name, t in revert_weight_conversion(model, state).items()}
+
+
 def _decoder_layers(model):
-    for module in model.modules():
-        layers = getattr(module, "layers", None)
-        if layers is not None and hasattr(module, "embed_tokens"):
-            return list(layers)
-    return []
+    try:
+        return list(text_decoder(model).layers)
+    except StopIteration:
+        return []
 
 
 def _is_linear_attention(layer) -> bool:
@@ -80,6 +97,8 @@ def meta_check(spec: ModelSpec, manifest: Manifest) -> Optional[MetaCheck]:
     params += sum(b.numel() for name, b in model.named_buffers() if name in saved)
     problems = []
     for layer_spec, layer in zip(spec.layers, _decoder_layers(model)):
+        if "own_module" in (layer_spec.attention.kind, layer_spec.ffn.kind):
+            continue  # judged by the module itself
         linear = layer_spec.attention.kind in ("gated_delta", "kda", "lightning")
         if linear != _is_linear_attention(layer):
             problems.append(f"layer {layer_spec.index}: spec linear={linear}, transformers {type(layer).__name__}")

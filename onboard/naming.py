@@ -21,6 +21,8 @@ class WeightNaming(BaseModel):
     correction_bias: Optional[str] = None  # path under the FFN module
     shared_module: str = "shared_experts"
     kda_gate_prefix: str = ""  # the seed release nests A_log/dt_bias/f_a/f_b under "forget_gate."
+    final_norm: str = "norm"  # the decoder's last norm, under prefix (Jamba: "final_layernorm")
+    embedding: str = "embed_tokens"  # the token embedding, under prefix (Ling: "word_embeddings")
     vision_prefix: Optional[str] = None
 
 
@@ -74,9 +76,19 @@ def detect_naming(names, scan: tuple[str, dict[int, set[str]]] | None = None) ->
     kw.update(_detect_moe_naming(all_suffixes))
     if any(".forget_gate.f_a_proj" in s for s in all_suffixes):
         kw["kda_gate_prefix"] = "forget_gate."
+    kw["final_norm"], kw["embedding"] = _top_level(names, prefix, True), _top_level(names, prefix, False)
     vision = sorted({n.split("blocks.")[0] for n in names if ("visual." in n or "vision" in n) and "blocks." in n})
     kw["vision_prefix"] = vision[0] if vision else None
     return WeightNaming(**kw)
+
+
+def _top_level(names, prefix: str, norm: bool) -> str:
+    """The one norm (norm=True) or the one other weight directly under the decoder prefix: the final norm
+    and the embedding. The usual name when there is none or several."""
+    found = {n[len(prefix):-len(".weight")] for n in names if n.startswith(prefix) and n.endswith(".weight")
+             and "." not in n[len(prefix):-len(".weight")]}
+    found = {f for f in found if f.endswith("norm") == norm}
+    return found.pop() if len(found) == 1 else ("norm" if norm else "embed_tokens")
 
 
 def _detect_moe_naming(suffixes: set[str]) -> dict:

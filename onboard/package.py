@@ -133,7 +133,7 @@ def _alive(pid: int) -> bool:
 
 def _write_files(pkg: Path, model_dir: Path, manifest, spec, report, generated: Sequence[GeneratedOp]) -> None:
     (pkg / "spec.json").write_text(spec.model_dump_json(indent=2))
-    (pkg / "weight_map.json").write_text(json.dumps(build_weight_map(spec), indent=1))
+    (pkg / "weight_map.json").write_text(json.dumps(build_weight_map(spec, report.weights.unexpected), indent=1))
     (pkg / "gap_report.json").write_text(report.model_dump_json(indent=2))
     (pkg / "gap_report.md").write_text(gap_markdown(report))
     if manifest.vision_config is not None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from math import prod
 
-from onboard.spec import ModelSpec, MoEFFN, ParamCounts, VisionSpec
+from onboard.spec import ModelSpec, MoEFFN, ParamCounts, VisionSpec, own_tensors
 from onboard.weight_layout import attention_tensors, ffn_tensors
 
 LIGHTNING_BUFFERS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
@@ -16,7 +16,10 @@ def count(spec: ModelSpec, vision: VisionSpec | None) -> ParamCounts:
              buffers=0)
     active_routed = 0
     for layer in spec.layers:
-        c["norms"] += 2 * d
+        # own modules: counted whole under their part (which of their tensors are experts is not known)
+        for part, name in ((layer.attention, "attention"), (layer.ffn, "ffn_dense")):
+            c[name] += sum(prod(s) for s in own_tensors(part).values())
+        c["norms"] += 0 if layer.own_layer else 2 * d
         attn = attention_tensors(layer.attention, d, spec.naming)
         buffers = sum(prod(s) for k, s in attn.items() if k in LIGHTNING_BUFFERS)
         c["buffers"] += buffers

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 from pydantic import BaseModel
 
-from onboard.errors import OnboardError
+from onboard.errors import BadInput
 from onboard.memory import GIB, POLICIES, USABLE_FRACTION, WORKSPACE_GIB, activations
 from onboard.plan_cost import (ASSUMPTIONS, Cluster, Memory, ModelSummary, StepTime, estimate_memory,
                                estimate_time)
@@ -77,10 +77,10 @@ def _memory_reason(memory: Memory, fits: bool) -> str:
 
 
 def parse_mesh(text: str, gpus: int) -> MeshShape:
-    """'dp2xep64' -> MeshShape(2, 64); OnboardError (bad input) unless it has that form and uses `gpus` GPUs."""
+    """'dp2xep64' -> MeshShape(2, 64); BadInput (bad input) unless it has that form and uses `gpus` GPUs."""
     match = re.fullmatch(r"dp(\d+)xep(\d+)", text)
     if not match or int(match.group(1)) * int(match.group(2)) != gpus:
-        raise OnboardError(None, "--mesh", f"expected dp<N>xep<M> with N*M = --gpus {gpus}, got {text!r}")
+        raise BadInput(None, "--mesh", f"expected dp<N>xep<M> with N*M = --gpus {gpus}, got {text!r}")
     return MeshShape(int(match.group(1)), int(match.group(2)))
 
 

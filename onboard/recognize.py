@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import re
 
-from onboard.config_view import ConfigView
-from onboard.errors import OnboardError
+from onboard.config_view import ConfigView, NotRecognized
+from onboard.errors import BadInput
 from onboard.manifest import Manifest
 from onboard.naming import WeightNaming, detect_naming, scan_layers
 from onboard.spec import (DenseFFN, DSAIndexer, GatedDeltaAttention, KDAAttention, LayerSpec, LightningAttention,
-                          MLAAttention, ModelSpec, MoEFFN, NormSpec, ResidualSpec, RopeSpec, RouterSpec, SoftmaxAttention,
-                          Unrecognized)
+                          MLAAttention, ModelSpec, MoEFFN, NormSpec, OwnModule, ResidualSpec, RopeSpec, RouterSpec,
+                          SoftmaxAttention, Unrecognized)
 from onboard import param_count, recognize_vision
 
 # Families whose RMSNorm applies (1 + w): not expressed in their configs.
@@ -70,7 +70,8 @@ class Recognizer:
         moe_layers = self.moe_layer_flags(num_layers)
         if all(moe_layers):
             self.cfg.mark_used("intermediate_size")  # the dense width, unused when every layer is MoE
-        layers = [LayerSpec(index=i, attention=self.attention(i, kinds[i]), ffn=self.ffn(i, moe_layers[i]),
+        layers = [LayerSpec(index=i, attention=self._component(i, "attention", self.attention, i, kinds[i]),
+                            ffn=self._component(i, "ffn", self.ffn, i, moe_layers[i]),
                             residual=self.residual(kinds[i])) for i in range(num_layers)]
         vision = recognize_vision.recognize(self.manifest, self.top, self.naming)
         tie = bool(self.cfg.get("tie_word_embeddings", default=self.top.get("tie_word_embeddings", default=False)))
@@ -80,11 +81,21 @@ class Recognizer:
                       dtype=str(self.manifest.config.get("torch_dtype") or self.manifest.config.get("dtype") or "bfloat16"))
         counts = param_count.count(ModelSpec.model_construct(**fields, params=None), vision)
         self.collect_unrecognized()
-        return ModelSpec(**fields, params=counts, unrecognized=self.unrecognized)
+        unique = list({(u.source, u.item): u for u in self.unrecognized}.values())
+        return ModelSpec(**fields, params=counts, unrecognized=unique)
 
     def _architecture(self) -> str:
         archs = self.manifest.config.get("architectures") or ["unknown"]
         return str(archs[0])
+
+    def _component(self, index: int, what: str, build, *args):
+        """The component as recognized, or OwnModule when a recognition rule does not hold for it."""
+        try:
+            return build(*args)
+        except NotRecognized as gap:
+            self.unrecognized.append(Unrecognized(source=f"config.json:{gap.key}", item=gap.key,
+                                                  detail=f"{what}: {gap.message}"))
+            return OwnModule(reason=f"layer {index} {what}: {gap}")
 
     # ---- layer pattern
     def layer_kinds(self, num_layers: int) -> list[str]:
@@ -94,24 +105,21 @@ class Recognizer:
         if types is None:
             return ["full"] * num_layers
         if not isinstance(types, list) or len(types) != num_layers:
-            raise OnboardError(self.cfg.path, self.cfg._dotted("layer_types"),
+            raise BadInput(self.cfg.path, self.cfg._dotted("layer_types"),
                                f"expected a list of {num_layers} layer types, got {types!r:.80}")
-        kinds = []
-        for i, t in enumerate(types):
-            if t not in LAYER_KIND_ALIASES:
-                raise OnboardError(self.cfg.path, self.cfg._dotted(f"layer_types[{i}]"), f"unknown layer type {t!r}")
-            kinds.append(LAYER_KIND_ALIASES[t])
-        return kinds
+        # a layer type we do not know is judged per layer (attention below), never refused
+        return [LAYER_KIND_ALIASES.get(t, f"unknown:{t}") for t in types]
 
     # ---- attention
     def attention(self, index: int, kind: str):
+        if kind.startswith("unknown:"):
+            raise NotRecognized(self.cfg._dotted("layer_types"), f"layer type {kind.removeprefix('unknown:')!r}")
         if kind == "linear":
             return self.linear_attention(index)
         if self.cfg.has("kv_lora_rank") and self._layer_has(index, r"(kv_a_proj_with_mqa)"):
             return self.mla(sparse=(kind == "sparse"))
         if kind == "sparse":
-            raise OnboardError(self.cfg.path, self.cfg._dotted("layer_types"),
-                               f"layer {index} is sparse attention but the release has no MLA weights for it")
+            raise NotRecognized(self.cfg._dotted("layer_types"), "sparse attention without MLA weights")
         return self.softmax(index, window=(kind == "sliding"))
 
     def _layer_has(self, index: int, pattern: str) -> bool:
@@ -158,7 +166,7 @@ class Recognizer:
             qk_norm = "full" if (qn_shape and qn_shape[0] == heads * head_dim and heads > 1) else "head"
         sliding = self.cfg.positive_int("sliding_window", default=None) if window else None
         if window and sliding is None:
-            raise OnboardError(self.cfg.path, self.cfg._dotted("sliding_window"), "sliding layers need a window size")
+            raise NotRecognized(self.cfg._dotted("sliding_window"), "sliding layers without a window size")
         return SoftmaxAttention(
             num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
             rope=self.rope(head_dim, interleaved=self.family in INTERLEAVED_ROPE_FAMILIES),
@@ -174,8 +182,7 @@ class Recognizer:
                                  topk=self.cfg.positive_int("index_topk"))
         qk = self.cfg.positive_int("qk_head_dim", default=None)
         if qk is not None and qk != self.cfg.positive_int("qk_nope_head_dim") + rope_dim:
-            raise OnboardError(self.cfg.path, self.cfg._dotted("qk_head_dim"),
-                               f"expected qk_nope_head_dim + qk_rope_head_dim, got {qk}")
+            raise NotRecognized(self.cfg._dotted("qk_head_dim"), f"recognized as qk_nope_head_dim + qk_rope_head_dim, got {qk}")
         # MLA has one latent kv; head_dim / kv heads keys are the unabsorbed view's bookkeeping
         self.cfg.mark_used("head_dim", "num_key_value_heads", "attention_bias", "mlp_bias")
         nope = self.family in NOPE_MLA_FAMILIES
@@ -200,8 +207,7 @@ class Recognizer:
                                       block_size=self.cfg.positive_int("block_size", default=256))
         if self.cfg.has("linear_num_value_heads") or self._layer_has(index, r"in_proj_qkv"):
             return self._gated_delta(index)
-        raise OnboardError(self.cfg.path, self.cfg._dotted("layer_types"),
-                           f"layer {index} is linear attention of a kind not recognized from keys or weights")
+        raise NotRecognized(self.cfg._dotted("layer_types"), "linear attention of a kind not recognized from keys or weights")
 
     def _kda(self, index: int, lin: ConfigView) -> KDAAttention:
         heads = lin.positive_int("num_heads", default=None) or self.cfg.positive_int("linear_num_heads", "num_attention_heads")
@@ -323,5 +329,7 @@ class Recognizer:
 
 
 def recognize(manifest: Manifest) -> ModelSpec:
-    """The normalized architecture; unknown weights land in unrecognized via the gap weight check."""
-    return Recognizer(manifest).run()
+    """The normalized architecture: config rules first, then what the weights say (recognize_weights)."""
+    from onboard import recognize_weights
+
+    return recognize_weights.apply(Recognizer(manifest).run(), manifest)

@@ -90,8 +90,17 @@ class LightningAttention(_Spec):
     block_size: int
 
 
+class OwnModule(_Spec):
+    """A component no registry op is known to compute: it runs through the model's own (transformers)
+    module, with the release's tensors under it (released name -> shape) loaded by name."""
+    kind: Literal["own_module"] = "own_module"
+    reason: str
+    path: str = ""  # the module's attribute path in transformers' decoder layer ("" for the layer itself)
+    tensors: dict[str, list[int]] = {}
+
+
 Attention = Annotated[
-    Union[SoftmaxAttention, MLAAttention, GatedDeltaAttention, KDAAttention, LightningAttention],
+    Union[SoftmaxAttention, MLAAttention, GatedDeltaAttention, KDAAttention, LightningAttention, OwnModule],
     Field(discriminator="kind"),
 ]
 
@@ -132,7 +141,7 @@ class MoEFFN(_Spec):
     interleaved_gate_up: bool = False
 
 
-FFN = Annotated[Union[DenseFFN, MoEFFN], Field(discriminator="kind")]
+FFN = Annotated[Union[DenseFFN, MoEFFN, OwnModule], Field(discriminator="kind")]
 
 
 class NormSpec(_Spec):
@@ -154,6 +163,9 @@ class LayerSpec(_Spec):
     attention: Attention
     ffn: FFN
     residual: ResidualSpec = ResidualSpec()
+    # set when the layer itself (norms, residual wiring) is not understood: the whole decoder layer
+    # runs through the model's own module; attention and ffn are then OwnModule too
+    own_layer: Optional[str] = None
 
 
 class VisionSpec(_Spec):
@@ -211,8 +223,15 @@ class ModelSpec(_Spec):
         return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
 
 
+def own_tensors(part) -> dict[str, list[int]]:
+    """Released name -> shape of an attention / FFN part that runs as its own module ({} otherwise)."""
+    return part.tensors if part.kind == "own_module" else {}
+
+
 def layer_kind_name(layer: LayerSpec) -> str:
-    """A short label: 'gated_delta+moe', 'mla_dsa+dense', ..."""
+    """A short label: 'gated_delta+moe', 'mla_dsa+dense', 'own_layer', ..."""
+    if layer.own_layer:
+        return "own_layer"
     attn = layer.attention.kind
     if attn == "mla" and layer.attention.indexer is not None:
         attn = "mla_dsa"

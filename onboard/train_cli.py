@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from onboard.errors import OnboardError
+from onboard.errors import BadInput
 
 
 class MemoryPlan(BaseModel):
@@ -60,12 +60,12 @@ def memory_policy(pkg: Path, recompute: str | None, offload: str | None):
         try:
             plan = MemoryPlan.model_validate((yaml.safe_load(plan_path.read_text()) or {}).get("memory") or {})
         except (yaml.YAMLError, ValidationError, AttributeError) as err:
-            raise OnboardError(plan_path, "memory", f"expected {{recompute: [kinds], offload: [kinds]}} ({err})") from None
+            raise BadInput(plan_path, "memory", f"expected {{recompute: [kinds], offload: [kinds]}} ({err})") from None
     kinds = lambda flag, planned: tuple(planned if flag is None else [k for k in flag.split(",") if k])  # noqa: E731
     try:
         return MemoryPolicy(kinds(recompute, plan.recompute), kinds(offload, plan.offload))
     except ValueError as err:
-        raise OnboardError(plan_path, "memory", str(err)) from None
+        raise BadInput(plan_path, "memory", str(err)) from None
 
 
 def load_tokenizer(release: Path):
@@ -74,7 +74,7 @@ def load_tokenizer(release: Path):
     try:
         return AutoTokenizer.from_pretrained(release, local_files_only=True)
     except (OSError, ValueError) as err:
-        raise OnboardError(release, "tokenizer", f"the release's tokenizer files do not load ({err})") from None
+        raise BadInput(release, "tokenizer", f"the release's tokenizer files do not load ({err})") from None
 
 
 def prepare_data(data_path: Path, tokenizer, seq_len: int, eval_fraction: float, seed: int):
@@ -85,7 +85,7 @@ def prepare_data(data_path: Path, tokenizer, seq_len: int, eval_fraction: float,
     try:
         train_docs, eval_docs = split_eval(documents, eval_fraction, seed)
     except ValueError as err:
-        raise OnboardError(data_path, None, str(err)) from None
+        raise BadInput(data_path, None, str(err)) from None
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return TrainData(pack(train_docs, seq_len, pad), pack(eval_docs, seq_len, pad))
 
@@ -96,7 +96,7 @@ def read_lora(pkg: Path, weight_map: dict):
 
     path = pkg / "lora.yaml"
     if not path.exists():
-        raise OnboardError(path, None, "missing: the package has no LoRA plan (rerun `onboard new-model`)")
+        raise BadInput(path, None, "missing: the package has no LoRA plan (rerun `onboard new-model`)")
     return read_lora_yaml(path, weight_map)
 
 
@@ -120,7 +120,7 @@ def build_model(spec: dict, weight_map: dict, release: Path, lora_config, policy
 
 def _check_ep(ep: int, world: int) -> None:
     if world % ep:
-        raise OnboardError(None, "--ep", f"{ep} does not divide the world size {world}")
+        raise BadInput(None, "--ep", f"{ep} does not divide the world size {world}")
 
 
 def _plan(args, world: int, policy):
@@ -208,7 +208,7 @@ def _read_package(pkg: Path) -> tuple[dict, dict, Path]:
         weight_map = json.loads((pkg / "weight_map.json").read_text())
         return spec, weight_map, Path(manifest["source"]["path"])
     except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as err:
-        raise OnboardError(pkg, None, f"not a package written by `onboard new-model` ({err})") from None
+        raise BadInput(pkg, None, f"not a package written by `onboard new-model` ({err})") from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _train(args)
-    except (OnboardError, InputFileError) as err:
+    except (BadInput, InputFileError) as err:
         print(f"onboard: error: {err.one_line()}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

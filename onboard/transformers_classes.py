@@ -4,9 +4,7 @@ from __future__ import annotations
 
 
 def model_class(family: str):
-    """The transformers class for config model_type `family`."""
-    from transformers.models.auto import modeling_auto as auto
+    """The transformers class for config model_type `family` (None when transformers does not know it)."""
+    from runtime.own_modules import transformers_class
 
-    if family in auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
-        return getattr(__import__("transformers"), auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[family])
-    return getattr(__import__("transformers"), auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family])
+    return transformers_class(family)

@@ -6,7 +6,7 @@ how each attention and FFN kind lays out its released weights.
 from __future__ import annotations
 
 from onboard.spec import (DenseFFN, GatedDeltaAttention, KDAAttention, LightningAttention, MLAAttention, ModelSpec,
-                          MoEFFN, SoftmaxAttention)
+                          MoEFFN, OwnModule, SoftmaxAttention, own_tensors)
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -14,10 +14,13 @@ Shapes = dict[str, tuple[int, ...]]
 def expected_tensors(spec: ModelSpec) -> Shapes:
     """Released tensor name -> shape for the text model (vision tensors are counted, not listed)."""
     n, d = spec.naming, spec.hidden_size
-    out: Shapes = {f"{n.prefix}embed_tokens.weight": (spec.vocab_size, d), f"{n.prefix}norm.weight": (d,)}
+    out: Shapes = {f"{n.prefix}{n.embedding}.weight": (spec.vocab_size, d), f"{n.prefix}{n.final_norm}.weight": (d,)}
     if not spec.tie_word_embeddings:
         out["lm_head.weight"] = (spec.vocab_size, d)
     for layer in spec.layers:
+        out |= own_module_tensors(layer)
+        if layer.own_layer:
+            continue
         base = f"{n.prefix}layers.{layer.index}."
         out[base + "input_layernorm.weight"] = (d,)
         out[base + "post_attention_layernorm.weight"] = (d,)
@@ -27,6 +30,11 @@ def expected_tensors(spec: ModelSpec) -> Shapes:
         for name, shape in ffn_tensors(layer.ffn, d, n).items():
             out[f"{base}{n.ffn_module}.{name}"] = shape
     return out
+
+
+def own_module_tensors(layer) -> Shapes:
+    """Released name -> shape of the layer's components that run as their own modules."""
+    return {name: tuple(shape) for part in (layer.attention, layer.ffn) for name, shape in own_tensors(part).items()}
 
 
 def buffer_names(spec: ModelSpec) -> set[str]:
@@ -50,6 +58,8 @@ def attention_tensors(a, d: int, naming) -> Shapes:
         return _kda(a, d, naming.kda_gate_prefix)
     if isinstance(a, LightningAttention):
         return _lightning(a, d)
+    if isinstance(a, OwnModule):
+        return {}  # listed under their released names by own_module_tensors
     raise TypeError(a)
 
 
@@ -132,6 +142,8 @@ def _lightning(a: LightningAttention, d: int) -> Shapes:
 def ffn_tensors(f, d: int, naming) -> Shapes:
     if isinstance(f, DenseFFN):
         return _mlp("", f.intermediate_size, d, f.bias)
+    if isinstance(f, OwnModule):
+        return {}
     return _moe(f, d, naming)
 
 

@@ -4,13 +4,15 @@ Entries are plain dicts (written to the package's weight_map.json, read by runti
   {"target": "layers.3.ffn.experts.w_gate_up", "expert": 7, "rows": [0, 512], "transpose": false, "flatten": false}
 `expert` writes into one slice of a stacked [E, ...] tensor, `rows` into a row range of it (gate and
 up halves of w_gate_up), `transpose` swaps the last two dims (gpt-oss stores experts as [E, in, out]),
-`flatten` drops singleton dims (Ernie's [1, E] correction bias).
+`flatten` drops singleton dims (Ernie's [1, E] correction bias). Tensors of a component that runs
+as its own module have no target but `own_module` (the runtime module transformers loads them into);
+tensors nothing reads (listed in the gap report) have neither.
 """
 from __future__ import annotations
 
 import re
 
-from onboard.spec import ModelSpec, MoEFFN
+from onboard.spec import ModelSpec, MoEFFN, own_tensors
 from onboard.weight_layout import attention_tensors, ffn_tensors
 
 EXPERT_RE = re.compile(r"^experts\.(\d+)\.(\w+)\.weight$")
@@ -18,15 +20,24 @@ GATE_NAMES, UP_NAMES, DOWN_NAMES = ("gate_proj", "w1"), ("up_proj", "w3"), ("dow
 
 
 def _entry(target: str, **steps) -> dict:
-    return {"target": target, "expert": None, "rows": None, "transpose": False, "flatten": False, **steps}
+    return {"target": target, "expert": None, "rows": None, "transpose": False, "flatten": False, "own_module": None,
+            **steps}
 
 
-def build_weight_map(spec: ModelSpec) -> dict[str, dict]:
+def build_weight_map(spec: ModelSpec, unused: list[str] = ()) -> dict[str, dict]:
+    """`unused`: release tensors no runtime part reads (the gap report lists them); mapped to nothing."""
+    return {name: _entry(None) for name in unused} | _mapped(spec)
+
+
+def _mapped(spec: ModelSpec) -> dict[str, dict]:
     n, d = spec.naming, spec.hidden_size
-    out = {f"{n.prefix}embed_tokens.weight": _entry("embed_tokens.weight"), f"{n.prefix}norm.weight": _entry("norm.weight")}
+    out = {f"{n.prefix}{n.embedding}.weight": _entry("embed_tokens.weight"), f"{n.prefix}{n.final_norm}.weight": _entry("norm.weight")}
     if not spec.tie_word_embeddings:
         out["lm_head.weight"] = _entry("lm_head.weight")
     for layer in spec.layers:
+        out |= _own_module_entries(layer)
+        if layer.own_layer:
+            continue
         src, dst = f"{n.prefix}layers.{layer.index}.", f"layers.{layer.index}."
         for norm in ("input_layernorm.weight", "post_attention_layernorm.weight"):
             out[src + norm] = _entry(dst + norm)
@@ -36,6 +47,16 @@ def build_weight_map(spec: ModelSpec) -> dict[str, dict]:
         for leaf in ffn_tensors(layer.ffn, d, n):
             out[f"{src}{n.ffn_module}.{leaf}"] = _ffn_entry(leaf, layer.ffn, spec, dst + "ffn.")
     return out
+
+
+def _own_module_entries(layer) -> dict[str, dict]:
+    """Tensors of own modules are loaded by transformers into the module itself, by their released names."""
+    part = "layer" if layer.own_layer else None
+    entries = {}
+    for name_, module in (("attn", layer.attention), ("ffn", layer.ffn)):
+        for name in own_tensors(module):
+            entries[name] = _entry(None, own_module=f"layers.{layer.index}.{part or name_}")
+    return entries
 
 
 def _ffn_entry(leaf: str, ffn, spec: ModelSpec, dst: str) -> dict:

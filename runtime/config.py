@@ -95,7 +95,15 @@ class LightningConfig:
     block_size: int  # side of the decay tables the release stores
 
 
-AttentionConfig = Union[SoftmaxAttentionConfig, MLAConfig, GatedDeltaConfig, KDAConfig, LightningConfig]
+@dataclass(frozen=True)
+class OwnModuleConfig:
+    """A part no registry op computes: transformers' own module runs it (runtime/own_modules.py)."""
+    kind: ClassVar[str] = "own_module"
+    path: str = ""  # attribute path of the module inside transformers' decoder layer ("" for the whole layer)
+
+
+AttentionConfig = Union[SoftmaxAttentionConfig, MLAConfig, GatedDeltaConfig, KDAConfig, LightningConfig,
+                        OwnModuleConfig]
 
 
 @dataclass(frozen=True)
@@ -134,7 +142,7 @@ class MoEConfig:
     interleaved_gate_up: bool = False  # gate and up rows alternate in the stacked weight
 
 
-FFNConfig = Union[DenseFFNConfig, MoEConfig]
+FFNConfig = Union[DenseFFNConfig, MoEConfig, OwnModuleConfig]
 
 
 @dataclass(frozen=True)
@@ -162,6 +170,7 @@ class LayerConfig:
     attention: AttentionConfig
     ffn: FFNConfig
     residual: ResidualConfig = ResidualConfig()
+    own_layer: Optional[str] = None  # why the whole decoder layer runs as transformers' own module
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """The runtime's exception for malformed input files (package, run folder, data); `onboard` turns it
-into exit code 2 and one line, as it does its own OnboardError."""
+into exit code 2 and one line, as it does its own BadInput."""
 from __future__ import annotations
 
 from pathlib import Path

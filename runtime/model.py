@@ -17,28 +17,43 @@ from runtime.layers.lora_linear import weight_of
 from runtime.layers.mla import MLAAttention
 from runtime.layers.norm import RMSNorm
 from runtime.layers.softmax_attention import SoftmaxAttention
+from runtime.own_modules import OwnModule
 from runtime.rotary import RotaryCache
 
 ATTENTION_CLASSES = {"softmax": SoftmaxAttention, "mla": MLAAttention, "gated_delta": GatedDeltaNet,
                      "kda": KimiDeltaAttention, "lightning": LightningAttention}
 
 
+def _attention(attention, index: int, d: int, eps: float, offset: float) -> nn.Module:
+    if attention.kind == "own_module":
+        return OwnModule(index, "attn", attention.path)
+    if attention.kind == "softmax":
+        return SoftmaxAttention(attention, d, eps, offset)
+    return ATTENTION_CLASSES[attention.kind](attention, d, eps)
+
+
+def _ffn(ffn, index: int, d: int) -> nn.Module:
+    if ffn.kind == "own_module":
+        return OwnModule(index, "ffn", ffn.path)
+    return MoE(ffn, d) if ffn.kind == "moe" else GatedMLP(d, ffn.intermediate_size, ffn.activation)
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, layer: LayerConfig, hidden_size: int, norm: NormConfig):
+    def __init__(self, layer: LayerConfig, hidden_size: int, norm: NormConfig, index: int = 0):
         super().__init__()
         d, eps, offset = hidden_size, norm.eps, norm.offset
-        self.input_layernorm = RMSNorm(d, eps, offset)
-        self.post_attention_layernorm = RMSNorm(d, eps, offset)
-        attention = layer.attention
-        if attention.kind == "softmax":
-            self.attn = SoftmaxAttention(attention, d, eps, offset)
-        else:
-            self.attn = ATTENTION_CLASSES[attention.kind](attention, d, eps)
-        ffn = layer.ffn
-        self.ffn = MoE(ffn, d) if ffn.kind == "moe" else GatedMLP(d, ffn.intermediate_size, ffn.activation)
+        # a layer not understood as a whole is transformers' decoder layer, norms and residuals included
+        self.own = OwnModule(index, "layer", "") if layer.own_layer else None
+        if self.own is None:
+            self.input_layernorm = RMSNorm(d, eps, offset)
+            self.post_attention_layernorm = RMSNorm(d, eps, offset)
+            self.attn = _attention(layer.attention, index, d, eps, offset)
+            self.ffn = _ffn(layer.ffn, index, d)
         self.residual = layer.residual
 
     def forward(self, h_BTD: torch.Tensor, rotary: RotaryCache, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        if self.own is not None:
+            return self.own(h_BTD, rotary)
         r = self.residual
         normed_BTD = self.input_layernorm(h_BTD)
         skip_BTD = normed_BTD if r.skip_from_normed else h_BTD
@@ -58,7 +73,7 @@ class HybridDecoder(nn.Module):
         self.config = config
         d, vocab, norm = config.hidden_size, config.vocab_size, config.norm
         self.embed_tokens = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList(DecoderLayer(layer, d, norm) for layer in config.layers[:num_layers])
+        self.layers = nn.ModuleList(DecoderLayer(layer, d, norm, i) for i, layer in enumerate(config.layers[:num_layers]))
         self.norm = RMSNorm(d, norm.eps, norm.offset)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(d, vocab, bias=False)
 

@@ -142,10 +142,11 @@ def ops_for_layer(attention: dict, ffn: dict) -> list[tuple[str, dict]]:
         used.append(("lightning_attention", attention))
     if attention.get("rope"):
         used.append(("rope", attention["rope"]))
+    # own modules (kind "own_module") run through the model's own implementation: no registry op
     if ffn["kind"] == "moe":
         used += [("moe_router", ffn), ("moe_experts", ffn)]
         if ffn.get("num_shared_experts"):
             used.append(("swiglu_mlp", ffn))
-    else:
+    elif ffn["kind"] == "dense":
         used.append(("swiglu_mlp", ffn))
     return used

@@ -17,6 +17,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from runtime.own_modules import load_own_modules
+
 # runtime tensor name -> the region of the full tensor this process holds, as slices with explicit
 # start and stop over its leading dims (the model's tensor has that region's shape), or None for all of it
 Select = Callable[[str], tuple[slice, ...] | None]
@@ -107,9 +109,11 @@ def load_release(model: nn.Module, model_dir: Path, weight_map: dict[str, dict],
                     if entry is None:
                         raise KeyError(f"{file}: tensor {name} has no entry in the weight map")
                     if entry["target"] not in tensors:
-                        continue  # layers cut off by a truncated model, or tensors this rank does not hold
+                        continue  # layers cut off by a truncated model, or tensors this rank does not hold, or an own module's tensor
                     count = _copy_entry(shard, name, entry, tensors, select)
                     written[entry["target"]] = written.get(entry["target"], 0) + count
     unwritten = [n for n, t in tensors.items() if written.get(n, 0) != t.numel()]
     if unwritten:
         raise KeyError(f"runtime tensors not (fully) written by the release: {unwritten[:5]}")
+    # parts run as the model's own modules: transformers loads the release into them by name
+    load_own_modules(model, Path(model_dir))

@@ -3,7 +3,7 @@
 package.yaml, spec.json and weight_map.json are checked against their schemas; spec.json must list
 the layers it counts and hash to package.yaml's spec_hash; the release folder (recorded in
 package.yaml, or given with --model-dir when the package moved to another machine) must hold the
-config.json that new-model read. Any mismatch is an OnboardError naming the file and the key.
+config.json that new-model read. Any mismatch is an BadInput naming the file and the key.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Annotated, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, RootModel, ValidationError
 
-from onboard.errors import OnboardError
+from onboard.errors import BadInput
 from onboard.spec import ModelSpec
 
 
@@ -41,11 +41,13 @@ class PackageManifest(BaseModel):
 class WeightMapEntry(BaseModel):
     """One released tensor's way into the runtime model (see onboard/weight_map.py)."""
     model_config = ConfigDict(extra="forbid")
-    target: str = Field(min_length=1)
+    # null: loaded by transformers into the own module named, or (no own module) read by nothing, a listed gap
+    target: Optional[Annotated[str, Field(min_length=1)]]
     expert: Optional[NonNegativeInt]
     rows: Optional[tuple[NonNegativeInt, NonNegativeInt]]
     transpose: bool
     flatten: bool
+    own_module: Optional[Annotated[str, Field(min_length=1)]] = None
 
 
 class WeightMap(RootModel[Annotated[dict[str, WeightMapEntry], Field(min_length=1)]]):
@@ -76,20 +78,20 @@ def read_package(pkg: Path, model_dir: Path | None = None) -> AlignInputs:
 
 def require_package_folder(pkg: Path) -> None:
     if not pkg.exists():
-        raise OnboardError(pkg, None, "does not exist")
+        raise BadInput(pkg, None, "does not exist")
     if not pkg.is_dir():
-        raise OnboardError(pkg, None, "not a folder: expected a package written by `onboard new-model`")
+        raise BadInput(pkg, None, "not a folder: expected a package written by `onboard new-model`")
     if not (pkg / "package.yaml").is_file():
-        raise OnboardError(pkg / "package.yaml", None, "missing: not a package written by `onboard new-model`")
+        raise BadInput(pkg / "package.yaml", None, "missing: not a package written by `onboard new-model`")
 
 
 def _read_text(path: Path) -> str:
     if not path.is_file():
-        raise OnboardError(path, None, "missing: the package is incomplete (rerun `onboard new-model`)")
+        raise BadInput(path, None, "missing: the package is incomplete (rerun `onboard new-model`)")
     try:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise OnboardError(path, None, f"unreadable: {err}")
+        raise BadInput(path, None, f"unreadable: {err}")
 
 
 def _load_yaml(path: Path):
@@ -98,28 +100,28 @@ def _load_yaml(path: Path):
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise OnboardError(path, None, f"not valid YAML{where}: {getattr(err, 'problem', None) or err}")
+        raise BadInput(path, None, f"not valid YAML{where}: {getattr(err, 'problem', None) or err}")
 
 
 def _load_json(path: Path):
     try:
         return json.loads(_read_text(path))
     except json.JSONDecodeError as err:
-        raise OnboardError(path, None, f"not valid JSON: {err}")
+        raise BadInput(path, None, f"not valid JSON: {err}")
     except RecursionError:
-        raise OnboardError(path, None, "not valid JSON: nested too deep")
+        raise BadInput(path, None, "not valid JSON: nested too deep")
 
 
 def _validated(path: Path, data, schema: type[BaseModel]):
     if not isinstance(data, dict):
-        raise OnboardError(path, None, f"expected a mapping at the top level, got {type(data).__name__}")
+        raise BadInput(path, None, f"expected a mapping at the top level, got {type(data).__name__}")
     try:
         return schema.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
         key = ".".join(str(part) for part in first["loc"]) or None
         got = "" if first["type"] == "missing" else f" (got {_short(first.get('input'))})"
-        raise OnboardError(path, key, first["msg"] + got)
+        raise BadInput(path, key, first["msg"] + got)
 
 
 def _short(value) -> str:
@@ -130,12 +132,12 @@ def _short(value) -> str:
 def _read_spec(path: Path, recorded_hash: str) -> ModelSpec:
     spec = _validated(path, _load_json(path), ModelSpec)
     if len(spec.layers) != spec.num_layers:
-        raise OnboardError(path, "layers", f"lists {len(spec.layers)} layers while num_layers is {spec.num_layers}")
+        raise BadInput(path, "layers", f"lists {len(spec.layers)} layers while num_layers is {spec.num_layers}")
     for position, layer in enumerate(spec.layers):
         if layer.index != position:
-            raise OnboardError(path, f"layers.{position}.index", f"expected {position}, got {layer.index}")
+            raise BadInput(path, f"layers.{position}.index", f"expected {position}, got {layer.index}")
     if spec.spec_hash() != recorded_hash:
-        raise OnboardError(path, None, f"hashes to {spec.spec_hash()} while package.yaml spec_hash records "
+        raise BadInput(path, None, f"hashes to {spec.spec_hash()} while package.yaml spec_hash records "
                                        f"{recorded_hash}: spec.json changed after `onboard new-model`")
     return spec
 
@@ -144,14 +146,14 @@ def _source_folder(manifest_path: Path, source: SourceRecord, model_dir: Path | 
     folder = Path(model_dir) if model_dir is not None else Path(source.path)
     if not folder.is_dir():
         if model_dir is not None:
-            raise OnboardError(folder, "--model-dir", "does not exist or is not a folder")
-        raise OnboardError(manifest_path, "source.path", f"release folder {folder} does not exist "
+            raise BadInput(folder, "--model-dir", "does not exist or is not a folder")
+        raise BadInput(manifest_path, "source.path", f"release folder {folder} does not exist "
                                                          "(pass --model-dir where the release is now)")
     config = folder / "config.json"
     if not config.is_file():
-        raise OnboardError(config, None, "missing: the release folder holds no config.json")
+        raise BadInput(config, None, "missing: the release folder holds no config.json")
     if hashlib.sha256(config.read_bytes()).hexdigest() != source.config_sha256:
-        raise OnboardError(config, None, f"differs from the config new-model read ({manifest_path.name}: "
+        raise BadInput(config, None, f"differs from the config new-model read ({manifest_path.name}: "
                                          "source.config_sha256): run `onboard new-model` again for this release")
     return folder
 
@@ -159,5 +161,5 @@ def _source_folder(manifest_path: Path, source: SourceRecord, model_dir: Path | 
 def _read_vision_config(path: Path) -> dict:
     config = _load_json(path)
     if not isinstance(config, dict):
-        raise OnboardError(path, None, f"expected a JSON object, got {type(config).__name__}")
+        raise BadInput(path, None, f"expected a JSON object, got {type(config).__name__}")
     return config

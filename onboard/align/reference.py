@@ -7,8 +7,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from onboard.errors import OnboardError
+from onboard.errors import BadInput
 from onboard.transformers_classes import model_class
+from runtime.own_modules import text_decoder, truncated_config
 
 
 def random_tokens(spec: dict, batch: int, T: int, seed: int) -> torch.Tensor:
@@ -24,23 +25,10 @@ def load_reference(source: Path, family: str, dtype: torch.dtype, num_layers: in
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    config = _truncated(AutoConfig.from_pretrained(source), num_layers)
+    config = truncated_config(AutoConfig.from_pretrained(source), num_layers)
     model = model_class(family).from_pretrained(source, config=config, dtype=dtype).eval()
     _refresh_derived_buffers(model)
     return model
-
-
-def _truncated(config, num_layers: int | None):
-    """The config with its text model cut to num_layers, per-layer lists cut alike."""
-    text = config.get_text_config()
-    total = text.num_hidden_layers
-    if num_layers is None or num_layers >= total:
-        return config
-    for key, value in list(vars(text).items()):
-        if isinstance(value, list) and len(value) == total:
-            setattr(text, key, value[:num_layers])
-    text.num_hidden_layers = num_layers
-    return config
 
 
 def _refresh_derived_buffers(model: nn.Module) -> None:
@@ -63,21 +51,21 @@ def load_runtime(spec: dict, weight_map: dict, source: Path, dtype: torch.dtype,
         load_release(model, source, weight_map, skip_prefixes=(vision,) if vision else ())
     except KeyError as err:
         # the spec and the release's config are checked already: what is left to disagree is the map
-        raise OnboardError("weight_map.json", None, f"does not fit the release in {source}: {err.args[0]}")
+        raise BadInput("weight_map.json", None, f"does not fit the release in {source}: {err.args[0]}")
     return model.eval()
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    decoder = next(m for m in model.modules() if hasattr(m, "layers") and hasattr(m, "embed_tokens"))
-    return list(decoder.layers)
+    return list(text_decoder(model).layers)
 
 
-def attention_module(layer: nn.Module) -> nn.Module:
-    return getattr(layer, "linear_attn", None) or layer.self_attn
+def attention_module(layer: nn.Module) -> nn.Module | None:
+    """None for layers without one of the usual names (their own modules are aligned as whole layers)."""
+    return getattr(layer, "linear_attn", None) or getattr(layer, "self_attn", None)
 
 
-def ffn_module(layer: nn.Module) -> nn.Module:
-    return getattr(layer, "mlp", None) or layer.block_sparse_moe
+def ffn_module(layer: nn.Module) -> nn.Module | None:
+    return getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
 
 
 def first_tensor(output) -> torch.Tensor:
@@ -92,6 +80,8 @@ class Recorder:
         self.handles = []
         for i, layer in enumerate(decoder_layers(model)):
             for part, module in (("layer", layer), ("attention", attention_module(layer)), ("ffn", ffn_module(layer))):
+                if module is None:
+                    continue
                 self.handles.append(module.register_forward_hook(self._hook(part, i), with_kwargs=True))
 
     def _hook(self, part: str, index: int):

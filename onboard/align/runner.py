@@ -2,6 +2,7 @@
 (report.json, tier<N>.json, and baseline.json on the first passing run)."""
 from __future__ import annotations
 
+import traceback
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from onboard.align.tier2_training import training_checks
 from onboard.align.tier3 import tier3
 from onboard.align.tier4 import Target, tier4, tier4_target
 from onboard.align.vision import vision_checks
-from onboard.errors import OnboardError
+from onboard.errors import BadInput
 from onboard.plan import Cluster
 from runtime.parallel.placement import MeshShape
 from onboard.model_references import register_references
@@ -66,7 +67,12 @@ def _run_tiers(tiers: list[int], inputs: AlignInputs, num_layers: int, tamper, p
             progress.note(f"tier {tier}: skipped (tier {results[-1].tier} failed)")
             break
         progress.start_tier(tier)
-        checks, found = _run_tier(tier, inputs, num_layers, tamper, progress, goal)
+        try:
+            checks, found = _run_tier(tier, inputs, num_layers, tamper, progress, goal)
+        except BadInput:
+            raise  # the package does not fit its release: bad input, one line
+        except Exception as err:  # a load or run failure is a failed check, never a traceback
+            checks, found = [failure_check(tier, err)], None
         divergence = divergence or found
         results.append(tier_result(tier, checks))
         progress.end_tier(results[-1].summary())
@@ -90,7 +96,15 @@ def _run_tier(tier: int, inputs: AlignInputs, num_layers: int, tamper, progress:
         return tier3(spec, weight_map, source, inputs.lora_plan, progress=progress), None
     if tier == 4:
         return tier4(spec, weight_map, source, goal, progress=progress), None
-    raise OnboardError(None, "--tiers", f"tier {tier} is not available here (0 to 4)")
+    raise BadInput(None, "--tiers", f"tier {tier} is not available here (0 to 4)")
+
+
+def failure_check(tier: int, err: Exception) -> Check:
+    """What failed and where: the message (naming the tensor or module) and the innermost frame."""
+    frame = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
+    at = f" at {Path(frame.filename).name}:{frame.lineno} ({frame.name})" if frame else ""
+    return Check(tier=tier, name=f"tier{tier}/run", metric="-", value=float("inf"), tolerance=0.0, verdict="fail",
+                 detail=f"{type(err).__name__}: {str(err)[:300]}{at}")
 
 
 def _write(pkg: Path, report: AlignmentReport) -> None:
@@ -108,12 +122,12 @@ def read_baseline(pkg: Path) -> AlignmentReport:
     require_package_folder(Path(pkg))
     path = Path(pkg) / "alignment" / "baseline.json"
     if not path.is_file():
-        raise OnboardError(path, None, "missing: --check needs a baseline; run `onboard align` once without --check "
+        raise BadInput(path, None, "missing: --check needs a baseline; run `onboard align` once without --check "
                                        "and commit alignment/baseline.json")
     try:
         return AlignmentReport.model_validate_json(path.read_text())
     except ValueError as err:
-        raise OnboardError(path, None, f"not a valid alignment report: {str(err).splitlines()[0]}")
+        raise BadInput(path, None, f"not a valid alignment report: {str(err).splitlines()[0]}")
 
 
 def regressions(baseline: AlignmentReport, report: AlignmentReport) -> list[str]:

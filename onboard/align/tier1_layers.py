@@ -14,14 +14,17 @@ from onboard.align.progress import Progress
 from onboard.align.reference import (Recorder, attention_module, decoder_layers, ffn_module, first_tensor, load_reference,
                                      load_runtime, random_tokens)
 from onboard.align.report import Check
+from runtime.own_modules import OwnModule
 from runtime.rotary import RotaryCache
 from runtime.tolerances import compare, tolerance_for
 
-LORA_TARGETS = re.compile(r"^(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|in_proj_\w+|"
+LORA_TARGETS = re.compile(r"(?:^|\.)(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|in_proj_\w+|"
                           r"out_proj|qkv_proj|gate_proj|up_proj|down_proj)\.weight$")
 
 
 def layer_label(layer: dict) -> str:
+    if layer.get("own_layer"):
+        return "own_layer"
     a = layer["attention"]
     kind = "mla_dsa" if a["kind"] == "mla" and a.get("indexer") else a["kind"]
     return f"{kind}+{layer['ffn']['kind']}"
@@ -48,14 +51,25 @@ def _backward_both(hf_out, our_out, seed: int) -> None:
     (our_out.double() * cotangent).sum().backward()
 
 
+def _own_or_ours(part):
+    """An own module's LoRA targets are transformers' module's own parameters, named as there."""
+    return part.module if isinstance(part, OwnModule) else part
+
+
 def _lora_grad_checks(hf_layer, our_layer, index: int, name: str) -> list[Check]:
     checks = []
-    pairs = ((attention_module(hf_layer), our_layer.attn), (ffn_module(hf_layer), our_layer.ffn))
+    if our_layer.own is not None:
+        pairs = ((hf_layer, our_layer.own.module),)
+    else:
+        pairs = ((attention_module(hf_layer), _own_or_ours(our_layer.attn)),
+                 (ffn_module(hf_layer), _own_or_ours(our_layer.ffn)))
     for hf_part, our_part in pairs:
+        if hf_part is None:
+            continue  # transformers' layer names this part otherwise: its gradients are in the layer's checks
         hf_params = dict(hf_part.named_parameters())
         for pname, ours in our_part.named_parameters():
             theirs = hf_params.get(pname)
-            if not LORA_TARGETS.match(pname) or theirs is None or theirs.shape != ours.shape or theirs.grad is None:
+            if not LORA_TARGETS.search(pname) or theirs is None or theirs.shape != ours.shape or theirs.grad is None:
                 continue
             c = compare(ours.grad, theirs.grad, tolerance_for("layer", torch.float32, "grad"))
             checks.append(Check.from_comparison(1, f"{name}/grad:{pname}", c, layer=index, op="lora_target"))

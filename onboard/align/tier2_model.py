@@ -13,16 +13,20 @@ import torch
 from onboard.align.progress import Progress
 from onboard.align.reference import Recorder, load_reference, load_runtime, random_tokens
 from onboard.align.report import Check, Divergence
+from runtime.own_modules import own_slots
 from runtime.registry import ops_for_layer
 from runtime.rotary import RotaryCache
-from runtime.tolerances import compare, tolerance_for
+from runtime.tolerances import Tolerance, compare, tolerance_for
+
+# Packages with own modules: their bf16 logits may be this much further from fp32 than transformers' own bf16 run.
+OWN_MODULE_BF16_MARGIN = 1.1
 
 
 def _routing_flips(ours, recorder: Recorder, num_layers: int) -> list[Check]:
     """Tokens whose expert set differs when our router sees transformers' hidden states instead of ours."""
     checks = []
     for i, layer in enumerate(ours.layers[:num_layers]):
-        if not hasattr(layer.ffn, "router"):
+        if not hasattr(getattr(layer, "ffn", None), "router"):
             continue
         x = recorder.input("ffn", i)
         with torch.no_grad():
@@ -99,9 +103,13 @@ def _bf16_checks(spec, weight_map, source, num_layers, ids, truth, choices, tamp
         _pin(ours, None)
         theirs_bf16 = load_reference(source, spec["family"], torch.bfloat16, num_layers)
         theirs_bf16 = theirs_bf16(input_ids=ids, use_cache=False).logits.float()
-    tol = tolerance_for("model_logits", torch.bfloat16)
+    tol, note = tolerance_for("model_logits", torch.bfloat16), "expert/key choices pinned to fp32's"
     free_c, own_c = compare(free, truth, tol), compare(theirs_bf16, truth, tol)
-    return [logits_check("logits/bfloat16", compare(pinned, truth, tol), torch.bfloat16, "expert/key choices pinned to fp32's"),
+    if own_slots(ours):
+        # own modules are transformers' code with choices we cannot pin: the bar is transformers' own bf16 error
+        tol = Tolerance(rel_rms=max(tol.rel_rms, OWN_MODULE_BF16_MARGIN * own_c.rel_rms), max_abs_rel=tol.max_abs_rel)
+        note += f"; own modules unpinned, bar max({free_c.tolerance.rel_rms:.0e}, {OWN_MODULE_BF16_MARGIN} x transformers' bf16 error)"
+    return [logits_check("logits/bfloat16", compare(pinned, truth, tol), torch.bfloat16, note),
             _loss_check("bfloat16", pinned, truth, ids, torch.bfloat16),
             Check(tier=2, name="logits/bfloat16-free", metric="rel_rms", value=free_c.rel_rms, tolerance=tol.rel_rms,
                   verdict="info", detail=f"choices free: {flips} token choice flips vs fp32 across layers"),
@@ -138,6 +146,8 @@ def first_divergence(spec, ours, recorder: Recorder, num_layers: int, T: int) ->
         for i, layer in enumerate(ours.layers[:num_layers]):
             if compare(layer(recorder.input("layer", i), rotary), recorder.output("layer", i), tol).passed:
                 continue
+            if layer.own is not None:
+                return Divergence(layer=i, component="layer", kind="own_layer", ops=[], value=float("inf"), tolerance=tol.rel_rms)
             attn = compare(layer.attn(recorder.input("attention", i), rotary), recorder.output("attention", i), tol)
             ffn = compare(layer.ffn(recorder.input("ffn", i)), recorder.output("ffn", i), tol)
             part, c = ("attention", attn) if not attn.passed or ffn.passed else ("ffn", ffn)

@@ -16,7 +16,7 @@ import yaml
 
 from onboard.align.progress import Progress
 from onboard.align.report import Check
-from onboard.errors import OnboardError
+from onboard.errors import BadInput
 from onboard.memory import DTYPE_BYTES, GIB
 from onboard.plan import Cluster, Workload, search
 from onboard.spec import ModelSpec
@@ -38,7 +38,7 @@ class Target:
 
 def tier4_target(pkg: Path, cluster: Cluster | None, mesh: MeshShape | None) -> Target:
     if cluster is None:
-        raise OnboardError(None, "--tiers", "tier 4 needs the target cluster: --gpus N --gpu-mem-gib G")
+        raise BadInput(None, "--tiers", "tier 4 needs the target cluster: --gpus N --gpu-mem-gib G")
     return Target(cluster, plan_workload(Path(pkg) / "plan.yaml"), mesh)
 
 
@@ -49,7 +49,7 @@ def plan_workload(path: Path) -> Workload:
     workload = yaml.safe_load(path.read_text())
     workload = workload.get("workload") if isinstance(workload, dict) else None
     if not isinstance(workload, dict) or not all(isinstance(workload.get(k), int) for k in ("seq_len", "lora_rank")):
-        raise OnboardError(path, "workload", "expected integer seq_len and lora_rank (a plan written by `onboard plan`)")
+        raise BadInput(path, "workload", "expected integer seq_len and lora_rank (a plan written by `onboard plan`)")
     return Workload(workload["seq_len"], workload["lora_rank"], None)
 
 

@@ -1,6 +1,6 @@
 """Fuzz read_header with mutated copies of a valid safetensors file.
 
-Each mutation must be either read correctly or refused with OnboardError: any other exception,
+Each mutation must be either read correctly or refused with BadInput: any other exception,
 or a read slower than the deadline, fails. "Read correctly" is checked against the safetensors
 library: whatever we accept, it must accept too, with the same names, shapes and dtypes.
 """
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from onboard.errors import OnboardError
+from onboard.errors import BadInput
 from onboard.safetensors_header import DTYPE_BITS, read_header
 
 FUZZ = settings(
@@ -66,11 +66,11 @@ def target(tmp_path_factory) -> Path:
 
 
 def check_read(path: Path, raw: bytes) -> bool:
-    """The property: accepted files are what safetensors sees; the rest is OnboardError."""
+    """The property: accepted files are what safetensors sees; the rest is BadInput."""
     path.write_bytes(raw)
     try:
         header = read_header(path)
-    except OnboardError as exc:
+    except BadInput as exc:
         assert "\n" not in exc.one_line() and str(path) in exc.one_line()
         return False
     with safe_open(path, "pt") as f:

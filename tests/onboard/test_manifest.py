@@ -1,7 +1,7 @@
 """read_manifest on real releases written by transformers' save_pretrained, and on broken ones.
 
 The valid release is a tiny Qwen3-MoE (2 layers, hidden 32, 4 experts) saved in 6 shards; each
-bad-input case copies it, breaks one thing, and expects an OnboardError whose one line names the
+bad-input case copies it, breaks one thing, and expects an BadInput whose one line names the
 file and the key. check_config is also run over every transformers default config, so the
 size rules never refuse a real family.
 """
@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from onboard.config_checks import check_config
-from onboard.errors import OnboardError
+from onboard.errors import BadInput
 from onboard.manifest import INDEX_NAME, SINGLE_NAME, read_manifest
 
 def save_tiny_qwen3_moe(out: Path, max_shard_size: str) -> Path:
@@ -301,7 +301,7 @@ BREAKERS = [value for key, value in dict(globals()).items() if key.startswith("b
 @pytest.mark.parametrize("breaker", BREAKERS, ids=[b.__name__.removeprefix("break_") for b in BREAKERS])
 def test_broken_release_names_file_and_key(release, breaker):
     path, key = breaker(release)
-    with pytest.raises(OnboardError) as info:
+    with pytest.raises(BadInput) as info:
         read_manifest(release)
     line = info.value.one_line()
     assert "\n" not in line
@@ -313,15 +313,15 @@ def test_single_file_symlink_outside_is_refused(single_release, tmp_path):
     outside = tmp_path / "outside.safetensors"
     (root / SINGLE_NAME).rename(outside)
     (root / SINGLE_NAME).symlink_to(outside)
-    with pytest.raises(OnboardError, match=f"{root / SINGLE_NAME}: .*outside the model folder"):
+    with pytest.raises(BadInput, match=f"{root / SINGLE_NAME}: .*outside the model folder"):
         read_manifest(root)
 
 
 def test_model_dir_must_exist(tmp_path):
-    with pytest.raises(OnboardError, match="nope: does not exist"):
+    with pytest.raises(BadInput, match="nope: does not exist"):
         read_manifest(tmp_path / "nope")
     (tmp_path / "file").write_text("")
-    with pytest.raises(OnboardError, match="file: not a directory"):
+    with pytest.raises(BadInput, match="file: not a directory"):
         read_manifest(tmp_path / "file")
 
 
@@ -353,7 +353,7 @@ def test_config_values_real_models_use_pass(config):
          "string-head-dim", "float-top-k"],
 )
 def test_config_values_no_model_has_are_refused(config, key):
-    with pytest.raises(OnboardError) as info:
+    with pytest.raises(BadInput) as info:
         check_config(config, "config.json")
     assert info.value.one_line().startswith(f"config.json: {key}: ")
 

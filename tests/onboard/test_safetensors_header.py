@@ -1,6 +1,6 @@
 """read_header against files written by safetensors itself, and against hand-made bad headers.
 
-Every bad header must raise OnboardError whose one line names the file and the tensor or key;
+Every bad header must raise BadInput whose one line names the file and the tensor or key;
 where the safetensors library also refuses the file, the test checks that too, so the reader
 is never looser than the loader that will read the weights later.
 """
@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from onboard.errors import OnboardError
+from onboard.errors import BadInput
 from onboard.safetensors_header import MAX_HEADER_BYTES, read_header
 
 
@@ -136,7 +136,7 @@ BAD_HEADERS = [
 )
 def test_bad_header_is_refused_naming_file_and_key(tmp_path, header, data_len, length, key, library_refuses):
     path = write_raw(tmp_path / "bad.safetensors", header, data_len, length)
-    with pytest.raises(OnboardError) as info:
+    with pytest.raises(BadInput) as info:
         read_header(path)
     line = info.value.one_line()
     assert "\n" not in line and line.startswith(str(path))
@@ -150,7 +150,7 @@ def test_bad_header_is_refused_naming_file_and_key(tmp_path, header, data_len, l
 def test_file_shorter_than_length_prefix(tmp_path):
     path = tmp_path / "stub.safetensors"
     path.write_bytes(b"\x01\x02\x03")
-    with pytest.raises(OnboardError, match="header length"):
+    with pytest.raises(BadInput, match="header length"):
         read_header(path)
 
 
@@ -164,10 +164,10 @@ def test_huge_sparse_file_is_read_without_touching_its_data(tmp_path):
 
 def test_fifo_is_refused_instead_of_blocking(tmp_path):
     os.mkfifo(tmp_path / "pipe.safetensors")
-    with pytest.raises(OnboardError, match="not a regular file"):
+    with pytest.raises(BadInput, match="not a regular file"):
         read_header(tmp_path / "pipe.safetensors")
 
 
 def test_missing_file_is_an_onboard_error(tmp_path):
-    with pytest.raises(OnboardError, match="nothing.safetensors"):
+    with pytest.raises(BadInput, match="nothing.safetensors"):
         read_header(tmp_path / "nothing.safetensors")

@@ -11,7 +11,7 @@ import yaml
 
 from onboard.align import run_alignment
 from onboard.align.tier4 import Target, plan_workload, tier4
-from onboard.errors import OnboardError
+from onboard.errors import BadInput
 from onboard.manifest import read_manifest
 from onboard.package import write_package
 from onboard.plan import Cluster, Workload
@@ -90,5 +90,5 @@ def test_tier4_without_a_cluster_is_bad_input(example_package):
 def test_a_malformed_plan_yaml_is_bad_input(tmp_path):
     path = tmp_path / "plan.yaml"
     path.write_text("workload: {seq_len: long}\n")
-    with pytest.raises(OnboardError, match="plan.yaml: workload"):
+    with pytest.raises(BadInput, match="plan.yaml: workload"):
         plan_workload(path)

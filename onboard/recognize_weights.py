@@ -1,0 +1,132 @@
+"""The weights' word on a recognized spec: components whose tensors we do not understand run as own modules.
+
+Where transformers knows the family, its model built on the meta device (in the released tensor
+format, as save_pretrained writes it) is the oracle: a release tensor whose shape differs from it
+contradicts the release's own config (bad input); anything else the recognized spec does not
+expect (a tensor of another shape or layout, a tensor no recognized component uses, one we would use
+that the oracle does not read, one we expect that neither has) is our assumption failing, so the component holding
+it becomes an OwnModule (the whole decoder layer when the tensor sits on the layer itself).
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+from onboard.errors import BadInput
+from onboard.manifest import Manifest
+from onboard.meta_check import transformers_tensors
+from onboard.spec import LayerSpec, ModelSpec, OwnModule, Unrecognized
+from onboard.weight_layout import expected_tensors
+
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
+INDEX_RE = re.compile(r"\.\d+\.")
+
+
+def _where(name: str, spec: ModelSpec) -> Optional[tuple[int, str]]:
+    """(layer index, "attention" | "ffn" | "norm" | "layer") of a release tensor; None outside the layers."""
+    head = f"{spec.naming.prefix}layers."
+    if not name.startswith(head):
+        return None
+    index, _, rest = name[len(head):].partition(".")
+    if not index.isdigit() or int(index) >= spec.num_layers:
+        return None
+    module = rest.split(".")[0]
+    if module == spec.naming.ffn_module:
+        return int(index), "ffn"
+    if module in LAYER_NORMS:
+        return int(index), "norm"
+    if module in (spec.naming.softmax_module, spec.naming.linear_module):
+        return int(index), "attention"
+    return int(index), "layer"
+
+
+def _contradictions(manifest: Manifest, present: dict, oracle: dict, family: str) -> None:
+    bad = [n for n, info in present.items() if n in oracle and info.shape is not None and tuple(info.shape) != oracle[n]]
+    if bad:
+        first = present[bad[0]]
+        raise BadInput(manifest.root / (first.file or ""), bad[0],
+                           f"shape {tuple(first.shape)} contradicts config.json, which implies {oracle[bad[0]]} "
+                           f"in transformers' {family} model ({len(bad)} tensor(s) disagree)")
+
+
+def _disagreements(spec: ModelSpec, present: dict, oracle: Optional[dict], complete: bool) -> dict:
+    """(layer, part) -> why the recognized spec does not account for the release there."""
+    expected, why = expected_tensors(spec), {}
+    for name, info in present.items():
+        where = _where(name, spec)
+        if where is None:
+            continue
+        if name not in expected:
+            why.setdefault(where, f"tensor {INDEX_RE.sub('.N.', name)} not understood")
+        elif oracle is not None and name not in oracle:
+            # we would compute with a tensor the family's own model does not read
+            why.setdefault(where, f"tensor {INDEX_RE.sub('.N.', name)} is not read by transformers' model")
+        elif info.shape is not None and tuple(info.shape) != expected[name]:
+            why.setdefault(where, f"{name} stored as {tuple(info.shape)}, recognized as {expected[name]}")
+    if oracle is not None and complete:
+        for name in expected.keys() - present.keys() - oracle.keys():
+            where = _where(name, spec)
+            if where is not None:
+                why.setdefault(where, f"recognized a tensor {name} that neither the release nor transformers has")
+    return why
+
+
+def _own(layer: LayerSpec, parts: dict[str, str], spec: ModelSpec, present: dict) -> LayerSpec:
+    """The layer with the parts named in `parts` as own modules (all of it when its own tensors disagree)."""
+    found: dict[str, dict[str, list[int]]] = {"attention": {}, "ffn": {}, "norm": {}, "layer": {}}
+    for name, info in present.items():
+        where = _where(name, spec)
+        if where is not None and where[0] == layer.index:
+            found[where[1]][name] = list(info.shape) if info.shape is not None else []
+    head = f"{spec.naming.prefix}layers.{layer.index}."
+    paths = {n[len(head):].split(".")[0] for n in found["attention"]}
+    whole = parts.get("layer") or parts.get("norm")
+    if whole is None and "attention" in parts and len(paths) != 1:
+        whole = parts["attention"]  # attention not under one module: only the layer as a whole is known
+    if whole:
+        rest = {**found["attention"], **found["norm"], **found["layer"]}
+        return layer.model_copy(update={"own_layer": whole, "attention": OwnModule(reason=whole, tensors=rest),
+                                        "ffn": OwnModule(reason=whole, tensors=found["ffn"])})
+    fields = {}
+    if "attention" in parts:
+        fields["attention"] = OwnModule(reason=_first_reason(layer.attention, parts["attention"]), path=paths.pop(),
+                                        tensors=found["attention"])
+    if "ffn" in parts:
+        fields["ffn"] = OwnModule(reason=_first_reason(layer.ffn, parts["ffn"]), path=spec.naming.ffn_module,
+                                  tensors=found["ffn"])
+    return layer.model_copy(update=fields)
+
+
+def _first_reason(part, weights_reason: str) -> str:
+    """A part the config rules already gave up on keeps their reason (the cause; the weights follow from it)."""
+    return part.reason if part.kind == "own_module" else weights_reason
+
+
+def _notes(why: dict) -> list[Unrecognized]:
+    """One entry per (part, reason) pattern, naming the layers it holds for."""
+    layers: dict[tuple[str, str], list[int]] = {}
+    for (index, part), reason in sorted(why.items()):
+        layers.setdefault((part, INDEX_RE.sub(".N.", reason)), []).append(index)
+    return [Unrecognized(source=f"weights:layers {','.join(map(str, idx))}", item=f"{part} not understood", detail=reason)
+            for (part, reason), idx in layers.items()]
+
+
+def apply(spec: ModelSpec, manifest: Manifest) -> ModelSpec:
+    """The spec with every component the weights contradict turned into an OwnModule."""
+    from onboard import param_count
+
+    vision_prefix = spec.naming.vision_prefix or "\0"
+    present = {n: t for n, t in manifest.tensors.items() if not n.startswith(vision_prefix)}
+    oracle = transformers_tensors(manifest)
+    if oracle is not None:
+        _contradictions(manifest, present, oracle, spec.family)
+    why = _disagreements(spec, present, oracle, manifest.shards_present)
+    if not why:
+        return spec
+    by_layer: dict[int, dict[str, str]] = {}
+    for (index, part), reason in why.items():
+        by_layer.setdefault(index, {})[part] = reason
+    layers = [_own(l, by_layer[l.index], spec, present) if l.index in by_layer else l for l in spec.layers]
+    notes = _notes(why)
+    spec = spec.model_copy(update={"layers": layers, "unrecognized": list(spec.unrecognized) + notes})
+    return spec.model_copy(update={"params": param_count.count(spec, spec.vision)})

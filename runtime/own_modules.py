@@ -1,0 +1,142 @@
+"""Components no registry op computes, run through the model's own transformers modules (day-0, slow).
+
+A spec part of kind "own_module" (attention, FFN, or the whole decoder layer) becomes an OwnModule
+here: an empty slot until `load_own_modules` builds transformers' model of the release (truncated
+to the runtime's layers), lets transformers load the release's weights into it by name, and moves
+the needed submodules into the slots; the rest is dropped. The moved modules are ordinary
+submodules: their nn.Linear layers take LoRA and they train with the rest. Slow because nothing
+is fused and the whole truncated release passes through memory once when loading.
+Shape legend: B batch, T tokens, D model width.
+"""
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+from torch import nn
+
+# Per-layer context transformers' decoders pass their layers; given where a module's forward accepts it.
+CONTEXT_ARGS = ("attention_mask", "position_ids", "position_embeddings")
+
+
+def transformers_class_names() -> dict[str, str]:
+    """family -> the transformers class a release of it loads with (image-text-to-text over causal LM)."""
+    from transformers.models.auto import modeling_auto as auto
+
+    return {**auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, **auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES}
+
+
+def transformers_class(family: str):
+    """The class, or None when transformers does not know the family."""
+    name = transformers_class_names().get(family)
+    return getattr(__import__("transformers"), name) if name else None
+
+
+def truncated_config(config, num_layers: int | None):
+    """The config with its text model cut to num_layers, per-layer lists cut alike."""
+    text = config.get_text_config()
+    total = text.num_hidden_layers
+    if num_layers is None or num_layers >= total:
+        return config
+    for key, value in list(vars(text).items()):
+        if isinstance(value, list) and len(value) == total:
+            setattr(text, key, value[:num_layers])
+    text.num_hidden_layers = num_layers
+    return config
+
+
+class _Context:
+    """What the release's decoder computes once per forward for its layers: rotary tables and masks.
+    A plain object (not a Module), so the rotary module is not registered once per slot."""
+
+    def __init__(self, decoder: nn.Module):
+        self.config = decoder.config
+        self.rotary = getattr(decoder, "rotary_emb", None)
+        self.layer_types = getattr(self.config, "layer_types", None)
+
+    def kwargs(self, index: int, x_BTD: torch.Tensor, positions: torch.Tensor) -> dict:
+        layer_type = self.layer_types[index] if self.layer_types else "full_attention"
+        return {"attention_mask": self._mask(layer_type, x_BTD), "position_ids": positions,
+                "position_embeddings": self._rotary(layer_type, x_BTD, positions)}
+
+    def _rotary(self, layer_type: str, x_BTD, positions):
+        if self.rotary is None:
+            return None
+        if "layer_type" in inspect.signature(self.rotary.forward).parameters:
+            return self.rotary(x_BTD, positions, layer_type)
+        return self.rotary(x_BTD, positions)
+
+    def _mask(self, layer_type: str, x_BTD):
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        # recurrent and convolutional layers take no causal mask (their own padding mask is None here)
+        if "linear" in layer_type or "attention" not in layer_type:
+            return None
+        make = create_sliding_window_causal_mask if "sliding" in layer_type else create_causal_mask
+        # always a tensor: some layers index the mask themselves (sparse-attention indexers)
+        return make(config=self.config, inputs_embeds=x_BTD, attention_mask=None, cache=None, allow_is_causal_skip=False)
+
+
+def _first_tensor(output) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class OwnModule(nn.Module):
+    """A slot for transformers' module of one layer part ("attn", "ffn" or "layer"), filled by load_own_modules.
+
+    `path` is the module's attribute path inside transformers' decoder layer ("" for the layer itself)."""
+
+    def __init__(self, index: int, part: str, path: str):
+        super().__init__()
+        self.index, self.part, self.path = index, part, path
+        self.module: nn.Module | None = None
+        self._context: list[_Context] = []  # a list, so the context is not registered as a submodule
+        self._accepts: set[str] = set()
+
+    def bind(self, module: nn.Module, context: _Context) -> None:
+        self.module, self._context = module, [context]
+        params = inspect.signature(module.forward).parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        self._accepts = {a for a in CONTEXT_ARGS if a in params or (takes_any and self.part != "ffn")}
+
+    def forward(self, x_BTD: torch.Tensor, rotary=None) -> torch.Tensor:
+        if self.module is None:
+            raise RuntimeError(f"layer {self.index} {self.part}: own module {self.path or 'decoder layer'} was not loaded")
+        if self.part == "ffn":
+            return _first_tensor(self.module(x_BTD))
+        positions = rotary.positions if rotary is not None else torch.arange(x_BTD.shape[1])[None]
+        context = self._context[0].kwargs(self.index, x_BTD, positions)
+        return _first_tensor(self.module(x_BTD, **{k: v for k, v in context.items() if k in self._accepts}))
+
+
+def own_slots(model: nn.Module) -> list[OwnModule]:
+    return [m for m in model.modules() if isinstance(m, OwnModule)]
+
+
+def text_decoder(model: nn.Module) -> nn.Module:
+    """transformers' text decoder inside a model: the module holding both its layers and its token embedding."""
+    return next(m for m in model.modules() if isinstance(getattr(m, "layers", None), nn.ModuleList)
+                and any(isinstance(c, nn.Embedding) for c in m.children()))
+
+
+def load_own_modules(model: nn.Module, model_dir: Path) -> None:
+    """Fill every OwnModule slot of `model` with transformers' module, the release's weights in it."""
+    slots = own_slots(model)
+    if not slots:
+        return
+    from transformers import AutoConfig
+
+    dtype = next(p.dtype for p in model.parameters())
+    config = truncated_config(AutoConfig.from_pretrained(model_dir), max(s.index for s in slots) + 1)
+    cls = transformers_class(config.model_type)
+    if cls is None:
+        raise RuntimeError(f"{model_dir}: transformers has no model for {config.model_type!r}, whose own modules "
+                           f"layers {sorted({s.index for s in slots})} need")
+    reference = cls.from_pretrained(model_dir, config=config, dtype=dtype)
+    decoder = text_decoder(reference)
+    context = _Context(decoder)
+    for slot in slots:
+        module = decoder.layers[slot.index]
+        module = module.get_submodule(slot.path) if slot.path else module
+        slot.bind(module.train(model.training), context)
