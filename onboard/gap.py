@@ -8,7 +8,8 @@ from pydantic import BaseModel
 
 from onboard.manifest import Manifest
 from onboard.memory import MemoryBudget, budget
-from onboard.meta_check import MetaCheck, meta_check, transformers_class_names
+from onboard.meta_check import MetaCheck, meta_check
+from onboard.transformers_classes import transformers_knows
 from onboard.spec import ModelSpec, Unrecognized
 from onboard.weight_layout import expected_tensors
 from runtime.kernels.available import kernels_available
@@ -79,7 +80,7 @@ def op_gaps(spec: ModelSpec) -> list[OpGap]:
             found.setdefault((name, support), set()).add(layer.index)
         for part, reason in _own_parts(layer):
             own.setdefault(part, ([], reason))[0].append(layer.index)
-    knows = spec.family in transformers_class_names()
+    knows = transformers_knows(spec.family)
     gaps = [_op_gap(name, support, sorted(layers), knows) for (name, support), layers in sorted(found.items())]
     return gaps + [_own_gap(name, layers, reason, knows) for name, (layers, reason) in sorted(own.items())]
 
@@ -146,7 +147,7 @@ def analyze(spec: ModelSpec, manifest: Manifest, gpu_mem_gib: float = 80.0, lora
             seq_len: int = 4096) -> GapReport:
     ops = op_gaps(spec)
     weights = check_weights(spec, manifest)
-    meta = meta_check(spec, manifest) if spec.family in transformers_class_names() else None
+    meta = meta_check(spec, manifest) if transformers_knows(spec.family) else None
     available, reason = kernels_available()
     return GapReport(model=model_summary(spec, manifest), ops=ops, kernels=KernelsHere(available=available, reason=reason),
                      weights=weights,

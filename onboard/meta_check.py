@@ -15,7 +15,7 @@ from onboard.config_checks import transformers_config
 from onboard.errors import BadInput
 from onboard.manifest import Manifest
 from onboard.spec import ModelSpec
-from runtime.own_modules import text_decoder, transformers_class, transformers_class_names  # noqa: F401 (gap reads it here)
+from onboard.transformers_classes import model_class, transformers_class_names, transformers_may_know  # noqa: F401 (gap reads it here)
 
 
 class MetaCheck(BaseModel):
@@ -38,7 +38,7 @@ def _build_from_json(config_json: str, config_path: str):
     import torch
 
     config = json.loads(config_json)
-    cls = transformers_class(str(config.get("model_type")))
+    cls = model_class(str(config.get("model_type")))
     if cls is None:
         return None
     # built from a copy: transformers' config class may refuse the values (bad input) or edit them
@@ -49,6 +49,8 @@ def _build_from_json(config_json: str, config_path: str):
 
 def transformers_tensors(manifest: Manifest) -> Optional[dict[str, tuple[int, ...]]]:
     """Released name -> shape that transformers' own model of this config saves (None: family unknown)."""
+    if not transformers_may_know(str(manifest.config.get("model_type"))):
+        return None
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
@@ -61,6 +63,8 @@ def transformers_tensors(manifest: Manifest) -> Optional[dict[str, tuple[int, ..
 
 def _decoder_layers(model):
     try:
+        from runtime.own_modules import text_decoder
+
         return list(text_decoder(model).layers)
     except StopIteration:
         return []

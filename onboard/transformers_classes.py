@@ -2,9 +2,36 @@
 multimodal families (it holds the vision tower), the causal LM otherwise."""
 from __future__ import annotations
 
+import functools
+import importlib.util
+from pathlib import Path
+
 
 def model_class(family: str):
     """The transformers class for config model_type `family` (None when transformers does not know it)."""
     from runtime.own_modules import transformers_class
 
     return transformers_class(family)
+
+
+@functools.lru_cache(maxsize=64)
+def transformers_may_know(model_type: str) -> bool:
+    """False only when transformers certainly does not know the family, found without importing transformers
+    (which costs seconds, torch included): every model_type it knows is a string literal in its auto-config
+    table. True means "ask transformers itself" (transformers_class_names)."""
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    table = Path(list(spec.submodule_search_locations)[0]) / "models" / "auto" / "configuration_auto.py"
+    return not table.exists() or f'"{model_type}"' in table.read_text()
+
+
+def transformers_class_names() -> dict[str, str]:
+    """family -> the transformers class a release of it loads with (image-text-to-text over causal LM)."""
+    from runtime.own_modules import transformers_class_names as names
+
+    return names()
+
+
+def transformers_knows(family: str) -> bool:
+    return transformers_may_know(family) and family in transformers_class_names()

@@ -13,6 +13,7 @@ parameter dicts themselves as tier-0 case keys and op arguments. The runtime's l
 from __future__ import annotations
 
 import importlib
+import sys
 import importlib.util
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional
@@ -85,14 +86,20 @@ def _router(params: dict) -> Support:
     return "exact"
 
 
+# the activations runtime/ops/mlp.py's ACTIVATIONS holds before any package registers generated ones; named here
+# so that reading the table imports no torch (`inspect` stays light); a test keeps the two equal
+BUILTIN_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
+
+
 def _activation(params: dict) -> Support:
     """silu is the path every kernel fuses; other activations the runtime has (or a package generated) run unfused."""
-    from runtime.ops.mlp import ACTIVATIONS
-
     name = params.get("activation", "silu")
     if name == "silu":
         return "exact"
-    return "variant" if name in ACTIVATIONS else "unsupported"
+    # generated activations are registered into runtime.ops.mlp, so it is loaded whenever there are any
+    mlp = sys.modules.get("runtime.ops.mlp")
+    known = mlp.ACTIVATIONS if mlp is not None else BUILTIN_ACTIVATIONS
+    return "variant" if name in known else "unsupported"
 
 
 OPS: dict[str, OpFamily] = {op.name: op for op in [

@@ -18,3 +18,13 @@ def test_named_implementations_resolve(name):
 def test_a_missing_module_does_not_exist():
     op = OPS["rms_norm"]
     assert not type(op)(op.name, op.covers, op.reference, "runtime.ops.nowhere:rms_norm", None, op.supports).exists("fallback")
+
+
+def test_the_registry_names_the_activations_the_runtime_has():
+    """runtime.registry names them without importing torch; they must be ops/mlp.py's own."""
+    import subprocess
+    import sys
+
+    probe = ("import runtime.registry as r, runtime.ops.mlp as m; "
+             "import sys; sys.exit(0 if set(r.BUILTIN_ACTIVATIONS) == set(m.ACTIVATIONS) else 1)")
+    assert subprocess.run([sys.executable, "-c", probe]).returncode == 0
