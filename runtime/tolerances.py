@@ -37,10 +37,9 @@ GRAD_TOLERANCES: dict[torch.dtype, Tolerance] = {
 }
 
 # fp32 Triton kernels on CUDA multiply in TF32 (10-bit mantissa), as tl.dot does by default: a
-# decision for speed, not a bug. Observed on the H200 at tier-0 shapes (bench/results/2026-11-29-gpu-tier0*.json):
-# GDN out 1.84e-3 rel RMS / 2.15e-3 max-abs, grads up to 1.84e-3 / 2.55e-3; KDA 1.4e-3; sparse attention
-# 1.67e-3 (13:05 run); with the 16:24 defaults (16:29 run) and again with the 4-warp gradient kernels (18:09 run)
-# GDN out 1.90e-3 / 2.21e-3, grads 1.86e-3 / 2.0e-3, KDA 1.37e-3 / 2.36e-3, sparse attention 1.64e-3 / 2.39e-3.
+# decision for speed, not a bug. Worst observed on the H200 at tier-0 shapes with the default kernels
+# (bench/results/gpu-tier0.json; earlier runs in bench/results/history/): GDN out 1.90e-3 rel RMS / 2.21e-3
+# max-abs, grads 1.86e-3 / 2.55e-3, KDA 1.4e-3 / 2.36e-3, DSA attention 1.67e-3 / 2.39e-3.
 # The bound is about 2.5x the worst observed; the fp32 table still applies on the CPU.
 TF32_KERNEL_TOLERANCES: dict[str, Tolerance] = {
     "out": Tolerance(rel_rms=5e-3, max_abs_rel=1e-2),
