@@ -18,6 +18,7 @@ from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import END, START, StateGraph
 
 from onboard.errors import BadInput
+from onboard.package import check_out, locked, made_parents
 
 from agents.context import Context
 from agents.llm import LLMClient
@@ -77,6 +78,18 @@ def run_dir(out: Path) -> Path:
 def run(options: RunOptions, resume: bool = False, progress: Callable[[str], None] = print) -> OnboardState:
     """Run (or resume) the graph for one release; the final state, with `exit_code`."""
     folder = run_dir(Path(options.out))
+    # the release and --out are checked before any node runs; a second run on one --out waits for nobody
+    check_out_if_new(Path(options.out), Path(options.model_dir), folder)
+    with made_parents(folder.parent), locked(folder):
+        return _run_locked(options, resume, progress, folder)
+
+
+def check_out_if_new(out: Path, model_dir: Path, folder: Path) -> None:
+    if not folder.exists():
+        check_out(out.absolute(), model_dir.resolve())
+
+
+def _run_locked(options: RunOptions, resume: bool, progress: Callable[[str], None], folder: Path) -> OnboardState:
     checkpoint = folder / "checkpoint.sqlite"
     if Path(options.out).exists() and not folder.exists():
         raise BadInput(Path(options.out), None, "package folder already exists; choose another --out or remove it")

@@ -63,7 +63,8 @@ def _release_view(delta: torch.Tensor, entry: dict) -> torch.Tensor:
 
 def _merged(name: str, value: torch.Tensor, weight_map: dict, state, scale: float, dtype) -> torch.Tensor:
     entry = weight_map.get(name)
-    delta = None if entry is None else delta_for(state, scale, entry["target"], entry["expert"])
+    # no entry (vision) or no runtime target (an own module's tensor, loaded by name): copied as released
+    delta = None if entry is None or entry["target"] is None else delta_for(state, scale, entry["target"], entry["expert"])
     dtype = dtype or value.dtype
     if delta is None:
         return value.to(dtype)

@@ -40,13 +40,13 @@ def write_package(model_dir: Path, out: Path, gpu_mem_gib: float = 80.0, lora_ra
     """Returns (package path, gap report); plan.yaml is the parallel plan for `gpus` GPUs of gpu_mem_gib.
     `generated`: validated operator candidates, written into PKG/ops/ and marked `generated` in the gap report."""
     model_dir, out = Path(model_dir).resolve(), Path(out).absolute()
-    _check_out(out, model_dir)
+    check_out(out, model_dir)
     manifest = read_manifest(model_dir)
     spec = recognize(manifest)
     report = mark_generated(analyze(spec, manifest, gpu_mem_gib, lora_rank, seq_len), list(generated))
     plan = search(spec, Cluster(gpus, gpu_mem_gib, gpus_per_node), Workload(seq_len, lora_rank, None))
-    with _made_parents(out.parent), _locked(out):
-        _check_out(out, model_dir)
+    with made_parents(out.parent), locked(out):
+        check_out(out, model_dir)
         _remove_stale_partials(out)
         tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
         try:
@@ -68,7 +68,7 @@ def _write_lora_yaml(pkg: Path, spec, lora_rank: int) -> None:
     (pkg / "lora.yaml").write_text(lora_yaml_text(lora))
 
 
-def _check_out(out: Path, model_dir: Path) -> None:
+def check_out(out: Path, model_dir: Path) -> None:
     if out.exists() or out.is_symlink():
         raise BadInput(out, None, "package folder already exists; choose another --out or remove it")
     if out.resolve().is_relative_to(model_dir):
@@ -76,7 +76,7 @@ def _check_out(out: Path, model_dir: Path) -> None:
 
 
 @contextlib.contextmanager
-def _made_parents(folder: Path):
+def made_parents(folder: Path):
     """Create the missing parents of PKG; remove the ones made here if the run fails."""
     missing = [p for p in [folder, *folder.parents] if not p.exists()]
     try:
@@ -97,7 +97,7 @@ def _remove_empty(folders: list[Path]) -> None:
 
 
 @contextlib.contextmanager
-def _locked(out: Path):
+def locked(out: Path):
     """flock on `.PKG.lock` beside PKG: released by the kernel even when the holder is killed."""
     lock_path = out.parent / f".{out.name}.lock"
     with open(lock_path, "a") as lock:

@@ -117,6 +117,9 @@ class ModelSummary:
 def attention_flops_per_token(layer: LayerSpec, seq_len: int) -> float:
     """Forward FLOPs of the attention products (not the projections) per token, causal."""
     a, ctx = layer.attention, seq_len / 2
+    # an own module (the model's own transformers code) has no widths in the spec: its products are not counted
+    if a.kind == "own_module":
+        return 0.0
     if a.kind == "softmax":
         return 4 * a.num_heads * a.head_dim * min(ctx, a.sliding_window or ctx)
     if a.kind == "mla":

@@ -17,13 +17,14 @@ def model_class(family: str):
 @functools.lru_cache(maxsize=64)
 def transformers_may_know(model_type: str) -> bool:
     """False only when transformers certainly does not know the family, found without importing transformers
-    (which costs seconds, torch included): every model_type it knows is a string literal in its auto-config
-    table. True means "ask transformers itself" (transformers_class_names)."""
+    (which costs seconds, torch included): every model_type its model classes are mapped from is a string
+    literal in the sources of transformers/models/auto/. True means "ask transformers itself"."""
     spec = importlib.util.find_spec("transformers")
     if spec is None or not spec.submodule_search_locations:
         return False
-    table = Path(list(spec.submodule_search_locations)[0]) / "models" / "auto" / "configuration_auto.py"
-    return not table.exists() or f'"{model_type}"' in table.read_text()
+    sources = list((Path(list(spec.submodule_search_locations)[0]) / "models" / "auto").glob("*.py"))
+    literal = f'"{model_type}"'
+    return not sources or any(literal in source.read_text() for source in sources)
 
 
 def transformers_class_names() -> dict[str, str]:

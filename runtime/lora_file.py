@@ -39,7 +39,8 @@ def module_map(weight_map: dict[str, dict]) -> dict[str, str]:
     """Release module name -> runtime module name, for every module stored whole as `<module>.weight`."""
     out = {}
     for name, entry in weight_map.items():
-        if name.endswith(".weight") and entry["target"].endswith(".weight") and entry["expert"] is None \
+        # entries without a target: tensors an own module loads by name, or that nothing reads
+        if name.endswith(".weight") and (entry["target"] or "").endswith(".weight") and entry["expert"] is None \
                 and entry["rows"] is None:
             out[name.removesuffix(".weight")] = entry["target"].removesuffix(".weight")
     return out

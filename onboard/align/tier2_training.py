@@ -96,7 +96,7 @@ def _export_checks(ours, config, spec, weight_map, source: Path, num_layers: int
         write_peft(peft_dir, state, config, spec, weight_map, source)
         # the aligned prefix of the release (and every tensor the weight map does not cover, e.g. vision)
         write_merged(merged_dir, source, weight_map, state, config.scale, dtype=torch.float32,
-                     keep=lambda name: name not in weight_map or weight_map[name]["target"] in held)
+                     keep=lambda name: _in_prefix(name, weight_map, held))
         with torch.no_grad():
             peft_model = PeftModel.from_pretrained(load_reference(source, family, torch.float32, num_layers), peft_dir)
             from_peft = peft_model.eval()(input_ids=ids, use_cache=False).logits
@@ -121,3 +121,11 @@ def training_checks(spec: dict, weight_map: dict, source: Path, lora_plan: Path,
                            lambda ids: twin(input_ids=ids, use_cache=False).logits, batches)
     checks = _loss_checks(ours_losses, theirs_losses)
     return checks + _export_checks(ours, config, spec, weight_map, source, num_layers, batches[0])
+
+
+def _in_prefix(name: str, weight_map: dict, held: set[str]) -> bool:
+    """Whether the merged prefix keeps a released tensor: unmapped ones (vision) and those without a runtime
+    target (an own module's, which transformers loads by name) always; mapped ones when the truncated model holds
+    their target."""
+    entry = weight_map.get(name)
+    return entry is None or entry["target"] is None or entry["target"] in held

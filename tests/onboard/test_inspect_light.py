@@ -37,3 +37,13 @@ def test_kernels_available_says_why():
     assert interpreted.startswith("True|TRITON_INTERPRET=1")
     # this machine has no GPU driver, or has one: either way the answer names the reason
     assert plain.startswith(("False|no CUDA GPU", "True|on the CUDA GPU")), plain
+
+
+def test_the_light_gate_never_hides_a_family_transformers_knows():
+    """transformers_may_know reads transformers' sources instead of importing it: it must pass every family
+    transformers maps to a model class, and refuse one it does not know (the seed's hybrid_moe_vl)."""
+    from onboard.transformers_classes import transformers_may_know
+    from runtime.own_modules import transformers_class_names
+
+    assert [f for f in transformers_class_names() if not transformers_may_know(f)] == []
+    assert not transformers_may_know("hybrid_moe_vl")
