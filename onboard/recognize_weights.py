@@ -53,22 +53,28 @@ def _disagreements(spec: ModelSpec, present: dict, oracle: Optional[dict], compl
     """(layer, part) -> why the recognized spec does not account for the release there."""
     expected, why = expected_tensors(spec), {}
     for name, info in present.items():
-        where = _where(name, spec)
-        if where is None:
-            continue
-        if name not in expected:
-            why.setdefault(where, f"tensor {INDEX_RE.sub('.N.', name)} not understood")
-        elif oracle is not None and name not in oracle:
-            # we would compute with a tensor the family's own model does not read
-            why.setdefault(where, f"tensor {INDEX_RE.sub('.N.', name)} is not read by transformers' model")
-        elif info.shape is not None and tuple(info.shape) != expected[name]:
-            why.setdefault(where, f"{name} stored as {tuple(info.shape)}, recognized as {expected[name]}")
+        reason = _disagreement(name, info, expected, oracle)
+        # where the tensor sits is looked up only for a disagreement: most of a release's names agree
+        where = None if reason is None else _where(name, spec)
+        if where is not None:
+            why.setdefault(where, reason)
     if oracle is not None and complete:
         for name in expected.keys() - present.keys() - oracle.keys():
             where = _where(name, spec)
             if where is not None:
                 why.setdefault(where, f"recognized a tensor {name} that neither the release nor transformers has")
     return why
+
+
+def _disagreement(name: str, info, expected: dict, oracle: Optional[dict]) -> Optional[str]:
+    if name not in expected:
+        return f"tensor {INDEX_RE.sub('.N.', name)} not understood"
+    if oracle is not None and name not in oracle:
+        # we would compute with a tensor the family's own model does not read
+        return f"tensor {INDEX_RE.sub('.N.', name)} is not read by transformers' model"
+    if info.shape is not None and tuple(info.shape) != expected[name]:
+        return f"{name} stored as {tuple(info.shape)}, recognized as {expected[name]}"
+    return None
 
 
 def _own(layer: LayerSpec, parts: dict[str, str], spec: ModelSpec, present: dict) -> LayerSpec:
