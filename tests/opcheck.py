@@ -23,3 +23,21 @@ def check_op(op, run_fn, ref_fn, inputs: dict, dtype: torch.dtype, **static):
     for name in inputs:
         assert run_in[name].grad is not None, f"{op}: no gradient reached {name}"
         assert_close(run_in[name].grad, ref_in[name].grad, op, dtype, "grad", name)
+
+
+def check_route(route_fn, reference_route, logits: torch.Tensor, top_k: int, case: str, **kwargs) -> None:
+    """A router (kernel or torch fallback) against the fp64 reference: same experts, weights and logit
+    gradients within the route tolerance."""
+    from runtime.tolerances import assert_close
+
+    logits = logits.detach().requires_grad_()
+    logits64 = logits.detach().double().requires_grad_()
+    w_run, idx_run = route_fn(logits, top_k, **kwargs)
+    w_ref, idx_ref = reference_route(logits64, top_k, **kwargs)
+    assert w_run.dtype == torch.float32 and torch.equal(idx_run, idx_ref)
+    assert_close(w_run, w_ref, "route", torch.float32, "out", case)
+    cot = torch.randn_like(w_ref)
+    w_run.backward(cot.float())
+    w_ref.backward(cot)
+    assert_close(logits.grad, logits64.grad, "route", torch.float32, "grad", case)
+

@@ -21,6 +21,7 @@ from runtime.kernels import moe as kernels  # noqa: E402
 from runtime.kernels.moe import combine, experts, gather, grouped_wgrad, router, schedule  # noqa: E402
 from runtime.ops import moe as torch_ops  # noqa: E402
 from runtime.tolerances import assert_close  # noqa: E402
+from tests.opcheck import check_route  # noqa: E402
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("nan_buffers")]
 
@@ -203,16 +204,7 @@ def test_fused_router_matches_reference(case, monkeypatch):
     E, k, kwargs = ROUTER_CASES[case]
     monkeypatch.setattr(router.torch_ops, "route", lambda *a, **kw: pytest.fail("fell back to the torch router"))
     torch.manual_seed(11)
-    logits = torch.randn(63, E, requires_grad=True)
-    logits64 = logits.detach().double().requires_grad_()
-    w_run, idx_run = kernels.route(logits, k, **kwargs)
-    w_ref, idx_ref = ref.route(logits64, k, **kwargs)
-    assert w_run.dtype == torch.float32 and torch.equal(idx_run, idx_ref)
-    assert_close(w_run, w_ref, "route", torch.float32, "out", case)
-    cot = torch.randn_like(w_ref)
-    w_run.backward(cot.float())
-    w_ref.backward(cot)
-    assert_close(logits.grad, logits64.grad, "route", torch.float32, "grad", case)
+    check_route(kernels.route, ref.route, torch.randn(63, E), k, case, **kwargs)
 
 
 def test_router_rules_without_a_fused_form_use_torch():

@@ -16,13 +16,26 @@ def todays_families() -> list[str]:
     return sorted({families[day % len(families)], families[(7 * day + 3) % len(families)]})
 
 
+# a family whose default config cannot be shrunk generically is passed over for the next one in the rotation
+# (it must say why); the test never ends without onboarding one
+MAX_PASSED_OVER = 12
+
+
+def first_buildable(start: str, tmp_path):
+    families, _ = moe_families()
+    at = families.index(start)
+    for step in range(MAX_PASSED_OVER):
+        family = families[(at + step) % len(families)]
+        result = run_family(family, tmp_path / family)
+        if result.built:
+            return family, result
+        assert result.not_built_reason, family
+    pytest.fail(f"{MAX_PASSED_OVER} families from {start} on could not be built tiny")
+
+
 @pytest.mark.parametrize("index", [0, 1])
 def test_a_family_of_the_day_is_onboarded_honestly(index, tmp_path):
-    family = todays_families()[min(index, len(todays_families()) - 1)]
-    result = run_family(family, tmp_path)
-    if not result.built:
-        assert result.not_built_reason, family
-        pytest.skip(f"{family}: not shrinkable generically: {result.not_built_reason}")
+    family, result = first_buildable(todays_families()[min(index, len(todays_families()) - 1)], tmp_path)
     tracebacks = {step: s.traceback for step, s in result.steps.items() if s.exit_code is None}
     assert not tracebacks, (family, tracebacks)
     # a tiny release save_pretrained wrote is valid by construction: never bad input

@@ -20,6 +20,7 @@ from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
 
+from tests.opcheck import check_route
 from reference_ops import mlp as ref_mlp
 from reference_ops import moe as ref
 from runtime.ops import moe as run
@@ -191,16 +192,7 @@ def test_fallback_route_matches_reference(case):
     top_k = kwargs.pop("top_k")
     if kwargs.pop("correction_bias", False):
         kwargs["correction_bias_E"] = torch.randn(12) * 0.1
-    logits = torch.randn(63, 12, requires_grad=True)
-    logits64 = logits.detach().double().requires_grad_()
-    w_run, idx_run = run.route(logits, top_k, **kwargs)
-    w_ref, idx_ref = ref.route(logits64, top_k, **kwargs)
-    assert w_run.dtype == torch.float32 and torch.equal(idx_run, idx_ref)
-    assert_close(w_run, w_ref, "route", torch.float32, "out", case)
-    cot = torch.randn_like(w_ref)
-    w_run.backward(cot.float())
-    w_ref.backward(cot)
-    assert_close(logits.grad, logits64.grad, "route", torch.float32, "grad", case)
+    check_route(run.route, ref.route, torch.randn(63, 12), top_k, case, **kwargs)
 
 
 def test_group_limited_routing_only_picks_from_kept_groups():
