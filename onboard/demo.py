@@ -62,9 +62,9 @@ def run(args) -> int:
     """0 when every stage succeeded and the adapter reproduces our logits in transformers + peft."""
     import torch
 
-    torch.set_num_threads(1)
     started = time.perf_counter()
     paths = Paths(_fresh_folder(Path(args.out).absolute(), args.force))
+    torch.set_num_threads(1)
     for argv in commands(paths, args.steps):
         code = _stage(argv)
         if code:
