@@ -26,7 +26,7 @@ DATA = Path(__file__).resolve().parent / "data" / "demo_text.jsonl"
 FAMILY = "qwen3_next"
 SEQ_LEN = 128
 # the tiny model's LoRA needs a larger step than a real model's 1e-4 to show its loss falling in 30 steps
-LR = "3e-3"
+LR = "1e-2"
 MARKER = ".onboard-demo"
 SAMPLE = "A small adapter, trained for a few steps, changes what the model expects to read next."
 
