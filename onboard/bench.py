@@ -183,30 +183,29 @@ def _mfu_note(device, peak: float | None) -> str:
 
 
 class _PeakMemory:
-    """Peak memory of the block: CUDA max_memory_allocated; on CPU the peak resident set above the one at the
-    start (Linux: the high-water mark VmHWM, reset through /proc/self/clear_refs when the block starts)."""
+    """Peak memory of the block: CUDA max_memory_allocated; on Linux CPUs the peak resident set above the one at
+    the start (the high-water mark VmHWM, reset through /proc/self/clear_refs); elsewhere the process's peak."""
 
     def __init__(self, device):
         self.device = device
-        self.kind = "cuda max_memory_allocated" if device.type == "cuda" else "cpu peak RSS above the built model"
+        self.reset_rss = device.type == "cpu" and Path("/proc/self/clear_refs").exists()
+        self.kind = ("cuda max_memory_allocated" if device.type == "cuda" else
+                     "cpu peak RSS above the built model" if self.reset_rss else "cpu peak RSS of the process")
 
     def __enter__(self):
         import torch
 
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        else:
+        if self.reset_rss:
             Path("/proc/self/clear_refs").write_text("5")
             self.start = _status_kib("VmRSS")
         return self
 
     def __exit__(self, *exc):
-        import torch
+        from runtime.metrics import peak_memory_gib
 
-        if self.device.type == "cuda":
-            self.gib = torch.cuda.max_memory_allocated(self.device) / 2**30
-        else:
-            self.gib = (_status_kib("VmHWM") - self.start) / 2**20
+        self.gib = (_status_kib("VmHWM") - self.start) / 2**20 if self.reset_rss else peak_memory_gib(self.device)
 
 
 def _status_kib(key: str) -> int:
