@@ -155,7 +155,7 @@ def profile_part(work: Path, seq_len: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from runtime.op_kinds import op_kind
+    from runtime.profile_kinds import op_kind
     step, _, _ = ours_setup(work, False, seq_len)
     for _ in range(3):
         step()
