@@ -7,7 +7,7 @@ one by one. Metrics: tokens/s, MFU (runtime/flops.py's count over the device's b
 unlisted GPUs, the achieved TFLOP/s beside it), step latency, peak memory over the warm-up and timed steps
 (CUDA: max_memory_allocated; CPU: the peak resident set above the one with the model built, i.e. what a
 step adds to the weights), and time per op kind (torch.profiler self time over PROFILED_STEPS more steps,
-runtime.profile_kinds.py).
+runtime/profile_kinds.py).
 Writes PKG/alignment/bench.json. --check measures again at the seq_len and step count of the committed
 PKG/alignment/bench_baseline.json (a bench.json saved under that name) and exits 3 when a metric is worse
 than the baseline by more than its noise band (NOISE_BAND).
