@@ -51,3 +51,14 @@ def test_bench_writes_every_metric_and_checks_against_its_baseline(example_packa
     slower = onboard_cli("bench", pkg, "--check")
     assert slower.code == 3, slower.err
     assert "regression vs bench_baseline.json: tokens_per_s" in slower.err, slower.err
+
+
+def test_check_names_memory_growth_and_a_baseline_from_another_device():
+    from onboard.bench import regressions
+
+    base = {"device": "cpu", "tokens_per_s": 100.0, "mfu": None, "peak_mem_gib": 1.0}
+    assert regressions(base, {**base, "tokens_per_s": 60.0, "peak_mem_gib": 1.1}) == []
+    grown = regressions(base, {**base, "peak_mem_gib": 1.5})
+    assert len(grown) == 1 and grown[0].startswith("peak_mem_gib: 1.5 vs 1 (+0.5 GiB")
+    other = regressions(base, {**base, "device": "cuda:NVIDIA H200"})
+    assert other == ["device: the baseline was measured on cpu, this machine is cuda:NVIDIA H200"]
