@@ -12,7 +12,7 @@ KINDS = (
     ("attention (sdpa)", ("flash", "fmha", "cudnn", "attention")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90", "aten::mm", "aten::bmm", "aten::addmm", "aten::matmul",
                 "aten::linear")),
-    ("loss (chunked lm head + ce)", ("cross_entropy", "log_softmax", "softmax", "logsumexp", "nll")),
+    ("loss (chunked lm head + ce)", ("cross_entropy", "crossentropy", "log_softmax", "softmax", "logsumexp", "nll")),
     ("conv1d", ("conv",)),
     ("optimizer", ("adam", "foreach", "multi_tensor")),
     # "nocast" is in the name of every TensorIterator elementwise kernel: copies are named by "copy" alone
