@@ -150,31 +150,12 @@ def ours_part(work: Path, experts: bool, seq_len: int, policy: str | None = None
                 flops=flops, mfu=flops / seconds / (PEAK_TFLOPS * 1e12))
 
 
-# kernel-name fragments -> the op kind a GPU kernel belongs to (first match wins; the rest is "other")
-KERNEL_KINDS = (
-    ("gdn/kda kernels", ("prep_blocked", "prep_columns", "scan_kernel", "scan_bwd", "state_grad", "wy_grad",
-                         "diag_token", "gram_grad", "dg_finish")),
-    ("moe grouped gemm + routing", ("grouped", "_router", "gather", "combine", "glu", "swiglu", "topk")),
-    ("attention (sdpa)", ("flash", "fmha", "cudnn", "attention")),
-    ("matmul (cuBLAS)", ("gemm", "nvjet", "cutlass", "xmma", "sm90")),
-    ("loss (chunked lm head + ce)", ("cross_entropy", "log_softmax", "softmax", "logsumexp", "nll")),
-    ("conv1d", ("conv",)),
-    ("optimizer", ("adam", "foreach", "multi_tensor")),
-    # "nocast" is in the name of every TensorIterator elementwise kernel: copies are named by "copy" alone
-    ("copies / casts", ("copy", "memcpy", "catarray")),
-    ("elementwise / reductions", ("elementwise", "vectorized", "reduce", "unrolled", "fill")),
-)
-
-
-def kernel_kind(name: str) -> str:
-    lower = name.lower()
-    return next((kind for kind, keys in KERNEL_KINDS if any(k in lower for k in keys)), "other")
-
-
 def profile_part(work: Path, seq_len: int) -> dict:
     """GPU time per kernel and per op kind over 3 profiled steps after 3 warm-up ones (ms per step)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
+
+    from runtime.profile_kinds import op_kind
     step, _, _ = ours_setup(work, False, seq_len)
     for _ in range(3):
         step()
@@ -189,10 +170,10 @@ def profile_part(work: Path, seq_len: int) -> dict:
             per_kernel[event.key] = per_kernel.get(event.key, 0.0) + event.self_device_time_total / 3e3
     kinds = {}
     for name, ms in per_kernel.items():
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+        kinds[op_kind(name)] = kinds.get(op_kind(name), 0.0) + ms
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:40]
     return dict(gpu_ms_per_step=sum(per_kernel.values()), ops=dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-                top_kernels=[dict(name=n[:160], ms=round(ms, 4), kind=kernel_kind(n)) for n, ms in top])
+                top_kernels=[dict(name=n[:160], ms=round(ms, 4), kind=op_kind(n)) for n, ms in top])
 
 
 def in_subprocess(args: list[str], timeout: int = 400) -> dict:
