@@ -127,6 +127,8 @@ OPS: dict[str, OpFamily] = {op.name: op for op in [
              _router),
     OpFamily("moe_experts", "ffn:moe", "reference_ops.moe:swiglu_experts", "runtime.ops.moe:swiglu_experts",
              "runtime.kernels.moe:swiglu_experts", _activation),
+    OpFamily("cross_entropy_rows", "head:loss", "reference_ops.loss:cross_entropy_rows",
+             "runtime.ops.loss:cross_entropy_rows", "runtime.kernels.loss:cross_entropy_rows", _always),
     OpFamily("swiglu_mlp", "ffn:dense", "reference_ops.mlp:swiglu_mlp", "runtime.ops.mlp:swiglu_mlp",
              "runtime.kernels.mlp:swiglu_mlp", _activation),
 ]}
