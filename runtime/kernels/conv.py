@@ -56,7 +56,9 @@ def _conv(x_BTC, weight_CW, bias_C, epilogue: int, backward_in_time: bool = Fals
     B, T, C = x_BTC.shape
     y_BTC = buffers.empty(B, T, C, dtype=x_BTC.dtype, device=x_BTC.device)
     grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(C, BLOCK_C), B)
-    fast(causal_conv_kernel)[grid](x_BTC, weight_CW, bias_C, dy_BTC, y_BTC, T, C, W=weight_CW.shape[1],
+    # x stands in for the pointers the constexprs leave unread
+    bias, dy = (x_BTC if t is None else t for t in (bias_C, dy_BTC))
+    fast(causal_conv_kernel)[grid](x_BTC, weight_CW, bias, dy, y_BTC, T, C, W=weight_CW.shape[1],
                                    BACKWARD_IN_TIME=backward_in_time, HAS_BIAS=bias_C is not None,
                                    EPILOGUE=epilogue, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C, num_warps=4)
     return y_BTC
