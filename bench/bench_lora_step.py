@@ -291,6 +291,14 @@ def run_all(args) -> None:
         best = max((f["longest_seq"] or 0, p) for p, f in found.items())
         write("longest-seq", dict(base, name="longest-seq", longest_seq=best[0], policy=best[1], policies=found))
 
+
+def write_result(out: Path | None, name: str, result: dict) -> None:
+    log(json.dumps({k: v for k, v in result.items() if k not in ("peers", "policies", "ops")}))
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+
+
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     main()
