@@ -1,7 +1,7 @@
 """Short causal depthwise conv (+ silu) on [B, T, C] as the layers hold it: no transposes, fp32 inside.
 
-torch's depthwise conv wants [B, C, T] and its fast form fp32, so the fallback pays casts and two
-transposed copies around it. Here one kernel reads W shifted rows of x per output row. Backward: the
+torch's depthwise conv wants [B, C, T], so the fallback pays casts and transposed copies around it
+(bench/bench_short_ops.py times both). Here one kernel reads W shifted rows of x per output row. Backward: the
 same kernel recomputes the pre-activation and forms d pre = dy * silu'(pre), then runs the conv
 the other way along time (anti-causal, same taps) for dx; weight and bias gradients, when wanted,
 are W + 1 fp32 reductions over d pre in torch.
@@ -26,7 +26,8 @@ PLAIN, SILU, SILU_GRAD = 0, 1, 2
 def causal_conv_kernel(x_ptr, w_ptr, b_ptr, dy_ptr, y_ptr, T, C, W: tl.constexpr, BACKWARD_IN_TIME: tl.constexpr,
                        HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_C: tl.constexpr):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    # int64 row offsets: T * C passes 2^31 at 262144 tokens of an 8192-channel conv
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     base = tl.program_id(2).to(tl.int64) * T * C
     c_ok = c < C
@@ -44,9 +45,9 @@ def causal_conv_kernel(x_ptr, w_ptr, b_ptr, dy_ptr, y_ptr, T, C, W: tl.constexpr
         acc += tl.load(b_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[None, :]
     out_ok = (t < T)[:, None] & c_ok[None, :]
     offsets = base + t[:, None] * C + c[None, :]
-    if EPILOGUE == 1:
+    if EPILOGUE == 1:  # SILU
         acc = acc * tl.sigmoid(acc)
-    if EPILOGUE == 2:
+    if EPILOGUE == 2:  # SILU_GRAD
         s = tl.sigmoid(acc)
         acc = tl.load(dy_ptr + offsets, mask=out_ok, other=0.0).to(tl.float32) * s * (1.0 + acc * (1.0 - s))
     tl.store(y_ptr + offsets, acc.to(y_ptr.dtype.element_ty), mask=out_ok)
