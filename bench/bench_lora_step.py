@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import subprocess
@@ -256,24 +257,27 @@ def run_all(args) -> None:
                 shape="Qwen3-Next widths, 4 layers (3 GDN + 1 full attention), 512 experts top-10, seq 4096, batch 1",
                 baseline="transformers + PEFT with fla 0.6.0's kernels (sdpa)",
                 command="python bench/bench_lora_step.py --out $OUT --parts " + args.parts)
-    outputs = {}
+    # each result is written as soon as it exists: a run stopped by a time limit keeps the parts it finished
+    write = functools.partial(write_result, args.out)
     if "attention" in parts:
-        outputs["lora-step"] = dict(base, name="lora-step", **compare(args.work, experts=False))
+        write("lora-step", dict(base, name="lora-step", **compare(args.work, experts=False)))
+    if "profile" in parts:
+        write("lora-step-profile", dict(base, name="lora-step-profile",
+                                        **in_subprocess(["--part", "profile", "--work", str(args.work)])))
     if "experts" in parts:
-        outputs["lora-step-experts"] = dict(base, name="lora-step-experts", **compare(args.work, experts=True))
+        write("lora-step-experts", dict(base, name="lora-step-experts", **compare(args.work, experts=True)))
     if "longest" in parts:
         # start lengths: each process loads the 14 GB slice, so the search skips what TARGETS.md says trains
         found = longest(args.work, {"none": 32768, "recompute": 65536})
         best = max((f["longest_seq"] or 0, p) for p, f in found.items())
-        outputs["longest-seq"] = dict(base, name="longest-seq", longest_seq=best[0], policy=best[1], policies=found)
-    if "profile" in parts:
-        outputs["lora-step-profile"] = dict(base, name="lora-step-profile",
-                                            **in_subprocess(["--part", "profile", "--work", str(args.work)]))
-    for name, result in outputs.items():
-        log(json.dumps({k: v for k, v in result.items() if k not in ("peers", "policies", "ops")}))
-        if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        write("longest-seq", dict(base, name="longest-seq", longest_seq=best[0], policy=best[1], policies=found))
+
+
+def write_result(out: Path | None, name: str, result: dict) -> None:
+    log(json.dumps({k: v for k, v in result.items() if k not in ("peers", "policies", "ops")}))
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
