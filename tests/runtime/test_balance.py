@@ -4,11 +4,16 @@ step by step against its formula on the logged global counts, and a resume that 
 `onboard train` defaults. Tier 3 (tests/runtime/test_parallel.py) checks both under FSDP and EP."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import shutil
+import socket
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import yaml
 
 from onboard.align.reference import load_runtime
@@ -18,6 +23,7 @@ from runtime.data import Document, pack
 from runtime.lora import LoraConfig, apply_lora
 from runtime.metrics import expert_counts, moe_layers, read_metrics
 from runtime.ops.moe import router_logits
+from runtime.parallel.placement import MeshShape
 from runtime.train import TrainConfig, TrainData, train
 
 LORA = LoraConfig(rank=4, alpha=8, targets=("layers.*.attn.q_proj",), experts=True)
@@ -136,6 +142,42 @@ def test_correction_bias_follows_the_step_loads_and_resumes(example_package, tmp
     keys = ("loss", "aux_loss", "correction_bias")
     resumed = read_metrics(tmp_path / "resumed" / "metrics.jsonl")[0]
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in lines]
+
+
+def _ep2_worker(rank: int, port: int, package: tuple, run_dir: Path) -> None:
+    from runtime.parallel.load import build_sharded_model
+    from runtime.parallel.parallelize import ParallelPlan, device_mesh
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    spec, weight_map, source = package
+    mesh = MeshShape(1, 2)
+    model = build_sharded_model(spec, weight_map, source, LORA, ParallelPlan(mesh), device_mesh(mesh, "cpu"), rank,
+                                torch.device("cpu"), torch.float32)
+    # each rank one row per micro-batch: the expert GEMMs and the aux loss see the one process's 2 rows
+    train(model, _data(spec["vocab_size"]), dataclasses.replace(CONFIG, batch_size=1), run_dir, progress=False)
+    dist.destroy_process_group()
+
+
+def test_correction_bias_and_aux_loss_under_expert_parallelism(example_package, tmp_path, monkeypatch):
+    """glm4_moe on ep2 (2 processes, gloo): every step's loss, aux loss and correction biases equal one process's."""
+    package = _package(example_package("glm4_moe"))
+    model = load_runtime(*package, torch.float32)
+    apply_lora(model, LORA)
+    train(model, _data(model.config.vocab_size), CONFIG, tmp_path / "one", progress=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    mp.spawn(_ep2_worker, args=(port, package, tmp_path / "ep2"), nprocs=2)
+    want, got = (read_metrics(tmp_path / name / "metrics.jsonl")[0] for name in ("one", "ep2"))
+    assert len(got) == len(want) == CONFIG.steps
+    for a, b in zip(got, want):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"] and abs(a["aux_loss"] - b["aux_loss"]) <= 1e-5 * b["aux_loss"]
+        assert a["expert_counts"] == b["expert_counts"] and b["correction_bias"]
+        for layer, bias in b["correction_bias"].items():
+            assert torch.equal(torch.tensor(a["correction_bias"][layer]), torch.tensor(bias)), (a["step"], layer)
 
 
 def test_train_defaults_come_from_the_release(example_spec):
