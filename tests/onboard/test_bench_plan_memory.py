@@ -23,8 +23,9 @@ def test_tiny_run_trains_every_case_and_writes_the_estimates(example_release, ex
     cases = {(c["seq_len"], c["policy"]): c for c in result["cases"]}
     assert set(cases) == {(64, "none"), (64, "recompute"), (128, "none"), (128, "recompute")}
     for case in cases.values():
-        parts = sum(v for k, v in case["estimate"].items() if k not in ("total", "capacity", "experts"))
+        parts = sum(v for k, v in case["estimate"].items() if k not in ("total", "capacity", "experts", "workspace"))
         assert case["trainable"] > 0 and abs(case["estimate_gib"] - parts) < 1e-9
+        assert case["estimate_total_gib"] == case["estimate"]["total"]
         assert case["measured_gib"] is None and case["rel_err"] is None
     assert cases[(128, "none")]["estimate"]["activations"] > cases[(128, "recompute")]["estimate"]["activations"]
     assert "estimate GiB" in done.stdout and result["command"].endswith("--tiny")
