@@ -59,7 +59,7 @@ def prepare(work: Path) -> None:
 def token_batch(seq_len: int, vocab: int):
     import torch
     generator = torch.Generator().manual_seed(1)
-    return torch.randint(0, vocab, (1, seq_len), generator=generator).cuda()
+    return torch.randint(0, vocab, (1, seq_len), generator=generator).to(DEVICE)
 
 
 def timed_steps(step) -> tuple[float, float, float]:

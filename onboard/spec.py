@@ -123,6 +123,7 @@ class RouterSpec(_Spec):
     topk_before_softmax: bool = False  # Mixtral / gpt-oss: softmax over the chosen k logits
     bias: bool = False  # router linear has a bias (gpt-oss)
     norm_min: Optional[float] = None  # Ernie: clamp on the renormalization denominator
+    aux_loss_coef: Optional[float] = None  # training only: the config's router_aux_loss_coef (runtime/balance.py)
 
 
 class MoEFFN(_Spec):

@@ -123,6 +123,7 @@ class RouterConfig:
     topk_groups: int = 1  # groups a token may pick experts from
     topk_before_softmax: bool = False  # Mixtral / gpt-oss: softmax over the chosen k logits
     bias: bool = False  # router linear has a bias (gpt-oss)
+    aux_loss_coef: Optional[float] = None  # the release's load-balancing loss coefficient (training only)
 
 
 @dataclass(frozen=True)

@@ -50,10 +50,15 @@ class Router(nn.Module):
         # Alignment pins the expert choice of a bf16 run to the fp32 run's, to measure bf16 numerics
         # apart from discrete routing flips (which it counts separately).
         self.pinned_idx: torch.Tensor | None = None
+        # the auxiliary load-balancing loss (runtime/balance.py) reads each forward's sum over tokens of
+        # softmax(logits) [E], with its graph; kept only while that loss is on
+        self.keep_prob_sum = False
+        self.last_prob_sum: torch.Tensor | None = None
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights_Tk fp32, idx_Tk). Logits in fp32: routing decisions are precision-sensitive."""
         logits_TE = router_logits(x_TD, self.effective_weight(), self.bias)
+        self.last_prob_sum = logits_TE.softmax(-1).sum(0) if self.keep_prob_sum else None
         if self.pinned_idx is not None:
             return self._weights_for(logits_TE, self.pinned_idx), self.pinned_idx
         r = self.config
