@@ -11,12 +11,14 @@ import shutil
 import socket
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
 from onboard.align.reference import load_runtime
+from onboard.errors import BadInput
 from onboard.train_cli import balance_options
 from runtime import balance
 from runtime.data import Document, pack
@@ -183,8 +185,13 @@ def test_correction_bias_and_aux_loss_under_expert_parallelism(example_package, 
             assert torch.equal(torch.tensor(a["correction_bias"][layer]), torch.tensor(bias)), (a["step"], layer)
 
 
-def test_train_defaults_come_from_the_release(example_spec):
-    """The release's router_aux_loss_coef, DeepSeek-V3's rate where routers have a correction bias; flags win."""
-    assert balance_options(example_spec("qwen3_moe"), None, None) == dict(aux_loss_coef=0.001, correction_bias_rate=0.0)
-    assert balance_options(example_spec("glm4_moe"), None, None)["correction_bias_rate"] == balance.DEFAULT_BIAS_RATE
-    assert balance_options(example_spec("glm4_moe"), 0.5, 0.0) == dict(aux_loss_coef=0.5, correction_bias_rate=0.0)
+def test_train_defaults_are_off(example_spec):
+    """Both off unless asked (LoRA keeps the router frozen); `auto` is the release's router_aux_loss_coef; a bias
+    rate needs routers with a correction bias."""
+    off = dict(aux_loss_coef=0.0, correction_bias_rate=0.0)
+    assert balance_options(example_spec("qwen3_moe"), 0.0, 0.0) == off
+    assert balance_options(example_spec("glm4_moe"), 0.0, 0.0) == off
+    assert balance_options(example_spec("qwen3_moe"), "auto", 0.0) == dict(aux_loss_coef=0.001, correction_bias_rate=0.0)
+    assert balance_options(example_spec("glm4_moe"), 0.5, 1e-3) == dict(aux_loss_coef=0.5, correction_bias_rate=1e-3)
+    with pytest.raises(BadInput, match="--bias-update-rate"):
+        balance_options(example_spec("qwen3_moe"), 0.0, 1e-3)
