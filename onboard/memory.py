@@ -152,34 +152,41 @@ def _norms(d: int) -> int:
     return 4 * d + 4
 
 
-def activation_bytes_per_token(spec: ModelSpec, policy: str, lora_rank: int = 16) -> int:
-    """What backward needs per token under `policy`, all layers. The terms are what autograd keeps, counted on the
-    runtime model (runtime/saved_bytes.py; tests/kernels/test_saved_bytes.py recounts them on a tiny config):
-    without recompute every part's saved tensors; with it each part's input, the norms (outside the parts) and the
-    GDN tiles held on ctx, plus one part rebuilt (the largest). Autograd frees a node's saved tensors once it has
-    run, so the backward adds the gradients in flight, a layer input's and output's (2 widths D)."""
+def _kept_and_backward(spec: ModelSpec, policy: str, lora_rank: int) -> tuple[int, int]:
+    """Per token: (kept from the forward to the backward, what the backward adds at its peak), all layers.
+    The terms are what autograd keeps, counted on the runtime model (runtime/saved_bytes.py;
+    tests/kernels/test_saved_bytes.py recounts them on a tiny config): without recompute every part's saved
+    tensors; with it each part's input, the norms (outside the parts) and the GDN tiles held on ctx, and in
+    backward one part rebuilt (the largest). Autograd frees a node's saved tensors once it has run, so the
+    backward adds the gradients in flight, a layer input's and output's (2 widths D)."""
     b, d = DTYPE_BYTES.get(spec.dtype, 2), spec.hidden_size
     parts = [_part_bytes(spec, layer, b, lora_rank) for layer in spec.layers]
     in_flight = 2 * b * d
     if policy == "none":
-        return sum(2 * _norms(d) + sum(p) for p in parts) + in_flight
+        return sum(2 * _norms(d) + sum(p) for p in parts), in_flight
     kept_layers = spec.num_layers if policy == "recompute" else min(2, spec.num_layers)
     kept = kept_layers * (2 * _norms(d) + 2 * b * d) + sum(tiles for _, tiles, _ in parts)
     rebuilt = max((max(attn + tiles, ffn) for attn, tiles, ffn in parts), default=0)
-    return kept + rebuilt + in_flight
+    return kept, rebuilt + in_flight
+
+
+def activation_bytes_per_token(spec: ModelSpec, policy: str, lora_rank: int = 16) -> int:
+    """What backward needs per token under `policy`, all layers, at its peak (_kept_and_backward)."""
+    return sum(_kept_and_backward(spec, policy, lora_rank))
 
 
 def activations(spec: ModelSpec, seq_len: int, policy: str = "recompute", lora_rank: int = 16) -> int:
-    """Bytes one sequence of seq_len needs on a GPU: activations, attention state, the loss's kept gradient and one
-    chunk of its logits, the final norm."""
+    """Bytes one sequence of seq_len needs on a GPU at the step's peak: what the forward keeps (activations,
+    attention state, the loss's gradient of its input, the final norm), plus the larger of the loss's one chunk
+    of logits (alive only in the forward: runtime/loss.py forms the gradient there) and the backward's peak."""
     b, d = DTYPE_BYTES.get(spec.dtype, 2), spec.hidden_size
     per_token_state, per_sequence_state = _state_bytes(spec, b)
-    # fp32 logits of one chunk and their gradient (runtime/loss.py forms the gradient in the forward)
+    kept, backward = _kept_and_backward(spec, policy, lora_rank)
+    # fp32 logits of one chunk and their gradient
     logits = 8 * spec.vocab_size * min(seq_len, LOSS_CHUNK)
     # the loss keeps its input's gradient [T, D] for backward; the final norm its fp32 input
     head = b * d + _norms(d)
-    per_token = activation_bytes_per_token(spec, policy, lora_rank) + per_token_state + head
-    return seq_len * per_token + per_sequence_state + logits
+    return seq_len * (kept + per_token_state + head) + per_sequence_state + max(logits, seq_len * backward)
 
 
 def budget(spec: ModelSpec, gpu_mem_gib: float = 80.0, lora_rank: int = 16, seq_len: int = 4096) -> MemoryBudget:
