@@ -5,16 +5,12 @@ storage path at the fp32 tolerance, bf16 inputs the bf16 one (what the GPU runs)
 
 Shape legend: B batch, T tokens, H heads, K key dim, V value dim.
 """
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from runtime.kernels.gated_delta import function  # noqa: E402
-from runtime.tolerances import assert_close  # noqa: E402
-from tests.kernels.gated_delta_cases import (  # noqa: E402
+from runtime.kernels.gated_delta import function
+from runtime.tolerances import assert_close
+from tests.kernels.gated_delta_cases import (
     CASES, CU_SEQLENS, NAMES, check, check_case, make_inputs, ops,
 )
 
