@@ -1,6 +1,9 @@
 """The graph's routing functions are pure: each is called on hand-made states, no LLM, no files."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from agents.graph import after_analyze, after_assemble, after_generate, after_validate, build
 from agents.state import Candidate, OpTask
 
@@ -45,3 +48,9 @@ def test_the_drawing_has_exactly_the_routed_edges():
     for edge in ("validate -.-> generate", "generate -.-> validate", "analyze -.-> plan", "assemble -.-> align"):
         assert edge in mermaid
     assert "analyze -.-> review" not in mermaid
+
+
+def test_the_readme_drawing_is_the_graph_as_it_renders():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = re.search(r"```mermaid\n(.*?)```", readme, re.DOTALL)
+    assert block is not None and block.group(1) == build().compile().get_graph().draw_mermaid()
