@@ -79,11 +79,16 @@ def _dsa(params: dict) -> Support:
     return "exact" if params.get("indexer") is not None else "unsupported"
 
 
+BUILTIN_SCORINGS = ("softmax", "sigmoid")
+
+
 def _router(params: dict) -> Support:
-    router = params["router"]
-    if router["scoring"] not in ("softmax", "sigmoid"):
-        return "unsupported"
-    return "exact"
+    """softmax and sigmoid are built in (the kernel fuses softmax); a scoring a package generated runs unfused."""
+    scoring = params["router"]["scoring"]
+    if scoring in BUILTIN_SCORINGS:
+        return "exact"
+    moe = sys.modules.get("runtime.ops.moe")
+    return "variant" if moe is not None and scoring in moe.SCORINGS else "unsupported"
 
 
 # the activations runtime/ops/mlp.py's ACTIVATIONS holds before any package registers generated ones; named here
