@@ -15,14 +15,20 @@ from runtime.registry import OPS, ops_for_layer
 
 from agents.state import Failure, OpTask
 
-# registry op -> (candidate kind, the parameter naming what the op lacks)
+# registry op -> (candidate kind, the parameter naming what the op lacks); a residual mixing has no registry op,
+# so no gap names one yet
 GAP_KINDS = {"moe_experts": ("activation", "activation"), "swiglu_mlp": ("activation", "activation"),
-             "moe_router": ("router_scoring", "router"), "rms_norm": ("norm", "kind")}
+             "moe_router": ("router_scoring", "router"), "rms_norm": ("norm", "kind"), "rope": ("rope", "scaling"),
+             "gated_delta_rule": ("linear_attention_decay", "decay")}
 
 
 def _name(params: dict, key: str) -> str:
-    value = params[key]
-    return value["scoring"] if key == "router" else str(value)
+    if key == "router":
+        return params["router"]["scoring"]
+    if key == "scaling":
+        scaling = params.get("scaling") or {}
+        return scaling.get("rope_type", scaling.get("type", "default"))
+    return str(params[key])
 
 
 def tasks_for(spec: ModelSpec) -> list[OpTask]:

@@ -70,6 +70,7 @@ class GatedDeltaAttention(_Spec):
     head_v_dim: int
     conv_kernel_size: int
     fused_projections: Literal["qkvz_ba", "qkv_z_b_a"]  # Qwen3-Next vs Qwen3.5 tensor layout
+    decay: str = "softplus"  # log-decay form: -exp(A_log) softplus(a + dt_bias); another name is a generated op
 
 
 class KDAAttention(_Spec):
@@ -156,6 +157,7 @@ class ResidualSpec(_Spec):
     attn_beta: float = 1.0
     ffn_alpha: float = 1.0
     ffn_beta: float = 1.0
+    mixing: str = "weighted_sum"  # skip * alpha + sublayer * beta; another name is a generated op
 
 
 class LayerSpec(_Spec):

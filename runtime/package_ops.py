@@ -14,11 +14,18 @@ from typing import Callable
 
 import torch
 
+from runtime.ops.gated_delta import DECAYS
 from runtime.ops.mlp import ACTIVATIONS
 from runtime.ops.moe import SCORINGS
+from runtime.ops.norms import NORMS
+from runtime.ops.residual import MIXINGS
+from runtime.ops.rope import ROPES
 
-# Kinds the runtime's layers look up by name; a generated op of another kind has no slot to go into.
-TABLES = {"activation": ACTIVATIONS, "router_scoring": SCORINGS}
+# Kind -> the table its runtime layer looks the op up in, by the name the spec gives it: hidden_act, router
+# scoring, norm kind, rope_type, gated-delta decay, residual mixing. A free-form candidate declares one of
+# these kinds too; a kind outside them has no slot to go into.
+TABLES = {"activation": ACTIVATIONS, "router_scoring": SCORINGS, "norm": NORMS, "rope": ROPES,
+          "linear_attention_decay": DECAYS, "residual_mixing": MIXINGS}
 
 
 class PackageOpError(ValueError):
