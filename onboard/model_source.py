@@ -92,3 +92,34 @@ def fenced(where: str, classes: dict[str, str]) -> ModelSource:
         text = text[:MAX_CHARS] + f"\n# ... cut at {MAX_CHARS} characters\n"
     longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
     return ModelSource(origin=f"{where}: {', '.join(classes)}", text=text, fence="`" * max(3, longest + 1))
+
+
+def config_doc(family: str, key: str) -> Optional[str]:
+    """What transformers' config class for the family says about `key`: its docstring entry and any alias
+    (attribute_map) it is read through; None when transformers does not know the family or says nothing."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if family not in CONFIG_MAPPING:
+        return None
+    cls = CONFIG_MAPPING[family]
+    lines = []
+    aliases = getattr(cls, "attribute_map", None) or {}
+    if key in aliases:
+        lines.append(f"{cls.__name__}.attribute_map reads {key!r} as {aliases[key]!r}")
+    lines += _doc_entry(inspect.getdoc(cls) or "", aliases.get(key, key))
+    return "\n".join(lines) or None
+
+
+def _doc_entry(doc: str, key: str) -> list[str]:
+    """The `key (type):` entry of an Args docstring and its indented description."""
+    lines = doc.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip().startswith(f"{key} (")), None)
+    if start is None:
+        return []
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    entry = [lines[start].strip()]
+    for line in lines[start + 1:]:
+        if line.strip() and len(line) - len(line.lstrip()) <= indent:
+            break
+        entry.append(line.strip())
+    return [" ".join(part for part in entry if part)]

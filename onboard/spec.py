@@ -187,6 +187,9 @@ class Unrecognized(_Spec):
     source: str  # "config.json:text_config.foo", "weights:model.layers.N.mlp.foo", "auto_map:..."
     item: str
     detail: str = ""
+    # filled by the onboarding graph (agents/explain.py): who can explain it, and the validated or refused answer
+    needs: Optional[Literal["llm", "person"]] = None
+    explanation: Optional[dict] = None
 
 
 class ParamCounts(_Spec):
