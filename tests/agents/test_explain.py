@@ -75,6 +75,9 @@ def test_a_wrong_explanation_is_refused_with_the_failing_metric(onboarded):
     assert failure["value"] > failure["tolerance"]
     spec = json.loads((pkg / "spec.json").read_text())
     assert [layer["ffn"]["top_k"] for layer in spec["layers"] if layer["ffn"]["kind"] == "moe"] == [2]
+    review = (pkg / "PR.md").read_text()
+    assert "- `ep_size` (config.json:ep_size), needs llm: refused as moe_experts `ffn.top_k`" in review
+    assert "- `num_mtp_layers` (config.json:num_mtp_layers), needs llm: accepted as none" in review
 
 
 def test_without_an_llm_the_report_says_who_can_explain_each_item(release):

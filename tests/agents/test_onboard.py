@@ -120,6 +120,20 @@ def test_training_steps_run_through_the_generated_op(onboarded):
     assert all(map(torch.isfinite, map(torch.tensor, losses))) and losses[-1] < losses[0]
 
 
+def test_onboard_train_loads_the_generated_op(onboarded, tmp_path):
+    """A real `onboard train` process on the package: it registers PKG/ops/ itself (relu2 is in no runtime table)."""
+    _, pkg, _ = onboarded
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"The mill {i} stands by the river and the stone bridge."}) + "\n"
+                            for i in range(8)))
+    result = subprocess.run([sys.executable, "-m", "onboard.cli", "train", str(pkg), "--data", str(data), "--steps", "2",
+                             "--seq-len", "16", "--out", str(tmp_path / "run"), "--no-progress"],
+                            capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trained 2 steps" in result.stdout
+
+
 def test_a_killed_run_resumes_without_redoing_finished_nodes(relu2_release, onboarded, llm_server, tmp_path):
     pkg = tmp_path / "pkg"
     argv = [sys.executable, "-m", "onboard.cli", "new-model", str(relu2_release), "--out", str(pkg),
