@@ -62,7 +62,7 @@ def align(state: OnboardState, runtime: Runtime[Context]) -> dict:
 
 
 def review(state: OnboardState, runtime: Runtime[Context]) -> dict:
-    """PR.md, the LLM log and every task's attempts into PKG/agents/; the exit code."""
+    """PR.md, the LLM log, every task's attempts and every explanation into PKG/agents/; the exit code."""
     pkg, report, aligned = Path(state["package"]), state["report"], state.get("alignment")
     folder = pkg / "agents"
     folder.mkdir(exist_ok=True)
@@ -70,6 +70,7 @@ def review(state: OnboardState, runtime: Runtime[Context]) -> dict:
     if log.exists():
         shutil.copy(log, folder / "llm.jsonl")
     (folder / "tasks.json").write_text(json.dumps([t.model_dump(exclude={"accepted"}) for t in state["tasks"]], indent=1))
+    (folder / "explanations.json").write_text(json.dumps([e.model_dump() for e in state.get("explanations", [])], indent=1))
     text = jinja_env().get_template("pr.md.j2").render(spec=state["spec"], report=report, tasks=state["tasks"],
                                                        alignment=aligned)
     _replace(pkg / "PR.md", text)

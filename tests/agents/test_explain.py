@@ -75,6 +75,8 @@ def test_a_wrong_explanation_is_refused_with_the_failing_metric(onboarded):
     assert failure["value"] > failure["tolerance"]
     spec = json.loads((pkg / "spec.json").read_text())
     assert [layer["ffn"]["top_k"] for layer in spec["layers"] if layer["ffn"]["kind"] == "moe"] == [2]
+    recorded = json.loads((pkg / "agents" / "explanations.json").read_text())
+    assert [(e["item"], e["status"]) for e in recorded] == [("num_mtp_layers", "accepted"), ("ep_size", "refused")]
     review = (pkg / "PR.md").read_text()
     assert "- `ep_size` (config.json:ep_size), needs llm: refused as moe_experts `ffn.top_k`" in review
     assert "- `num_mtp_layers` (config.json:num_mtp_layers), needs llm: accepted as none" in review
