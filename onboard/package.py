@@ -27,6 +27,7 @@ from onboard.plan import Cluster, Workload, search
 from onboard.plan_render import plan_yaml
 from onboard.recognize import recognize
 from onboard.render import gap_markdown
+from onboard.spec import ModelSpec
 from onboard.weight_map import build_weight_map
 from runtime.lora_file import default_lora_file, lora_yaml_text
 
@@ -36,13 +37,15 @@ def _sha256(path: Path) -> str:
 
 
 def write_package(model_dir: Path, out: Path, gpu_mem_gib: float = 80.0, lora_rank: int = 16, seq_len: int = 4096,
-                  gpus: int = 8, gpus_per_node: int = 8, generated: Sequence[GeneratedOp] = ()):
+                  gpus: int = 8, gpus_per_node: int = 8, generated: Sequence[GeneratedOp] = (),
+                  spec: ModelSpec | None = None):
     """Returns (package path, gap report); plan.yaml is the parallel plan for `gpus` GPUs of gpu_mem_gib.
-    `generated`: validated operator candidates, written into PKG/ops/ and marked `generated` in the gap report."""
+    `generated`: validated operator candidates, written into PKG/ops/ and marked `generated` in the gap report.
+    `spec`: the release's spec with validated interpretations of unrecognized items applied (default: recognized)."""
     model_dir, out = Path(model_dir).resolve(), Path(out).absolute()
     check_out(out, model_dir)
     manifest = read_manifest(model_dir)
-    spec = recognize(manifest)
+    spec = spec or recognize(manifest)
     report = mark_generated(analyze(spec, manifest, gpu_mem_gib, lora_rank, seq_len), list(generated))
     plan = search(spec, Cluster(gpus, gpu_mem_gib, gpus_per_node), Workload(seq_len, lora_rank, None))
     with made_parents(out.parent), locked(out):

@@ -218,14 +218,19 @@ def _train(args) -> int:
 
 
 def _read_package(pkg: Path) -> tuple[dict, dict, Path]:
-    """(spec, weight map, release folder) of a package written by `onboard new-model`."""
+    """(spec, weight map, release folder) of a package written by `onboard new-model`; its generated ops
+    (PKG/ops/) registered into the runtime, so training runs the code validation accepted."""
+    from runtime.package_ops import load_package_ops
+
     try:
         manifest = yaml.safe_load((pkg / "package.yaml").read_text())
         spec = json.loads((pkg / "spec.json").read_text())
         weight_map = json.loads((pkg / "weight_map.json").read_text())
-        return spec, weight_map, Path(manifest["source"]["path"])
+        source = Path(manifest["source"]["path"])
     except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as err:
         raise BadInput(pkg, None, f"not a package written by `onboard new-model` ({err})") from None
+    load_package_ops(pkg)
+    return spec, weight_map, source
 
 
 def _parser() -> argparse.ArgumentParser:

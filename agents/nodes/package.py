@@ -34,8 +34,8 @@ def assemble(state: OnboardState, runtime: Runtime[Context]) -> dict:
     # a run killed between the rename and its checkpoint wrote this package already: keep it
     if not _written_by_this_run(out, state):
         write_package(o.model_dir, out, o.gpu_mem_gib, o.lora_rank, o.seq_len, o.gpus, o.gpus_per_node,
-                      generated=[t.accepted for t in tasks if t.accepted is not None])
-    report = final_report(state["report"], tasks)
+                      generated=[t.accepted for t in tasks if t.accepted is not None], spec=state["spec"])
+    report = final_report(state["report"], tasks, state.get("explanations", []))
     _replace(out / "gap_report.json", report.model_dump_json(indent=2))
     _replace(out / "gap_report.md", gap_markdown(report))
     runtime.context.progress(f"assemble: wrote {out}")
@@ -62,7 +62,7 @@ def align(state: OnboardState, runtime: Runtime[Context]) -> dict:
 
 
 def review(state: OnboardState, runtime: Runtime[Context]) -> dict:
-    """PR.md, the LLM log and every task's attempts into PKG/agents/; the exit code."""
+    """PR.md, the LLM log, every task's attempts and every explanation into PKG/agents/; the exit code."""
     pkg, report, aligned = Path(state["package"]), state["report"], state.get("alignment")
     folder = pkg / "agents"
     folder.mkdir(exist_ok=True)
@@ -70,6 +70,7 @@ def review(state: OnboardState, runtime: Runtime[Context]) -> dict:
     if log.exists():
         shutil.copy(log, folder / "llm.jsonl")
     (folder / "tasks.json").write_text(json.dumps([t.model_dump(exclude={"accepted"}) for t in state["tasks"]], indent=1))
+    (folder / "explanations.json").write_text(json.dumps([e.model_dump() for e in state.get("explanations", [])], indent=1))
     text = jinja_env().get_template("pr.md.j2").render(spec=state["spec"], report=report, tasks=state["tasks"],
                                                        alignment=aligned)
     _replace(pkg / "PR.md", text)
