@@ -116,8 +116,9 @@ def _align(args) -> int:
     print(report.summary_line())
     if baseline is not None:
         regressed = regressions(baseline, report)
+        for regression in regressed:
+            print(f"regression vs alignment/baseline.json: {regression}", file=sys.stderr)
         if regressed:
-            print(f"regressions vs baseline: {', '.join(regressed[:10])}", file=sys.stderr)
             return EXIT_GAPS
     return 0 if report.passed else EXIT_GAPS
 
