@@ -161,7 +161,7 @@ def _write_files(pkg: Path, out: Path, model_dir: Path, manifest, spec, report,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     (pkg / "package.yaml").write_text(yaml.safe_dump(package, sort_keys=False))
-    write_workflow(pkg, model_slug(model_dir, spec.family))
+    write_workflow(pkg, model_slug(model_dir))
 
 
 def _write_generated(pkg: Path, generated: Sequence[GeneratedOp]) -> list[dict]:

@@ -1,6 +1,6 @@
 """PKG/.github/workflows/alignment.yml: the CI job rerunning `onboard align PKG --check` (templates/alignment.yml.j2).
 
-The model's name in it (and in the `--git` branch) is a slug of the release folder's name, so no
+The model's name in it (and in the `--git` branch) is a slug of the release folder's name (`model_slug`), so no
 release-supplied text reaches YAML or a git ref unescaped.
 """
 from __future__ import annotations
@@ -13,15 +13,11 @@ from onboard.render import jinja_env
 WORKFLOW = Path(".github") / "workflows" / "alignment.yml"
 
 
-def model_slug(model_dir: Path, family: str) -> str:
-    """Lower-case letters, digits, '.', '_' and '-' (no '..', no leading or trailing punctuation); the family's
-    slug when the folder name has none of those, and "model" when neither has."""
-    for name in (Path(model_dir).name, family):
-        slug = re.sub(r"\.{2,}", ".", re.sub(r"[^a-z0-9._-]+", "-", name.lower())).strip("-._")
-        slug = slug.removesuffix(".lock").strip("-._")
-        if slug:
-            return slug
-    return "model"
+def model_slug(model_dir: Path) -> str:
+    """The release folder's name in lower-case letters, digits, '.', '_' and '-' (no '..', no leading or trailing
+    punctuation, no '.lock' ending: a valid git branch component); "model" when nothing is left."""
+    slug = re.sub(r"\.{2,}", ".", re.sub(r"[^a-z0-9._-]+", "-", Path(model_dir).name.lower())).strip("-._")
+    return slug.removesuffix(".lock").strip("-._") or "model"
 
 
 def workflow_yaml(model: str, pkg_path: str = ".") -> str:
