@@ -12,6 +12,7 @@ import yaml
 from onboard.align.package_files import read_package
 from onboard.cli import main
 from onboard.pr_render import cell
+from onboard.workflow import WORKFLOW, model_slug, workflow_yaml
 
 EVERY_PACKAGE_FILE = ["package.yaml", "spec.json", "gap_report.json", "gap_report.md", "plan.yaml", "lora.yaml",
                       "weight_map.json", "PR.md", ".github/workflows/alignment.yml", "agents/tasks.json"]
@@ -29,6 +30,8 @@ def test_a_trainable_package_has_every_file(onboarded_package):
     # recorded relative to PKG, so the two can move together
     assert not Path(package["source"]["path"]).is_absolute()
     assert (pkg / package["source"]["path"]).resolve() == Path(package["source"]["absolute"])
+    # the workflow test_workflow.py lints, for this release
+    assert (pkg / WORKFLOW).read_text() == workflow_yaml(model_slug(Path(package["source"]["absolute"])))
 
 
 def test_a_package_with_gaps_has_every_file_and_says_why(index_only_gap_release, onboard_cli, tmp_path):
