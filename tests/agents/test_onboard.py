@@ -75,7 +75,7 @@ def test_the_wrong_candidate_is_refused_with_its_metric_and_the_fixed_one_lands(
     tiers = gap["evidence"]["tiers"]
     assert sorted(tiers) == ["0", "1"] and all(passed == total for passed, total in (t.split("/") for t in tiers.values()))
     package = yaml.safe_load((pkg / "package.yaml").read_text())
-    assert package["generated_ops"][0]["name"] == "relu2" and package["status"] == "ready-for-alignment"
+    assert package["generated_ops"][0]["name"] == "relu2" and package["status"] == "trainable"
     report = json.loads((pkg / "alignment" / "report.json").read_text())
     assert report["passed"] and [t["tier"] for t in report["tiers"]] == [0, 1, 2]
     assert len((pkg / "agents" / "llm.jsonl").read_text().splitlines()) == 2
