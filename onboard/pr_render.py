@@ -44,7 +44,8 @@ def render_pr(pkg: Path, spec, report, tasks, exit_code: int) -> str:
         spec=spec, report=report, tasks=tasks, generated=[generated_row(t.accepted) for t in tasks if t.accepted],
         package=yaml.safe_load((pkg / "package.yaml").read_text()), exit_code=exit_code,
         tiers=[tier_row(t) for t in aligned.tiers] if aligned else [], alignment=aligned,
-        flips=routing_flips(aligned), plan=plan, fallbacks=[o for o in report.ops if o.status == "fallback"],
+        flips=tier2_checks(aligned, lambda c: c.metric == "routing_flips"), plan=plan,
+        precision=tier2_checks(aligned, lambda c: c.name.startswith("logits/")), fallbacks=[o for o in report.ops if o.status == "fallback"],
         variants=[o for o in report.ops if o.status == "variant"])
 
 
@@ -86,8 +87,8 @@ def tier_row(tier) -> dict:
             "share": closeness(worst) if worst else None}
 
 
-def routing_flips(aligned: AlignmentReport | None) -> list[Check]:
-    """Tier 2's routing-flip counts per MoE layer (our router on our vs transformers' hidden states)."""
+def tier2_checks(aligned: AlignmentReport | None, keep) -> list[Check]:
+    """Tier 2's checks that `keep` selects: the routing-flip counts, the logits bars per precision."""
     if aligned is None:
         return []
-    return [c for t in aligned.tiers if t.tier == 2 for c in t.checks if c.metric == "routing_flips"]
+    return [c for t in aligned.tiers if t.tier == 2 for c in t.checks if keep(c)]

@@ -1,9 +1,9 @@
 """What `align` reads from a package, validated before any tier runs.
 
 package.yaml, spec.json and weight_map.json are checked against their schemas; spec.json must list
-the layers it counts and hash to package.yaml's spec_hash; the release folder (recorded in
-package.yaml, or given with --model-dir when the package moved to another machine) must hold the
-config.json that new-model read. Any mismatch is an BadInput naming the file and the key.
+the layers it counts and hash to package.yaml's spec_hash; the release folder (package.yaml's
+`source.path`, relative to PKG so both can move together, else `source.absolute`, or --model-dir) must
+hold the config.json that new-model read. Any mismatch is an BadInput naming the file and the key.
 """
 from __future__ import annotations
 
