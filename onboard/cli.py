@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from onboard import train_cli
+from onboard import bench, demo, train_cli
 from onboard.config_view import NotRecognized
 from onboard.errors import BadInput, report_internal_error
 from runtime.config import SpecError
@@ -215,6 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
     dest.add_argument("--peft", help="write adapter_config.json + adapter_model.safetensors here")
     dest.add_argument("--merge", help="write the merged release (names, shards, config, tokenizer) here")
     p.set_defaults(run=_export)
+    p = sub.add_parser("bench", help="tokens/s, MFU, step latency, peak memory and per-op time of the package's LoRA step")
+    bench.add_arguments(p, _positive_int)
+    p.set_defaults(run=bench.run)
+    p = sub.add_parser("demo", help="the whole loop on a tiny hybrid MoE on CPU: release, package, training, PEFT adapter")
+    demo.add_arguments(p, _positive_int)
+    p.set_defaults(run=demo.run)
     return parser
 
 

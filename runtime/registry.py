@@ -116,7 +116,7 @@ OPS: dict[str, OpFamily] = {op.name: op for op in [
     OpFamily("dsa_attention", "attention:mla_dsa", "reference_ops.dsa:sparse_attention",
              "runtime.ops.dsa:sparse_attention", "runtime.kernels.dsa:sparse_attention", _dsa),
     OpFamily("causal_conv1d", "attention:short_conv", "reference_ops.conv:causal_conv1d",
-             "runtime.ops.conv:causal_conv1d", None, _always),
+             "runtime.ops.conv:causal_conv1d", "runtime.kernels.conv:causal_conv1d", _always),
     OpFamily("gated_delta_rule", "attention:gated_delta", "reference_ops.gated_delta:gated_delta_rule",
              "runtime.ops.gated_delta:gated_delta_rule", "runtime.kernels.gated_delta:gated_delta_rule", _always),
     OpFamily("kda", "attention:kda", "reference_ops.kda:kda", "runtime.ops.kda:kda",
@@ -127,6 +127,8 @@ OPS: dict[str, OpFamily] = {op.name: op for op in [
              _router),
     OpFamily("moe_experts", "ffn:moe", "reference_ops.moe:swiglu_experts", "runtime.ops.moe:swiglu_experts",
              "runtime.kernels.moe:swiglu_experts", _activation),
+    OpFamily("cross_entropy_rows", "head:loss", "reference_ops.loss:cross_entropy_rows",
+             "runtime.ops.loss:cross_entropy_rows", "runtime.kernels.loss:cross_entropy_rows", _always),
     OpFamily("swiglu_mlp", "ffn:dense", "reference_ops.mlp:swiglu_mlp", "runtime.ops.mlp:swiglu_mlp",
              "runtime.kernels.mlp:swiglu_mlp", _activation),
 ]}

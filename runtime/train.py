@@ -110,7 +110,7 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _step(model, optimizer, params, data: TrainData, cfg: TrainConfig, step: int, device) -> dict:
+def train_step(model, optimizer, params, data: TrainData, cfg: TrainConfig, step: int, device) -> dict:
     """One optimizer step (or a skipped one); returns its measurements."""
     rank, size = _rank_and_size()
     micro = [micro_batch(data.train, batch_rows(len(data.train), step * cfg.grad_accum + m, cfg.batch_size,
@@ -198,7 +198,7 @@ def train(model: nn.Module, data: TrainData, cfg: TrainConfig, run_dir: Path, re
         task = bar.add_task("train", total=cfg.steps, completed=state["step"], stats="")
         while state["step"] < cfg.steps:
             started = time.perf_counter()
-            result = _step(model, optimizer, params, data, cfg, state["step"], device)
+            result = train_step(model, optimizer, params, data, cfg, state["step"], device)
             state["step"] += 1
             record = _record(state["step"], result, time.perf_counter() - started,
                              step_flops(model, result["segments"]), cfg, device)
