@@ -85,10 +85,21 @@ def test_the_wrong_candidate_is_refused_with_its_metric_and_the_fixed_one_lands(
     tiers = gap["evidence"]["tiers"]
     assert sorted(tiers) == ["0", "1"] and all(passed == total for passed, total in (t.split("/") for t in tiers.values()))
     package = yaml.safe_load((pkg / "package.yaml").read_text())
-    assert package["generated_ops"][0]["name"] == "relu2" and package["status"] == "ready-for-alignment"
+    assert package["generated_ops"][0]["name"] == "relu2" and package["status"] == "trainable"
     report = json.loads((pkg / "alignment" / "report.json").read_text())
     assert report["passed"] and [t["tier"] for t in report["tiers"]] == [0, 1, 2]
     assert len((pkg / "agents" / "llm.jsonl").read_text().splitlines()) == 2
+
+
+def test_pr_md_shows_the_generated_op_its_evidence_and_its_diff(onboarded):
+    _, pkg, _ = onboarded
+    text = (pkg / "PR.md").read_text()
+    section = text[text.index("### activation `relu2` (`ops/activation_relu2.py`)"):text.index("## Alignment")]
+    assert "5 seeds x float32, bfloat16" in section and "2 attempt(s)" in section and "0: " in section
+    assert "the closest registry op, `swiglu_mlp` (its torch fallback `runtime.ops.mlp:swiglu_mlp`" in section
+    diff = section[section.index("```diff\n"):]
+    assert "--- runtime.ops.mlp:swiglu_mlp\n+++ ops/activation_relu2.py\n" in diff
+    assert "+    return torch.relu(x) ** 2\n" in diff and "-def swiglu_mlp(\n" in diff
 
 
 def test_the_generated_op_unit_test_passes(onboarded):
