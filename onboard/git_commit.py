@@ -3,7 +3,8 @@
 Plumbing only, so the user's checkout is never touched (HEAD, index, work tree, other branches): a
 temporary index file is filled from the current HEAD's tree (when the repository has commits), the package
 is added under `packages/<model>/` with its workflow also at `.github/workflows/onboard-<model>.yml` (where
-GitHub runs it, pointed at that folder), then `write-tree`, `commit-tree` with PR.md as the message body,
+GitHub runs it, pointed at that folder; package.yaml's relative release path rewritten to hold from there),
+then `write-tree`, `commit-tree` with PR.md as the message body,
 and `update-ref` of the new branch with the zero id as the old value, so a branch that appeared meanwhile
 is never overwritten.
 """
@@ -13,6 +14,8 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
+
+import yaml
 
 from onboard.errors import BadInput
 from onboard.workflow import workflow_yaml
@@ -47,17 +50,27 @@ def commit_package(repo: Path, pkg: Path, model: str, title: str) -> str:
             _git(repo, "read-tree", parent, env=env)
             _git(repo, "rm", "--cached", "-r", "-q", "--ignore-unmatch", "--", prefix, env=env)
         entries = [(path, f"{prefix}/{path.relative_to(pkg).as_posix()}") for path in sorted(pkg.rglob("*"))
-                   if path.is_file()]
+                   if path.is_file() and path != pkg / "package.yaml"]
         ids = _git(repo, "hash-object", "-w", "--stdin-paths", stdin="\n".join(str(p) for p, _ in entries) + "\n")
-        workflow = _git(repo, "hash-object", "-w", "--stdin", stdin=workflow_yaml(model, prefix))
         lines = [f"{_mode(p)} {i}\t{name}" for (p, name), i in zip(entries, ids.splitlines())]
-        lines.append(f"100644 {workflow}\t.github/workflows/onboard-{model}.yml")
+        for text, name in ((_manifest_in_repo(pkg, repo / prefix), f"{prefix}/package.yaml"),
+                           (workflow_yaml(model, prefix), f".github/workflows/onboard-{model}.yml")):
+            lines.append(f"100644 {_git(repo, 'hash-object', '-w', '--stdin', stdin=text)}\t{name}")
         _git(repo, "update-index", "--index-info", stdin="\n".join(lines) + "\n", env=env)
         tree = _git(repo, "write-tree", env=env)
         message = f"{title}\n\n{(pkg / 'PR.md').read_text()}"
         commit = _git(repo, "commit-tree", tree, *(["-p", parent] if parent else []), "-F", "-", stdin=message, env=env)
     _git(repo, "update-ref", f"refs/heads/{branch_for(model)}", commit, ZERO_ID)
     return commit
+
+
+def _manifest_in_repo(pkg: Path, dest: Path) -> str:
+    """package.yaml with `source.path` relative to where the package lands in the repository (a checkout of
+    the branch beside the release then finds it as the package folder did)."""
+    manifest = yaml.safe_load((pkg / "package.yaml").read_text())
+    release = (pkg / manifest["source"]["path"]).resolve()
+    manifest["source"]["path"] = os.path.relpath(release, dest.resolve())
+    return yaml.safe_dump(manifest, sort_keys=False)
 
 
 def _mode(path: Path) -> str:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import subprocess
 
 import pytest
+import yaml
 
+from onboard.align.package_files import read_source, release_folder
 from onboard.git_commit import commit_package
 
 
@@ -49,7 +51,19 @@ def test_the_package_lands_on_its_own_branch_and_nothing_else_moves(onboarded_pa
     assert expected <= files and "README" in files and "staged.txt" not in files
     workflow = git(repo, "show", f"{commit}:.github/workflows/onboard-qwen3_next.yml")
     assert "PKG: packages/qwen3_next" in workflow
-    assert git(repo, "show", f"{commit}:packages/qwen3_next/package.yaml") == (pkg / "package.yaml").read_text()
+    committed = yaml.safe_load(git(repo, "show", f"{commit}:packages/qwen3_next/package.yaml"))
+    ours = yaml.safe_load((pkg / "package.yaml").read_text())
+    assert {**committed, "source": {**committed["source"], "path": None}} == \
+        {**ours, "source": {**ours["source"], "path": None}}
+
+
+def test_a_checkout_of_the_branch_finds_the_release(onboarded_package, repo, tmp_path):
+    _, pkg = onboarded_package
+    commit_package(repo, pkg, "qwen3_next", "onboard qwen3_next: trainable")
+    checkout = tmp_path / "checkout"
+    git(repo, "worktree", "add", "-q", str(checkout), "onboard/qwen3_next")
+    landed = checkout / "packages" / "qwen3_next"
+    assert release_folder(landed, read_source(landed), None) == release_folder(pkg, read_source(pkg), None)
 
 
 def test_new_model_git_commits_an_exit_3_package_then_refuses_the_same_branch(index_only_gap_release, onboard_cli,
