@@ -70,6 +70,7 @@ class GatedDeltaAttention(_Spec):
     head_v_dim: int
     conv_kernel_size: int
     fused_projections: Literal["qkvz_ba", "qkv_z_b_a"]  # Qwen3-Next vs Qwen3.5 tensor layout
+    decay: str = "softplus"  # log-decay form: -exp(A_log) softplus(a + dt_bias); another name is a generated op
 
 
 class KDAAttention(_Spec):
@@ -157,6 +158,7 @@ class ResidualSpec(_Spec):
     attn_beta: float = 1.0
     ffn_alpha: float = 1.0
     ffn_beta: float = 1.0
+    mixing: str = "weighted_sum"  # skip * alpha + sublayer * beta; another name is a generated op
 
 
 class LayerSpec(_Spec):
@@ -186,6 +188,9 @@ class Unrecognized(_Spec):
     source: str  # "config.json:text_config.foo", "weights:model.layers.N.mlp.foo", "auto_map:..."
     item: str
     detail: str = ""
+    # filled by the onboarding graph (agents/explain.py): who can explain it, and the validated or refused answer
+    needs: Optional[Literal["llm", "person"]] = None
+    explanation: Optional[dict] = None
 
 
 class ParamCounts(_Spec):

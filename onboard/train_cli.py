@@ -186,8 +186,7 @@ def _train(args) -> int:
     from runtime.train import TrainConfig, TrainingAborted, train
 
     pkg = Path(args.pkg)
-    spec, weight_map, source = _read_package(pkg)
-    release = Path(args.model_dir) if args.model_dir else source
+    spec, weight_map, release = _read_package(pkg, Path(args.model_dir) if args.model_dir else None)
     policy = memory_policy(pkg, args.recompute, args.offload)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
                       warmup_steps=min(10, max(1, args.steps // 10)), eval_every=args.eval_every,
@@ -223,15 +222,21 @@ def _train(args) -> int:
     return 0
 
 
-def _read_package(pkg: Path) -> tuple[dict, dict, Path]:
-    """(spec, weight map, release folder) of a package written by `onboard new-model`."""
+def _read_package(pkg: Path, model_dir: Path | None) -> tuple[dict, dict, Path]:
+    """(spec, weight map, release folder) of a package written by `onboard new-model`; the release is
+    --model-dir, else the folder package.yaml names (relative to PKG, else absolute). Its generated ops
+    (PKG/ops/) are registered into the runtime, so training runs the code validation accepted."""
+    from onboard.align.package_files import read_source, release_folder
+    from runtime.package_ops import load_package_ops
+
+    release = release_folder(pkg, read_source(pkg), model_dir)
     try:
-        manifest = yaml.safe_load((pkg / "package.yaml").read_text())
         spec = json.loads((pkg / "spec.json").read_text())
         weight_map = json.loads((pkg / "weight_map.json").read_text())
-        return spec, weight_map, Path(manifest["source"]["path"])
-    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as err:
+    except (OSError, ValueError) as err:
         raise BadInput(pkg, None, f"not a package written by `onboard new-model` ({err})") from None
+    load_package_ops(pkg)
+    return spec, weight_map, release
 
 
 def _parser() -> argparse.ArgumentParser:

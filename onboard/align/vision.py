@@ -31,7 +31,6 @@ def _image_input(spec: dict, vision_config: dict, seed: int):
 def vision_checks(spec: dict, weight_map: dict, source: Path, vision_config: dict, num_layers: int, seed: int = 3,
                   progress: Progress | None = None) -> list[Check]:
     progress = progress or Progress()
-    progress.plan(1)
     progress.group("vision path")
     ids, pixels, grid, token_types = _image_input(spec, vision_config, seed)
     ref = load_reference(source, spec["family"], torch.float32, num_layers)

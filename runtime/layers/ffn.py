@@ -12,7 +12,7 @@ from torch import nn
 from runtime.config import MoEConfig
 from runtime.dispatch import op
 from runtime.layers.lora_linear import weight_of
-from runtime.ops.moe import router_logits
+from runtime.ops.moe import SCORINGS, router_logits
 
 
 class GatedMLP(nn.Module):
@@ -77,7 +77,7 @@ class Router(nn.Module):
         r = self.config
         if r.topk_before_softmax:
             return logits_TE.gather(1, idx_Tk).softmax(-1) * r.routed_scaling_factor
-        scores_TE = logits_TE.softmax(-1) if r.scoring == "softmax" else logits_TE.sigmoid()
+        scores_TE = SCORINGS[r.scoring](logits_TE)
         weights_Tk = scores_TE.gather(1, idx_Tk)
         if r.norm_topk_prob:
             weights_Tk = weights_Tk / weights_Tk.sum(-1, keepdim=True)

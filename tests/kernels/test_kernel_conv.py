@@ -4,16 +4,12 @@ block and C not a multiple of the channel block, a sequence shorter than the ker
 
 Shape legend: B batch, T tokens, C channels, W kernel width. fp32 inputs (the interpreter's reach).
 """
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from reference_ops import conv as ref  # noqa: E402
-from runtime.kernels import conv as kernels  # noqa: E402
-from tests.opcheck import check_op  # noqa: E402
+from reference_ops import conv as ref
+from runtime.kernels import conv as kernels
+from tests.opcheck import check_op
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("nan_buffers")]
 

@@ -4,16 +4,12 @@ the column block (the last block masked) and one under a block; NaN-prefilled lo
 
 Shape legend: C rows, X vocabulary. fp32 inputs (the interpreter's reach).
 """
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from reference_ops import loss as ref  # noqa: E402
-from runtime.kernels import loss as kernels  # noqa: E402
-from runtime.tolerances import assert_close  # noqa: E402
+from reference_ops import loss as ref
+from runtime.kernels import loss as kernels
+from runtime.tolerances import assert_close
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("nan_buffers")]
 

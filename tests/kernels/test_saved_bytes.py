@@ -6,21 +6,18 @@ policy none and full recompute, each layer part against its term.
 """
 import dataclasses
 import json
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from onboard import memory  # noqa: E402
-from onboard.spec import ModelSpec  # noqa: E402
-from runtime.dispatch import force  # noqa: E402
-from runtime.lora import apply_lora  # noqa: E402
-from runtime.lora_file import read_lora_yaml  # noqa: E402
-from runtime.memory import MemoryPolicy, apply_memory_policy  # noqa: E402
-from runtime.model import HybridDecoder  # noqa: E402
-from runtime.saved_bytes import counting  # noqa: E402
+from onboard import memory
+from onboard.spec import ModelSpec
+from runtime.dispatch import force
+from runtime.lora import apply_lora
+from runtime.lora_file import read_lora_yaml
+from runtime.memory import MemoryPolicy, apply_memory_policy
+from runtime.model import HybridDecoder
+from runtime.saved_bytes import counting
 
 pytestmark = pytest.mark.interpreter
 RANK, B = 6, 2

@@ -34,7 +34,7 @@ ROWS, T = 4, 32
 
 
 def _package(pkg: Path) -> tuple[dict, dict, Path]:
-    source = Path(yaml.safe_load((pkg / "package.yaml").read_text())["source"]["path"])
+    source = Path(yaml.safe_load((pkg / "package.yaml").read_text())["source"]["absolute"])
     return json.loads((pkg / "spec.json").read_text()), json.loads((pkg / "weight_map.json").read_text()), source
 
 
