@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import yaml
 
+from onboard.align.package_files import read_package
 from onboard.align.reference import load_runtime
 from onboard.errors import BadInput
 from onboard.train_cli import balance_options
@@ -34,8 +34,8 @@ T = 48
 
 
 def _package(pkg: Path) -> tuple[dict, dict, Path]:
-    source = Path(yaml.safe_load((pkg / "package.yaml").read_text())["source"]["path"])
-    return json.loads((pkg / "spec.json").read_text()), json.loads((pkg / "weight_map.json").read_text()), source
+    inputs = read_package(pkg)
+    return inputs.spec, inputs.weight_map, inputs.source
 
 
 def _ids(vocab: int) -> torch.Tensor:
