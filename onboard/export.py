@@ -84,7 +84,8 @@ def write_merged(out: Path, release: Path, weight_map: dict, state, scale: float
     kept: dict[str, str] = {}
     for file, names in shard_order(release).items():
         with safe_open(release / file, "pt") as shard:
-            tensors = {n: _merged(n, shard.get_tensor(n), weight_map, state, scale, dtype, biases or {}) for n in names if keep(n)}
+            tensors = {n: _merged(n, shard.get_tensor(n), weight_map, state, scale, dtype, biases or {})
+                       for n in names if keep(n)}
             metadata = shard.metadata()
         if tensors:
             save_file(tensors, out / file, metadata=metadata)

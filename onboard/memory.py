@@ -3,8 +3,8 @@
 Estimates, per the usual accounting: frozen base weights in the release dtype, sharded over every
 GPU (FSDP x EP); LoRA parameters, gradients and AdamW moments in fp32 (16 bytes per parameter);
 activations per token per GPU (what autograd keeps, per layer part, counted on the runtime model:
-runtime/saved_bytes.py), the attention state a sequence carries; one chunk of the chunked loss's fp32 logits. bench/bench_plan_memory.py compares the total
-with a measured peak.
+runtime/saved_bytes.py), the attention state a sequence carries; one chunk of the chunked loss's fp32 logits.
+bench/bench_plan_memory.py compares the total with a measured peak.
 """
 from __future__ import annotations
 
@@ -76,7 +76,8 @@ def _attention_saved(spec: ModelSpec, layer, b: int, lora_rank: int) -> int:
         # qk norms keep fp32 copies and rstd; rope keeps fp32 cos and sin; lse is fp32
         norms = 4 * (q + kv) + 4 * (a.num_heads + a.num_kv_heads) if a.qk_norm != "none" else 0
         # x, q, k, v, the output (and its gate), o_proj's input
-        return b * (d + q + 2 * kv + (2 if a.output_gate else 1) * q + q) + norms + 4 * a.num_heads + 8 * a.rope.rotary_dim + lora
+        kept = b * (d + q + 2 * kv + (2 if a.output_gate else 1) * q + q)
+        return kept + norms + 4 * a.num_heads + 8 * a.rope.rotary_dim + lora
     if a.kind == "gated_delta":
         H, J, K, V = a.num_v_heads, a.num_k_heads, a.head_k_dim, a.head_v_dim
         conv = 2 * J * K + H * V
@@ -200,7 +201,8 @@ def budget(spec: ModelSpec, gpu_mem_gib: float = 80.0, lora_rank: int = 16, seq_
     min_gpus = math.ceil((weights + lora_states) / capacity) if capacity > 0 else -1
     return MemoryBudget(
         dtype_bytes=b, weights_gib=weights / GIB, lora_rank=lora_rank, lora_params=n_lora,
-        lora_states_gib=lora_states / GIB, activation_bytes_per_token=activation_bytes_per_token(spec, "none", lora_rank),
+        lora_states_gib=lora_states / GIB,
+        activation_bytes_per_token=activation_bytes_per_token(spec, "none", lora_rank),
         activation_bytes_per_token_recompute=activation_bytes_per_token(spec, "recompute", lora_rank),
         state_bytes_per_token=per_token_state, recurrent_state_bytes_per_sequence=per_sequence_state,
         seq_len=seq_len, gpu_mem_gib=gpu_mem_gib, per_gpu_activations_gib=per_gpu / GIB,
