@@ -3,8 +3,9 @@
 --peft writes adapter_config.json + adapter_model.safetensors under the transformers module names
 of the release (onboard/peft_format.py). --merge writes the release again with every LoRA delta
 added to its weight, under the release's own tensor names, dtypes and shard layout, one shard in
-memory at a time, with every other file of the release (config, tokenizer) copied. Both are written
-into a temporary sibling folder renamed to DIR at the end.
+memory at a time, with every other file of the release (config, tokenizer) copied. A run that updated
+the routers' correction biases is not its adapter alone: --merge writes those biases in place of the
+released ones, --peft refuses (a gap). Both are written into a temporary sibling folder renamed to DIR.
 """
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from safetensors.torch import save_file
 
 from onboard.align.package_files import read_package
 from onboard.errors import BadInput
-from onboard.peft_format import hf_skeleton, key_pairs, peft_config, to_peft
+from onboard.peft_format import ExportGap, hf_skeleton, key_pairs, peft_config, to_peft
 from runtime.lora import delta_for
-from runtime.run_folder import read_adapter, read_run
+from runtime.run_folder import read_adapter, read_biases, read_run
 from runtime.weights import shard_order
 
 INDEX = "model.safetensors.index.json"
@@ -61,8 +62,10 @@ def _release_view(delta: torch.Tensor, entry: dict) -> torch.Tensor:
     return delta.transpose(-1, -2) if entry["transpose"] else delta
 
 
-def _merged(name: str, value: torch.Tensor, weight_map: dict, state, scale: float, dtype) -> torch.Tensor:
+def _merged(name: str, value: torch.Tensor, weight_map: dict, state, scale: float, dtype, biases: dict) -> torch.Tensor:
     entry = weight_map.get(name)
+    if entry is not None and entry["target"] in biases:
+        return biases[entry["target"]].view(value.shape).to(dtype or value.dtype)
     # no entry (vision) or no runtime target (an own module's tensor, loaded by name): copied as released
     delta = None if entry is None or entry["target"] is None else delta_for(state, scale, entry["target"], entry["expert"])
     dtype = dtype or value.dtype
@@ -72,14 +75,17 @@ def _merged(name: str, value: torch.Tensor, weight_map: dict, state, scale: floa
 
 
 def write_merged(out: Path, release: Path, weight_map: dict, state, scale: float,
-                 keep: Callable[[str], bool] = lambda name: True, dtype: torch.dtype | None = None) -> None:
+                 keep: Callable[[str], bool] = lambda name: True, dtype: torch.dtype | None = None,
+                 biases: dict[str, torch.Tensor] | None = None) -> None:
     """The release with LoRA merged: same names, shards and other files; only the tensors `keep` takes,
-    in the release's dtypes (alignment asks for fp32 to see the merge apart from rounding)."""
+    in the release's dtypes (alignment asks for fp32 to see the merge apart from rounding); `biases`
+    (runtime name -> correction bias) replace the released ones."""
     out, release = Path(out), Path(release)
     kept: dict[str, str] = {}
     for file, names in shard_order(release).items():
         with safe_open(release / file, "pt") as shard:
-            tensors = {n: _merged(n, shard.get_tensor(n), weight_map, state, scale, dtype) for n in names if keep(n)}
+            tensors = {n: _merged(n, shard.get_tensor(n), weight_map, state, scale, dtype, biases or {})
+                       for n in names if keep(n)}
             metadata = shard.metadata()
         if tensors:
             save_file(tensors, out / file, metadata=metadata)
@@ -98,6 +104,11 @@ def export(run: Path, peft_dir: Path | None, merge_dir: Path | None) -> Path:
     package = read_package(Path(info.package), release)
     spec, weight_map = package.spec, package.weight_map
     config, state = read_adapter(run)
+    biases = read_biases(run)
     if peft_dir is not None:
+        if biases:
+            raise ExportGap(f"{run}: the run updated the routers' correction biases, which a PEFT adapter cannot "
+                            "carry; use --merge to write them into the merged release")
         return _written_atomically(peft_dir, lambda tmp: write_peft(tmp, state, config, spec, weight_map, release))
-    return _written_atomically(merge_dir, lambda tmp: write_merged(tmp, release, weight_map, state, config.scale))
+    return _written_atomically(merge_dir, lambda tmp: write_merged(tmp, release, weight_map, state, config.scale,
+                                                                   biases=biases))

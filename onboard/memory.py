@@ -2,10 +2,9 @@
 
 Estimates, per the usual accounting: frozen base weights in the release dtype, sharded over every
 GPU (FSDP x EP); LoRA parameters, gradients and AdamW moments in fp32 (16 bytes per parameter);
-activations per token per GPU (matmul inputs and outputs, the router's fp32 scores, the chunked linear-
-attention kernels' tiles and states, and the backward's working set of one layer); the attention state a
-sequence carries; one chunk of the chunked loss's fp32 logits. bench/bench_plan_memory.py compares the total
-with a measured peak.
+activations per token per GPU (what autograd keeps, per layer part, counted on the runtime model:
+runtime/saved_bytes.py), the attention state a sequence carries; one chunk of the chunked loss's fp32 logits.
+bench/bench_plan_memory.py compares the total with a measured peak.
 """
 from __future__ import annotations
 
@@ -55,37 +54,67 @@ def lora_params(spec: ModelSpec, rank: int, targets: str = DEFAULT_LORA_TARGETS)
     return total
 
 
-def _layer_activation_bytes(spec: ModelSpec, layer, b: int) -> int:
-    """Per token: what autograd keeps for one layer (inputs of every matmul, norms, gates, chunk-kernel tiles)."""
-    d = spec.hidden_size
-    attn_widths = sum(s[0] for s in _attention_shapes(layer, spec).values() if len(s) == 2)
-    per_token = 4 * d + 2 * attn_widths  # norms in/out, projections' inputs and outputs
-    ffn = layer.ffn
+def _part_bytes(spec: ModelSpec, layer, b: int, lora_rank: int) -> tuple[int, int, int]:
+    """Per token: (attention saved, attention ctx-held tiles, FFN saved) of one layer."""
+    attn, tiles = _attention_saved(spec, layer, b, lora_rank), _chunk_kernel_bytes(layer.attention, b)
+    return attn, tiles, _ffn_saved(spec.hidden_size, layer.ffn, b)
+
+
+def _lora_saved(spec: ModelSpec, layer, b: int, lora_rank: int) -> int:
+    """Each adapted projection keeps x @ A [r] (runtime/layers/lora_linear.py)."""
+    rx = re.compile(DEFAULT_LORA_TARGETS)
+    return b * lora_rank * sum(len(s) == 2 and bool(rx.search(n)) for n, s in _attention_shapes(layer, spec).items())
+
+
+def _attention_saved(spec: ModelSpec, layer, b: int, lora_rank: int) -> int:
+    """What the attention part saves per token. Softmax and gated delta: counted from the runtime (the
+    tensor list in tests/kernels/test_saved_bytes.py); other kinds: every projection's input and output."""
+    a, d = layer.attention, spec.hidden_size
+    lora = _lora_saved(spec, layer, b, lora_rank)
+    if a.kind == "softmax":
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        # qk norms keep fp32 copies and rstd; rope keeps fp32 cos and sin; lse is fp32
+        norms = 4 * (q + kv) + 4 * (a.num_heads + a.num_kv_heads) if a.qk_norm != "none" else 0
+        # x, q, k, v, the output (and its gate), o_proj's input
+        kept = b * (d + q + 2 * kv + (2 if a.output_gate else 1) * q + q)
+        return kept + norms + 4 * a.num_heads + 8 * a.rope.rotary_dim + lora
+    if a.kind == "gated_delta":
+        H, J, K, V = a.num_v_heads, a.num_k_heads, a.head_k_dim, a.head_v_dim
+        conv = 2 * J * K + H * V
+        # x, the conv's input, q k (per value head) v, beta, o_proj's input; the gated norm's four fp32 [H, V]
+        # tensors and three fp32 [H] (decay g and norms)
+        return b * (d + conv + 2 * H * K + H * V + H + H * V) + 16 * H * V + 12 * H + lora
+    widths = sum(s[0] for s in _attention_shapes(layer, spec).values() if len(s) == 2)
+    return b * (d + widths) + lora
+
+
+def _ffn_saved(d: int, ffn, b: int) -> int:
+    """What the FFN part saves per token: its input, then the fused kernels' (runtime/kernels/moe/experts.py,
+    runtime/kernels/mlp.py): per routed choice the fp32 weight, int64 index, gate-up [2F] and h [F]; the
+    shared or dense MLP's gate-up rows (with the shared gate's one, padded to 8) and h."""
     if isinstance(ffn, MoEFFN):
-        per_token += ffn.top_k * (d + 3 * ffn.expert_intermediate_size)
-        per_token += 3 * ffn.shared_intermediate_size
-    elif isinstance(ffn, DenseFFN):
-        per_token += 3 * ffn.intermediate_size
-    else:
-        # an own module's structure is unknown: every matmul output kept, experts as if all active
-        per_token += sum(s[0] for s in own_tensors(ffn).values() if len(s) == 2)
-    # the router's logits and scores, fp32 (routing is computed in fp32)
-    router = 8 * ffn.num_experts if isinstance(ffn, MoEFFN) else 0
-    return per_token * b + router + _chunk_kernel_bytes(layer.attention, b)
+        routed = ffn.top_k * (12 + 3 * b * ffn.expert_intermediate_size)
+        fs = ffn.shared_intermediate_size
+        shared = b * (_pad8(2 * fs + ffn.shared_expert_gate) + fs) if fs else 0
+        return b * d + routed + shared
+    if isinstance(ffn, DenseFFN):
+        return b * (d + _pad8(2 * ffn.intermediate_size) + ffn.intermediate_size)
+    # an own module's structure is unknown: every matmul output kept, experts as if all active
+    return b * (d + sum(s[0] for s in own_tensors(ffn).values() if len(s) == 2))
+
+
+def _pad8(n: int) -> int:
+    return -(-n // 8) * 8
 
 
 def _chunk_kernel_bytes(a, b: int) -> int:
-    """Per token: what the chunked GDN/KDA kernels keep for backward (runtime/kernels/gated_delta/function.py):
-    q and k repeated to the value heads, v, the tiles qg, kbar, w and v_new in the activation dtype, u and Tinv
-    in fp32, P, and every chunk's state h [H, K, V]."""
-    if a.kind == "gated_delta":
-        heads, dk, dv = a.num_v_heads, a.head_k_dim, a.head_v_dim
-    elif a.kind == "kda":
-        heads, dk, dv = a.num_heads, a.head_dim, a.head_dim
-    else:
+    """Per token: the tiles the chunked GDN kernel holds on its ctx for backward
+    (runtime/kernels/gated_delta/function.py: qg, kbar, w and v_new, P in the activation dtype; u, Tinv and the
+    norms in fp32; every chunk's state h [H, K, V]). Held on ctx, so recompute does not drop them."""
+    if a.kind != "gated_delta":
         return 0
-    tiles = (5 * heads * dk + 2 * heads * dv + heads * LINEAR_CHUNK) * b + (heads * dv + heads * LINEAR_CHUNK) * 4
-    return tiles + heads * dk * dv * b // LINEAR_CHUNK
+    H, K, V, C = a.num_v_heads, a.head_k_dim, a.head_v_dim, LINEAR_CHUNK
+    return b * (3 * H * K + H * V + H * C) + 4 * (H * V + H * C + 2 * H) + b * H * K * V // C
 
 
 def _attention_shapes(layer, spec: ModelSpec) -> dict:
@@ -109,12 +138,9 @@ def _state_bytes(spec: ModelSpec, b: int) -> tuple[int, int]:
     return per_token, per_sequence
 
 
-# Activation policies: keep everything; recompute each layer in backward from its kept input; recompute with
+# Activation policies: keep everything; recompute each layer part in backward from its kept input; recompute with
 # the layer inputs offloaded to host memory (the current and the next one in flight stay on the GPU).
 POLICIES = ("none", "recompute", "offload")
-# What a recomputed layer keeps per token, in widths D: its two norms' inputs and its two parts' (checkpointed
-# attention and FFN) inputs (runtime/model.py, runtime/memory.py)
-KEPT_PER_LAYER = 4
 # Chunked linear attention's chunk (runtime/kernels/gated_delta/function.py CHUNK_SIZE)
 LINEAR_CHUNK = 64
 # The trainer's LM-head chunk (runtime/train.py TrainConfig.loss_chunk): the [chunk, vocab] fp32 logits and
@@ -122,26 +148,46 @@ LINEAR_CHUNK = 64
 LOSS_CHUNK = 1024
 
 
-def activation_bytes_per_token(spec: ModelSpec, policy: str) -> int:
-    """What backward needs per token under `policy`, all layers: without recompute every layer's activations and
-    one layer's again (the gradients and kernel scratch of the layer in backward); with it the kept inputs and
-    one layer twice (rebuilt, and its backward). The slice's measured peaks fit this (bench/NOTES.md)."""
-    b = DTYPE_BYTES.get(spec.dtype, 2)
-    per_layer = [_layer_activation_bytes(spec, layer, b) for layer in spec.layers]
-    one_layer = max(per_layer, default=0)
+def _norms(d: int) -> int:
+    """Per token, one RMSNorm: its input as fp32 and the fp32 rstd (the rms_norm op)."""
+    return 4 * d + 4
+
+
+def _kept_and_backward(spec: ModelSpec, policy: str, lora_rank: int) -> tuple[int, int]:
+    """Per token: (kept from the forward to the backward, what the backward adds at its peak), all layers.
+    The terms are what autograd keeps, counted on the runtime model (runtime/saved_bytes.py;
+    tests/kernels/test_saved_bytes.py recounts them on a tiny config): without recompute every part's saved
+    tensors; with it each part's input, the norms (outside the parts) and the GDN tiles held on ctx, and in
+    backward one part rebuilt (the largest). Autograd frees a node's saved tensors once it has run, so the
+    backward adds the gradients in flight, a layer input's and output's (2 widths D)."""
+    b, d = DTYPE_BYTES.get(spec.dtype, 2), spec.hidden_size
+    parts = [_part_bytes(spec, layer, b, lora_rank) for layer in spec.layers]
+    in_flight = 2 * b * d
     if policy == "none":
-        return sum(per_layer) + one_layer
-    kept_inputs = spec.num_layers if policy == "recompute" else min(2, spec.num_layers)
-    return KEPT_PER_LAYER * kept_inputs * spec.hidden_size * b + 2 * one_layer
+        return sum(2 * _norms(d) + sum(p) for p in parts), in_flight
+    kept_layers = spec.num_layers if policy == "recompute" else min(2, spec.num_layers)
+    kept = kept_layers * (2 * _norms(d) + 2 * b * d) + sum(tiles for _, tiles, _ in parts)
+    rebuilt = max((max(attn + tiles, ffn) for attn, tiles, ffn in parts), default=0)
+    return kept, rebuilt + in_flight
 
 
-def activations(spec: ModelSpec, seq_len: int, policy: str = "recompute") -> int:
-    """Bytes one sequence of seq_len needs on a GPU: activations, attention state, one chunk of the loss's logits."""
-    b = DTYPE_BYTES.get(spec.dtype, 2)
+def activation_bytes_per_token(spec: ModelSpec, policy: str, lora_rank: int = 16) -> int:
+    """What backward needs per token under `policy`, all layers, at its peak (_kept_and_backward)."""
+    return sum(_kept_and_backward(spec, policy, lora_rank))
+
+
+def activations(spec: ModelSpec, seq_len: int, policy: str = "recompute", lora_rank: int = 16) -> int:
+    """Bytes one sequence of seq_len needs on a GPU at the step's peak: what the forward keeps (activations,
+    attention state, the loss's gradient of its input, the final norm), plus the larger of the loss's one chunk
+    of logits (alive only in the forward: runtime/loss.py forms the gradient there) and the backward's peak."""
+    b, d = DTYPE_BYTES.get(spec.dtype, 2), spec.hidden_size
     per_token_state, per_sequence_state = _state_bytes(spec, b)
-    # fp32 logits of one chunk and their gradient (forward: bf16 product and fp32 copy; backward: two fp32)
+    kept, backward = _kept_and_backward(spec, policy, lora_rank)
+    # fp32 logits of one chunk and their gradient
     logits = 8 * spec.vocab_size * min(seq_len, LOSS_CHUNK)
-    return seq_len * (activation_bytes_per_token(spec, policy) + per_token_state) + per_sequence_state + logits
+    # the loss keeps its input's gradient [T, D] for backward; the final norm its fp32 input
+    head = b * d + _norms(d)
+    return seq_len * (kept + per_token_state + head) + per_sequence_state + max(logits, seq_len * backward)
 
 
 def budget(spec: ModelSpec, gpu_mem_gib: float = 80.0, lora_rank: int = 16, seq_len: int = 4096) -> MemoryBudget:
@@ -150,13 +196,14 @@ def budget(spec: ModelSpec, gpu_mem_gib: float = 80.0, lora_rank: int = 16, seq_
     n_lora = lora_params(spec, lora_rank)
     lora_states = LORA_STATE_BYTES * n_lora
     per_token_state, per_sequence_state = _state_bytes(spec, b)
-    per_gpu = activations(spec, seq_len)
+    per_gpu = activations(spec, seq_len, lora_rank=lora_rank)
     capacity = gpu_mem_gib * GIB * USABLE_FRACTION - per_gpu - WORKSPACE_GIB * GIB
     min_gpus = math.ceil((weights + lora_states) / capacity) if capacity > 0 else -1
     return MemoryBudget(
         dtype_bytes=b, weights_gib=weights / GIB, lora_rank=lora_rank, lora_params=n_lora,
-        lora_states_gib=lora_states / GIB, activation_bytes_per_token=activation_bytes_per_token(spec, "none"),
-        activation_bytes_per_token_recompute=activation_bytes_per_token(spec, "recompute"),
+        lora_states_gib=lora_states / GIB,
+        activation_bytes_per_token=activation_bytes_per_token(spec, "none", lora_rank),
+        activation_bytes_per_token_recompute=activation_bytes_per_token(spec, "recompute", lora_rank),
         state_bytes_per_token=per_token_state, recurrent_state_bytes_per_sequence=per_sequence_state,
         seq_len=seq_len, gpu_mem_gib=gpu_mem_gib, per_gpu_activations_gib=per_gpu / GIB,
         min_gpus=max(min_gpus, 1) if min_gpus > 0 else -1)

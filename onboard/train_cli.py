@@ -47,10 +47,10 @@ def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
     p.add_argument("--nproc", type=positive_int, default=1, help="processes per node (torchrun); gloo on CPU, NCCL on GPU")
     p.add_argument("--ep", type=positive_int, default=1, help="expert-parallel degree (divides the world size)")
     p.add_argument("--capacity-factor", type=float, default=None, help="cap tokens per expert (default dropless)")
-    p.add_argument("--aux-loss-coef", type=float, default=None,
-                   help="load-balancing loss weight (default: the release's router_aux_loss_coef, else off; 0: off)")
-    p.add_argument("--bias-update-rate", type=float, default=None,
-                   help="routers' correction-bias step per update (default 1e-3 where the release has the bias; 0: off)")
+    p.add_argument("--aux-loss-coef", type=aux_coef, default=0.0,
+                   help="load-balancing loss weight, or auto: the release's router_aux_loss_coef (default off)")
+    p.add_argument("--bias-update-rate", type=float, default=0.0,
+                   help="routers' correction-bias step per update, e.g. 1e-3 as DeepSeek-V3 (default off)")
     p.add_argument("--nnodes", type=positive_int, default=1, help="nodes (run the same command on each)")
     p.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous, with --nnodes > 1")
 
@@ -122,16 +122,20 @@ def build_model(spec: dict, weight_map: dict, release: Path, lora_config, policy
     return model
 
 
-def balance_options(spec: dict, aux_loss_coef: float | None, bias_rate: float | None) -> dict:
-    """TrainConfig's load-balancing fields: the flags, else the release's aux-loss coefficient and, for routers
-    with a correction bias, DeepSeek-V3's update rate (runtime/balance.py); off where the release has neither."""
-    from runtime.balance import DEFAULT_BIAS_RATE
+def aux_coef(text: str) -> float | str:
+    return text if text == "auto" else float(text)
 
+
+def balance_options(spec: dict, aux_loss_coef: float | str, bias_rate: float) -> dict:
+    """TrainConfig's load-balancing fields from the flags. Both default off: LoRA fine-tuning keeps the router
+    frozen (transformers adds the aux loss only with output_router_logits=True). `auto` takes the release's
+    aux-loss coefficient; a bias rate needs routers with a correction bias."""
     routers = [layer["ffn"]["router"] for layer in spec["layers"] if layer["ffn"].get("kind") == "moe"]
-    release_coef = next((r["aux_loss_coef"] for r in routers if r.get("aux_loss_coef")), 0.0)
-    release_rate = DEFAULT_BIAS_RATE if any(r.get("correction_bias") for r in routers) else 0.0
-    return dict(aux_loss_coef=release_coef if aux_loss_coef is None else aux_loss_coef,
-                correction_bias_rate=release_rate if bias_rate is None else bias_rate)
+    if aux_loss_coef == "auto":
+        aux_loss_coef = next((r["aux_loss_coef"] for r in routers if r.get("aux_loss_coef")), 0.0)
+    if bias_rate and not any(r.get("correction_bias") for r in routers):
+        raise BadInput(None, "--bias-update-rate", "the release's routers have no correction bias to update")
+    return dict(aux_loss_coef=aux_loss_coef, correction_bias_rate=bias_rate)
 
 
 def _check_ep(ep: int, world: int) -> None:
@@ -175,6 +179,7 @@ def _train(args) -> int:
 
     import torch
 
+    from runtime import balance
     from runtime.data import ChatTemplateError
     from runtime.parallel.process import full_lora_state_dict, is_main, start
     from runtime.run_folder import save_adapter, write_run_json
@@ -210,7 +215,8 @@ def _train(args) -> int:
     factors = full_lora_state_dict(model)
     if not is_main():
         return 0
-    save_adapter(out, factors, lora_config)
+    # updated biases go beside the factors: export needs them to reproduce the run
+    save_adapter(out, factors, lora_config, balance.bias_state_dict(model) if cfg.correction_bias_rate else None)
     print(f"trained {state['step']} steps into {out}; eval loss {state['eval_loss']:.4f}, "
           f"best {state['best_eval_loss']:.4f} at step {state['best_step']}")
     return 0

@@ -19,9 +19,6 @@ from torch import nn
 
 from runtime.metrics import moe_layers
 
-# DeepSeek-V3's bias update speed (gamma, technical report section 2.1.2); no release config names one
-DEFAULT_BIAS_RATE = 1e-3
-
 
 def track_router_probs(model: nn.Module, on: bool) -> None:
     """Make every router keep its softmax sum per forward (the aux loss reads it)."""
@@ -66,6 +63,11 @@ def update_correction_bias(model: nn.Module, load: dict[int, torch.Tensor], rate
         if bias_E is not None:
             load_E = load[i].to(bias_E.device, torch.float32)
             bias_E += rate * torch.sign(load_E.mean() - load_E)
+
+
+def bias_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Runtime buffer name -> correction bias, for the layers that have one."""
+    return {f"layers.{i}.ffn.router.correction_bias": b for i, b in correction_biases(model).items()}
 
 
 def correction_biases(model: nn.Module) -> dict[int, torch.Tensor]:

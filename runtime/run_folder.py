@@ -3,6 +3,9 @@
     RUN/run.json                       {"package": PKG path, "release": release folder path, ...}
     RUN/adapter/adapter.safetensors    the LoRA factors under runtime names (lora_state_dict), fp32
     RUN/adapter/lora_config.json       the LoraConfig they were trained with (targets as runtime names)
+    RUN/adapter/correction_bias.safetensors   the routers' updated correction biases (runtime buffer names,
+                                       fp32), only from a run that updated them: the factors alone do not
+                                       reproduce that run
 
 run.json may carry more keys (the trainer's settings); readers take the two they need. The adapter
 folder is written aside and renamed into place, so a reader never sees half of one.
@@ -21,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from runtime.errors import InputFileError
 from runtime.lora import LoraConfig
 
-ADAPTER, WEIGHTS, CONFIG = "adapter", "adapter.safetensors", "lora_config.json"
+ADAPTER, WEIGHTS, CONFIG, BIASES = "adapter", "adapter.safetensors", "lora_config.json", "correction_bias.safetensors"
 
 
 class RunInfo(BaseModel):
@@ -65,15 +68,29 @@ def read_run(run: Path) -> RunInfo:
     return _validated(RunInfo, Path(run) / "run.json")
 
 
-def save_adapter(run: Path, state: dict[str, torch.Tensor], config: LoraConfig) -> None:
+def save_adapter(run: Path, state: dict[str, torch.Tensor], config: LoraConfig,
+                 biases: dict[str, torch.Tensor] | None = None) -> None:
+    """The factors and their config; biases (runtime name -> tensor) when the run updated them."""
     folder = Path(run) / ADAPTER
     tmp = folder.with_name(ADAPTER + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({n: t.detach().float().contiguous().cpu() for n, t in state.items()}, tmp / WEIGHTS)
+    save_file(_host_fp32(state), tmp / WEIGHTS)
+    if biases:
+        save_file(_host_fp32(biases), tmp / BIASES)
     (tmp / CONFIG).write_text(json.dumps(dataclasses.asdict(config), indent=2))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
+
+
+def _host_fp32(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.detach().float().contiguous().cpu() for n, t in tensors.items()}
+
+
+def read_biases(run: Path) -> dict[str, torch.Tensor]:
+    """The updated correction biases a run saved (runtime name -> fp32 tensor); empty if it updated none."""
+    path = Path(run) / ADAPTER / BIASES
+    return load_file(path) if path.exists() else {}
 
 
 def read_adapter(run: Path) -> tuple[LoraConfig, dict[str, torch.Tensor]]:

@@ -1,7 +1,8 @@
 """Load balancing in training (runtime/balance.py): the aux loss against transformers' own and against a plain
 fp64 reference of the formula on the runtime's router outputs (value and gradients); the correction-bias update
 step by step against its formula on the logged global counts, and a resume that restores the biases; the
-`onboard train` defaults. Tier 3 (tests/runtime/test_parallel.py) checks both under FSDP and EP."""
+`onboard train` defaults (off) and a real run that updated biases: saved beside the adapter, refused by the PEFT
+export. Tier 3 (tests/runtime/test_parallel.py) checks both under FSDP and EP."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,14 +10,18 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import yaml
 
+from onboard.align.package_files import read_package
 from onboard.align.reference import load_runtime
+from onboard.errors import BadInput
 from onboard.train_cli import balance_options
 from runtime import balance
 from runtime.data import Document, pack
@@ -24,6 +29,7 @@ from runtime.lora import LoraConfig, apply_lora
 from runtime.memory import MemoryPolicy, apply_memory_policy
 from runtime.metrics import expert_counts, moe_layers, read_metrics
 from runtime.ops.moe import router_logits
+from runtime.run_folder import read_biases
 from runtime.parallel.placement import MeshShape
 from runtime.train import TrainConfig, TrainData, train
 
@@ -32,8 +38,8 @@ T = 48
 
 
 def _package(pkg: Path) -> tuple[dict, dict, Path]:
-    source = Path(yaml.safe_load((pkg / "package.yaml").read_text())["source"]["path"])
-    return json.loads((pkg / "spec.json").read_text()), json.loads((pkg / "weight_map.json").read_text()), source
+    inputs = read_package(pkg)
+    return inputs.spec, inputs.weight_map, inputs.source
 
 
 def _ids(vocab: int) -> torch.Tensor:
@@ -183,8 +189,34 @@ def test_correction_bias_and_aux_loss_under_expert_parallelism(example_package, 
             assert torch.equal(torch.tensor(a["correction_bias"][layer]), torch.tensor(bias)), (a["step"], layer)
 
 
-def test_train_defaults_come_from_the_release(example_spec):
-    """The release's router_aux_loss_coef, DeepSeek-V3's rate where routers have a correction bias; flags win."""
-    assert balance_options(example_spec("qwen3_moe"), None, None) == dict(aux_loss_coef=0.001, correction_bias_rate=0.0)
-    assert balance_options(example_spec("glm4_moe"), None, None)["correction_bias_rate"] == balance.DEFAULT_BIAS_RATE
-    assert balance_options(example_spec("glm4_moe"), 0.5, 0.0) == dict(aux_loss_coef=0.5, correction_bias_rate=0.0)
+def test_train_defaults_are_off(example_spec):
+    """Both off unless asked (LoRA keeps the router frozen); `auto` is the release's router_aux_loss_coef; a bias
+    rate needs routers with a correction bias."""
+    off = dict(aux_loss_coef=0.0, correction_bias_rate=0.0)
+    assert balance_options(example_spec("qwen3_moe"), 0.0, 0.0) == off
+    assert balance_options(example_spec("glm4_moe"), 0.0, 0.0) == off
+    assert balance_options(example_spec("qwen3_moe"), "auto", 0.0) == dict(aux_loss_coef=0.001, correction_bias_rate=0.0)
+    assert balance_options(example_spec("glm4_moe"), 0.5, 1e-3) == dict(aux_loss_coef=0.5, correction_bias_rate=1e-3)
+    with pytest.raises(BadInput, match="--bias-update-rate"):
+        balance_options(example_spec("qwen3_moe"), 0.0, 1e-3)
+
+
+def test_a_run_that_updated_biases_saves_them_and_export_says_peft_cannot(example_package, tmp_path):
+    """A real `onboard train --bias-update-rate` process (glm4_moe, 2 steps): the adapter folder holds the final
+    biases the last step logged; `onboard export --peft` then exits 3 with one line pointing to --merge."""
+    data, run = tmp_path / "data.jsonl", tmp_path / "run"
+    data.write_text("".join(json.dumps({"text": f"The mill by bridge {i} grinds corn all day."}) + "\n" for i in range(12)))
+    cli = [sys.executable, "-m", "onboard.cli"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    trained = subprocess.run([*cli, "train", str(example_package("glm4_moe")), "--data", str(data), "--steps", "2",
+                              "--seq-len", "32", "--bias-update-rate", "1e-2", "--out", str(run), "--no-progress"],
+                             capture_output=True, text=True, timeout=300, env=env)
+    assert trained.returncode == 0, trained.stderr
+    last = read_metrics(run / "metrics.jsonl")[0][-1]["correction_bias"]
+    saved = read_biases(run)
+    assert saved and {f"layers.{layer}.ffn.router.correction_bias" for layer in last} == saved.keys()
+    for layer, bias in last.items():
+        assert torch.equal(saved[f"layers.{layer}.ffn.router.correction_bias"], torch.tensor(bias))
+    exported = subprocess.run([*cli, "export", str(run), "--peft", str(tmp_path / "peft")], capture_output=True,
+                              text=True, timeout=300, env=env)
+    assert exported.returncode == 3 and "--merge" in exported.stderr and len(exported.stderr.strip().splitlines()) == 1

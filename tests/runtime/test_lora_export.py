@@ -1,6 +1,7 @@
 """`onboard export`: the PEFT adapter loaded by real transformers + peft, and the merged release loaded
 by real transformers, reproduce the runtime adapter model's logits; the merged release keeps the
-release's files, names, shards and dtypes. On a linear-attention, a DSA, a multimodal and a classic MoE family."""
+release's files, names, shards and dtypes. On a linear-attention, a DSA, a multimodal and a classic MoE family.
+A run that updated the routers' correction biases (glm4_moe): --peft refuses, --merge carries the biases."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,16 +15,18 @@ from onboard import cli
 from onboard.align.package_files import read_package
 from onboard.align.reference import load_reference, load_runtime
 from onboard.export import write_merged
+from runtime import balance
 from runtime.lora import apply_lora, lora_parameters, lora_state_dict
 from runtime.lora_file import read_lora_yaml
-from runtime.run_folder import read_adapter, save_adapter, write_run_json
+from runtime.run_folder import read_adapter, read_biases, save_adapter, write_run_json
 from runtime.tolerances import compare, tolerance_for
 
 FAMILIES = ["qwen3_next", "deepseek_v32", "qwen3_5_moe", "mixtral"]
 
 
-def _trained_run(example_package, family: str, run):
-    """A run folder whose adapter has nonzero factors everywhere (dense targets of lora.yaml and the experts)."""
+def _trained_run(example_package, family: str, run, biases: bool = False):
+    """A run folder whose adapter has nonzero factors everywhere (dense targets of lora.yaml and the experts);
+    with biases, the routers' correction biases moved too, as a run with --bias-update-rate leaves them."""
     pkg = example_package(family)
     inputs = read_package(pkg)
     spec, weight_map, source = inputs.spec, inputs.weight_map, inputs.source
@@ -35,8 +38,10 @@ def _trained_run(example_package, family: str, run):
     with torch.no_grad():
         for p in lora_parameters(model):
             p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        for bias_E in balance.correction_biases(model).values() if biases else ():
+            bias_E += torch.randn(bias_E.shape, generator=gen)
     write_run_json(run, pkg, source)
-    save_adapter(run, lora_state_dict(model), config)
+    save_adapter(run, lora_state_dict(model), config, balance.bias_state_dict(model) if biases else None)
     ids = torch.randint(0, spec["vocab_size"], (2, 12), generator=gen)
     with torch.no_grad():
         return model(ids), ids, spec, source
@@ -83,6 +88,28 @@ def test_merged_export_loads_in_transformers(example_package, family, tmp_path):
             for name in ours.keys():
                 released = ours.get_tensor(name)
                 assert torch.equal(merged.get_tensor(name), fp32.get_tensor(name).to(released.dtype)), name
+
+
+def test_updated_correction_biases_go_into_the_merge_only(example_package, tmp_path, capsys):
+    expected, ids, spec, source = _trained_run(example_package, "glm4_moe", tmp_path / "run", biases=True)
+    assert cli.main(["export", str(tmp_path / "run"), "--peft", str(tmp_path / "peft")]) == 3
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "correction bias" in err and "--merge" in err
+    assert not (tmp_path / "peft").exists()
+    config, state = read_adapter(tmp_path / "run")
+    weight_map = json.loads((example_package("glm4_moe") / "weight_map.json").read_text())
+    for with_biases, name in ((False, "factors_only"), (True, "merged_fp32")):
+        (tmp_path / name).mkdir()
+        write_merged(tmp_path / name, source, weight_map, state, config.scale, dtype=torch.float32,
+                     biases=read_biases(tmp_path / "run") if with_biases else None)
+        with torch.no_grad():
+            logits = load_reference(tmp_path / name, "glm4_moe", torch.float32)(input_ids=ids, use_cache=False).logits
+        if with_biases:
+            _assert_logits(logits, expected)
+        else:
+            # the factors alone route as the release did: the moved biases change the logits
+            assert not torch.allclose(logits, expected, atol=1e-3)
+    assert cli.main(["export", str(tmp_path / "run"), "--merge", str(tmp_path / "merged")]) == 0
 
 
 def test_export_errors_are_one_line(tmp_path, capsys):
