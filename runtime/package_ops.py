@@ -8,9 +8,10 @@ math). Its unit test sits beside it as `test_<file>.py` and is not loaded.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -69,6 +70,19 @@ def load_package_ops(pkg: Path) -> list[str]:
         TABLES[kind][name] = CompiledOnCuda(module.op)
         loaded.append(f"{kind}:{name}")
     return loaded
+
+
+@contextlib.contextmanager
+def tables_restored() -> Iterator[None]:
+    """The op tables as they were when the block began, whatever it registered: one process may align
+    several packages (the graph's trial packages, refused candidates among them)."""
+    before = {kind: dict(table) for kind, table in TABLES.items()}
+    try:
+        yield
+    finally:
+        for kind, table in TABLES.items():
+            table.clear()
+            table.update(before[kind])
 
 
 def _import(path: Path):

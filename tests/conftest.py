@@ -18,7 +18,7 @@ if not kernels_available()[0]:
 
 from onboard.example_models import write_example_model  # noqa: E402
 from onboard.package import write_package  # noqa: E402
-from runtime.package_ops import TABLES  # noqa: E402
+from runtime.package_ops import tables_restored  # noqa: E402
 
 SEED_DIR = Path(__file__).resolve().parents[2] / "shared" / "examples" / "seed-2.8t"
 # A copy of the seed example (index xz-compressed) for machines without ../shared.
@@ -29,11 +29,8 @@ SEED_COPY = Path(__file__).resolve().parent / "data" / "seed-2.8t"
 def _generated_ops_stay_in_their_test():
     """A package's generated ops register into process-wide tables (one package per CLI process); a test
     that loads a package in-process must not leave its ops to the next test on the same worker."""
-    before = {kind: dict(table) for kind, table in TABLES.items()}
-    yield
-    for kind, table in TABLES.items():
-        table.clear()
-        table.update(before[kind])
+    with tables_restored():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ from onboard.errors import BadInput
 from onboard.plan import Cluster
 from runtime.parallel.placement import MeshShape
 from onboard.model_references import register_references
-from runtime.package_ops import load_package_ops
+from runtime.package_ops import load_package_ops, tables_restored
 
 # Alignment of large releases runs a prefix of the model (both sides) holding every distinct layer kind.
 MAX_ALIGN_LAYERS = 8
@@ -42,15 +42,17 @@ def run_alignment(pkg: Path, tiers: list[int], model_dir: Path | None = None, ta
     pkg, progress = Path(pkg), progress or Progress()
     inputs = read_package(pkg, model_dir)
     goal = tier4_target(pkg, cluster, mesh) if 4 in tiers else None
-    # the package's generated ops run in the runtime, the model's own functions are their reference
-    load_package_ops(pkg)
-    register_references(pkg)
     num_layers = layers_to_run(inputs.spec, max_layers)
     if num_layers < inputs.spec["num_layers"] and min(tiers) < 3:
         progress.note(f"aligning the first {num_layers} of {inputs.spec['num_layers']} layers "
                       "(every distinct layer kind is among them)")
     torch.manual_seed(0)
-    results, divergence = _run_tiers(sorted(tiers), inputs, num_layers, tamper, progress, goal)
+    # the package's generated ops run in the runtime (for this package only: a refused trial candidate must
+    # not stay registered), the model's own functions are their reference
+    with tables_restored():
+        load_package_ops(pkg)
+        register_references(pkg)
+        results, divergence = _run_tiers(sorted(tiers), inputs, num_layers, tamper, progress, goal)
     report = AlignmentReport(package=str(pkg.resolve()), source=str(inputs.source), spec_hash=inputs.spec_hash,
                              tiers=results, first_divergence=divergence,
                              passed=all(t.passed for t in results) and len(results) == len(tiers))
