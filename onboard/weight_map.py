@@ -5,14 +5,14 @@ Entries are plain dicts (written to the package's weight_map.json, read by runti
 `expert` writes into one slice of a stacked [E, ...] tensor, `rows` into a row range of it (gate and
 up halves of w_gate_up), `transpose` swaps the last two dims (gpt-oss stores experts as [E, in, out]),
 `flatten` drops singleton dims (Ernie's [1, E] correction bias). Tensors of a component that runs
-as its own module have no target but `own_module` (the runtime module transformers loads them into);
+as its own module have no target but `own_module` (the runtime tensor transformers loads them into);
 tensors nothing reads (listed in the gap report) have neither.
 """
 from __future__ import annotations
 
 import re
 
-from onboard.spec import ModelSpec, MoEFFN, own_tensors
+from onboard.spec import ModelSpec, MoEFFN
 from onboard.weight_layout import attention_tensors, ffn_tensors
 
 EXPERT_RE = re.compile(r"^experts\.(\d+)\.(\w+)\.weight$")
@@ -35,7 +35,7 @@ def _mapped(spec: ModelSpec) -> dict[str, dict]:
     if not spec.tie_word_embeddings:
         out["lm_head.weight"] = _entry("lm_head.weight")
     for layer in spec.layers:
-        out |= _own_module_entries(layer)
+        out |= _own_module_entries(layer, n.prefix)
         if layer.own_layer:
             continue
         src, dst = f"{n.prefix}layers.{layer.index}.", f"layers.{layer.index}."
@@ -49,13 +49,19 @@ def _mapped(spec: ModelSpec) -> dict[str, dict]:
     return out
 
 
-def _own_module_entries(layer) -> dict[str, dict]:
-    """Tensors of own modules are loaded by transformers into the module itself, by their released names."""
-    part = "layer" if layer.own_layer else None
+def _own_module_entries(layer, prefix: str) -> dict[str, dict]:
+    """Tensors of own modules are loaded by transformers into the module itself, by their released names;
+    `own_module` names the runtime tensor they become (LoRA targets are found through it)."""
+    head = f"{prefix}layers.{layer.index}."
     entries = {}
-    for name_, module in (("attn", layer.attention), ("ffn", layer.ffn)):
-        for name in own_tensors(module):
-            entries[name] = _entry(None, own_module=f"layers.{layer.index}.{part or name_}")
+    for slot, part in (("attn", layer.attention), ("ffn", layer.ffn)):
+        if part.kind != "own_module":
+            continue
+        # an own layer is the runtime layer's `own` slot; its tensors sit under it by their path in the layer
+        slot, path = ("own", "") if layer.own_layer else (slot, part.path)
+        inside = head + (f"{path}." if path else "")
+        for name in part.tensors:
+            entries[name] = _entry(None, own_module=f"layers.{layer.index}.{slot}.module.{name.removeprefix(inside)}")
     return entries
 
 

@@ -44,6 +44,8 @@ class DecoderLayer(nn.Module):
         d, eps, offset = hidden_size, norm.eps, norm.offset
         # a layer not understood as a whole is transformers' decoder layer, norms and residuals included
         self.own = OwnModule(index, "layer", "") if layer.own_layer else None
+        # readers of layer.attn / layer.ffn (metrics, memory policy) see no part of ours in an own layer
+        self.attn = self.ffn = None
         if self.own is None:
             self.input_layernorm = RMSNorm(d, eps, offset)
             self.post_attention_layernorm = RMSNorm(d, eps, offset)
@@ -53,7 +55,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h_BTD: torch.Tensor, rotary: RotaryCache, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         if self.own is not None:
-            return self.own(h_BTD, rotary)
+            return self.own(h_BTD, rotary, cu_seqlens)
         r = self.residual
         normed_BTD = self.input_layernorm(h_BTD)
         skip_BTD = normed_BTD if r.skip_from_normed else h_BTD

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from runtime.segments import per_segment
+
 # Per-layer context transformers' decoders pass their layers; given where a module's forward accepts it.
 CONTEXT_ARGS = ("attention_mask", "position_ids", "position_embeddings")
 
@@ -100,12 +102,17 @@ class OwnModule(nn.Module):
         takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
         self._accepts = {a for a in CONTEXT_ARGS if a in params or (takes_any and self.part != "ffn")}
 
-    def forward(self, x_BTD: torch.Tensor, rotary=None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, rotary=None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """cu_seqlens (batch 1): packed segments; transformers' modules take no such argument, so a module
+        that mixes tokens runs once per segment, on that segment's positions."""
         if self.module is None:
             raise RuntimeError(f"layer {self.index} {self.part}: own module {self.path or 'decoder layer'} was not loaded")
         if self.part == "ffn":
             return _first_tensor(self.module(x_BTD))
         positions = rotary.positions if rotary is not None else torch.arange(x_BTD.shape[1])[None]
+        return per_segment(self._mixing, cu_seqlens, x_BTD, positions)
+
+    def _mixing(self, x_BTD: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         context = self._context[0].kwargs(self.index, x_BTD, positions)
         return _first_tensor(self.module(x_BTD, **{k: v for k, v in context.items() if k in self._accepts}))
 
