@@ -5,7 +5,9 @@ format, as save_pretrained writes it) is the oracle: a release tensor whose shap
 contradicts the release's own config (bad input); anything else the recognized spec does not
 expect (a tensor of another shape or layout, a tensor no recognized component uses, one we would use
 that the oracle does not read, one we expect that neither has) is our assumption failing, so the component holding
-it becomes an OwnModule (the whole decoder layer when the tensor sits on the layer itself).
+it becomes an OwnModule (the whole decoder layer when the tensor sits on the layer itself). A tensor
+outside the layers not understood (another embedding or head, hyper-connection or extra norm parameters
+of the model's own glue) makes the whole model transformers' own (`own_model`), when transformers knows it.
 """
 from __future__ import annotations
 
@@ -77,6 +79,15 @@ def _disagreement(name: str, info, expected: dict, oracle: Optional[dict]) -> Op
     return None
 
 
+def _outside_layers(spec: ModelSpec, present: dict, oracle: dict) -> Optional[str]:
+    """Why the model's glue (embedding, final norm, head, anything between the layers) is not understood:
+    the first release tensor outside the layers that transformers' model reads and the recognized spec does
+    not expect; None if none. (A tensor neither reads stays a gap: nothing would compute with it.)"""
+    expected = expected_tensors(spec)
+    unknown = sorted(n for n in present if n in oracle and n not in expected and _where(n, spec) is None)
+    return f"tensor {INDEX_RE.sub('.N.', unknown[0])} outside the layers not understood" if unknown else None
+
+
 def _own(layer: LayerSpec, parts: dict[str, str], spec: ModelSpec, present: dict) -> LayerSpec:
     """The layer with the parts named in `parts` as own modules (all of it when its own tensors disagree)."""
     found: dict[str, dict[str, list[int]]] = {"attention": {}, "ffn": {}, "norm": {}, "layer": {}}
@@ -127,6 +138,10 @@ def apply(spec: ModelSpec, manifest: Manifest) -> ModelSpec:
     if oracle is not None:
         _contradictions(manifest, present, oracle, spec.family)
     why = _disagreements(spec, present, oracle, manifest.shards_present)
+    outside = _outside_layers(spec, present, oracle) if oracle is not None else None
+    if outside is not None:
+        why = {**why, **{(layer.index, "layer"): f"the whole model runs as its own: {outside}" for layer in spec.layers}}
+        spec = spec.model_copy(update={"own_model": outside})
     if not why:
         return spec
     by_layer: dict[int, dict[str, str]] = {}

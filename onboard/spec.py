@@ -215,6 +215,9 @@ class ModelSpec(_Spec):
     dtype: str = "bfloat16"
     params: ParamCounts
     unrecognized: list[Unrecognized] = []
+    # why the whole model runs as transformers' own (a tensor outside the layers not understood); then
+    # every layer is an own layer too, and the runtime runs transformers' text model end to end
+    own_model: Optional[str] = None
 
     def layer_kinds(self) -> list[str]:
         return [layer_kind_name(layer) for layer in self.layers]

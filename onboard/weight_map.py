@@ -15,6 +15,8 @@ import re
 from onboard.spec import ModelSpec, MoEFFN
 from onboard.weight_layout import attention_tensors, ffn_tensors
 
+# the runtime module holding transformers' whole model, when the model runs as its own
+OWN_MODEL = "own.module"
 EXPERT_RE = re.compile(r"^experts\.(\d+)\.(\w+)\.weight$")
 GATE_NAMES, UP_NAMES, DOWN_NAMES = ("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")
 
@@ -24,8 +26,11 @@ def _entry(target: str, **steps) -> dict:
             **steps}
 
 
-def build_weight_map(spec: ModelSpec, unused: list[str] = ()) -> dict[str, dict]:
-    """`unused`: release tensors no runtime part reads (the gap report lists them); mapped to nothing."""
+def build_weight_map(spec: ModelSpec, unused: list[str] = (), own_names: dict[str, str] | None = None) -> dict[str, dict]:
+    """`unused`: release tensors no runtime part reads (the gap report lists them); mapped to nothing.
+    `own_names` (a model run whole as transformers' own): released name -> transformers' name of every tensor."""
+    if spec.own_model:
+        return {name: _entry(None, own_module=f"{OWN_MODEL}.{param}") for name, param in own_names.items()}
     return {name: _entry(None) for name in unused} | _mapped(spec)
 
 

@@ -61,7 +61,8 @@ def projection_flops_per_token(model: nn.Module) -> float:
         in_indexer = ".indexer" in f".{name}"
         for pname, weight in module.named_parameters(recurse=False):
             total += _per_token(module, pname, weight, top_k) * _passes(weight, in_indexer)
-    if model.lm_head is None:
+    # tied head: the embedding matrix read as a matmul (a model run whole as transformers' own counts its head as a linear)
+    if model.lm_head is None and model.embed_tokens is not None:
         total += 2 * 2 * model.embed_tokens.weight.numel()
     return total
 

@@ -17,7 +17,7 @@ from runtime.layers.lora_linear import weight_of
 from runtime.layers.mla import MLAAttention
 from runtime.layers.norm import RMSNorm
 from runtime.layers.softmax_attention import SoftmaxAttention
-from runtime.own_modules import OwnModule
+from runtime.own_modules import OwnModel, OwnModule
 from runtime.rotary import RotaryCache
 
 ATTENTION_CLASSES = {"softmax": SoftmaxAttention, "mla": MLAAttention, "gated_delta": GatedDeltaNet,
@@ -74,6 +74,11 @@ class HybridDecoder(nn.Module):
             config = ModelConfig.from_spec(config)
         self.config = config
         d, vocab, norm = config.hidden_size, config.vocab_size, config.norm
+        # a model whose glue is not understood is transformers' whole model: no layers, embedding or head of ours
+        self.own = OwnModel(num_layers) if config.own_model else None
+        if self.own is not None:
+            self.layers, self.embed_tokens, self.lm_head = nn.ModuleList(), None, None
+            return
         self.embed_tokens = nn.Embedding(vocab, d)
         self.layers = nn.ModuleList(DecoderLayer(layer, d, norm, i) for i, layer in enumerate(config.layers[:num_layers]))
         self.norm = RMSNorm(d, norm.eps, norm.offset)
@@ -83,6 +88,8 @@ class HybridDecoder(nn.Module):
                       inputs_embeds_BTD: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None):
         """h_BTD after the final norm. positions: [B, T], or [3, B, T] for multimodal rope (default 0..T-1).
         cu_seqlens (batch 1): packed segments, which never attend to or carry state from one another."""
+        if self.own is not None:
+            return self.own.hidden_states(input_ids_BT, positions, inputs_embeds_BTD, cu_seqlens)
         h_BTD = self.embed_tokens(input_ids_BT) if inputs_embeds_BTD is None else inputs_embeds_BTD
         if positions is None:
             positions = torch.arange(h_BTD.shape[1], device=h_BTD.device).expand(h_BTD.shape[0], -1)
@@ -93,6 +100,8 @@ class HybridDecoder(nn.Module):
 
     def head_weight(self) -> torch.Tensor:
         """w_XD of the LM head (the embedding when tied)."""
+        if self.own is not None:
+            return weight_of(self.own.module.get_output_embeddings())
         return self.embed_tokens.weight if self.lm_head is None else weight_of(self.lm_head)
 
     def forward(self, input_ids_BT: torch.Tensor | None = None, positions: torch.Tensor | None = None,
