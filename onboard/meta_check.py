@@ -130,3 +130,10 @@ def transformers_parameter_names(manifest: Manifest, names: list[str]) -> dict[s
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     meta_state = model.state_dict()
     return {name: rename_source_key(name, renamings, converters, model.base_model_prefix, meta_state)[0] for name in names}
+
+
+def transformers_linears(manifest: Manifest) -> set[str]:
+    """transformers' names of the modules its model of this release builds as nn.Linear (exactly)."""
+    from torch import nn
+
+    return {name for name, module in _build_on_meta(manifest).named_modules() if type(module) is nn.Linear}

@@ -16,7 +16,7 @@ from typing import Optional
 
 from onboard.errors import BadInput
 from onboard.manifest import Manifest
-from onboard.meta_check import transformers_tensors
+from onboard.meta_check import transformers_linears, transformers_parameter_names, transformers_tensors
 from onboard.spec import LayerSpec, ModelSpec, OwnModule, Unrecognized
 from onboard.weight_layout import expected_tensors
 
@@ -88,29 +88,48 @@ def _outside_layers(spec: ModelSpec, present: dict, oracle: dict) -> Optional[st
     return f"tensor {INDEX_RE.sub('.N.', unknown[0])} outside the layers not understood" if unknown else None
 
 
-def _own(layer: LayerSpec, parts: dict[str, str], spec: ModelSpec, present: dict) -> LayerSpec:
-    """The layer with the parts named in `parts` as own modules (all of it when its own tensors disagree)."""
+class _Names:
+    """What transformers calls the release's tensors (its model of the release is the oracle): a tensor's name
+    inside its decoder layer, and whether its module is an nn.Linear. Identity without an oracle."""
+
+    def __init__(self, manifest: Manifest, names: list[str], known: bool):
+        self.hf = transformers_parameter_names(manifest, names) if known else {}
+        self.linears = transformers_linears(manifest) if known else set()
+
+    def in_layer(self, name: str, index: int) -> str:
+        return self.hf.get(name, name).partition(f"layers.{index}.")[2]
+
+    def part(self, reason: str, tensors: dict, index: int, path: str = "") -> OwnModule:
+        inner = {n: self.in_layer(n, index).removeprefix(f"{path}." if path else "") for n in tensors}
+        linears = sorted(n.removesuffix(".weight") for n in tensors
+                         if n.endswith(".weight") and self.hf.get(n, n).removesuffix(".weight") in self.linears)
+        return OwnModule(reason=reason, path=path, tensors=tensors, inner=inner, linears=linears)
+
+
+def _own(layer: LayerSpec, parts: dict[str, str], spec: ModelSpec, present: dict, names: _Names) -> LayerSpec:
+    """The layer with the parts named in `parts` as own modules (all of it when its own tensors disagree);
+    module paths are transformers' (after its checkpoint renamings), where the runtime finds the modules."""
     found: dict[str, dict[str, list[int]]] = {"attention": {}, "ffn": {}, "norm": {}, "layer": {}}
     for name, info in present.items():
         where = _where(name, spec)
         if where is not None and where[0] == layer.index:
             found[where[1]][name] = list(info.shape) if info.shape is not None else []
-    head = f"{spec.naming.prefix}layers.{layer.index}."
-    paths = {n[len(head):].split(".")[0] for n in found["attention"]}
+    i = layer.index
+    paths = {names.in_layer(n, i).split(".")[0] for n in found["attention"]}
     whole = parts.get("layer") or parts.get("norm")
     if whole is None and "attention" in parts and len(paths) != 1:
         whole = parts["attention"]  # attention not under one module: only the layer as a whole is known
     if whole:
         rest = {**found["attention"], **found["norm"], **found["layer"]}
-        return layer.model_copy(update={"own_layer": whole, "attention": OwnModule(reason=whole, tensors=rest),
-                                        "ffn": OwnModule(reason=whole, tensors=found["ffn"])})
+        return layer.model_copy(update={"own_layer": whole, "attention": names.part(whole, rest, i),
+                                        "ffn": names.part(whole, found["ffn"], i)})
     fields = {}
     if "attention" in parts:
-        fields["attention"] = OwnModule(reason=_first_reason(layer.attention, parts["attention"]), path=paths.pop(),
-                                        tensors=found["attention"])
+        reason = _first_reason(layer.attention, parts["attention"])
+        fields["attention"] = names.part(reason, found["attention"], i, paths.pop())
     if "ffn" in parts:
-        fields["ffn"] = OwnModule(reason=_first_reason(layer.ffn, parts["ffn"]), path=spec.naming.ffn_module,
-                                  tensors=found["ffn"])
+        ffn_paths = sorted({names.in_layer(n, i).split(".")[0] for n in found["ffn"]}) or [spec.naming.ffn_module]
+        fields["ffn"] = names.part(_first_reason(layer.ffn, parts["ffn"]), found["ffn"], i, ffn_paths[0])
     return layer.model_copy(update=fields)
 
 
@@ -147,7 +166,8 @@ def apply(spec: ModelSpec, manifest: Manifest) -> ModelSpec:
     by_layer: dict[int, dict[str, str]] = {}
     for (index, part), reason in why.items():
         by_layer.setdefault(index, {})[part] = reason
-    layers = [_own(l, by_layer[l.index], spec, present) if l.index in by_layer else l for l in spec.layers]
+    names = _Names(manifest, [n for n in present if (_where(n, spec) or (None,))[0] in by_layer], oracle is not None)
+    layers = [_own(l, by_layer[l.index], spec, present, names) if l.index in by_layer else l for l in spec.layers]
     notes = _notes(why)
     spec = spec.model_copy(update={"layers": layers, "unrecognized": list(spec.unrecognized) + notes})
     return spec.model_copy(update={"params": param_count.count(spec, spec.vision)})

@@ -97,6 +97,10 @@ class OwnModule(_Spec):
     reason: str
     path: str = ""  # the module's attribute path in transformers' decoder layer ("" for the layer itself)
     tensors: dict[str, list[int]] = {}
+    # released name -> its name inside the module, after transformers' checkpoint renamings (absent: the same)
+    inner: dict[str, str] = {}
+    # released modules (`<module>.weight` released) that transformers builds as nn.Linear: what LoRA can adapt
+    linears: list[str] = []
 
 
 Attention = Annotated[

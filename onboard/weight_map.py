@@ -62,11 +62,12 @@ def _own_module_entries(layer, prefix: str) -> dict[str, dict]:
     for slot, part in (("attn", layer.attention), ("ffn", layer.ffn)):
         if part.kind != "own_module":
             continue
-        # an own layer is the runtime layer's `own` slot; its tensors sit under it by their path in the layer
-        slot, path = ("own", "") if layer.own_layer else (slot, part.path)
-        inside = head + (f"{path}." if path else "")
+        # an own layer is the runtime layer's `own` slot; a tensor sits in its slot under its transformers name
+        slot = "own" if layer.own_layer else slot
+        inside = head + (f"{part.path}." if part.path else "")
         for name in part.tensors:
-            entries[name] = _entry(None, own_module=f"layers.{layer.index}.{slot}.module.{name.removeprefix(inside)}")
+            inner = part.inner.get(name, name.removeprefix(inside))
+            entries[name] = _entry(None, own_module=f"layers.{layer.index}.{slot}.module.{inner}")
     return entries
 
 

@@ -83,23 +83,14 @@ def default_lora_file(spec: dict, weight_map: dict[str, dict]) -> LoraFile:
     linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)
                and fnmatch.fnmatchcase(name, "layers.*.attn.*") and ".indexer." not in name}
     modules = module_map(weight_map)
-    chosen = sorted({r for r, runtime in modules.items() if runtime in linears} | _own_attention_matrices(spec))
+    chosen = sorted({r for r, runtime in modules.items() if runtime in linears} | _own_attention_linears(spec))
     return LoraFile(targets=_by_layer_pattern(chosen, list(modules)))
 
 
-def _own_attention_matrices(spec: dict) -> set[str]:
-    """Release modules of own-module attention (in an own layer: under its attention module's name) that
-    store a matrix: the projections, which transformers builds as nn.Linear (apply_lora skips any other)."""
-    names = spec["naming"]
-    attention_modules = (names["softmax_module"], names["linear_module"])
-    out = set()
-    for layer in spec["layers"]:
-        head = f"{names['prefix']}layers.{layer['index']}."
-        for name, shape in layer["attention"].get("tensors", {}).items():
-            inside = name.removeprefix(head).split(".")[0]
-            if len(shape) == 2 and name.endswith(".weight") and (not layer["own_layer"] or inside in attention_modules):
-                out.add(name.removesuffix(".weight"))
-    return out
+def _own_attention_linears(spec: dict) -> set[str]:
+    """Released modules of own-module attention (an own layer's: everything outside its FFN) that transformers
+    builds as nn.Linear: the token mixer's projections."""
+    return {name for layer in spec["layers"] for name in layer["attention"].get("linears", [])}
 
 
 def _by_layer_pattern(chosen: list[str], modules: list[str]) -> list[str]:
