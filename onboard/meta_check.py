@@ -132,8 +132,13 @@ def transformers_parameter_names(manifest: Manifest, names: list[str]) -> dict[s
     return {name: rename_source_key(name, renamings, converters, model.base_model_prefix, meta_state)[0] for name in names}
 
 
-def transformers_linears(manifest: Manifest) -> set[str]:
-    """transformers' names of the modules its model of this release builds as nn.Linear (exactly)."""
+def transformers_attention_linears(manifest: Manifest) -> set[str]:
+    """transformers' names of the nn.Linear modules (exactly that class, as the runtime's LoRA takes) inside an
+    attention module of its model of this release: a module whose class transformers names *Attention / *Attn."""
     from torch import nn
 
-    return {name for name, module in _build_on_meta(manifest).named_modules() if type(module) is nn.Linear}
+    out = set()
+    for name, module in _build_on_meta(manifest).named_modules():
+        if any(word in type(module).__name__ for word in ("Attention", "Attn")):
+            out |= {f"{name}.{n}" for n, m in module.named_modules() if type(m) is nn.Linear}
+    return out

@@ -16,7 +16,7 @@ from typing import Optional
 
 from onboard.errors import BadInput
 from onboard.manifest import Manifest
-from onboard.meta_check import transformers_linears, transformers_parameter_names, transformers_tensors
+from onboard.meta_check import transformers_attention_linears, transformers_parameter_names, transformers_tensors
 from onboard.spec import LayerSpec, ModelSpec, OwnModule, Unrecognized
 from onboard.weight_layout import expected_tensors
 
@@ -90,11 +90,12 @@ def _outside_layers(spec: ModelSpec, present: dict, oracle: dict) -> Optional[st
 
 class _Names:
     """What transformers calls the release's tensors (its model of the release is the oracle): a tensor's name
-    inside its decoder layer, and whether its module is an nn.Linear. Identity without an oracle."""
+    inside its decoder layer, and whether its module is an attention's nn.Linear (what LoRA adapts by default).
+    Identity without an oracle."""
 
     def __init__(self, manifest: Manifest, names: list[str], known: bool):
         self.hf = transformers_parameter_names(manifest, names) if known else {}
-        self.linears = transformers_linears(manifest) if known else set()
+        self.linears = transformers_attention_linears(manifest) if known else set()
 
     def in_layer(self, name: str, index: int) -> str:
         return self.hf.get(name, name).partition(f"layers.{index}.")[2]

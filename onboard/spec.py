@@ -99,7 +99,8 @@ class OwnModule(_Spec):
     tensors: dict[str, list[int]] = {}
     # released name -> its name inside the module, after transformers' checkpoint renamings (absent: the same)
     inner: dict[str, str] = {}
-    # released modules (`<module>.weight` released) that transformers builds as nn.Linear: what LoRA can adapt
+    # released modules (`<module>.weight` released) that transformers builds as nn.Linear inside an attention
+    # module: the default LoRA targets
     linears: list[str] = []
 
 

@@ -88,8 +88,8 @@ def default_lora_file(spec: dict, weight_map: dict[str, dict]) -> LoraFile:
 
 
 def _own_attention_linears(spec: dict) -> set[str]:
-    """Released modules of own-module attention (an own layer's: everything outside its FFN) that transformers
-    builds as nn.Linear: the token mixer's projections."""
+    """Released modules of own modules that transformers builds as nn.Linear inside its attention modules:
+    the token mixer's projections (recognition lists them per layer)."""
     return {name for layer in spec["layers"] for name in layer["attention"].get("linears", [])}
 
 

@@ -111,3 +111,23 @@ def copy_release(source: Path, target: Path) -> Path:
 def release_copy():
     """copy(source, target) -> target: see copy_release."""
     return copy_release
+
+
+@pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory):
+    """family -> (release folder, package folder) of any MoE family of the installed transformers, built tiny
+    the way the family sweep builds it (onboard/family_sweep.py), cached per session."""
+    from onboard.example_models import save_release
+    from onboard.family_sweep import build_tiny
+    from onboard.package import write_package
+
+    cache: dict[str, tuple[Path, Path]] = {}
+
+    def make(family: str) -> tuple[Path, Path]:
+        if family not in cache:
+            root = tmp_path_factory.mktemp("tiny") / family
+            release = save_release(build_tiny(family)[0], root / "release", num_shards=2)
+            cache[family] = release, write_package(release, root / "pkg")[0]
+        return cache[family]
+
+    return make
