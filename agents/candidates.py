@@ -8,6 +8,7 @@ from typing import Literal, Optional
 import jinja2
 from pydantic import BaseModel
 
+from onboard.model_source import ModelSource
 from onboard.render import TEMPLATES, jinja_env
 
 from agents.op_kinds import KINDS
@@ -36,14 +37,15 @@ class CandidateAnswer(BaseModel):
     rationale: str = ""
 
 
-def prompt(task: OpTask, spec, model_source: Optional[str], max_attempts: int) -> str:
+def prompt(task: OpTask, spec, op_source: Optional[ModelSource], module_source: Optional[ModelSource],
+           max_attempts: int) -> str:
     kind = KINDS[task.kind]
     hole, constants_hint = HOLES[task.kind]
     template_text = (TEMPLATES / "candidates" / f"{task.kind}.py.j2").read_text()
     return jinja_env().get_template("prompts/candidate.md.j2").render(
         family=spec.family, architecture=spec.architecture, kind=task.kind, description=kind.description,
         name=task.name, used_by=", ".join(f"{op} (layers {_span(layers)})" for op, layers in task.closes.items()),
-        signature=kind.signature, model_source=model_source, template_hole=hole,
+        signature=kind.signature, op_source=op_source, module_source=module_source, template_hole=hole,
         constants_hint=constants_hint or "none needed", template_text=template_text.split("%}", 1)[1].lstrip(),
         failures=task.failures, attempt=task.attempts, max_attempts=max_attempts)
 

@@ -1,7 +1,9 @@
-"""The onboarding graph: parse -> recognize -> analyze -> (generate <-> validate)* -> plan -> assemble -> align -> review.
+"""The onboarding graph: parse -> recognize -> analyze -> (generate <-> validate)* -> explain -> plan -> assemble
+-> align -> review.
 
 A candidate that validation refuses goes back to generate with the failure evidence, at most
 `max_attempts` times per op (a counter in the state), then the op stays missing with that evidence.
+explain asks the LLM what each unrecognized config key is, once the ops are settled (tiers 0-1 confirm it).
 Routing functions are pure: they read the state and return the next node's name. The run is
 checkpointed after every node (SQLite in the run folder beside PKG, durability "sync"), so
 `new-model --resume` after a crash continues at the node that was running.
@@ -23,6 +25,7 @@ from onboard.package import check_out, locked, made_parents
 from agents.context import Context
 from agents.llm import LLMClient
 from agents.nodes.check import validate
+from agents.nodes.explain import explain
 from agents.nodes.generate import generate, pending
 from agents.nodes.package import align, assemble, plan, review
 from agents.nodes.understand import analyze, parse, recognize
@@ -31,19 +34,19 @@ from agents.state import SERIALIZED_TYPES, OnboardState, RunOptions
 THREAD = {"configurable": {"thread_id": "onboard"}}
 
 
-def after_analyze(state: OnboardState) -> Literal["generate", "plan"]:
-    return "generate" if pending(state) else "plan"
+def after_analyze(state: OnboardState) -> Literal["generate", "explain"]:
+    return "generate" if pending(state) else "explain"
 
 
-def after_generate(state: OnboardState) -> Literal["validate", "generate", "plan"]:
+def after_generate(state: OnboardState) -> Literal["validate", "generate", "explain"]:
     task = pending(state)
     if task is not None and task.candidate is not None:
         return "validate"
-    return "generate" if task is not None else "plan"
+    return "generate" if task is not None else "explain"
 
 
-def after_validate(state: OnboardState) -> Literal["generate", "plan"]:
-    return "generate" if pending(state) else "plan"
+def after_validate(state: OnboardState) -> Literal["generate", "explain"]:
+    return "generate" if pending(state) else "explain"
 
 
 def after_assemble(state: OnboardState) -> Literal["align", "review"]:
@@ -53,7 +56,7 @@ def after_assemble(state: OnboardState) -> Literal["align", "review"]:
 def build() -> StateGraph:
     graph = StateGraph(OnboardState, context_schema=Context)
     for name, node in [("parse", parse), ("recognize", recognize), ("analyze", analyze), ("generate", generate),
-                       ("validate", validate), ("plan", plan), ("assemble", assemble), ("align", align),
+                       ("validate", validate), ("explain", explain), ("plan", plan), ("assemble", assemble), ("align", align),
                        ("review", review)]:
         graph.add_node(name, node)
     graph.add_edge(START, "parse")
@@ -62,6 +65,7 @@ def build() -> StateGraph:
     graph.add_conditional_edges("analyze", after_analyze)
     graph.add_conditional_edges("generate", after_generate)
     graph.add_conditional_edges("validate", after_validate)
+    graph.add_edge("explain", "plan")
     graph.add_edge("plan", "assemble")
     graph.add_conditional_edges("assemble", after_assemble)
     graph.add_edge("align", "review")

@@ -2,7 +2,7 @@
 and returns plain dicts; a TypedDict keeps the values typed and checkpointable as they are)."""
 from __future__ import annotations
 
-from typing import Literal, Optional, TypedDict
+from typing import Literal, Optional, TypedDict, Union
 
 from pydantic import BaseModel
 
@@ -59,6 +59,27 @@ class OpTask(BaseModel):
     accepted: Optional[GeneratedOp] = None
 
 
+class Proposal(BaseModel):
+    """The LLM's structured explanation of an unrecognized config key: the op family it parameterizes and how."""
+    op: str  # a registry op (runtime/registry.py OPS) it parameterizes, or "none": it changes nothing computed
+    meaning: str
+    parameter: Optional[str] = None  # the spec field it sets: a path inside each layer ("ffn.top_k") or from the top
+    value: Optional[Union[bool, int, float, str]] = None  # the value for that field; None: the key's own value
+    rationale: str = ""
+
+
+class Explanation(BaseModel):
+    """One unrecognized item of the gap report, and what became of explaining it."""
+    source: str
+    item: str
+    value: Optional[Union[bool, int, float, str, list, dict]] = None  # the config key's value
+    needs: Literal["llm", "person"]
+    status: Literal["pending", "accepted", "refused", "open"] = "pending"
+    proposal: Optional[Proposal] = None
+    failures: list[Failure] = []
+    evidence: dict = {}  # for an accepted proposal: the tiers that confirmed it
+
+
 class Alignment(BaseModel):
     passed: bool
     summary: str
@@ -69,10 +90,12 @@ class OnboardState(TypedDict, total=False):
     spec: ModelSpec
     report: GapReport
     tasks: list[OpTask]
+    explanations: list[Explanation]
     validation_salt: int  # seeds of the fuzzed validation inputs derive from it; never shown to the LLM
     package: Optional[str]
     alignment: Optional[Alignment]
     exit_code: int
 
 
-SERIALIZED_TYPES = [RunOptions, ModelSpec, GapReport, OpTask, Alignment, GeneratedOp, Failure, Candidate]
+SERIALIZED_TYPES = [RunOptions, ModelSpec, GapReport, OpTask, Alignment, GeneratedOp, Failure, Candidate, Proposal,
+                    Explanation]

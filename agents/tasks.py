@@ -9,20 +9,26 @@ from __future__ import annotations
 from onboard import model_references
 from onboard.gap import GapReport
 from onboard.generated import mark_generated
-from onboard.spec import ModelSpec
+from onboard.spec import ModelSpec, Unrecognized
 from runtime.package_ops import TABLES
 from runtime.registry import OPS, ops_for_layer
 
-from agents.state import Failure, OpTask
+from agents.state import Explanation, Failure, OpTask
 
-# registry op -> (candidate kind, the parameter naming what the op lacks)
+# registry op -> (candidate kind, the parameter naming what the op lacks); a residual mixing has no registry op,
+# so no gap names one yet
 GAP_KINDS = {"moe_experts": ("activation", "activation"), "swiglu_mlp": ("activation", "activation"),
-             "moe_router": ("router_scoring", "router"), "rms_norm": ("norm", "kind")}
+             "moe_router": ("router_scoring", "router"), "rms_norm": ("norm", "kind"), "rope": ("rope", "scaling"),
+             "gated_delta_rule": ("linear_attention_decay", "decay")}
 
 
 def _name(params: dict, key: str) -> str:
-    value = params[key]
-    return value["scoring"] if key == "router" else str(value)
+    if key == "router":
+        return params["router"]["scoring"]
+    if key == "scaling":
+        scaling = params.get("scaling") or {}
+        return scaling.get("rope_type", scaling.get("type", "default"))
+    return str(params[key])
 
 
 def tasks_for(spec: ModelSpec) -> list[OpTask]:
@@ -56,8 +62,9 @@ def without_llm(task: OpTask) -> OpTask:
     return task.model_copy(update=dict(status="missing", failures=[failure]))
 
 
-def final_report(report: GapReport, tasks: list[OpTask]) -> GapReport:
-    """Accepted candidates' gaps become `generated`; the rest say who can close them and why they are open."""
+def final_report(report: GapReport, tasks: list[OpTask], explanations: list[Explanation] = ()) -> GapReport:
+    """Accepted candidates' gaps become `generated`; the rest say who can close them and why they are open;
+    each unrecognized item carries who can explain it and the explanation validated or refused."""
     report = mark_generated(report, [t.accepted for t in tasks if t.accepted is not None])
     ops = []
     for gap in report.ops:
@@ -68,4 +75,12 @@ def final_report(report: GapReport, tasks: list[OpTask]) -> GapReport:
                 needs=task.needs, detail=f"{gap.detail}: {task.kind} {task.name!r}",
                 evidence={"attempts": task.attempts, "failures": [f.model_dump() for f in task.failures]}))
         ops.append(gap)
-    return report.model_copy(update=dict(ops=ops))
+    return report.model_copy(update=dict(ops=ops, unrecognized=[_explained(u, explanations) for u in report.unrecognized]))
+
+
+def _explained(item: Unrecognized, explanations: list[Explanation]) -> Unrecognized:
+    found = next((e for e in explanations if (e.source, e.item) == (item.source, item.item)), None)
+    if found is None:
+        return item
+    return item.model_copy(update=dict(needs=found.needs, explanation=found.model_dump(
+        include={"status", "proposal", "failures", "evidence"})))

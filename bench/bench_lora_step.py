@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import subprocess
@@ -58,7 +59,7 @@ def prepare(work: Path) -> None:
 def token_batch(seq_len: int, vocab: int):
     import torch
     generator = torch.Generator().manual_seed(1)
-    return torch.randint(0, vocab, (1, seq_len), generator=generator).cuda()
+    return torch.randint(0, vocab, (1, seq_len), generator=generator).to(DEVICE)
 
 
 def timed_steps(step) -> tuple[float, float, float]:
@@ -150,31 +151,12 @@ def ours_part(work: Path, experts: bool, seq_len: int, policy: str | None = None
                 flops=flops, mfu=flops / seconds / (PEAK_TFLOPS * 1e12))
 
 
-# kernel-name fragments -> the op kind a GPU kernel belongs to (first match wins; the rest is "other")
-KERNEL_KINDS = (
-    ("gdn/kda kernels", ("prep_blocked", "prep_columns", "scan_kernel", "scan_bwd", "state_grad", "wy_grad",
-                         "diag_token", "gram_grad", "dg_finish")),
-    ("moe grouped gemm + routing", ("grouped", "_router", "gather", "combine", "glu", "swiglu", "topk")),
-    ("attention (sdpa)", ("flash", "fmha", "cudnn", "attention")),
-    ("matmul (cuBLAS)", ("gemm", "nvjet", "cutlass", "xmma", "sm90")),
-    ("loss (chunked lm head + ce)", ("cross_entropy", "log_softmax", "softmax", "logsumexp", "nll")),
-    ("conv1d", ("conv",)),
-    ("optimizer", ("adam", "foreach", "multi_tensor")),
-    # "nocast" is in the name of every TensorIterator elementwise kernel: copies are named by "copy" alone
-    ("copies / casts", ("copy", "memcpy", "catarray")),
-    ("elementwise / reductions", ("elementwise", "vectorized", "reduce", "unrolled", "fill")),
-)
-
-
-def kernel_kind(name: str) -> str:
-    lower = name.lower()
-    return next((kind for kind, keys in KERNEL_KINDS if any(k in lower for k in keys)), "other")
-
-
 def profile_part(work: Path, seq_len: int) -> dict:
     """GPU time per kernel and per op kind over 3 profiled steps after 3 warm-up ones (ms per step)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
+
+    from runtime.profile_kinds import op_kind
     step, _, _ = ours_setup(work, False, seq_len)
     for _ in range(3):
         step()
@@ -189,10 +171,10 @@ def profile_part(work: Path, seq_len: int) -> dict:
             per_kernel[event.key] = per_kernel.get(event.key, 0.0) + event.self_device_time_total / 3e3
     kinds = {}
     for name, ms in per_kernel.items():
-        kinds[kernel_kind(name)] = kinds.get(kernel_kind(name), 0.0) + ms
+        kinds[op_kind(name)] = kinds.get(op_kind(name), 0.0) + ms
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:40]
     return dict(gpu_ms_per_step=sum(per_kernel.values()), ops=dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
-                top_kernels=[dict(name=n[:160], ms=round(ms, 4), kind=kernel_kind(n)) for n, ms in top])
+                top_kernels=[dict(name=n[:160], ms=round(ms, 4), kind=op_kind(n)) for n, ms in top])
 
 
 def in_subprocess(args: list[str], timeout: int = 400) -> dict:
@@ -275,24 +257,27 @@ def run_all(args) -> None:
                 shape="Qwen3-Next widths, 4 layers (3 GDN + 1 full attention), 512 experts top-10, seq 4096, batch 1",
                 baseline="transformers + PEFT with fla 0.6.0's kernels (sdpa)",
                 command="python bench/bench_lora_step.py --out $OUT --parts " + args.parts)
-    outputs = {}
+    # each result is written as soon as it exists: a run stopped by a time limit keeps the parts it finished
+    write = functools.partial(write_result, args.out)
     if "attention" in parts:
-        outputs["lora-step"] = dict(base, name="lora-step", **compare(args.work, experts=False))
+        write("lora-step", dict(base, name="lora-step", **compare(args.work, experts=False)))
+    if "profile" in parts:
+        write("lora-step-profile", dict(base, name="lora-step-profile",
+                                        **in_subprocess(["--part", "profile", "--work", str(args.work)])))
     if "experts" in parts:
-        outputs["lora-step-experts"] = dict(base, name="lora-step-experts", **compare(args.work, experts=True))
+        write("lora-step-experts", dict(base, name="lora-step-experts", **compare(args.work, experts=True)))
     if "longest" in parts:
         # start lengths: each process loads the 14 GB slice, so the search skips what TARGETS.md says trains
         found = longest(args.work, {"none": 32768, "recompute": 65536})
         best = max((f["longest_seq"] or 0, p) for p, f in found.items())
-        outputs["longest-seq"] = dict(base, name="longest-seq", longest_seq=best[0], policy=best[1], policies=found)
-    if "profile" in parts:
-        outputs["lora-step-profile"] = dict(base, name="lora-step-profile",
-                                            **in_subprocess(["--part", "profile", "--work", str(args.work)]))
-    for name, result in outputs.items():
-        log(json.dumps({k: v for k, v in result.items() if k not in ("peers", "policies", "ops")}))
-        if args.out:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        write("longest-seq", dict(base, name="longest-seq", longest_seq=best[0], policy=best[1], policies=found))
+
+
+def write_result(out: Path | None, name: str, result: dict) -> None:
+    log(json.dumps({k: v for k, v in result.items() if k not in ("peers", "policies", "ops")}))
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

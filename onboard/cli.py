@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from onboard import train_cli
+from onboard import bench, demo, train_cli
 from onboard.config_view import NotRecognized
 from onboard.errors import BadInput, report_internal_error
 from runtime.config import SpecError
@@ -50,9 +50,14 @@ def _new_model(args) -> int:
     """The onboarding graph (agents/graph.py); exit 0 only for a package without gaps that passes tiers 0-2."""
     from agents.graph import run
     from agents.state import RunOptions
+    from onboard.git_commit import branch_for, check_repo, commit_package
+    from onboard.workflow import model_slug
 
     if (args.llm_url is None) != (args.llm_model is None):
         raise BadInput(None, "--llm-model" if args.llm_url else "--llm-url", "--llm-url and --llm-model go together")
+    model = model_slug(Path(args.model_dir).resolve())
+    if args.git:
+        check_repo(Path(args.git), model)
     options = RunOptions(model_dir=str(Path(args.model_dir).resolve()), out=str(Path(args.out).absolute()),
                          gpu_mem_gib=args.gpu_mem_gib, lora_rank=args.lora_rank, seq_len=args.seq_len, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
                          llm_url=args.llm_url, llm_model=args.llm_model, max_attempts=args.max_attempts)
@@ -63,6 +68,10 @@ def _new_model(args) -> int:
           f"{len(state['report'].weights.missing)} weights missing")
     if state.get("alignment"):
         print(f"alignment: {state['alignment'].summary}")
+    if args.git:
+        status = "trainable" if state["exit_code"] == 0 else "gaps or alignment open"
+        commit = commit_package(Path(args.git), Path(state["package"]), model, f"onboard {model}: {status}")
+        print(f"committed the package to {args.git} on branch {branch_for(model)} ({commit[:12]})")
     return state["exit_code"]
 
 
@@ -116,8 +125,9 @@ def _align(args) -> int:
     print(report.summary_line())
     if baseline is not None:
         regressed = regressions(baseline, report)
+        for regression in regressed:
+            print(f"regression vs alignment/baseline.json: {regression}", file=sys.stderr)
         if regressed:
-            print(f"regressions vs baseline: {', '.join(regressed[:10])}", file=sys.stderr)
             return EXIT_GAPS
     return 0 if report.passed else EXIT_GAPS
 
@@ -171,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llm-model", help="model name the endpoint serves")
     p.add_argument("--max-attempts", type=_positive_int, default=3, help="candidates per missing op (default 3)")
     p.add_argument("--resume", action="store_true", help="continue the interrupted run of this --out")
+    p.add_argument("--git", metavar="REPO", help="commit the package into this git work tree on a new branch onboard/<model>")
     p.set_defaults(run=_new_model)
     p = sub.add_parser("plan", help="search dp_shard x ep meshes, activation policies and micro-batches for a cluster")
     p.add_argument("model_dir")
@@ -204,6 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
     dest.add_argument("--peft", help="write adapter_config.json + adapter_model.safetensors here")
     dest.add_argument("--merge", help="write the merged release (names, shards, config, tokenizer) here")
     p.set_defaults(run=_export)
+    p = sub.add_parser("bench", help="tokens/s, MFU, step latency, peak memory and per-op time of the package's LoRA step")
+    bench.add_arguments(p, _positive_int)
+    p.set_defaults(run=bench.run)
+    p = sub.add_parser("demo", help="the whole loop on a tiny hybrid MoE on CPU: release, package, training, PEFT adapter")
+    demo.add_arguments(p, _positive_int)
+    p.set_defaults(run=demo.run)
     return parser
 
 

@@ -2,7 +2,10 @@
 
 Estimates, per the usual accounting: frozen base weights in the release dtype, sharded over every
 GPU (FSDP x EP); LoRA parameters, gradients and AdamW moments in fp32 (16 bytes per parameter);
-activations per token per GPU; and the attention state a sequence carries.
+activations per token per GPU (matmul inputs and outputs, the router's fp32 scores, the chunked linear-
+attention kernels' tiles and states, and the backward's working set of one layer); the attention state a
+sequence carries; one chunk of the chunked loss's fp32 logits. bench/bench_plan_memory.py compares the total
+with a measured peak.
 """
 from __future__ import annotations
 
@@ -53,20 +56,36 @@ def lora_params(spec: ModelSpec, rank: int, targets: str = DEFAULT_LORA_TARGETS)
 
 
 def _layer_activation_bytes(spec: ModelSpec, layer, b: int) -> int:
-    """Per token: what autograd keeps for one layer (inputs of every matmul, norms, gates)."""
+    """Per token: what autograd keeps for one layer (inputs of every matmul, norms, gates, chunk-kernel tiles)."""
     d = spec.hidden_size
     attn_widths = sum(s[0] for s in _attention_shapes(layer, spec).values() if len(s) == 2)
     per_token = 4 * d + 2 * attn_widths  # norms in/out, projections' inputs and outputs
     ffn = layer.ffn
     if isinstance(ffn, MoEFFN):
-        per_token += ffn.top_k * (d + 3 * ffn.expert_intermediate_size) + ffn.num_experts // 8
+        per_token += ffn.top_k * (d + 3 * ffn.expert_intermediate_size)
         per_token += 3 * ffn.shared_intermediate_size
     elif isinstance(ffn, DenseFFN):
         per_token += 3 * ffn.intermediate_size
     else:
         # an own module's structure is unknown: every matmul output kept, experts as if all active
         per_token += sum(s[0] for s in own_tensors(ffn).values() if len(s) == 2)
-    return per_token * b
+    # the router's logits and scores, fp32 (routing is computed in fp32)
+    router = 8 * ffn.num_experts if isinstance(ffn, MoEFFN) else 0
+    return per_token * b + router + _chunk_kernel_bytes(layer.attention, b)
+
+
+def _chunk_kernel_bytes(a, b: int) -> int:
+    """Per token: what the chunked GDN/KDA kernels keep for backward (runtime/kernels/gated_delta/function.py):
+    q and k repeated to the value heads, v, the tiles qg, kbar, w and v_new in the activation dtype, u and Tinv
+    in fp32, P, and every chunk's state h [H, K, V]."""
+    if a.kind == "gated_delta":
+        heads, dk, dv = a.num_v_heads, a.head_k_dim, a.head_v_dim
+    elif a.kind == "kda":
+        heads, dk, dv = a.num_heads, a.head_dim, a.head_dim
+    else:
+        return 0
+    tiles = (5 * heads * dk + 2 * heads * dv + heads * LINEAR_CHUNK) * b + (heads * dv + heads * LINEAR_CHUNK) * 4
+    return tiles + heads * dk * dv * b // LINEAR_CHUNK
 
 
 def _attention_shapes(layer, spec: ModelSpec) -> dict:
@@ -93,25 +112,36 @@ def _state_bytes(spec: ModelSpec, b: int) -> tuple[int, int]:
 # Activation policies: keep everything; recompute each layer in backward from its kept input; recompute with
 # the layer inputs offloaded to host memory (the current and the next one in flight stay on the GPU).
 POLICIES = ("none", "recompute", "offload")
+# What a recomputed layer keeps per token, in widths D: its two norms' inputs and its two parts' (checkpointed
+# attention and FFN) inputs (runtime/model.py, runtime/memory.py)
+KEPT_PER_LAYER = 4
+# Chunked linear attention's chunk (runtime/kernels/gated_delta/function.py CHUNK_SIZE)
+LINEAR_CHUNK = 64
+# The trainer's LM-head chunk (runtime/train.py TrainConfig.loss_chunk): the [chunk, vocab] fp32 logits and
+# their gradient are the only logits alive (runtime/loss.py)
+LOSS_CHUNK = 1024
 
 
 def activation_bytes_per_token(spec: ModelSpec, policy: str) -> int:
-    """What backward needs kept per token under `policy`, all layers (one layer rebuilt at a time)."""
+    """What backward needs per token under `policy`, all layers: without recompute every layer's activations and
+    one layer's again (the gradients and kernel scratch of the layer in backward); with it the kept inputs and
+    one layer twice (rebuilt, and its backward). The slice's measured peaks fit this (bench/NOTES.md)."""
     b = DTYPE_BYTES.get(spec.dtype, 2)
+    per_layer = [_layer_activation_bytes(spec, layer, b) for layer in spec.layers]
+    one_layer = max(per_layer, default=0)
     if policy == "none":
-        return sum(_layer_activation_bytes(spec, layer, b) for layer in spec.layers)
-    one_layer = max((_layer_activation_bytes(spec, layer, b) for layer in spec.layers), default=0)
+        return sum(per_layer) + one_layer
     kept_inputs = spec.num_layers if policy == "recompute" else min(2, spec.num_layers)
-    return kept_inputs * spec.hidden_size * b + one_layer
+    return KEPT_PER_LAYER * kept_inputs * spec.hidden_size * b + 2 * one_layer
 
 
 def activations(spec: ModelSpec, seq_len: int, policy: str = "recompute") -> int:
-    """Bytes one sequence of seq_len needs on a GPU: activations, attention state, the loss's logits."""
+    """Bytes one sequence of seq_len needs on a GPU: activations, attention state, one chunk of the loss's logits."""
     b = DTYPE_BYTES.get(spec.dtype, 2)
     per_token_state, per_sequence_state = _state_bytes(spec, b)
-    # logits in fp32 for the loss dominate short models: vocab x 4 bytes per token, twice (fwd + grad)
-    per_token = activation_bytes_per_token(spec, policy) + per_token_state + 8 * spec.vocab_size
-    return seq_len * per_token + per_sequence_state
+    # fp32 logits of one chunk and their gradient (forward: bf16 product and fp32 copy; backward: two fp32)
+    logits = 8 * spec.vocab_size * min(seq_len, LOSS_CHUNK)
+    return seq_len * (activation_bytes_per_token(spec, policy) + per_token_state) + per_sequence_state + logits
 
 
 def budget(spec: ModelSpec, gpu_mem_gib: float = 80.0, lora_rank: int = 16, seq_len: int = 4096) -> MemoryBudget:

@@ -23,12 +23,14 @@ from onboard.errors import BadInput
 from onboard.gap import analyze
 from onboard.generated import GeneratedOp, mark_generated
 from onboard.manifest import read_manifest
+from onboard.meta_check import transformers_parameter_names
 from onboard.plan import Cluster, Workload, search
 from onboard.plan_render import plan_yaml
 from onboard.recognize import recognize
 from onboard.render import gap_markdown
-from onboard.meta_check import transformers_parameter_names
+from onboard.spec import ModelSpec
 from onboard.weight_map import build_weight_map
+from onboard.workflow import model_slug, write_workflow
 from runtime.lora_file import default_lora_file, lora_yaml_text
 
 
@@ -37,13 +39,15 @@ def _sha256(path: Path) -> str:
 
 
 def write_package(model_dir: Path, out: Path, gpu_mem_gib: float = 80.0, lora_rank: int = 16, seq_len: int = 4096,
-                  gpus: int = 8, gpus_per_node: int = 8, generated: Sequence[GeneratedOp] = ()):
+                  gpus: int = 8, gpus_per_node: int = 8, generated: Sequence[GeneratedOp] = (),
+                  spec: ModelSpec | None = None):
     """Returns (package path, gap report); plan.yaml is the parallel plan for `gpus` GPUs of gpu_mem_gib.
-    `generated`: validated operator candidates, written into PKG/ops/ and marked `generated` in the gap report."""
+    `generated`: validated operator candidates, written into PKG/ops/ and marked `generated` in the gap report.
+    `spec`: the release's spec with validated interpretations of unrecognized items applied (default: recognized)."""
     model_dir, out = Path(model_dir).resolve(), Path(out).absolute()
     check_out(out, model_dir)
     manifest = read_manifest(model_dir)
-    spec = recognize(manifest)
+    spec = spec or recognize(manifest)
     report = mark_generated(analyze(spec, manifest, gpu_mem_gib, lora_rank, seq_len), list(generated))
     plan = search(spec, Cluster(gpus, gpu_mem_gib, gpus_per_node), Workload(seq_len, lora_rank, None))
     with made_parents(out.parent), locked(out):
@@ -52,7 +56,7 @@ def write_package(model_dir: Path, out: Path, gpu_mem_gib: float = 80.0, lora_ra
         tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
         try:
             tmp.mkdir()
-            _write_files(tmp, model_dir, manifest, spec, report, generated)
+            _write_files(tmp, out, model_dir, manifest, spec, report, generated)
             _write_lora_yaml(tmp, spec, lora_rank)
             (tmp / "plan.yaml").write_text(plan_yaml(plan))
             tmp.rename(out)
@@ -132,7 +136,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _write_files(pkg: Path, model_dir: Path, manifest, spec, report, generated: Sequence[GeneratedOp]) -> None:
+def release_path(model_dir: Path, out: Path) -> str:
+    """The release folder relative to PKG, so that package and release can move together to another machine;
+    absolute when no relative path exists (another drive)."""
+    try:
+        return os.path.relpath(model_dir, out.parent.resolve() / out.name)
+    except ValueError:
+        return str(model_dir)
+
+
+def _write_files(pkg: Path, out: Path, model_dir: Path, manifest, spec, report,
+                 generated: Sequence[GeneratedOp]) -> None:
     (pkg / "spec.json").write_text(spec.model_dump_json(indent=2))
     own_names = transformers_parameter_names(manifest, list(manifest.tensors)) if spec.own_model else None
     (pkg / "weight_map.json").write_text(json.dumps(build_weight_map(spec, report.weights.unexpected, own_names), indent=1))
@@ -143,8 +157,8 @@ def _write_files(pkg: Path, model_dir: Path, manifest, spec, report, generated: 
     (pkg / "alignment").mkdir()
     ops = sorted({o.op for o in report.ops})
     package = {
-        "source": {"path": str(model_dir), "family": spec.family, "architecture": spec.architecture,
-                   "config_sha256": _sha256(model_dir / "config.json")},
+        "source": {"path": release_path(model_dir, out), "absolute": str(model_dir), "family": spec.family,
+                   "architecture": spec.architecture, "config_sha256": _sha256(model_dir / "config.json")},
         "spec_hash": spec.spec_hash(),
         "ops_used": ops,
         "generated_ops": _write_generated(pkg, generated),
@@ -152,6 +166,7 @@ def _write_files(pkg: Path, model_dir: Path, manifest, spec, report, generated: 
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     (pkg / "package.yaml").write_text(yaml.safe_dump(package, sort_keys=False))
+    write_workflow(pkg, model_slug(model_dir))
 
 
 def _write_generated(pkg: Path, generated: Sequence[GeneratedOp]) -> list[dict]:

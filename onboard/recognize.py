@@ -300,7 +300,8 @@ class Recognizer:
             num_groups=self.cfg.positive_int("n_group", "num_expert_group", default=1),
             topk_groups=self.cfg.positive_int("topk_group", default=1),
             topk_before_softmax=topk_first, bias=self._layer_has(index, r"router\.bias$"),
-            norm_min=self.cfg.number("moe_norm_min", default=0.0) or None)
+            norm_min=self.cfg.number("moe_norm_min", default=0.0) or None,
+            aux_loss_coef=self.cfg.number("router_aux_loss_coef", default=0.0) or None)
 
     def residual(self, kind: str) -> ResidualSpec:
         attn = "linear_attn" if kind == "linear" else "full_attn"

@@ -70,6 +70,7 @@ class GatedDeltaAttention(_Spec):
     head_v_dim: int
     conv_kernel_size: int
     fused_projections: Literal["qkvz_ba", "qkv_z_b_a"]  # Qwen3-Next vs Qwen3.5 tensor layout
+    decay: str = "softplus"  # log-decay form: -exp(A_log) softplus(a + dt_bias); another name is a generated op
 
 
 class KDAAttention(_Spec):
@@ -128,6 +129,7 @@ class RouterSpec(_Spec):
     topk_before_softmax: bool = False  # Mixtral / gpt-oss: softmax over the chosen k logits
     bias: bool = False  # router linear has a bias (gpt-oss)
     norm_min: Optional[float] = None  # Ernie: clamp on the renormalization denominator
+    aux_loss_coef: Optional[float] = None  # training only: the config's router_aux_loss_coef (runtime/balance.py)
 
 
 class MoEFFN(_Spec):
@@ -161,6 +163,7 @@ class ResidualSpec(_Spec):
     attn_beta: float = 1.0
     ffn_alpha: float = 1.0
     ffn_beta: float = 1.0
+    mixing: str = "weighted_sum"  # skip * alpha + sublayer * beta; another name is a generated op
 
 
 class LayerSpec(_Spec):
@@ -190,6 +193,9 @@ class Unrecognized(_Spec):
     source: str  # "config.json:text_config.foo", "weights:model.layers.N.mlp.foo", "auto_map:..."
     item: str
     detail: str = ""
+    # filled by the onboarding graph (agents/explain.py): who can explain it, and the validated or refused answer
+    needs: Optional[Literal["llm", "person"]] = None
+    explanation: Optional[dict] = None
 
 
 class ParamCounts(_Spec):

@@ -47,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
     p.add_argument("--nproc", type=positive_int, default=1, help="processes per node (torchrun); gloo on CPU, NCCL on GPU")
     p.add_argument("--ep", type=positive_int, default=1, help="expert-parallel degree (divides the world size)")
     p.add_argument("--capacity-factor", type=float, default=None, help="cap tokens per expert (default dropless)")
+    p.add_argument("--aux-loss-coef", type=float, default=None,
+                   help="load-balancing loss weight (default: the release's router_aux_loss_coef, else off; 0: off)")
+    p.add_argument("--bias-update-rate", type=float, default=None,
+                   help="routers' correction-bias step per update (default 1e-3 where the release has the bias; 0: off)")
     p.add_argument("--nnodes", type=positive_int, default=1, help="nodes (run the same command on each)")
     p.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous, with --nnodes > 1")
 
@@ -118,6 +122,18 @@ def build_model(spec: dict, weight_map: dict, release: Path, lora_config, policy
     return model
 
 
+def balance_options(spec: dict, aux_loss_coef: float | None, bias_rate: float | None) -> dict:
+    """TrainConfig's load-balancing fields: the flags, else the release's aux-loss coefficient and, for routers
+    with a correction bias, DeepSeek-V3's update rate (runtime/balance.py); off where the release has neither."""
+    from runtime.balance import DEFAULT_BIAS_RATE
+
+    routers = [layer["ffn"]["router"] for layer in spec["layers"] if layer["ffn"].get("kind") == "moe"]
+    release_coef = next((r["aux_loss_coef"] for r in routers if r.get("aux_loss_coef")), 0.0)
+    release_rate = DEFAULT_BIAS_RATE if any(r.get("correction_bias") for r in routers) else 0.0
+    return dict(aux_loss_coef=release_coef if aux_loss_coef is None else aux_loss_coef,
+                correction_bias_rate=release_rate if bias_rate is None else bias_rate)
+
+
 def _check_ep(ep: int, world: int) -> None:
     if world % ep:
         raise BadInput(None, "--ep", f"{ep} does not divide the world size {world}")
@@ -165,12 +181,12 @@ def _train(args) -> int:
     from runtime.train import TrainConfig, TrainingAborted, train
 
     pkg = Path(args.pkg)
-    spec, weight_map, source = _read_package(pkg)
-    release = Path(args.model_dir) if args.model_dir else source
+    spec, weight_map, release = _read_package(pkg, Path(args.model_dir) if args.model_dir else None)
     policy = memory_policy(pkg, args.recompute, args.offload)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
                       warmup_steps=min(10, max(1, args.steps // 10)), eval_every=args.eval_every,
-                      checkpoint_every=args.checkpoint_every)
+                      checkpoint_every=args.checkpoint_every,
+                      **balance_options(spec, args.aux_loss_coef, args.bias_update_rate))
     try:
         data = prepare_data(Path(args.data), load_tokenizer(release), args.seq_len, args.eval_fraction, cfg.seed)
     except ChatTemplateError as err:
@@ -200,15 +216,21 @@ def _train(args) -> int:
     return 0
 
 
-def _read_package(pkg: Path) -> tuple[dict, dict, Path]:
-    """(spec, weight map, release folder) of a package written by `onboard new-model`."""
+def _read_package(pkg: Path, model_dir: Path | None) -> tuple[dict, dict, Path]:
+    """(spec, weight map, release folder) of a package written by `onboard new-model`; the release is
+    --model-dir, else the folder package.yaml names (relative to PKG, else absolute). Its generated ops
+    (PKG/ops/) are registered into the runtime, so training runs the code validation accepted."""
+    from onboard.align.package_files import read_source, release_folder
+    from runtime.package_ops import load_package_ops
+
+    release = release_folder(pkg, read_source(pkg), model_dir)
     try:
-        manifest = yaml.safe_load((pkg / "package.yaml").read_text())
         spec = json.loads((pkg / "spec.json").read_text())
         weight_map = json.loads((pkg / "weight_map.json").read_text())
-        return spec, weight_map, Path(manifest["source"]["path"])
-    except (OSError, ValueError, KeyError, TypeError, yaml.YAMLError) as err:
+    except (OSError, ValueError) as err:
         raise BadInput(pkg, None, f"not a package written by `onboard new-model` ({err})") from None
+    load_package_ops(pkg)
+    return spec, weight_map, release
 
 
 def _parser() -> argparse.ArgumentParser:

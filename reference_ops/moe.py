@@ -15,6 +15,10 @@ import torch
 
 from reference_ops.mlp import ACTIVATIONS as _ACTIVATIONS
 
+# By router `scoring` name. Alignment adds the model's own function for a scoring a package generated
+# (onboard/model_references.py), so the candidate is compared with it.
+SCORINGS = {"softmax": lambda logits_TE: logits_TE.softmax(dim=-1), "sigmoid": torch.sigmoid}
+
 
 def _f64(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.to(torch.float64)
@@ -51,12 +55,9 @@ def route(
         # Mixtral/gpt-oss order: pick the k largest logits, then softmax over those k only.
         top_logits_Tk, idx_Tk = logits_TE.topk(top_k, dim=-1)
         return top_logits_Tk.softmax(dim=-1) * routed_scaling_factor, idx_Tk
-    if scoring == "softmax":
-        scores_TE = logits_TE.softmax(dim=-1)
-    elif scoring == "sigmoid":
-        scores_TE = logits_TE.sigmoid()
-    else:
-        raise ValueError(f"route: scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    if scoring not in SCORINGS:
+        raise ValueError(f"route: scoring must be one of {sorted(SCORINGS)}, got {scoring!r}")
+    scores_TE = SCORINGS[scoring](logits_TE)
     # The correction bias steers which experts are chosen; the weights use the unbiased scores.
     choice_TE = scores_TE.detach()
     if correction_bias_E is not None:

@@ -75,6 +75,9 @@ class GatedDeltaConfig:
     head_v_dim: int
     conv_kernel_size: int  # width of the causal short convolution
     fused_projections: Literal["qkvz_ba", "qkv_z_b_a"]  # Qwen3-Next vs Qwen3.5 tensor layout
+    # log-decay from a, A_log, dt_bias: "softplus" (-exp(A_log) softplus(a + dt_bias)) or a generated form
+    # (runtime/ops/gated_delta.py DECAYS)
+    decay: str = "softplus"
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,7 @@ class RouterConfig:
     topk_groups: int = 1  # groups a token may pick experts from
     topk_before_softmax: bool = False  # Mixtral / gpt-oss: softmax over the chosen k logits
     bias: bool = False  # router linear has a bias (gpt-oss)
+    aux_loss_coef: Optional[float] = None  # the release's load-balancing loss coefficient (training only)
 
 
 @dataclass(frozen=True)
@@ -147,7 +151,8 @@ FFNConfig = Union[DenseFFNConfig, MoEConfig, OwnModuleConfig]
 
 @dataclass(frozen=True)
 class NormConfig:
-    kind: Literal["rms", "rms_1p", "layer"]  # rms_1p: weight stored as w, applied as (1 + w)
+    # rms_1p: weight stored as w, applied as (1 + w); another name: a norm the package generated (runtime/ops/norms.py)
+    kind: str
     eps: float
 
     @property
@@ -163,6 +168,8 @@ class ResidualConfig:
     attn_beta: float = 1.0
     ffn_alpha: float = 1.0
     ffn_beta: float = 1.0
+    # "weighted_sum" is the line above; another name: a mixing the package generated (runtime/ops/residual.py)
+    mixing: str = "weighted_sum"
 
 
 @dataclass(frozen=True)

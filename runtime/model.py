@@ -15,8 +15,9 @@ from runtime.layers.ffn import GatedMLP, MoE
 from runtime.layers.linear_attention import GatedDeltaNet, KimiDeltaAttention, LightningAttention
 from runtime.layers.lora_linear import weight_of
 from runtime.layers.mla import MLAAttention
-from runtime.layers.norm import RMSNorm
+from runtime.layers.norm import make_norm
 from runtime.layers.softmax_attention import SoftmaxAttention
+from runtime.ops.residual import mix
 from runtime.own_modules import OwnModel, OwnModule
 from runtime.rotary import RotaryCache
 
@@ -47,8 +48,8 @@ class DecoderLayer(nn.Module):
         # readers of layer.attn / layer.ffn (metrics, memory policy) see no part of ours in an own layer
         self.attn = self.ffn = None
         if self.own is None:
-            self.input_layernorm = RMSNorm(d, eps, offset)
-            self.post_attention_layernorm = RMSNorm(d, eps, offset)
+            self.input_layernorm = make_norm(d, norm)
+            self.post_attention_layernorm = make_norm(d, norm)
             self.attn = _attention(layer.attention, index, d, eps, offset)
             self.ffn = _ffn(layer.ffn, index, d)
         self.residual = layer.residual
@@ -59,10 +60,10 @@ class DecoderLayer(nn.Module):
         r = self.residual
         normed_BTD = self.input_layernorm(h_BTD)
         skip_BTD = normed_BTD if r.skip_from_normed else h_BTD
-        h_BTD = skip_BTD * r.attn_alpha + self.attn(normed_BTD, rotary, cu_seqlens) * r.attn_beta
+        h_BTD = mix(r.mixing, skip_BTD, self.attn(normed_BTD, rotary, cu_seqlens), r.attn_alpha, r.attn_beta)
         normed_BTD = self.post_attention_layernorm(h_BTD)
         skip_BTD = normed_BTD if r.skip_from_normed else h_BTD
-        return skip_BTD * r.ffn_alpha + self.ffn(normed_BTD) * r.ffn_beta
+        return mix(r.mixing, skip_BTD, self.ffn(normed_BTD), r.ffn_alpha, r.ffn_beta)
 
 
 class HybridDecoder(nn.Module):
@@ -81,7 +82,7 @@ class HybridDecoder(nn.Module):
             return
         self.embed_tokens = nn.Embedding(vocab, d)
         self.layers = nn.ModuleList(DecoderLayer(layer, d, norm, i) for i, layer in enumerate(config.layers[:num_layers]))
-        self.norm = RMSNorm(d, norm.eps, norm.offset)
+        self.norm = make_norm(d, norm)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(d, vocab, bias=False)
 
     def hidden_states(self, input_ids_BT: torch.Tensor | None = None, positions: torch.Tensor | None = None,

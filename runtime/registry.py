@@ -55,16 +55,34 @@ def _always(params: dict) -> Support:
     return "exact"
 
 
+def _generated(module: str, table: str, name: str) -> bool:
+    """Whether a package registered a generated op `name` into runtime `module`'s `table` (which a package
+    loading has imported; reading the registry imports no torch)."""
+    loaded = sys.modules.get(module)
+    return loaded is not None and name in getattr(loaded, table)
+
+
 def _norm(params: dict) -> Support:
-    return "exact" if params.get("kind") in ("rms", "rms_1p") else "unsupported"
+    kind = params.get("kind")
+    if kind in ("rms", "rms_1p"):
+        return "exact"
+    return "variant" if _generated("runtime.ops.norms", "NORMS", kind) else "unsupported"
 
 
 def _rope(params: dict) -> Support:
     scaling = params.get("scaling") or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        return "unsupported"
+        return "variant" if _generated("runtime.ops.rope", "ROPES", rope_type) and not params.get("mrope_section") \
+            else "unsupported"
     return "variant" if rope_type == "dynamic" else "exact"
+
+
+def _gated_delta(params: dict) -> Support:
+    decay = params.get("decay", "softplus")
+    if decay == "softplus":
+        return "exact"
+    return "variant" if _generated("runtime.ops.gated_delta", "DECAYS", decay) else "unsupported"
 
 
 def _softmax(params: dict) -> Support:
@@ -79,11 +97,15 @@ def _dsa(params: dict) -> Support:
     return "exact" if params.get("indexer") is not None else "unsupported"
 
 
+BUILTIN_SCORINGS = ("softmax", "sigmoid")
+
+
 def _router(params: dict) -> Support:
-    router = params["router"]
-    if router["scoring"] not in ("softmax", "sigmoid"):
-        return "unsupported"
-    return "exact"
+    """softmax and sigmoid are built in (the kernel fuses softmax); a scoring a package generated runs unfused."""
+    scoring = params["router"]["scoring"]
+    if scoring in BUILTIN_SCORINGS:
+        return "exact"
+    return "variant" if _generated("runtime.ops.moe", "SCORINGS", scoring) else "unsupported"
 
 
 # the activations runtime/ops/mlp.py's ACTIVATIONS holds before any package registers generated ones; named here
@@ -116,9 +138,9 @@ OPS: dict[str, OpFamily] = {op.name: op for op in [
     OpFamily("dsa_attention", "attention:mla_dsa", "reference_ops.dsa:sparse_attention",
              "runtime.ops.dsa:sparse_attention", "runtime.kernels.dsa:sparse_attention", _dsa),
     OpFamily("causal_conv1d", "attention:short_conv", "reference_ops.conv:causal_conv1d",
-             "runtime.ops.conv:causal_conv1d", None, _always),
+             "runtime.ops.conv:causal_conv1d", "runtime.kernels.conv:causal_conv1d", _always),
     OpFamily("gated_delta_rule", "attention:gated_delta", "reference_ops.gated_delta:gated_delta_rule",
-             "runtime.ops.gated_delta:gated_delta_rule", "runtime.kernels.gated_delta:gated_delta_rule", _always),
+             "runtime.ops.gated_delta:gated_delta_rule", "runtime.kernels.gated_delta:gated_delta_rule", _gated_delta),
     OpFamily("kda", "attention:kda", "reference_ops.kda:kda", "runtime.ops.kda:kda",
              "runtime.kernels.gated_delta:kda", _always),
     OpFamily("lightning_attention", "attention:lightning", "reference_ops.lightning:lightning_attention",
@@ -127,6 +149,8 @@ OPS: dict[str, OpFamily] = {op.name: op for op in [
              _router),
     OpFamily("moe_experts", "ffn:moe", "reference_ops.moe:swiglu_experts", "runtime.ops.moe:swiglu_experts",
              "runtime.kernels.moe:swiglu_experts", _activation),
+    OpFamily("cross_entropy_rows", "head:loss", "reference_ops.loss:cross_entropy_rows",
+             "runtime.ops.loss:cross_entropy_rows", "runtime.kernels.loss:cross_entropy_rows", _always),
     OpFamily("swiglu_mlp", "ffn:dense", "reference_ops.mlp:swiglu_mlp", "runtime.ops.mlp:swiglu_mlp",
              "runtime.kernels.mlp:swiglu_mlp", _activation),
 ]}

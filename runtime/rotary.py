@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from runtime.config import RopeConfig
-from runtime.ops.rope import mrope_cos_sin, rope_cos_sin, rope_inv_freq
+from runtime.ops.rope import ROPES, generated_cos_sin, mrope_cos_sin, rope_cos_sin, rope_inv_freq, rope_type_of
 
 
 def rope_key(rope: RopeConfig) -> tuple:
@@ -15,6 +15,12 @@ def rope_key(rope: RopeConfig) -> tuple:
 
 def cos_sin(rope: RopeConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """positions: [B, T] or, for multimodal rope, [3, B, T]. Returns fp32 cos/sin [B, T, R]."""
+    generated = ROPES.get(rope_type_of(rope.scaling))
+    if generated is not None:
+        if rope.mrope_section:
+            raise ValueError(f"rope_type {rope_type_of(rope.scaling)!r} is generated: not for multimodal rope")
+        inv_freq, _ = rope_inv_freq(rope.rotary_dim, rope.theta)
+        return generated_cos_sin(generated, positions, inv_freq.to(positions.device))
     inv_freq, attention_factor = rope_inv_freq(rope.rotary_dim, rope.theta, rope.scaling)
     inv_freq = inv_freq.to(positions.device)
     if rope.mrope_section:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime import checkpoint
+from runtime import balance, checkpoint
 from runtime.data import IGNORE, PackedRows, batch_rows, cu_seqlens_of
 from runtime.flops import peak_flops, step_flops
 from runtime.lora import lora_parameters
@@ -46,6 +46,8 @@ class TrainConfig:
     max_bad_steps: int = 3  # non-finite steps in a row before aborting
     loss_chunk: int = 1024  # tokens per LM-head chunk
     seed: int = 0  # data order
+    aux_loss_coef: float = 0.0  # weight of the auxiliary load-balancing loss (runtime/balance.py); 0: off
+    correction_bias_rate: float = 0.0  # loss-free balancing: routers' correction-bias step per update; 0: off
 
 
 class TrainingAborted(RuntimeError):
@@ -110,32 +112,39 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _step(model, optimizer, params, data: TrainData, cfg: TrainConfig, step: int, device) -> dict:
+def train_step(model, optimizer, params, data: TrainData, cfg: TrainConfig, step: int, device) -> dict:
     """One optimizer step (or a skipped one); returns its measurements."""
     rank, size = _rank_and_size()
     micro = [micro_batch(data.train, batch_rows(len(data.train), step * cfg.grad_accum + m, cfg.batch_size,
                                                 cfg.seed, rank, size), device) for m in range(cfg.grad_accum)]
     trained = _sum_over_ranks(sum((b["labels"] != IGNORE).sum() for b in micro).to(torch.float32))
-    total, load, segments = torch.zeros((), device=device), {}, []
+    total, aux, load, segments = torch.zeros((), device=device), torch.zeros((), device=device), {}, []
     for batch in micro:
         loss = loss_sum(model, batch, cfg.loss_chunk) / trained.clamp(min=1)
-        drops = expert_drops(model)
-        for layer, c in expert_counts(model).items():
-            load[layer] = load.get(layer, 0) + torch.stack([c, drops[layer]])
-        loss.backward()
         total += loss.detach()
+        counts, drops = expert_counts(model), expert_drops(model)
+        for layer, c in counts.items():
+            load[layer] = load.get(layer, 0) + torch.stack([c, drops[layer]])
+        if cfg.aux_loss_coef and counts:
+            share = balance.aux_loss_share(model, balance.global_counts(counts, device))
+            aux += share.detach() / cfg.grad_accum
+            loss = loss + cfg.aux_loss_coef / cfg.grad_accum * share
+        loss.backward()
         segments += torch.diff(batch["cu_seqlens"]).tolist()
-    total = _sum_over_ranks(total)
-    load = {layer: _sum_over_ranks(v) for layer, v in load.items()}
+    total, aux = _sum_over_ranks(torch.stack([total, aux]))
+    load = {layer: _sum_over_ranks(v.to(device)).cpu() for layer, v in load.items()}
     grad_norm = clip_grad_norm(params, cfg.grad_clip)
-    finite = bool(torch.isfinite(total) and torch.isfinite(grad_norm))
+    finite = bool(torch.isfinite(total) and torch.isfinite(aux) and torch.isfinite(grad_norm))
     if finite:
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
         optimizer.step()
+        if cfg.correction_bias_rate:
+            balance.update_correction_bias(model, {layer: v[0] for layer, v in load.items()}, cfg.correction_bias_rate)
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": float(total), "grad_norm": float(grad_norm), "finite": finite, "load": load,
-            "tokens": sum(segments) * size, "segments": segments}
+    return {"loss": float(total), "aux_loss": float(aux) if cfg.aux_loss_coef else None, "grad_norm": float(grad_norm),
+            "finite": finite, "load": load, "tokens": sum(segments) * size, "segments": segments,
+            "correction_bias": {k: b.tolist() for k, b in balance.correction_biases(model).items()}}
 
 
 def _record(step: int, result: dict, seconds: float, flops: float, cfg: TrainConfig, device) -> dict:
@@ -147,7 +156,10 @@ def _record(step: int, result: dict, seconds: float, flops: float, cfg: TrainCon
             "peak_mem_gib": peak_memory_gib(device),
             "expert_counts": {str(k): v[0].tolist() for k, v in result["load"].items()},
             "expert_imbalance": {str(k): imbalance(v[0]) for k, v in result["load"].items()},
-            "expert_drop_rate": {str(k): float(v[1].sum() / v[0].sum().clamp(min=1)) for k, v in result["load"].items()}}
+            "expert_drop_rate": {str(k): float(v[1].sum() / v[0].sum().clamp(min=1)) for k, v in result["load"].items()},
+            "aux_loss": result["aux_loss"], "aux_loss_coef": cfg.aux_loss_coef,
+            "correction_bias_rate": cfg.correction_bias_rate,
+            "correction_bias": {str(k): b for k, b in result["correction_bias"].items()}}
 
 
 def _progress(enabled: bool):
@@ -191,6 +203,9 @@ def train(model: nn.Module, data: TrainData, cfg: TrainConfig, run_dir: Path, re
     device = next(iter(lora_parameters(model))).device
     params = lora_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    balance.track_router_probs(model, cfg.aux_loss_coef != 0)
+    if cfg.correction_bias_rate:
+        balance.keep_bias_fp32(model)
     state = _start(model, optimizer, run_dir, resume)
     log = MetricsLog(run_dir / "metrics.jsonl", state["step"] if resume else None)
     model.train()
@@ -198,7 +213,7 @@ def train(model: nn.Module, data: TrainData, cfg: TrainConfig, run_dir: Path, re
         task = bar.add_task("train", total=cfg.steps, completed=state["step"], stats="")
         while state["step"] < cfg.steps:
             started = time.perf_counter()
-            result = _step(model, optimizer, params, data, cfg, state["step"], device)
+            result = train_step(model, optimizer, params, data, cfg, state["step"], device)
             state["step"] += 1
             record = _record(state["step"], result, time.perf_counter() - started,
                              step_flops(model, result["segments"]), cfg, device)

@@ -3,13 +3,21 @@ from __future__ import annotations
 
 import json
 import lzma
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
-from onboard.example_models import write_example_model
-from onboard.package import write_package
+from runtime.kernels.available import kernels_available
+
+# Triton picks the interpreter when a kernel is defined, at its module's import: without a CUDA GPU the flag is
+# set here, before any test file (or what it imports) defines a kernel, whatever order the files load in
+if not kernels_available()[0]:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from onboard.example_models import write_example_model  # noqa: E402
+from onboard.package import write_package  # noqa: E402
 
 SEED_DIR = Path(__file__).resolve().parents[2] / "shared" / "examples" / "seed-2.8t"
 # A copy of the seed example (index xz-compressed) for machines without ../shared.

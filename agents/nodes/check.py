@@ -11,6 +11,7 @@ from onboard.align import run_alignment
 from onboard.align.progress import Progress
 from onboard.generated import GeneratedOp
 from onboard.package import write_package
+from onboard.spec import ModelSpec
 
 from agents import candidates
 from agents.context import Context
@@ -31,7 +32,9 @@ def validate(state: OnboardState, runtime: Runtime[Context]) -> dict:
     if not verdict.passed:
         return {"tasks": replace(state, task, **refused(task, verdict.failures, options.max_attempts))}
     op = generated_op(task, verdict.evidence, state["validation_salt"])
-    failures = layer_failures(state, op, folder, runtime.context)
+    others = [t.accepted for t in state["tasks"] if t.accepted is not None]
+    failures, tiers = trial_failures(state, [*others, op], state["spec"], folder, runtime.context)
+    op.evidence["tiers"] = tiers
     if failures:
         return {"tasks": replace(state, task, **refused(task, failures, options.max_attempts))}
     return {"tasks": replace(state, task, status="accepted", candidate=None, failures=[], accepted=op)}
@@ -46,20 +49,22 @@ def generated_op(task: OpTask, evidence: dict, salt: int) -> GeneratedOp:
                                                      "template": task.candidate.template})
 
 
-def layer_failures(state: OnboardState, op: GeneratedOp, folder, context: Context) -> list[Failure]:
-    """Tiers 0-1 on a trial package with the candidate in ops/: the op at the model's widths, its layers vs
-    transformers'. The failing checks, by name, metric and value."""
+def trial_failures(state: OnboardState, generated: list[GeneratedOp], spec: ModelSpec, folder,
+                   context: Context) -> tuple[list[Failure], dict]:
+    """Tiers 0-1 on a trial package of `spec` with `generated` in ops/: the ops at the model's widths, the layers
+    vs transformers'. The failing checks (by name, metric and value), and passed/total per tier."""
     o = state["options"]
     shutil.rmtree(folder / "package", ignore_errors=True)
-    pkg, _ = write_package(o.model_dir, folder / "package", o.gpu_mem_gib, o.lora_rank, o.seq_len, o.gpus, o.gpus_per_node, generated=[op])
     try:
+        pkg, _ = write_package(o.model_dir, folder / "package", o.gpu_mem_gib, o.lora_rank, o.seq_len, o.gpus,
+                               o.gpus_per_node, generated=generated, spec=spec)
         report = run_alignment(pkg, LAYER_TIERS, progress=Progress(lambda line: context.progress(f"  {line}")))
-    except Exception:  # the candidate's code runs in this process here: whatever it raises is its failure
-        return [Failure(check="tiers", metric="exception", detail=traceback.format_exc()[-STDERR_TAIL:])]
-    if not report.passed:
-        failed = [c for t in report.tiers for c in t.checks if c.verdict == "fail"]
-        return [Failure(check=f"tier{c.tier}:{c.name}", metric=c.metric, value=c.value, tolerance=c.tolerance,
-                        detail=c.detail or "") for c in failed[:MAX_REPORTED]] or [
-            Failure(check="tiers", detail=report.summary_line())]
-    op.evidence["tiers"] = {str(t.tier): f"{t.num_checks - t.num_failed}/{t.num_checks}" for t in report.tiers}
-    return []
+    except Exception:  # a candidate's code, or a proposed spec, runs in this process here: what it raises is its failure
+        return [Failure(check="tiers", metric="exception", detail=traceback.format_exc()[-STDERR_TAIL:])], {}
+    tiers = {str(t.tier): f"{t.num_checks - t.num_failed}/{t.num_checks}" for t in report.tiers}
+    if report.passed:
+        return [], tiers
+    failed = [c for t in report.tiers for c in t.checks if c.verdict == "fail"]
+    return [Failure(check=f"tier{c.tier}:{c.name}", metric=c.metric, value=c.value, tolerance=c.tolerance,
+                    detail=c.detail or "") for c in failed[:MAX_REPORTED]] or [
+        Failure(check="tiers", detail=report.summary_line())], tiers

@@ -1,9 +1,12 @@
 """generate: ask the LLM for a candidate for the first pending op, the failures of its last one attached."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from langgraph.runtime import Runtime
 
 from onboard import model_references
+from onboard.model_source import module_source
 
 from agents import candidates
 from agents.context import Context
@@ -30,7 +33,9 @@ def generate(state: OnboardState, runtime: Runtime[Context]) -> dict:
     task, options = pending(state), state["options"]
     attempt = task.attempts + 1
     runtime.context.progress(f"generate: {task.kind} {task.name!r}, attempt {attempt} of {options.max_attempts}")
-    prompt = candidates.prompt(task, state["spec"], model_references.source(task.kind, task.name), options.max_attempts)
+    module = module_source(Path(options.model_dir), state["spec"].family, next(iter(task.closes)))
+    prompt = candidates.prompt(task, state["spec"], model_references.source(task.kind, task.name), module,
+                               options.max_attempts)
     try:
         answer = runtime.context.llm.ask(prompt, candidates.CandidateAnswer, f"candidate {task.kind} {task.name} #{attempt}")
     except LLMError as err:

@@ -12,7 +12,8 @@ from langgraph.runtime import Runtime
 from onboard.align import run_alignment
 from onboard.align.progress import Progress
 from onboard.package import write_package
-from onboard.render import gap_markdown, jinja_env
+from onboard.pr_render import render_pr
+from onboard.render import gap_markdown
 
 from agents.context import Context
 from agents.state import Alignment, OnboardState
@@ -34,8 +35,8 @@ def assemble(state: OnboardState, runtime: Runtime[Context]) -> dict:
     # a run killed between the rename and its checkpoint wrote this package already: keep it
     if not _written_by_this_run(out, state):
         write_package(o.model_dir, out, o.gpu_mem_gib, o.lora_rank, o.seq_len, o.gpus, o.gpus_per_node,
-                      generated=[t.accepted for t in tasks if t.accepted is not None])
-    report = final_report(state["report"], tasks)
+                      generated=[t.accepted for t in tasks if t.accepted is not None], spec=state["spec"])
+    report = final_report(state["report"], tasks, state.get("explanations", []))
     _replace(out / "gap_report.json", report.model_dump_json(indent=2))
     _replace(out / "gap_report.md", gap_markdown(report))
     runtime.context.progress(f"assemble: wrote {out}")
@@ -47,7 +48,7 @@ def _written_by_this_run(out: Path, state: OnboardState) -> bool:
         return False
     written = yaml.safe_load((out / "package.yaml").read_text())
     return written.get("spec_hash") == state["spec"].spec_hash() and \
-        written.get("source", {}).get("path") == str(Path(state["options"].model_dir).resolve())
+        written.get("source", {}).get("absolute") == str(Path(state["options"].model_dir).resolve())
 
 
 def _replace(path: Path, text: str) -> None:
@@ -62,7 +63,8 @@ def align(state: OnboardState, runtime: Runtime[Context]) -> dict:
 
 
 def review(state: OnboardState, runtime: Runtime[Context]) -> dict:
-    """PR.md, the LLM log and every task's attempts into PKG/agents/; the exit code."""
+    """package.yaml's status and reasons, PR.md; the LLM log, every task's attempts and every explanation
+    into PKG/agents/; the exit code."""
     pkg, report, aligned = Path(state["package"]), state["report"], state.get("alignment")
     folder = pkg / "agents"
     folder.mkdir(exist_ok=True)
@@ -70,8 +72,25 @@ def review(state: OnboardState, runtime: Runtime[Context]) -> dict:
     if log.exists():
         shutil.copy(log, folder / "llm.jsonl")
     (folder / "tasks.json").write_text(json.dumps([t.model_dump(exclude={"accepted"}) for t in state["tasks"]], indent=1))
-    text = jinja_env().get_template("pr.md.j2").render(spec=state["spec"], report=report, tasks=state["tasks"],
-                                                       alignment=aligned)
-    _replace(pkg / "PR.md", text)
-    ok = not report.summary["gaps_remain"] and aligned is not None and aligned.passed
-    return {"exit_code": 0 if ok else 3}
+    (folder / "explanations.json").write_text(json.dumps([e.model_dump() for e in state.get("explanations", [])], indent=1))
+    status, reasons = outcome(report, aligned)
+    package = yaml.safe_load((pkg / "package.yaml").read_text())
+    _replace(pkg / "package.yaml", yaml.safe_dump({**package, "status": status, "reasons": reasons}, sort_keys=False))
+    exit_code = 0 if status == "trainable" else 3
+    _replace(pkg / "PR.md", render_pr(pkg, state["spec"], report, state["tasks"], exit_code))
+    return {"exit_code": exit_code}
+
+
+def outcome(report, aligned: Alignment | None) -> tuple[str, list[str]]:
+    """("trainable" | "gaps" | "alignment-failed", why): what package.yaml records."""
+    if report.summary["gaps_remain"]:
+        w = report.weights
+        reasons = [f"{o.op} ({o.status}, needs {o.needs or 'person'}): {o.detail}" for o in report.ops
+                   if o.status == "missing"]
+        reasons += [f"weights: {len(names)} {what}" for what, names in
+                    (("missing", w.missing), ("unexpected", w.unexpected), ("with a shape mismatch", w.shape_mismatches))
+                    if names]
+        return "gaps", reasons
+    if aligned is None or not aligned.passed:
+        return "alignment-failed", [aligned.summary if aligned else "alignment did not run"]
+    return "trainable", []

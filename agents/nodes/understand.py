@@ -13,6 +13,7 @@ from onboard.recognize import recognize as recognize_spec
 
 from agents.context import Context
 from agents.state import OnboardState
+from agents.explain import explanations_for
 from agents.tasks import tasks_for, without_llm
 
 
@@ -39,4 +40,8 @@ def analyze(state: OnboardState, runtime: Runtime[Context]) -> dict:
         tasks = [without_llm(t) for t in tasks]
     for t in tasks:
         runtime.context.progress(f"gap: {t.kind} {t.name!r} ({', '.join(t.closes)}): needs {t.needs}")
-    return {"report": report, "tasks": tasks, "validation_salt": random.SystemRandom().randrange(2**31)}
+    explanations = explanations_for(report, manifest(o.model_dir).config, runtime.context.llm is not None)
+    for e in explanations:
+        runtime.context.progress(f"unrecognized: {e.item!r} ({e.source}): needs {e.needs}")
+    return {"report": report, "tasks": tasks, "explanations": explanations,
+            "validation_salt": random.SystemRandom().randrange(2**31)}

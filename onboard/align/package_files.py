@@ -1,9 +1,9 @@
 """What `align` reads from a package, validated before any tier runs.
 
 package.yaml, spec.json and weight_map.json are checked against their schemas; spec.json must list
-the layers it counts and hash to package.yaml's spec_hash; the release folder (recorded in
-package.yaml, or given with --model-dir when the package moved to another machine) must hold the
-config.json that new-model read. Any mismatch is an BadInput naming the file and the key.
+the layers it counts and hash to package.yaml's spec_hash; the release folder (package.yaml's
+`source.path`, relative to PKG so both can move together, else `source.absolute`, or --model-dir) must
+hold the config.json that new-model read. Any mismatch is an BadInput naming the file and the key.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from onboard.spec import ModelSpec
 
 
 class SourceRecord(BaseModel):
-    path: str
+    path: str  # the release folder, relative to PKG where new-model could write it so
+    absolute: Optional[str] = None  # where it was when new-model ran: tried when `path` is not there
     family: str
     architecture: str
     config_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
@@ -71,7 +72,7 @@ def read_package(pkg: Path, model_dir: Path | None = None) -> AlignInputs:
     spec = _read_spec(pkg / "spec.json", manifest.spec_hash)
     weight_map = _load_json(pkg / "weight_map.json")
     _validated(pkg / "weight_map.json", weight_map, WeightMap)
-    source = _source_folder(pkg / "package.yaml", manifest.source, model_dir)
+    source = release_folder(pkg, manifest.source, model_dir)
     vision = _read_vision_config(pkg / "vision_config.json") if spec.vision is not None else None
     return AlignInputs(json.loads(spec.model_dump_json()), manifest.spec_hash, weight_map, source, vision, pkg / "lora.yaml")
 
@@ -142,20 +143,33 @@ def _read_spec(path: Path, recorded_hash: str) -> ModelSpec:
     return spec
 
 
-def _source_folder(manifest_path: Path, source: SourceRecord, model_dir: Path | None) -> Path:
-    folder = Path(model_dir) if model_dir is not None else Path(source.path)
-    if not folder.is_dir():
-        if model_dir is not None:
+def read_source(pkg: Path) -> SourceRecord:
+    """package.yaml's `source` alone (what train needs to find the release)."""
+    require_package_folder(pkg)
+    return _validated(pkg / "package.yaml", _load_yaml(pkg / "package.yaml"), PackageManifest).source
+
+
+def release_folder(pkg: Path, source: SourceRecord, model_dir: Path | None) -> Path:
+    """--model-dir, else `source.path` (relative to PKG), else `source.absolute`; its config.json must be
+    the one new-model read."""
+    manifest_path = pkg / "package.yaml"
+    if model_dir is not None:
+        folder = Path(model_dir)
+        if not folder.is_dir():
             raise BadInput(folder, "--model-dir", "does not exist or is not a folder")
-        raise BadInput(manifest_path, "source.path", f"release folder {folder} does not exist "
-                                                         "(pass --model-dir where the release is now)")
+    else:
+        tried = [pkg / source.path] + ([Path(source.absolute)] if source.absolute else [])
+        folder = next((f for f in tried if f.is_dir()), None)
+        if folder is None:
+            raise BadInput(manifest_path, "source.path", f"release folder {' or '.join(map(str, tried))} does not "
+                                                             "exist (pass --model-dir where the release is now)")
     config = folder / "config.json"
     if not config.is_file():
         raise BadInput(config, None, "missing: the release folder holds no config.json")
     if hashlib.sha256(config.read_bytes()).hexdigest() != source.config_sha256:
         raise BadInput(config, None, f"differs from the config new-model read ({manifest_path.name}: "
                                          "source.config_sha256): run `onboard new-model` again for this release")
-    return folder
+    return folder.resolve()
 
 
 def _read_vision_config(path: Path) -> dict:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from onboard.align.package_files import AlignInputs, read_package, require_package_folder
+from onboard.align.package_files import AlignInputs, read_package
 from onboard.align.progress import Progress
 from onboard.align.report import AlignmentReport, Check, Divergence, TierResult, tier_result
 from onboard.align.tier0_ops import tier0
@@ -87,6 +87,8 @@ def _run_tier(tier: int, inputs: AlignInputs, num_layers: int, tamper, progress:
     if tier == 1:
         return tier1(spec, weight_map, source, num_layers, progress=progress), None
     if tier == 2:
+        # the training group, and the vision group of multimodal releases, counted from the tier's first line
+        progress.plan(1 + (inputs.vision_config is not None))
         checks, divergence = tier2(spec, weight_map, source, num_layers, tamper=tamper, progress=progress)
         if inputs.vision_config is not None:
             checks += vision_checks(spec, weight_map, source, inputs.vision_config, num_layers, progress=progress)
@@ -115,23 +117,3 @@ def _write(pkg: Path, report: AlignmentReport) -> None:
         (folder / f"tier{tier.tier}.json").write_text(tier.model_dump_json(indent=2))
     if report.passed and not (folder / "baseline.json").exists():
         (folder / "baseline.json").write_text(report.model_dump_json(indent=2))
-
-
-def read_baseline(pkg: Path) -> AlignmentReport:
-    """alignment/baseline.json; a regression check without one cannot fail, so its absence is bad input."""
-    require_package_folder(Path(pkg))
-    path = Path(pkg) / "alignment" / "baseline.json"
-    if not path.is_file():
-        raise BadInput(path, None, "missing: --check needs a baseline; run `onboard align` once without --check "
-                                       "and commit alignment/baseline.json")
-    try:
-        return AlignmentReport.model_validate_json(path.read_text())
-    except ValueError as err:
-        raise BadInput(path, None, f"not a valid alignment report: {str(err).splitlines()[0]}")
-
-
-def regressions(baseline: AlignmentReport, report: AlignmentReport) -> list[str]:
-    """Checks that passed in the baseline and do not pass now (or are gone)."""
-    now = {c.name: c for t in report.tiers for c in t.checks}
-    return [c.name for t in baseline.tiers for c in t.checks
-            if c.verdict == "pass" and (c.name not in now or now[c.name].verdict != "pass")]

@@ -109,7 +109,6 @@ def training_checks(spec: dict, weight_map: dict, source: Path, lora_plan: Path,
                     progress: Progress | None = None) -> list[Check]:
     """lora_plan: the package's lora.yaml."""
     progress = progress or Progress()
-    progress.plan(1)
     progress.group(f"training: {STEPS} LoRA steps vs transformers + PEFT, then the exports")
     config = alignment_lora_config(Path(lora_plan), weight_map, spec)
     ours = load_runtime(spec, weight_map, source, torch.float32, num_layers)

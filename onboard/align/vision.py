@@ -31,7 +31,6 @@ def _image_input(spec: dict, vision_config: dict, seed: int):
 def vision_checks(spec: dict, weight_map: dict, source: Path, vision_config: dict, num_layers: int, seed: int = 3,
                   progress: Progress | None = None) -> list[Check]:
     progress = progress or Progress()
-    progress.plan(1)
     progress.group("vision path")
     if spec.get("own_model"):
         # the tower sits frozen inside transformers' whole model, which the runtime runs on text only

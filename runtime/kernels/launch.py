@@ -28,10 +28,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def current_device() -> int:
-    return torch.cuda.current_device()
-
-
 def _arg_key(arg):
     if isinstance(arg, torch.Tensor):
         return arg.dtype, arg.data_ptr() % 16 == 0
@@ -53,7 +49,7 @@ class FastLaunch:
         if interpreting() or callable(grid):
             return self.kernel[grid](*args, **kwargs)
         # Triton compiles for, and launches on, the current device
-        key = (current_device(), tuple(map(_arg_key, args)), tuple(kwargs.items()))
+        key = (torch.cuda.current_device(), tuple(map(_arg_key, args)), tuple(kwargs.items()))
         known = self.compiled.get(key)
         if known is None:
             if len(self.compiled) >= MAX_KEYS:

@@ -12,7 +12,7 @@ from torch import nn
 from runtime.config import MoEConfig
 from runtime.dispatch import op
 from runtime.layers.lora_linear import weight_of
-from runtime.ops.moe import router_logits
+from runtime.ops.moe import SCORINGS, router_logits
 
 
 class GatedMLP(nn.Module):
@@ -50,10 +50,15 @@ class Router(nn.Module):
         # Alignment pins the expert choice of a bf16 run to the fp32 run's, to measure bf16 numerics
         # apart from discrete routing flips (which it counts separately).
         self.pinned_idx: torch.Tensor | None = None
+        # the auxiliary load-balancing loss (runtime/balance.py) reads each forward's sum over tokens of
+        # softmax(logits) [E], with its graph; kept only while that loss is on
+        self.keep_prob_sum = False
+        self.last_prob_sum: torch.Tensor | None = None
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights_Tk fp32, idx_Tk). Logits in fp32: routing decisions are precision-sensitive."""
         logits_TE = router_logits(x_TD, self.effective_weight(), self.bias)
+        self.last_prob_sum = logits_TE.softmax(-1).sum(0) if self.keep_prob_sum else None
         if self.pinned_idx is not None:
             return self._weights_for(logits_TE, self.pinned_idx), self.pinned_idx
         r = self.config
@@ -72,7 +77,7 @@ class Router(nn.Module):
         r = self.config
         if r.topk_before_softmax:
             return logits_TE.gather(1, idx_Tk).softmax(-1) * r.routed_scaling_factor
-        scores_TE = logits_TE.softmax(-1) if r.scoring == "softmax" else logits_TE.sigmoid()
+        scores_TE = SCORINGS[r.scoring](logits_TE)
         weights_Tk = scores_TE.gather(1, idx_Tk)
         if r.norm_topk_prob:
             weights_Tk = weights_Tk / weights_Tk.sum(-1, keepdim=True)

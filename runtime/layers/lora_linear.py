@@ -12,7 +12,9 @@ from torch import nn
 
 
 class LoraLinear(nn.Linear):
-    """y = x W^T + b + scale * dropout(x) A^T B^T, the LoRA path in the factors' dtype (fp32), as PEFT does."""
+    """y = x W^T + b + scale * dropout(x) A^T B^T. The factors are fp32 parameters (the optimizer's
+    masters); the LoRA GEMMs run in the activations' dtype with fp32 accumulation, the second one adding
+    into the base output in its epilogue, so no activation makes an fp32 round trip."""
 
     def __init__(self, base: nn.Linear, rank: int, scale: float, dropout: float):
         nn.Module.__init__(self)
@@ -29,8 +31,11 @@ class LoraLinear(nn.Linear):
         out = F.linear(x, self.weight, self.bias)
         if self.lora_merged:
             return out
-        low_rank = F.linear(F.linear(self.dropout(x).to(self.lora_A.dtype), self.lora_A), self.lora_B)
-        return out + (self.lora_scale * low_rank).to(out.dtype)
+        # cast per call, which is once per step: a module runs once per forward (again only under recompute)
+        A_rI, B_Or = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
+        xa = F.linear(self.dropout(x), A_rI)
+        out_2d = torch.addmm(out.flatten(0, -2), xa.flatten(0, -2), B_Or.t(), alpha=self.lora_scale)
+        return out_2d.view(out.shape)
 
     def delta_weight(self) -> torch.Tensor:
         """scale * B @ A, [O, I] in fp32."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runtime.config import NormConfig
 from runtime.dispatch import op
+from runtime.ops.norms import NORMS
 
 
 class RMSNorm(nn.Module):
@@ -16,6 +18,28 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return op("rms_norm", x.device)(x, self.weight, self.eps, self.offset)
+
+
+class GeneratedNorm(nn.Module):
+    """A norm kind a package generated: NORMS[kind](x, weight), its eps and weight offset inside the op."""
+
+    def __init__(self, width: int, kind: str):
+        super().__init__()
+        if kind not in NORMS:
+            raise KeyError(f"norm kind {kind!r}: not built in (rms, rms_1p) and no generated op of that name is "
+                           f"registered (runtime/package_ops.py); generated: {sorted(NORMS)}")
+        self.weight = nn.Parameter(torch.ones(width))
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return NORMS[self.kind](x, self.weight)
+
+
+def make_norm(width: int, norm: NormConfig) -> nn.Module:
+    """The norm the spec names: RMSNorm for the built-in kinds, else the package's generated one."""
+    if norm.kind in ("rms", "rms_1p"):
+        return RMSNorm(width, norm.eps, norm.offset)
+    return GeneratedNorm(width, norm.kind)
 
 
 class GatedRMSNorm(nn.Module):

@@ -15,8 +15,16 @@ Tensors inside are [B, H, T, ...]; per-channel decays g_BHTK (KDA), scalar ones 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
+
+# Log-decay forms by the spec's gated-delta `decay` name: op(a_BTH, A_log_H, dt_bias_H) -> g_BTH <= 0, in fp32;
+# a package's generated forms are added when it loads (runtime/package_ops.py)
+DECAYS: dict[str, Callable] = {
+    "softplus": lambda a_BTH, A_log_H, dt_bias_H: -A_log_H.float().exp() * F.softplus(a_BTH.float() + dt_bias_H),
+}
 
 CHUNK_SIZE = 64
 

@@ -18,6 +18,13 @@ import torch.nn.functional as F
 
 from runtime.ops.mlp import ACTIVATIONS
 
+# By spec router `scoring` name: logits [T, E] -> scores [T, E]; a package's generated scorings are added when
+# it loads (runtime/package_ops.py), so the registry's predicate sees them.
+SCORINGS = {
+    "softmax": lambda logits_TE: logits_TE.softmax(dim=-1),
+    "sigmoid": torch.sigmoid,
+}
+
 
 def _group_mask(choice_TE: torch.Tensor, num_groups: int, topk_groups: int, top2_sum: bool) -> torch.Tensor:
     T, E = choice_TE.shape
@@ -79,9 +86,9 @@ def route(
     if topk_before_softmax:
         top_logits_Tk, idx_Tk = logits_TE.topk(top_k, dim=-1)
         return top_logits_Tk.softmax(dim=-1) * routed_scaling_factor, idx_Tk
-    if scoring not in ("softmax", "sigmoid"):
-        raise ValueError(f"route: scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
-    scores_TE = logits_TE.softmax(dim=-1) if scoring == "softmax" else logits_TE.sigmoid()
+    if scoring not in SCORINGS:
+        raise ValueError(f"route: scoring must be one of {sorted(SCORINGS)}, got {scoring!r}")
+    scores_TE = SCORINGS[scoring](logits_TE)
     choice_TE = scores_TE.detach()
     if correction_bias_E is not None:
         choice_TE = choice_TE + correction_bias_E.float()

@@ -5,8 +5,14 @@ Shape legend: ... any leading dims, D normalized width.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
+
+# Norms a package generated, by the spec's norm `kind`: op(x_TD, weight_D) -> y_TD (runtime/package_ops.py adds
+# them when the package loads; the built-in kinds are rms_norm's)
+NORMS: dict[str, Callable] = {}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:

@@ -7,8 +7,18 @@ cos/sin hold each frequency twice: [f_0..f_{F-1}, f_0..f_{F-1}]; they are return
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
+
+# Rope types a package generated, by the spec's rope_type: op(positions_T, inv_freq_F) -> [T, F, 2] (cos, sin),
+# the op scaling the unscaled frequencies itself (runtime/package_ops.py adds them when the package loads)
+ROPES: dict[str, Callable] = {}
+
+
+def rope_type_of(scaling: dict | None) -> str:
+    scaling = scaling or {}
+    return scaling.get("rope_type", scaling.get("type", "default"))
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None = None) -> tuple[torch.Tensor, float]:
@@ -18,7 +28,7 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: dict | None = None) ->
     yarn, or dynamic (equal to default at the training length).
     """
     scaling = scaling or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    rope_type = rope_type_of(scaling)
     # fp32 arithmetic on purpose: the released models' tables were built this way by transformers
     exponents_F = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
     inv_freq_F = 1.0 / (theta**exponents_F)
@@ -83,6 +93,14 @@ def rope_cos_sin(
     angles_BTF = positions_BT.float()[..., None] * inv_freq.float()
     angles_BTR = torch.cat([angles_BTF, angles_BTF], dim=-1)
     return angles_BTR.cos() * attention_factor, angles_BTR.sin() * attention_factor
+
+
+def generated_cos_sin(op: Callable, positions_BT: torch.Tensor, inv_freq_F: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos_BTR, sin_BTR in fp32 from a generated rope op's (cos, sin) table of the unscaled frequencies."""
+    B, T = positions_BT.shape
+    table_NF2 = op(positions_BT.reshape(-1).float(), inv_freq_F.float()).float()
+    cos_BTF, sin_BTF = (table_NF2[..., i].reshape(B, T, -1) for i in (0, 1))
+    return torch.cat([cos_BTF, cos_BTF], dim=-1), torch.cat([sin_BTF, sin_BTF], dim=-1)
 
 
 def mrope_cos_sin(

@@ -35,17 +35,27 @@ def test_without_an_llm_the_op_is_a_gap_needing_one(relu2_release, tmp_path):
     assert not (pkg / "ops").exists() and not (pkg / "alignment" / "report.json").exists()
 
 
-def test_a_router_scoring_with_no_reference_to_validate_against_needs_a_person(example_release, llm_server, tmp_path):
+def test_a_router_scoring_the_models_own_router_ignores_is_refused_at_tier_1(example_release, llm_server, tmp_path):
+    """DeepSeek-V3 asking for sqrt(softplus) scoring: the runtime's router slot takes the generated scoring and the
+    candidate matches transformers' ACT2FN["sqrtsoftplus"] (what DeepSeek-V4's router calls), but transformers'
+    DeepseekV3TopkRouter scores with sigmoid whatever the config says, so tier 1 (the layer vs the model's own
+    module) refuses it: no transformers family this runtime covers reads `scoring_func`, so no router scoring
+    can be onboarded to exit 0 here."""
     release = tmp_path / "release"
     shutil.copytree(example_release("deepseek_v3"), release)
     config = json.loads((release / "config.json").read_text())
     (release / "config.json").write_text(json.dumps({**config, "scoring_func": "sqrtsoftplus"}))
+    llm_server.script({"content": json.dumps({"template": "router_scoring", "expression": "torch.sqrt(F.softplus(logits_TE))",
+                                              "constants": [], "code": None, "rationale": "scripted"})})
     pkg = tmp_path / "pkg"
-    assert cli.main(["new-model", str(release), "--out", str(pkg), "--llm-url", llm_server.url, "--llm-model", "m"]) == 3
+    assert cli.main(["new-model", str(release), "--out", str(pkg), "--llm-url", llm_server.url, "--llm-model", "m",
+                     "--max-attempts", "1"]) == 3
+    prompt = llm_server.requests[0]["messages"][0]["content"]
+    assert "class SqrtSoftplusActivation" in prompt and "class DeepseekV3TopkRouter" in prompt
     gap = _gap(pkg, "moe_router")
-    assert gap["status"] == "missing" and gap["needs"] == "person" and "sqrtsoftplus" in gap["detail"]
-    assert "no slot for a generated router_scoring" in gap["evidence"]["failures"][0]["detail"]
-    assert llm_server.requests == []
+    assert gap["status"] == "missing" and gap["needs"] == "llm" and "sqrtsoftplus" in gap["detail"]
+    failure = gap["evidence"]["failures"][0]
+    assert failure["check"].startswith("tier1:") and failure["value"] > failure["tolerance"]
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +85,21 @@ def test_the_wrong_candidate_is_refused_with_its_metric_and_the_fixed_one_lands(
     tiers = gap["evidence"]["tiers"]
     assert sorted(tiers) == ["0", "1"] and all(passed == total for passed, total in (t.split("/") for t in tiers.values()))
     package = yaml.safe_load((pkg / "package.yaml").read_text())
-    assert package["generated_ops"][0]["name"] == "relu2" and package["status"] == "ready-for-alignment"
+    assert package["generated_ops"][0]["name"] == "relu2" and package["status"] == "trainable"
     report = json.loads((pkg / "alignment" / "report.json").read_text())
     assert report["passed"] and [t["tier"] for t in report["tiers"]] == [0, 1, 2]
     assert len((pkg / "agents" / "llm.jsonl").read_text().splitlines()) == 2
+
+
+def test_pr_md_shows_the_generated_op_its_evidence_and_its_diff(onboarded):
+    _, pkg, _ = onboarded
+    text = (pkg / "PR.md").read_text()
+    section = text[text.index("### activation `relu2` (`ops/activation_relu2.py`)"):text.index("## Alignment")]
+    assert "5 seeds x float32, bfloat16" in section and "2 attempt(s)" in section and "0: " in section
+    assert "the closest registry op, `swiglu_mlp` (its torch fallback `runtime.ops.mlp:swiglu_mlp`" in section
+    diff = section[section.index("```diff\n"):]
+    assert "--- runtime.ops.mlp:swiglu_mlp\n+++ ops/activation_relu2.py\n" in diff
+    assert "+    return torch.relu(x) ** 2\n" in diff and "-def swiglu_mlp(\n" in diff
 
 
 def test_the_generated_op_unit_test_passes(onboarded):
@@ -108,6 +129,20 @@ def test_training_steps_run_through_the_generated_op(onboarded):
         optimizer.step()
         losses.append(loss.item())
     assert all(map(torch.isfinite, map(torch.tensor, losses))) and losses[-1] < losses[0]
+
+
+def test_onboard_train_loads_the_generated_op(onboarded, tmp_path):
+    """A real `onboard train` process on the package: it registers PKG/ops/ itself (relu2 is in no runtime table)."""
+    _, pkg, _ = onboarded
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"The mill {i} stands by the river and the stone bridge."}) + "\n"
+                            for i in range(8)))
+    result = subprocess.run([sys.executable, "-m", "onboard.cli", "train", str(pkg), "--data", str(data), "--steps", "2",
+                             "--seq-len", "16", "--out", str(tmp_path / "run"), "--no-progress"],
+                            capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trained 2 steps" in result.stdout
 
 
 def test_a_killed_run_resumes_without_redoing_finished_nodes(relu2_release, onboarded, llm_server, tmp_path):

@@ -1,6 +1,9 @@
 """The graph's routing functions are pure: each is called on hand-made states, no LLM, no files."""
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 from agents.graph import after_analyze, after_assemble, after_generate, after_validate, build
 from agents.state import Candidate, OpTask
 
@@ -15,24 +18,24 @@ class _Report:
         self.summary = {"gaps_remain": gaps}
 
 
-def test_a_pending_task_goes_to_generate_and_none_to_plan():
+def test_a_pending_task_goes_to_generate_and_none_to_explain():
     assert after_analyze({"tasks": [_task()]}) == "generate"
-    assert after_analyze({"tasks": [_task(status="missing")]}) == "plan"
-    assert after_analyze({"tasks": []}) == "plan"
+    assert after_analyze({"tasks": [_task(status="missing")]}) == "explain"
+    assert after_analyze({"tasks": []}) == "explain"
 
 
 def test_a_candidate_goes_to_validate_a_failed_generation_retries_or_gives_up():
     candidate = Candidate(template="activation", source="...")
     assert after_generate({"tasks": [_task(candidate=candidate)]}) == "validate"
     assert after_generate({"tasks": [_task(attempts=1)]}) == "generate"
-    assert after_generate({"tasks": [_task(status="missing", attempts=3)]}) == "plan"
+    assert after_generate({"tasks": [_task(status="missing", attempts=3)]}) == "explain"
 
 
-def test_after_validation_the_next_pending_task_or_plan():
+def test_after_validation_the_next_pending_task_or_explain():
     done = _task(status="accepted")
     other = OpTask(kind="activation", name="mish", closes={"swiglu_mlp": [2]}, reference="ref", needs="llm")
     assert after_validate({"tasks": [done, other]}) == "generate"
-    assert after_validate({"tasks": [done, _task(name="x", status="missing")]}) == "plan"
+    assert after_validate({"tasks": [done, _task(name="x", status="missing")]}) == "explain"
 
 
 def test_alignment_runs_only_without_gaps():
@@ -42,6 +45,13 @@ def test_alignment_runs_only_without_gaps():
 
 def test_the_drawing_has_exactly_the_routed_edges():
     mermaid = build().compile().get_graph().draw_mermaid()
-    for edge in ("validate -.-> generate", "generate -.-> validate", "analyze -.-> plan", "assemble -.-> align"):
+    for edge in ("validate -.-> generate", "generate -.-> validate", "analyze -.-> explain", "explain --> plan",
+                 "assemble -.-> align"):
         assert edge in mermaid
-    assert "analyze -.-> review" not in mermaid
+    assert "analyze -.-> review" not in mermaid and "analyze -.-> plan" not in mermaid
+
+
+def test_the_readme_drawing_is_the_graph_as_it_renders():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = re.search(r"```mermaid\n(.*?)```", readme, re.DOTALL)
+    assert block is not None and block.group(1) == build().compile().get_graph().draw_mermaid()

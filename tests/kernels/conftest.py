@@ -1,5 +1,4 @@
-"""Fixtures of the kernel tests. Kernel modules are imported inside the fixtures: the test modules set
-TRITON_INTERPRET before their first import of triton.jit kernels, and this file loads before them."""
+"""Fixtures of the kernel tests (TRITON_INTERPRET is set, where no GPU is, by tests/conftest.py)."""
 from __future__ import annotations
 
 import pytest

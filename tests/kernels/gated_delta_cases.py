@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from reference_ops.gated_delta import gated_delta_rule as ref_gdn
 from reference_ops.kda import kda as ref_kda
+from runtime.kernels import gated_delta as kernels
 from runtime.tolerances import assert_close
 
 NAMES = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
@@ -26,10 +27,7 @@ CASES = {
 
 
 def ops():
-    """kind -> (op name in runtime/tolerances, fp64 reference, kernel); the kernels imported late, after the test
-    module has set TRITON_INTERPRET."""
-    import runtime.kernels.gated_delta as kernels
-
+    """kind -> (op name in runtime/tolerances, fp64 reference, kernel)."""
     return {"gdn": ("gated_delta_rule", ref_gdn, kernels.gated_delta_rule), "kda": ("kda", ref_kda, kernels.kda)}
 
 

@@ -5,18 +5,14 @@ indexer top-k.
 Shape legend: B batch, T tokens, H heads, K = V + R key width, V value width, S selected keys.
 fp32 inputs: under the interpreter a tl.dot on bf16 operands is wrong in triton 3.9.
 """
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from reference_ops import dsa as ref  # noqa: E402
-from runtime.kernels import dsa as kernels  # noqa: E402
-from runtime.kernels.dsa import attention, indexer  # noqa: E402
-from runtime.tolerances import assert_close  # noqa: E402
-from tests.dsa_problems import assert_same_selection, random_sparse_problem  # noqa: E402
+from reference_ops import dsa as ref
+from runtime.kernels import dsa as kernels
+from runtime.kernels.dsa import attention, indexer
+from runtime.tolerances import assert_close
+from tests.dsa_problems import assert_same_selection, random_sparse_problem
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("nan_buffers")]
 

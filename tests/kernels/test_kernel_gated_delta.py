@@ -5,16 +5,12 @@ storage path at the fp32 tolerance, bf16 inputs the bf16 one (what the GPU runs)
 
 Shape legend: B batch, T tokens, H heads, K key dim, V value dim.
 """
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from runtime.kernels.gated_delta import function  # noqa: E402
-from runtime.tolerances import assert_close  # noqa: E402
-from tests.kernels.gated_delta_cases import (  # noqa: E402
+from runtime.kernels.gated_delta import function
+from runtime.tolerances import assert_close
+from tests.kernels.gated_delta_cases import (
     CASES, CU_SEQLENS, NAMES, check, check_case, make_inputs, ops,
 )
 
@@ -69,10 +65,11 @@ def test_forward_without_grad(kind):
     assert_close(state, state_ref, op, torch.float32, name="final_state")
 
 
-@pytest.mark.parametrize("used", ["o", "final_state"])
+@pytest.mark.parametrize("used", ["o", "final_state", "final_state-summed"])
 def test_one_output_unused_gdn(used):
     """A loss of o alone (the final state's gradient arrives as None: no dht read) or of the final state alone
-    (o's gradient None, taken as zeros): the gradients still match the reference's."""
+    (o's gradient None, taken as zeros; summed, the final state's gradient comes expanded, stride 0, and must not be
+    read as a packed array): the gradients still match the reference's."""
     x = make_inputs("gdn")
     _, ref, kernel = ops()["gdn"]
     grads = []
@@ -80,7 +77,8 @@ def test_one_output_unused_gdn(used):
         leaves = {n: t.to(dtype).detach().requires_grad_() for n, t in x.items()}
         o, s = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], initial_state_BHKV=leaves["h0"])
         out = o if used == "o" else s
-        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(dtype)).sum().backward()
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(dtype)
+        (out.sum() if used == "final_state-summed" else (out * weights).sum()).backward()
         grads.append([leaves[n].grad for n in ("q", "k", "v", "g", "beta", "h0")])
     for name, e, a in zip(NAMES[2:], *grads):
         if e is None:

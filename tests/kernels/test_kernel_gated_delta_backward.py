@@ -3,15 +3,11 @@ K=16: wy_grad_kernel in two key blocks, state_grad_kernel in four), so the per-k
 as at the benchmark shape (K=128 in blocks of 64 and 32); the interpreter, NaN-filled buffers and chunk 32 as
 in test_kernel_gated_delta.py.
 """
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from runtime.kernels.gated_delta import function  # noqa: E402
-from tests.kernels.gated_delta_cases import CU_SEQLENS, check, check_case, make_inputs  # noqa: E402
+from runtime.kernels.gated_delta import function
+from tests.kernels.gated_delta_cases import CU_SEQLENS, check, check_case, make_inputs
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("small_chunks_nan_buffers")]
 KINDS = ["gdn", "kda"]

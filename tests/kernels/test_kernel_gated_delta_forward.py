@@ -5,16 +5,12 @@ run it mostly at chunk 32.
 
 Shape legend: C chunk size, S sub-chunk size, K key dim.
 """
-import os
+import pytest
+import torch
+import triton
+import triton.language as tl
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from runtime.kernels.gated_delta.common import (  # noqa: E402
+from runtime.kernels.gated_delta.common import (
     block_diagonal, diag_block_inverse, merge_block_inverse,
 )
 

@@ -3,15 +3,11 @@ kernels (diagonal.diag_token_kernel, diag_grad_token_kernel, dg_finish_kernel) a
 and backward.gram_grad_kernel walking several earlier and later sub-chunks, against the fp64 reference under
 the interpreter with NaN-filled buffers, chunk 32.
 """
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from runtime.kernels.gated_delta import function  # noqa: E402
-from tests.kernels.gated_delta_cases import CU_SEQLENS, check, make_inputs  # noqa: E402
+from runtime.kernels.gated_delta import function
+from tests.kernels.gated_delta_cases import CU_SEQLENS, check, make_inputs
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("small_chunks_nan_buffers")]
 

@@ -4,16 +4,12 @@ batch dims, padded stacked rows; forward and every gradient, NaN-prefilled buffe
 
 Shape legend: T tokens, D model width, F MLP width. fp32 inputs (bf16 tl.dot is wrong under the interpreter).
 """
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from reference_ops import mlp as ref  # noqa: E402
-from runtime.kernels import mlp as kernels  # noqa: E402
-from runtime.tolerances import assert_close  # noqa: E402
+from reference_ops import mlp as ref
+from runtime.kernels import mlp as kernels
+from runtime.tolerances import assert_close
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("nan_buffers")]
 

@@ -9,19 +9,15 @@ tiles of its own; the half-precision router logits' dtypes. The dense MLP: test_
 Shape legend: T tokens, D model width, E experts, F expert width, k top-k, r LoRA rank.
 fp32 inputs: under the interpreter a tl.dot on bf16 operands is wrong in triton 3.9.
 """
-import os
+import pytest
+import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from reference_ops import moe as ref  # noqa: E402
-from runtime.kernels import moe as kernels  # noqa: E402
-from runtime.kernels.moe import combine, experts, gather, grouped_wgrad, router, schedule  # noqa: E402
-from runtime.ops import moe as torch_ops  # noqa: E402
-from runtime.tolerances import assert_close  # noqa: E402
-from tests.opcheck import check_route  # noqa: E402
+from reference_ops import moe as ref
+from runtime.kernels import moe as kernels
+from runtime.kernels.moe import combine, experts, gather, grouped_wgrad, router, schedule
+from runtime.ops import moe as torch_ops
+from runtime.tolerances import assert_close
+from tests.opcheck import check_route
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("nan_buffers")]
 

@@ -37,7 +37,7 @@ class StandInKernel:
 @pytest.fixture
 def kernel(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(launch, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     return StandInKernel()
 
 
@@ -56,10 +56,11 @@ def test_what_triton_specializes_on_compiles_again(kernel):
     fast = launch.FastLaunch(kernel)
     base = torch.zeros(64)
     calls = [(base, 8, {}), (base.to(torch.float64), 8, {}), (base[1:], 8, {}), (base, 16, {}),
-             (base, 8, {"FLAG": True}), (base, 8, {"num_warps": 8})]
+             (base, 8, {"FLAG": True}), (base, 8, {"num_warps": 8}), (None, 8, {})]
     for x, n, extra in calls:
         fast[(1,)](x, n, 1.0, BLOCK=16, **extra)
-    # dtype, 16-byte alignment (base[1:] starts 4 bytes in), an int's value, a constexpr, a launch option
+    # dtype, 16-byte alignment (base[1:] starts 4 bytes in), an int's value, a constexpr, a launch option, a None
+    # pointer (Triton takes it as a constexpr)
     assert [entry[0] for entry in kernel.log] == ["jit"] * len(calls)
 
 

@@ -13,6 +13,7 @@ issue's done-when runs 500 each: `ONBOARD_FUZZ_EXAMPLES=500 pytest tests/onboard
 from __future__ import annotations
 
 import contextlib
+import json
 import io
 import os
 import shutil
@@ -131,3 +132,24 @@ def tiny_family(tmp_path_factory):
         return cache[family]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def onboarded_package(example_release, tmp_path_factory):
+    """`onboard new-model` (the whole graph, tiers 0-2) on the tiny qwen3_next release, once per session:
+    (exit code, PKG). Tests that change the package work on a copy."""
+    pkg = tmp_path_factory.mktemp("onboarded") / "qwen3_next"
+    return run_onboard("new-model", example_release("qwen3_next"), "--out", pkg).code, pkg
+
+
+@pytest.fixture(scope="session")
+def index_only_gap_release(example_release, tmp_path_factory) -> Path:
+    """Mixtral's config and weight index without expert 3 (no shards): a valid release with gaps, exit 3."""
+    release = tmp_path_factory.mktemp("gap-release") / "mixtral-no-expert-3"
+    release.mkdir()
+    source = example_release("mixtral")
+    shutil.copy(source / "config.json", release / "config.json")
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if ".experts.3." not in k}
+    (release / "model.safetensors.index.json").write_text(json.dumps(index))
+    return release

@@ -61,7 +61,8 @@ BREAKS = {
     "weight-map-bad-entry": (lambda p: _edit_json(p / "weight_map.json", _bad_expert),
                              ["weight_map.json: model.embed_tokens.weight.expert"]),
     "weight-map-empty": (lambda p: (p / "weight_map.json").write_text("{}"), ["weight_map.json", "at least 1 item"]),
-    "model-folder-gone": (lambda p: _edit_yaml(p / "package.yaml", lambda d: d["source"].update(path="/nonexistent/release")),
+    "model-folder-gone": (lambda p: _edit_yaml(p / "package.yaml", lambda d: d["source"].update(path="/nonexistent/release",
+                                                                                       absolute="/nonexistent/too")),
                           ["package.yaml: source.path", "--model-dir"]),
 }
 
@@ -129,4 +130,4 @@ def test_model_dir_points_a_moved_package_at_its_release(pkg, example_release, t
     assert report["source"] == str(moved) and report["passed"]
     info = sum(c["verdict"] == "info" for c in report["tiers"][0]["checks"])
     assert info > 0 and result.stdout.startswith("tier 2: pass (") and f"{info} info" in result.stdout
-    assert "tier 2 [1/2]: float32 logits and loss" in result.stderr.splitlines()
+    assert "tier 2 [1/3]: float32 logits and loss" in result.stderr.splitlines()

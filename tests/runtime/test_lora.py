@@ -14,6 +14,7 @@ from runtime.layers.lora_linear import LoraLinear, weight_of
 from runtime.lora import (LoraConfig, apply_lora, load_lora_state_dict, lora_parameters, lora_state_dict, merge_lora,
                           unmerge_lora)
 from runtime.ops.moe import glu
+from runtime.tolerances import assert_close
 
 ATTENTION = ("layers.*.attn.*",)
 
@@ -47,6 +48,25 @@ def test_dense_lora_matches_its_formula():
     for ours, theirs in ((x.grad, x64.grad), (layer.lora_A.grad, A.grad), (layer.lora_B.grad, B.grad)):
         torch.testing.assert_close(ours.double(), theirs, rtol=1e-5, atol=1e-6)
     assert layer.weight is base.weight
+
+
+def test_bf16_lora_keeps_fp32_masters_within_bf16_tolerance():
+    """On a bf16 base the LoRA GEMMs run in bf16; the factors and their gradients stay fp32."""
+    torch.manual_seed(0)
+    base = nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+    layer = LoraLinear(base, rank=8, scale=2.0, dropout=0.0)
+    _randomize([layer.lora_A, layer.lora_B], 2)
+    x = torch.randn(2, 7, 64).to(torch.bfloat16).requires_grad_()
+    out = layer(x)
+    x64, W, A, B = (t.detach().double().requires_grad_(True) for t in (x, base.weight, layer.lora_A, layer.lora_B))
+    ref = x64 @ W.T + 2.0 * (x64 @ A.T) @ B.T
+    cot = torch.randn(out.shape, dtype=torch.float64)
+    out.backward(cot.to(out.dtype))
+    (ref * cot).sum().backward()
+    assert out.dtype == torch.bfloat16 and layer.lora_A.grad.dtype == layer.lora_B.grad.dtype == torch.float32
+    assert_close(out, ref, "lora_linear", torch.bfloat16)
+    for name, ours, theirs in (("x", x.grad, x64.grad), ("A", layer.lora_A.grad, A.grad), ("B", layer.lora_B.grad, B.grad)):
+        assert_close(ours, theirs, "lora_linear", torch.bfloat16, "grad", name)
 
 
 def test_rslora_scale_and_dropout_where_a_layer_reads_the_weight():

@@ -34,3 +34,14 @@ def test_frozen_head_gets_no_gradient_and_ignored_tokens_none():
     chunked_cross_entropy(h, w, labels, chunk_size=4).backward()
     assert w.grad is None
     assert torch.count_nonzero(h.grad.abs().sum(-1)) == 1 and h.grad[3].abs().sum() > 0
+
+
+def test_no_grad_gives_the_same_loss_and_forms_no_gradient():
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(21, 8, generator=gen, requires_grad=True)
+    w = torch.randn(30, 8, generator=gen)
+    labels = torch.randint(0, 30, (21,), generator=gen)
+    with_grad = chunked_cross_entropy(h, w, labels, chunk_size=8)
+    with torch.no_grad():
+        without = chunked_cross_entropy(h, w, labels, chunk_size=8)
+    assert without.grad_fn is None and torch.equal(without, with_grad.detach())

@@ -23,7 +23,7 @@ def _loss_and_grads(package: Path, policy: MemoryPolicy):
 
     spec = json.loads((package / "spec.json").read_text())
     weight_map = json.loads((package / "weight_map.json").read_text())
-    release = Path(yaml.safe_load((package / "package.yaml").read_text())["source"]["path"])
+    release = Path(yaml.safe_load((package / "package.yaml").read_text())["source"]["absolute"])
     model = build_model(spec, weight_map, release, read_lora(package, weight_map), policy, "cpu")
     for p in lora_parameters(model):
         # B starts at zero, which would leave A's gradient zero: give both factors values

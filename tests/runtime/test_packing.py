@@ -19,7 +19,7 @@ def runtime_model(package) -> HybridDecoder:
     import yaml
 
     spec = json.loads((package / "spec.json").read_text())
-    release = yaml.safe_load((package / "package.yaml").read_text())["source"]["path"]
+    release = yaml.safe_load((package / "package.yaml").read_text())["source"]["absolute"]
     model = HybridDecoder(spec)
     load_release(model, release, json.loads((package / "weight_map.json").read_text()))
     return model.eval()

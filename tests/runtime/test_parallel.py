@@ -34,7 +34,7 @@ ROWS, T = 4, 32
 
 
 def _package(pkg: Path) -> tuple[dict, dict, Path]:
-    source = Path(yaml.safe_load((pkg / "package.yaml").read_text())["source"]["path"])
+    source = Path(yaml.safe_load((pkg / "package.yaml").read_text())["source"]["absolute"])
     return json.loads((pkg / "spec.json").read_text()), json.loads((pkg / "weight_map.json").read_text()), source
 
 
@@ -110,13 +110,15 @@ def test_expert_parallel_step_equals_one_process(example_package, tmp_path, monk
 
 
 def test_tier3_passes(example_package):
-    """World 1, 2, 4 (dp2, ep2, ep4, dp2 x ep2), 4 steps, and the ep2 checkpoint resumed at ep1 and ep4."""
+    """World 1, 2, 4 (dp2, ep2, ep4, dp2 x ep2), 4 steps, every step's gradients, the ep2 checkpoint resumed at ep1
+    and ep4, ep2 and ep4 with the aux loss."""
     spec, weight_map, source = _package(example_package("qwen3_moe"))
     checks = tier3(spec, weight_map, source, example_package("qwen3_moe") / "lora.yaml")
     failed = [(c.name, c.value) for c in checks if c.verdict != "pass"]
     assert not failed
     names = {c.name for c in checks}
-    assert {"dp2xep2/step4/loss", "dp1xep4/step1/lora_grads", "resume-ep4/step4/loss", "resume-ep1/step3/loss"} <= names
+    assert {"dp2xep2/step4/loss", "dp1xep4/step4/lora_grads", "resume-ep4/step4/loss", "resume-ep1/step3/loss",
+            "dp1xep4-balance/step4/aux_loss", "dp1xep2-balance/step4/lora_grads"} <= names
 
 
 def test_capacity_drops_the_latest_pairs_of_an_overfull_expert():

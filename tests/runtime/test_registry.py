@@ -20,11 +20,12 @@ def test_a_missing_module_does_not_exist():
     assert not type(op)(op.name, op.covers, op.reference, "runtime.ops.nowhere:rms_norm", None, op.supports).exists("fallback")
 
 
-def test_the_registry_names_the_activations_the_runtime_has():
-    """runtime.registry names them without importing torch; they must be ops/mlp.py's own."""
+def test_the_registry_names_the_activations_and_scorings_the_runtime_has():
+    """runtime.registry names them without importing torch; they must be ops/mlp.py's and ops/moe.py's own."""
     import subprocess
     import sys
 
-    probe = ("import runtime.registry as r, runtime.ops.mlp as m; "
-             "import sys; sys.exit(0 if set(r.BUILTIN_ACTIVATIONS) == set(m.ACTIVATIONS) else 1)")
+    probe = ("import runtime.registry as r, runtime.ops.mlp as m, runtime.ops.moe as moe; import sys; "
+             "sys.exit(0 if set(r.BUILTIN_ACTIVATIONS) == set(m.ACTIVATIONS) "
+             "and set(r.BUILTIN_SCORINGS) == set(moe.SCORINGS) else 1)")
     assert subprocess.run([sys.executable, "-c", probe]).returncode == 0

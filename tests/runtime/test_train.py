@@ -37,7 +37,7 @@ def _setup(package: Path, tmp_path: Path):
 
     spec = json.loads((package / "spec.json").read_text())
     weight_map = json.loads((package / "weight_map.json").read_text())
-    release = Path(yaml.safe_load((package / "package.yaml").read_text())["source"]["path"])
+    release = Path(yaml.safe_load((package / "package.yaml").read_text())["source"]["absolute"])
     data = prepare_data(write_data(tmp_path / "data.jsonl"), load_tokenizer(release), 32, 0.2, 0)
     model = build_model(spec, weight_map, release, read_lora(package, weight_map), memory_policy(package, None, None),
                         "cpu")

@@ -28,13 +28,13 @@ NUM_WARPS, NUM_STAGES = 8, 2
 
 
 @triton.jit
-def _load_selected(kv_ptr, idx_ptr, tok, b, T, S, s0, V, R, K,
-                   BS: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
-    """Gather the kv rows of index slots s0..s0+BS-1: (valid_BS, rows_BS, kv_v_BSxBV, kv_r_BSxBR)."""
+def _load_selected(kv_ptr, idx_ptr, tok, T, S, s0, V, R, K, BS: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
+    """Gather the kv rows of index slots s0..s0+BS-1 of token `tok` (of the B * T): (valid_BS, rows_BS,
+    kv_v_BSxBV, kv_r_BSxBR)."""
     offs_s = s0 + tl.arange(0, BS)
     idx = tl.load(idx_ptr + tok * S + offs_s, mask=offs_s < S, other=-1)
     valid = idx >= 0
-    rows = (b * T + tl.where(valid, idx, 0)).to(tl.int64)
+    rows = ((tok // T) * T + tl.where(valid, idx, 0)).to(tl.int64)
     offs_v, offs_r = tl.arange(0, BV), tl.arange(0, BR)
     kv_v = tl.load(kv_ptr + rows[:, None] * K + offs_v[None, :], mask=valid[:, None] & (offs_v[None, :] < V), other=0.0)
     kv_r = tl.load(kv_ptr + rows[:, None] * K + V + offs_r[None, :], mask=valid[:, None] & (offs_r[None, :] < R), other=0.0)
@@ -63,7 +63,6 @@ def _token_and_head0(H, BH: tl.constexpr):
 def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, scale_log2, T, H, S, V, R,
                 BH: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
     tok, h0 = _token_and_head0(H, BH)
-    b = tok // T
     K = V + R
     q_v = _load_heads(q_ptr, tok, h0, H, V, K, 0, BH, BV)
     q_r = _load_heads(q_ptr, tok, h0, H, R, K, V, BH, BR)
@@ -71,7 +70,7 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, scale_log2, T, H, S, V, 
     l = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BV], tl.float32)
     for s0 in range(0, S, BS):
-        valid, rows, kv_v, kv_r = _load_selected(kv_ptr, idx_ptr, tok, b, T, S, s0, V, R, K, BS, BV, BR)
+        valid, rows, kv_v, kv_r = _load_selected(kv_ptr, idx_ptr, tok, T, S, s0, V, R, K, BS, BV, BR)
         logits = tl.dot(q_v, tl.trans(kv_v)) + tl.dot(q_r, tl.trans(kv_r))
         logits = tl.where(valid[None, :], logits * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(logits, 1))
@@ -96,7 +95,6 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_
                 scale, scale_log2, T, H, S, V, R,
                 BH: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
     tok, h0 = _token_and_head0(H, BH)
-    b = tok // T
     K = V + R
     offs_h, offs_v, offs_r = h0 + tl.arange(0, BH), tl.arange(0, BV), tl.arange(0, BR)
     q_v = _load_heads(q_ptr, tok, h0, H, V, K, 0, BH, BV)
@@ -108,7 +106,7 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_
     dq_v = tl.zeros([BH, BV], tl.float32)
     dq_r = tl.zeros([BH, BR], tl.float32)
     for s0 in range(0, S, BS):
-        valid, rows, kv_v, kv_r = _load_selected(kv_ptr, idx_ptr, tok, b, T, S, s0, V, R, K, BS, BV, BR)
+        valid, rows, kv_v, kv_r = _load_selected(kv_ptr, idx_ptr, tok, T, S, s0, V, R, K, BS, BV, BR)
         logits = tl.dot(q_v, tl.trans(kv_v)) + tl.dot(q_r, tl.trans(kv_r))
         p = tl.where(valid[None, :], tl.exp2(logits * scale_log2 - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(kv_v))

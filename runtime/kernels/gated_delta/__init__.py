@@ -6,18 +6,13 @@ function.py launches the kernels of forward.py, diagonal.py and backward.py (hel
 """
 import torch
 
-from runtime.kernels.gated_delta.function import chunk_delta_rule
+from runtime.kernels.gated_delta.function import gated_delta_rule
 
-
-def gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, scale=None, initial_state_BHKV=None, use_qk_l2norm=True,
-                     cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o_BTHV, final_state_BHKV); g_BTH log decay per head and token."""
-    return chunk_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, scale, initial_state_BHKV, use_qk_l2norm,
-                            cu_seqlens)
+__all__ = ["gated_delta_rule", "kda"]
 
 
 def kda(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale=None, initial_state_BHKV=None, use_qk_l2norm=True,
         cu_seqlens=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o_BTHV, final_state_BHKV); g_BTHK log decay per head, token and key channel."""
-    return chunk_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale, initial_state_BHKV, use_qk_l2norm,
+    return gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale, initial_state_BHKV, use_qk_l2norm,
                             cu_seqlens)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime.kernels.gated_delta.common import decayed_gram_bwd, mm, row_of, scalar_gram_bwd, store_diag
+from runtime.kernels.gated_delta.common import decay_weighted, l2norm_bwd, mm, row_of, row_scales, store_diag
 from runtime.kernels.gated_delta.forward import (
-    add_cols, chunk_tokens, load_chunk_decay, load_cols, rows_at, state_offsets, store_cols,
+    add_cols, chunk_tokens, load_chunk_decay, load_cols, rows_at, scan_start, state_offsets, store_cols,
 )
 
 
@@ -29,21 +29,13 @@ from runtime.kernels.gated_delta.forward import (
 def scan_bwd_kernel(do_ptr, p_ptr, kbar_ptr, qg_ptr, w_ptr, glast_ptr, dht_ptr, cu_ptr, chunk_offsets_ptr,
                     dh_ptr, dvnew_ptr, dh0_ptr,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-                    PER_CHANNEL: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                    DOTS: tl.constexpr):
+                    PER_CHANNEL: tl.constexpr, DOTS: tl.constexpr):
     """Per (sequence, head, V block), last chunk first: store dh (gradient of the state leaving the chunk),
     dv_new = P^T do + kbar dh, then dh <- e^gc_last dh + qg^T do - w^T dv_new. dh in fp32 registers; the
     products take their operands as common.mm's DOTS says ("bf16" rounds dh and dv_new as their stored
-    copies are) and the tiles load in their stored dtype."""
-    seq, head, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, eos = tl.load(cu_ptr + seq), tl.load(cu_ptr + seq + 1)
-    first_chunk = tl.load(chunk_offsets_ptr + seq)
+    copies are) and the tiles load in their stored dtype. dht_ptr and dh0_ptr may be None (no dht, no dh0)."""
+    head, bos, eos, first_chunk, col0, seq_offs, dh = scan_start(cu_ptr, chunk_offsets_ptr, dht_ptr, H, K, V, BV)
     num_chunks = tl.cdiv(eos - bos, C)
-    col0 = vb * BV
-    seq_offs = state_offsets(seq, head, 0, col0, H, K, V, K, BV)
-    dh = tl.zeros([K, BV], tl.float32)
-    if HAS_DHT:
-        dh += tl.load(dht_ptr + seq_offs)
     for i in range(num_chunks):
         c = num_chunks - 1 - i
         chunk = first_chunk + c
@@ -60,37 +52,8 @@ def scan_bwd_kernel(do_ptr, p_ptr, kbar_ptr, qg_ptr, w_ptr, glast_ptr, dht_ptr, 
         w = tl.load(rows_at(w_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
         decay = load_chunk_decay(glast_ptr, chunk, head, H, K, PER_CHANNEL)
         dh = decay * dh + mm(tl.trans(qg), do, DOTS) - mm(tl.trans(w), dv_new, DOTS)
-    if STORE_DH0:
+    if dh0_ptr is not None:
         tl.store(dh0_ptr + seq_offs, dh)
-
-
-@triton.jit
-def l2norm_bwd(y, inv, dy, USE: tl.constexpr):
-    """dx of y = x * inv with inv = (sum x^2 + eps)^-1/2: inv (dy - y (y . dy))."""
-    if USE:
-        dx = inv[:, None] * (dy - y * tl.sum(y * dy, 1)[:, None])
-    else:
-        dx = dy
-    return dx
-
-
-@triton.jit
-def stored_inv_norms(norms_ptr, rows, slot: tl.constexpr, valid):
-    """The inverse norms prep stored of rows (token * H + head) of [T, H, 2]: slot 0
-    k's, slot 1 q's times the scale."""
-    return tl.load(norms_ptr + rows.to(tl.int64) * 2 + slot, mask=valid, other=0.0)
-
-
-@triton.jit
-def row_scales(norms_ptr, slot: tl.constexpr, scale, start, valid_C, head, H: tl.constexpr, C: tl.constexpr,
-               L2NORM: tl.constexpr):
-    """scale / sqrt(sum x^2 + eps) of the chunk's rows: prep's stored inverse norms (slot 0 k's with scale 1,
-    slot 1 q's, which hold the scale), or scale alone without the l2norm."""
-    if L2NORM:
-        f_C = stored_inv_norms(norms_ptr, (start + tl.arange(0, C)) * H + head, slot, valid_C)
-    else:
-        f_C = tl.full([C], 1.0, tl.float32) * scale
-    return f_C
 
 
 @triton.jit
@@ -142,9 +105,9 @@ def state_grad_kernel(q_ptr, k_ptr, g_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, d
         dlam += tl.sum(h.to(tl.float32) * dh.to(tl.float32), 1)
     store_cols(dw_ptr, dw, start, valid, head, col0, H, K, C, BK)
     q = load_cols(q_ptr, start, valid, head, col0, H, K, C, BK) * row_scales(
-        norms_ptr, 1, scale, start, valid, head, H, C, L2NORM)[:, None]
+        norms_ptr, 1, scale, tok * H + head, valid, L2NORM)[:, None]
     k = load_cols(k_ptr, start, valid, head, col0, H, K, C, BK) * row_scales(
-        norms_ptr, 0, 1.0, start, valid, head, H, C, L2NORM)[:, None]
+        norms_ptr, 0, 1.0, tok * H + head, valid, L2NORM)[:, None]
     gc = gc_block(g_ptr, tok, valid, start, head, col0, H, K, C, BK, PER_CHANNEL)
     rows = tl.arange(0, C)
     dp = tl.where(rows[:, None] >= rows[None, :], dp, 0.0)
@@ -159,9 +122,9 @@ def state_grad_kernel(q_ptr, k_ptr, g_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, d
     dk = dkbar * tl.exp(gl[None, :] - gc)
     dgl = tl.sum(k * dk, 0) + tl.exp(gl) * dlam
     if not PER_CHANNEL:
-        da, dc = decayed_gram_bwd(dp, q, k, gc, C, PREC)
-        dq += da
-        dk += dc
+        dme = decay_weighted(dp, tl.sum(gc, 1))
+        dq += mm(dme, k, PREC)
+        dk += mm(tl.trans(dme), q, PREC)
     dgc = q * dq - k * dk
     store_cols(dq_ptr, dq, start, valid, head, col0, H, K, C, BK)
     store_cols(dk_ptr, dk, start, valid, head, col0, H, K, C, BK)
@@ -194,15 +157,13 @@ def wy_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, dvnew_ptr, dw
     start, tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
     beta = tl.load(beta_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32)
     tinv = load_cols(tinv_ptr, start, valid, head, 0, H, C, C, C)
-    k_inv = row_scales(norms_ptr, 0, 1.0, start, valid, head, H, C, L2NORM)
+    k_inv = row_scales(norms_ptr, 0, 1.0, tok * H + head, valid, L2NORM)
     # the scalar decay's [C, 1] gc serves every key block: loaded and summed once, off the loops' chains
     gc_rows = tl.zeros([C, 1], tl.float32)
     if not PER_CHANNEL:
         gc_rows = gc_block(g_ptr, tok, valid, start, head, 0, H, K, C, 1, False)
         # dq reads nothing this kernel writes: first, its loads beside Tinv's instead of a round in the tail
-        q_inv = tl.zeros([C], tl.float32)
-        if L2NORM:
-            q_inv = stored_inv_norms(norms_ptr, tok * H + head, 1, valid) / scale
+        q_inv = row_scales(norms_ptr, 1, scale, tok * H + head, valid, L2NORM) / scale
         finish_rows(q_ptr, part_dq_ptr, final_dq_ptr, q_inv, scale, start, valid, head, H, K, C, L2NORM)
     db = tl.zeros([C], tl.float32)
     dtinv = tl.zeros([C, C], tl.float32)
@@ -216,10 +177,7 @@ def wy_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, dvnew_ptr, dw
         db += tl.sum(dbv * v, 1)
     for kb in range(NK):
         k = load_cols(k_ptr, start, valid, head, kb * BK, H, K, C, BK) * k_inv[:, None]
-        if PER_CHANNEL:
-            gc = load_cols(gcs_ptr, start, valid, head, kb * BK, H, K, C, BK)
-        else:
-            gc = gc_rows
+        gc = load_cols(gcs_ptr, start, valid, head, kb * BK, H, K, C, BK) if PER_CHANNEL else gc_rows
         eg = tl.exp(gc)
         kt = k * eg
         dw = load_cols(dw_ptr, start, valid, head, kb * BK, H, K, C, BK)
@@ -263,11 +221,15 @@ def scalar_dl_grad(k_ptr, dk_ptr, dw_ptr, dl, tinv, beta, k_inv, gc, db, start, 
         k = load_cols(k_ptr, start, valid, head, kb * BK, H, K, C, BK) * k_inv[:, None]
         dkt = beta[:, None] * mm(tl.trans(tinv), load_cols(dw_ptr, start, valid, head, kb * BK, H, K, C, BK),
                                  GRAD_DOTS)
+        dme = decay_weighted(dl, tl.sum(gc, 1))
         if GRAD_DOTS == PREC:
-            da, dc = decayed_gram_bwd(dl, beta[:, None] * k, k, gc, C, PREC)
+            da, dc = mm(dme, k, PREC), mm(tl.trans(dme), beta[:, None] * k, PREC)
         else:
+            # the row scales go onto dL so that the products take the raw k (exact in bf16 for bf16 inputs) and
+            # only the scaled dL is rounded
             k_raw = tl.load(rows_at(k_ptr, start, head, H, K, kb * BK, C, BK), mask=valid[:, None], other=0.0)
-            da, dc = scalar_gram_bwd(dl, k_raw, k_raw, beta * k_inv, k_inv, tl.sum(gc, 1), GRAD_DOTS)
+            da = mm(dme * k_inv[None, :], k_raw, GRAD_DOTS)
+            dc = mm(tl.trans(dme * (beta * k_inv)[:, None]), k_raw, GRAD_DOTS)
         db += tl.sum(da * k, 1)
         dk = beta[:, None] * da + dc + dkt * eg
         dgc = k * (beta[:, None] * da - dc + eg * dkt)
@@ -282,7 +244,7 @@ def sub_chunk_rows(ptr, norms_ptr, slot: tl.constexpr, scale, start, valid_S, he
                    S: tl.constexpr, L2NORM: tl.constexpr):
     """x_SK in fp32, l2-normalized over K (with L2NORM: prep's stored inverse norms, see row_scales) and times
     scale: the S rows of a sub-chunk of a packed [T, H, K] tensor."""
-    f_S = row_scales(norms_ptr, slot, scale, start, valid_S, head, H, S, L2NORM)
+    f_S = row_scales(norms_ptr, slot, scale, (start + tl.arange(0, S)) * H + head, valid_S, L2NORM)
     return load_cols(ptr, start, valid_S, head, 0, H, K, S, K) * f_S[:, None]
 
 

@@ -1,4 +1,4 @@
-"""Triton helpers shared by the GDN/KDA kernels: in-chunk decayed Gram matrices and the UT inverse.
+"""Triton helpers shared by the GDN/KDA kernels: in-chunk decayed Gram matrices, the UT inverse, the l2norm.
 
 Shape legend: C chunk size, S sub-chunk size (C = NS * S), K key dim, X 1 (GDN) or K (KDA).
 gc_CX is the in-chunk cumulative log decay: non-increasing down the rows, so exp(gc_i - gc_j) <= 1
@@ -14,12 +14,9 @@ import triton.language as tl
 
 @triton.jit
 def l2norm_rows(x, eps, USE: tl.constexpr):
-    """(x / sqrt(sum(x^2) + eps), 1 / sqrt(sum(x^2) + eps)) per row; identity when USE is off."""
-    if USE:
-        inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) + eps)
-    else:
-        inv = tl.full([x.shape[0]], 1.0, tl.float32)
-    return x * inv[:, None], inv
+    """x / sqrt(sum(x^2) + eps) per row; identity when USE is off."""
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) + eps) if USE else tl.full([x.shape[0]], 1.0, tl.float32)
+    return x * inv[:, None]
 
 
 @triton.jit
@@ -45,28 +42,28 @@ def decayed_gram(a_CK, c_CK, gc_CK, C: tl.constexpr, S: tl.constexpr, PREC: tl.c
 
 
 @triton.jit
-def decayed_gram_bwd(dm_CC, a_CK, c_CK, gc_C1, C: tl.constexpr, PREC: tl.constexpr):
-    """Scalar decay: (da_CK, dc_CK) of M_ij = (a_i . c_j) exp(gc_i - gc_j) given dM already masked to M's
-    pattern."""
-    rows = tl.arange(0, C)
-    g_C = tl.sum(gc_C1, 1)
-    keep = rows[:, None] >= rows[None, :]
-    dme = dm_CC * tl.exp(tl.where(keep, g_C[:, None] - g_C[None, :], float("-inf")))
-    da = tl.dot(dme, c_CK, input_precision=PREC)
-    dc = tl.dot(tl.trans(dme), a_CK, input_precision=PREC)
-    return da, dc
+def decay_weighted(dm_CC, g_C):
+    """Scalar decay: dM_ij exp(g_i - g_j) for M_ij = (a_i . c_j) exp(g_i - g_j), dM already masked to M's pattern;
+    then da = (that) c and dc = (that)^T a."""
+    rows = tl.arange(0, dm_CC.shape[0])
+    return dm_CC * tl.exp(tl.where(rows[:, None] >= rows[None, :], g_C[:, None] - g_C[None, :], float("-inf")))
 
 
 @triton.jit
-def scalar_gram_bwd(dm_CC, a_raw_CK, c_raw_CK, a_scale_C, c_scale_C, g_C, DOTS: tl.constexpr):
-    """decayed_gram_bwd for the scalar decay with a = a_scale a_raw, c = c_scale c_raw (row scales, e.g. the
-    l2norm): the scales go onto dM's rows and columns so that the products take the raw inputs as operands
-    (exact in bf16 for bf16 inputs; common.mm's DOTS), and only the scaled dM is rounded."""
-    rows = tl.arange(0, dm_CC.shape[0])
-    dme = dm_CC * tl.exp(tl.where(rows[:, None] >= rows[None, :], g_C[:, None] - g_C[None, :], float("-inf")))
-    da = mm(dme * c_scale_C[None, :], c_raw_CK, DOTS)
-    dc = mm(tl.trans(dme * a_scale_C[:, None]), a_raw_CK, DOTS)
-    return da, dc
+def row_scales(norms_ptr, slot: tl.constexpr, scale, rows_R, valid_R, L2NORM: tl.constexpr):
+    """scale / sqrt(sum x^2 + eps) of rows rows_R (token * H + head): the inverse norms prep stored [T, H, 2]
+    (slot 0 k's with scale 1, slot 1 q's, which hold the scale), or scale alone without the l2norm."""
+    if L2NORM:
+        f_R = tl.load(norms_ptr + rows_R.to(tl.int64) * 2 + slot, mask=valid_R, other=0.0)
+    else:
+        f_R = tl.full([rows_R.shape[0]], 1.0, tl.float32) * scale
+    return f_R
+
+
+@triton.jit
+def l2norm_bwd(y, inv, dy, USE: tl.constexpr):
+    """dx of y = x * inv with inv = (sum x^2 + eps)^-1/2: inv (dy - y (y . dy))."""
+    return inv[:, None] * (dy - y * tl.sum(y * dy, 1)[:, None]) if USE else dy
 
 
 @triton.jit

@@ -17,24 +17,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime.kernels.gated_delta.backward import l2norm_bwd, stored_inv_norms
-from runtime.kernels.gated_delta.common import l2norm_rows
-from runtime.kernels.gated_delta.forward import chunk_tokens
+from runtime.kernels.gated_delta.common import l2norm_bwd, l2norm_rows, row_scales
+from runtime.kernels.gated_delta.forward import chunk_tokens, load_cols, store_cols
 
 
 @triton.jit
-def unit_rows(ptr, norms_ptr, slot: tl.constexpr, scale, rows_R, valid_R, K: tl.constexpr, L2NORM: tl.constexpr):
-    """(x_RK l2-normalized over K (with L2NORM) and times scale, the inverse norms without the scale) of the rows
-    rows_R (token * H + head) of a packed [T, H, K] tensor, from the norms prep stored (slot 0 k's, slot 1 q's,
-    which hold the scale)."""
-    x = tl.load(ptr + rows_R.to(tl.int64)[:, None] * K + tl.arange(0, K)[None, :], mask=valid_R[:, None],
-                other=0.0).to(tl.float32)
-    if L2NORM:
-        f_R = stored_inv_norms(norms_ptr, rows_R, slot, valid_R)
-        y, inv_R = x * f_R[:, None], f_R / scale
-    else:
-        y, inv_R = x * scale, tl.full([x.shape[0]], 1.0, tl.float32)
-    return y, inv_R
+def unit_rows(ptr, norms_ptr, slot: tl.constexpr, scale, tok, heads_B, H: tl.constexpr, K: tl.constexpr,
+              L2NORM: tl.constexpr):
+    """(x_BK l2-normalized over K (with L2NORM) and times scale, the inverse norms without the scale): token tok's
+    rows for the heads heads_B of a packed [T, H, K] tensor, by the norms prep stored (common.row_scales)."""
+    f_B = row_scales(norms_ptr, slot, scale, tok * H + heads_B, heads_B < H, L2NORM)
+    return head_rows(ptr, tok, heads_B, H, K) * f_B[:, None], f_B / scale
 
 
 @triton.jit
@@ -71,8 +64,8 @@ def diag_token_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_
     tok, sub_start, sub_end, chunk_end = token_position(chunk_start_ptr, chunk_end_ptr, C, S)
     if tok < chunk_end:
         heads = tl.program_id(1) * BH + tl.arange(0, BH)
-        q_i = l2norm_rows(head_rows(q_ptr, tok, heads, H, K), 1e-6, L2NORM)[0]
-        k_i = l2norm_rows(head_rows(k_ptr, tok, heads, H, K), 1e-6, L2NORM)[0]
+        q_i = l2norm_rows(head_rows(q_ptr, tok, heads, H, K), 1e-6, L2NORM)
+        k_i = l2norm_rows(head_rows(k_ptr, tok, heads, H, K), 1e-6, L2NORM)
         bk_i = tl.load(beta_ptr + tok.to(tl.int64) * H + heads).to(tl.float32)[:, None] * k_i
         q_i = q_i * scale
         cols = tl.arange(0, S)
@@ -82,7 +75,7 @@ def diag_token_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_
         decay = tl.zeros([BH, K], tl.float32)
         for back in range(tok - sub_start + 1):
             j = tok - back
-            k_j = l2norm_rows(head_rows(k_ptr, j, heads, H, K), 1e-6, L2NORM)[0]
+            k_j = l2norm_rows(head_rows(k_ptr, j, heads, H, K), 1e-6, L2NORM)
             kj_e = k_j * tl.exp(decay)
             at_j = cols[None, :] == j - sub_start
             l_BS = tl.where(at_j & (back > 0), tl.sum(bk_i * kj_e, 1)[:, None], l_BS)
@@ -104,10 +97,9 @@ def diag_grad_token_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, norms_ptr, chunk_start
     tok, sub_start, sub_end, chunk_end = token_position(chunk_start_ptr, chunk_end_ptr, C, S)
     if tok < chunk_end:
         heads = tl.program_id(1) * BH + tl.arange(0, BH)
-        every = tl.full([BH], 1, tl.int1)
         pos = tok - sub_start
-        q_t, q_inv = unit_rows(q_ptr, norms_ptr, 1, scale, tok * H + heads, every, K, L2NORM)
-        k_t, k_inv = unit_rows(k_ptr, norms_ptr, 0, 1.0, tok * H + heads, every, K, L2NORM)
+        q_t, q_inv = unit_rows(q_ptr, norms_ptr, 1, scale, tok, heads, H, K, L2NORM)
+        k_t, k_inv = unit_rows(k_ptr, norms_ptr, 0, 1.0, tok, heads, H, K, L2NORM)
         beta_t = tl.load(beta_ptr + tok.to(tl.int64) * H + heads).to(tl.float32)
         dl_row = head_rows(dldiag_ptr, tok, heads, H, S)
         dp_row = head_rows(dpdiag_ptr, tok, heads, H, S)
@@ -118,7 +110,7 @@ def diag_grad_token_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, norms_ptr, chunk_start
         decay = tl.zeros([BH, K], tl.float32)
         for back in range(pos + 1):
             s = tok - back
-            k_s = unit_rows(k_ptr, norms_ptr, 0, 1.0, s * H + heads, every, K, L2NORM)[0]
+            k_s = unit_rows(k_ptr, norms_ptr, 0, 1.0, s, heads, H, K, L2NORM)[0]
             ks_e = k_s * tl.exp(decay)
             at_s = cols[None, :] == pos - back
             da_l += tl.sum(tl.where(at_s & (back > 0), dl_row, 0.0), 1)[:, None] * ks_e
@@ -131,8 +123,8 @@ def diag_grad_token_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, norms_ptr, chunk_start
             s = tok + ahead
             if ahead > 0:
                 decay += head_rows(g_ptr, s, heads, H, K)
-            q_s = unit_rows(q_ptr, norms_ptr, 1, scale, s * H + heads, every, K, L2NORM)[0]
-            k_s = unit_rows(k_ptr, norms_ptr, 0, 1.0, s * H + heads, every, K, L2NORM)[0]
+            q_s = unit_rows(q_ptr, norms_ptr, 1, scale, s, heads, H, K, L2NORM)[0]
+            k_s = unit_rows(k_ptr, norms_ptr, 0, 1.0, s, heads, H, K, L2NORM)[0]
             beta_s = tl.load(beta_ptr + s.to(tl.int64) * H + heads).to(tl.float32)
             row_s = (s.to(tl.int64) * H + heads) * S + pos
             dl_st = tl.where(ahead > 0, tl.load(dldiag_ptr + row_s), 0.0)
@@ -154,9 +146,8 @@ def dg_finish_kernel(dgc_ptr, dgl_ptr, chunk_start_ptr, chunk_end_ptr, dg_ptr, H
     """Per (chunk, head, BK channels), per-channel decay: dg_t = dgc_last + sum of dgc over s >= t in the chunk
     (column blocks: a cumsum over whole [C, K] rows holds too many registers)."""
     chunk, head, col0 = tl.program_id(0), tl.program_id(1), tl.program_id(2) * BK
-    _, tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
-    offs = (tok.to(tl.int64) * H + head)[:, None] * K + col0 + tl.arange(0, BK)[None, :]
-    dgc = tl.load(dgc_ptr + offs, mask=valid[:, None], other=0.0)
+    start, _, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
+    dgc = load_cols(dgc_ptr, start, valid, head, col0, H, K, C, BK)
     dgl = tl.load(dgl_ptr + (chunk.to(tl.int64) * H + head) * K + col0 + tl.arange(0, BK))
     dg = dgl[None, :] + tl.sum(dgc, 0)[None, :] - tl.cumsum(dgc, 0) + dgc
-    tl.store(dg_ptr + offs, dg.to(dg_ptr.dtype.element_ty), mask=valid[:, None])
+    store_cols(dg_ptr, dg, start, valid, head, col0, H, K, C, BK)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from runtime.kernels.gated_delta.common import (
-    block_diagonal, decayed_gram, diag_block_inverse, load_diag, merge_block_inverse, mm, row_of,
+    block_diagonal, decayed_gram, diag_block_inverse, load_diag, merge_block_inverse, mm, row_of, row_scales,
 )
 
 
@@ -57,6 +57,7 @@ def add_cols(ptr, x, start, valid_R, head, col0, H: tl.constexpr, D: tl.constexp
     store_cols(ptr, x + load_cols(ptr, start, valid_R, head, col0, H, D, R, BD), start, valid_R, head, col0, H, D,
                R, BD)
 
+
 @triton.jit
 def raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
               S: tl.constexpr, BD: tl.constexpr, PER_CHANNEL: tl.constexpr, GRAM_PREC: tl.constexpr,
@@ -95,27 +96,21 @@ def raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H: tl.constexpr, K: tl.co
 def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_ptr,
                         qg_ptr, kbar_ptr, w_ptr, u_ptr, p_ptr, glast_ptr, tinv_ptr, inv_ptr, ldiag_ptr, pdiag_ptr,
                         scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
-                        BD: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                        L2NORM: tl.constexpr, STORE_TINV: tl.constexpr,
-                        STORE_NORMS: tl.constexpr, GRAM_PREC: tl.constexpr, PREC: tl.constexpr):
+                        BD: tl.constexpr, PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr, GRAM_PREC: tl.constexpr,
+                        PREC: tl.constexpr):
     """Per (chunk, head): qg = q exp(gc), kbar = k exp(gc_last - gc), w, u, P, gc_last [, Tinv] in their buffers'
     dtypes, on [C, BD] column blocks. The Gram products take the raw inputs (bf16 operands are exact for bf16
     inputs) and the l2norm scales them afterwards: gram(k_hat)_ij = (k_i . k_j) / (|k_i| |k_j|). The inverses
     of Tinv's diagonal blocks come from doubling; per channel, L's and P's diagonal blocks from diagonal.py.
-    Per channel it stops at P and Tinv (stored): prep_columns_kernel makes the rest.
-    STORE_NORMS stores the rows' inverse norms [T, H, 2] at inv_ptr (k's, then q's times the scale) for
-    prep_columns_kernel and the backward kernels."""
+    Per channel it stops at P and Tinv (stored): prep_columns_kernel makes the rest. Tinv and the rows' inverse
+    norms [T, H, 2] at inv_ptr (k's, then q's times the scale) are stored unless their pointer is None."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     start, tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
     rows = tl.arange(0, C)
     kk, qk, kk_BSS, k_sq, q_sq = raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H, K, C, S, BD, PER_CHANNEL,
                                            GRAM_PREC, PREC)
-    k_inv = tl.full([C], 1.0, tl.float32)
-    q_inv = tl.full([C], 1.0, tl.float32)
-    if L2NORM:
-        k_inv = 1.0 / tl.sqrt(k_sq + 1e-6)
-        q_inv = 1.0 / tl.sqrt(q_sq + 1e-6)
-    q_inv = q_inv * scale
+    k_inv = 1.0 / tl.sqrt(k_sq + 1e-6) if L2NORM else tl.full([C], 1.0, tl.float32)
+    q_inv = (1.0 / tl.sqrt(q_sq + 1e-6) if L2NORM else tl.full([C], 1.0, tl.float32)) * scale
     beta = tl.load(beta_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32)
     l_mat = (beta * k_inv)[:, None] * kk * k_inv[None, :]
     p_mat = q_inv[:, None] * qk * k_inv[None, :]
@@ -130,7 +125,8 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
         decay = tl.exp(tl.where(rows[:, None] >= rows[None, :], gc[:, None] - gc[None, :], float("-inf")))
         l_mat = tl.where(rows[:, None] > rows[None, :], l_mat * decay, 0.0)
         p_mat = p_mat * decay
-        tl.store(glast_ptr + chunk.to(tl.int64) * H + head, tl.sum(tl.where(rows == C - 1, gc, 0.0), 0))
+        gl = tl.sum(tl.where(rows == C - 1, gc, 0.0), 0)
+        tl.store(glast_ptr + chunk.to(tl.int64) * H + head, gl)
         g_BS = tl.reshape(gc, [NS, S])
         row_scale = tl.reshape(beta * k_inv, [NS, S])
         col_scale = tl.reshape(k_inv, [NS, S])
@@ -141,17 +137,17 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
     store_cols(p_ptr, p_mat, start, valid, head, 0, H, C, C, C)
     # the doubling's partial products cancel where keys repeat: they want fp32 accuracy
     tinv = merge_block_inverse(l_mat, block_diagonal(diag_block_inverse(l_BSS, S, "tf32x3"), C, S), C, S, PREC)
-    if STORE_TINV:
+    if tinv_ptr is not None:
         store_cols(tinv_ptr, tinv, start, valid, head, 0, H, C, C, C)
-    if STORE_NORMS:
+    if inv_ptr is not None:
         # the programs of the column kernel and of the backward would each re-read q and k whole for them
         inv_offs = (tok.to(tl.int64) * H + head) * 2
         tl.store(inv_ptr + inv_offs, k_inv, mask=valid)
         tl.store(inv_ptr + inv_offs + 1, q_inv, mask=valid)
     if not PER_CHANNEL:
         for col0 in tl.static_range(0, K, BD):
-            key_columns(q_ptr, k_ptr, g_ptr, kbar_ptr, w_ptr, qg_ptr, glast_ptr, tinv, beta, k_inv, q_inv, gc,
-                        start, valid, chunk, head, col0, H, K, C, BD, False, PREC)
+            key_columns(q_ptr, k_ptr, kbar_ptr, w_ptr, qg_ptr, tinv, beta, k_inv, q_inv, gc[:, None], gl, start, valid,
+                        head, col0, H, K, C, BD, PREC)
         for col0 in tl.static_range(0, V, BD):
             value_columns(v_ptr, u_ptr, tinv, beta, start, valid, head, col0, H, V, BD, PREC)
 
@@ -171,34 +167,25 @@ def prep_columns_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
     beta = tl.load(beta_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32)
     if blk < K // BD:
         # k's and q's inverse norms (q's with the scale) as prep_blocked_kernel stored them
-        inv_offs = (tok.to(tl.int64) * H + head) * 2
-        k_inv = tl.load(inv_ptr + inv_offs, mask=valid, other=0.0)
-        q_inv = tl.load(inv_ptr + inv_offs + 1, mask=valid, other=0.0)
-        # (the scalar decay's gc argument: key_columns takes the per-channel gc from g itself)
-        gc = tl.zeros([C], tl.float32)
-        key_columns(q_ptr, k_ptr, g_ptr, kbar_ptr, w_ptr, qg_ptr, glast_ptr, tinv, beta, k_inv, q_inv, gc, start,
-                    valid, chunk, head, blk * BD, H, K, C, BD, True, PREC)
+        k_inv = row_scales(inv_ptr, 0, 1.0, tok * H + head, valid, True)
+        q_inv = row_scales(inv_ptr, 1, 1.0, tok * H + head, valid, True)
+        gc_blk = tl.cumsum(load_cols(g_ptr, start, valid, head, blk * BD, H, K, C, BD), 0)
+        gl_blk = row_of(gc_blk, C - 1, C)
+        tl.store(glast_ptr + (chunk.to(tl.int64) * H + head) * K + blk * BD + tl.arange(0, BD), gl_blk)
+        key_columns(q_ptr, k_ptr, kbar_ptr, w_ptr, qg_ptr, tinv, beta, k_inv, q_inv, gc_blk, gl_blk[None, :], start,
+                    valid, head, blk * BD, H, K, C, BD, PREC)
     else:
         value_columns(v_ptr, u_ptr, tinv, beta, start, valid, head, (blk - K // BD) * BD, H, V, BD, PREC)
 
 
 @triton.jit
-def key_columns(q_ptr, k_ptr, g_ptr, kbar_ptr, w_ptr, qg_ptr, glast_ptr, tinv, beta, k_inv, q_inv, gc, start, valid,
-                chunk, head, col0, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BD: tl.constexpr,
-                PER_CHANNEL: tl.constexpr, PREC: tl.constexpr):
-    """prep_blocked_kernel's key-side outputs of columns col0 .. col0 + BD: kbar, w, qg (per channel gc_last)."""
-    rows = tl.arange(0, C)
-    if PER_CHANNEL:
-        gc_blk = tl.cumsum(load_cols(g_ptr, start, valid, head, col0, H, K, C, BD), 0)
-        gl_blk = row_of(gc_blk, C - 1, C)
-        tl.store(glast_ptr + (chunk.to(tl.int64) * H + head) * K + col0 + tl.arange(0, BD), gl_blk)
-        kbar_decay = tl.exp(gl_blk[None, :] - gc_blk)
-    else:
-        gc_blk = gc[:, None]
-        kbar_decay = tl.exp(tl.sum(tl.where(rows == C - 1, gc, 0.0), 0) - gc_blk)
-    e_g = tl.exp(gc_blk)
+def key_columns(q_ptr, k_ptr, kbar_ptr, w_ptr, qg_ptr, tinv, beta, k_inv, q_inv, gc_CX, gl, start, valid, head, col0,
+                H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
+    """The key-side outputs kbar, w, qg of columns col0 .. col0 + BD, given the cumulative decay gc_CX of those
+    columns and gc_last (gl: [1, BD] per channel, a scalar for the scalar decay)."""
+    e_g = tl.exp(gc_CX)
     k_hat = load_cols(k_ptr, start, valid, head, col0, H, K, C, BD) * k_inv[:, None]
-    store_cols(kbar_ptr, k_hat * kbar_decay, start, valid, head, col0, H, K, C, BD)
+    store_cols(kbar_ptr, k_hat * tl.exp(gl - gc_CX), start, valid, head, col0, H, K, C, BD)
     w_blk = tl.dot(tinv, beta[:, None] * k_hat * e_g, input_precision=PREC)
     store_cols(w_ptr, w_blk, start, valid, head, col0, H, K, C, BD)
     q_blk = load_cols(q_ptr, start, valid, head, col0, H, K, C, BD)
@@ -234,23 +221,29 @@ def load_chunk_decay(glast_ptr, chunk, head, H: tl.constexpr, K: tl.constexpr, P
 
 
 @triton.jit
+def scan_start(cu_ptr, chunk_offsets_ptr, s0_ptr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               BV: tl.constexpr):
+    """(head, first token, end, first chunk, first value column, offsets of the [K, BV] block of a state
+    [N, H, K, V], s0's block in fp32 or 0 where s0_ptr is None) of a scan program (sequence, head, V block)."""
+    seq, head, col0 = tl.program_id(0), tl.program_id(1), tl.program_id(2) * BV
+    seq_offs = state_offsets(seq, head, 0, col0, H, K, V, K, BV)
+    s = tl.zeros([K, BV], tl.float32)
+    if s0_ptr is not None:
+        s += tl.load(s0_ptr + seq_offs)
+    return head, tl.load(cu_ptr + seq), tl.load(cu_ptr + seq + 1), tl.load(chunk_offsets_ptr + seq), col0, seq_offs, s
+
+
+@triton.jit
 def scan_kernel(w_ptr, u_ptr, kbar_ptr, glast_ptr, h0_ptr, qg_ptr, p_ptr, cu_ptr, chunk_offsets_ptr,
                 h_ptr, vnew_ptr, ht_ptr, o_ptr,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
-                PER_CHANNEL: tl.constexpr, HAS_H0: tl.constexpr, PREC: tl.constexpr):
+                PER_CHANNEL: tl.constexpr, PREC: tl.constexpr):
     """Per (sequence, head, V block), chunk by chunk: store the entering state h, then
     v_new = u - w h and h <- exp(gc_last) h + kbar^T v_new. State in fp32 registers; the products
     take their operands in PREC (see common.mm: "bf16" rounds h and v_new as their stored copies are).
     Also o = qg h + P v_new of the chunk, on h and v_new rounded as their stored copies are; the final state
-    fp32 at ht_ptr."""
-    seq, head, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, eos = tl.load(cu_ptr + seq), tl.load(cu_ptr + seq + 1)
-    first_chunk = tl.load(chunk_offsets_ptr + seq)
-    col0 = vb * BV
-    seq_offs = state_offsets(seq, head, 0, col0, H, K, V, K, BV)
-    h = tl.zeros([K, BV], tl.float32)
-    if HAS_H0:
-        h += tl.load(h0_ptr + seq_offs)
+    fp32 at ht_ptr, starting from h0 unless h0_ptr is None."""
+    head, bos, eos, first_chunk, col0, seq_offs, h = scan_start(cu_ptr, chunk_offsets_ptr, h0_ptr, H, K, V, BV)
     for c in range(tl.cdiv(eos - bos, C)):
         chunk = first_chunk + c
         h_stored = h.to(h_ptr.dtype.element_ty)

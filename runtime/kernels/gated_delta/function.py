@@ -82,40 +82,29 @@ def _bf16_dots() -> str:
 
 
 class ChunkLayout:
-    """Where each chunk of each packed sequence starts and ends (int32 device tensors)."""
+    """Where each chunk of each packed sequence starts and ends (int32 device tensors). num_chunks, where the caller
+    knows it, spares the device-to-host sync that counting the chunks takes."""
 
-    def __init__(self, cu_seqlens, chunk_offsets, chunk_start, chunk_end):
-        self.cu_seqlens, self.chunk_offsets = cu_seqlens.to(torch.int32), chunk_offsets.to(torch.int32)
-        self.chunk_start, self.chunk_end = chunk_start.to(torch.int32), chunk_end.to(torch.int32)
-        self.num_seqs, self.num_chunks = len(cu_seqlens) - 1, len(chunk_start)
-
-    @classmethod
-    def packed(cls, cu_seqlens: torch.Tensor, chunk_size: int) -> "ChunkLayout":
+    def __init__(self, cu_seqlens: torch.Tensor, chunk_size: int, num_chunks: int | None = None):
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         chunks_per_seq = (lengths + chunk_size - 1) // chunk_size
         chunk_offsets = torch.cat([chunks_per_seq.new_zeros(1), chunks_per_seq.cumsum(0)])
-        seq_of_chunk = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), chunks_per_seq)
+        seq_of_chunk = torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), chunks_per_seq,
+                                               output_size=num_chunks)
         index_in_seq = torch.arange(len(seq_of_chunk), device=cu_seqlens.device) - chunk_offsets[seq_of_chunk]
         start = cu_seqlens[seq_of_chunk] + index_in_seq * chunk_size
         end = torch.minimum(start + chunk_size, cu_seqlens[seq_of_chunk + 1])
-        return cls(cu_seqlens, chunk_offsets, start, end)
-
-    @classmethod
-    def batched(cls, batch: int, num_tokens: int, chunk_size: int, device) -> "ChunkLayout":
-        """B sequences of T tokens, built without a device-to-host sync."""
-        per_seq = -(-num_tokens // chunk_size)
-        seq_of_chunk = torch.arange(batch * per_seq, device=device) // per_seq
-        start = seq_of_chunk * num_tokens + (torch.arange(batch * per_seq, device=device) % per_seq) * chunk_size
-        end = torch.minimum(start + chunk_size, (seq_of_chunk + 1) * num_tokens)
-        cu_seqlens = torch.arange(batch + 1, device=device) * num_tokens
-        return cls(cu_seqlens, torch.arange(batch + 1, device=device) * per_seq, start, end)
+        self.cu_seqlens, self.chunk_offsets = cu_seqlens.to(torch.int32), chunk_offsets.to(torch.int32)
+        self.chunk_start, self.chunk_end = start.to(torch.int32), end.to(torch.int32)
+        self.num_seqs, self.num_chunks = len(lengths), len(start)
 
 
 @functools.lru_cache(maxsize=32)
 def _batched_layout(batch: int, num_tokens: int, chunk_size: int, device: torch.device) -> ChunkLayout:
-    """The layout of B sequences of T tokens, built once per shape and chunk size: its ~15 small launches cost
+    """The layout of B sequences of T tokens, built once per shape and chunk size: its small launches cost
     host time on every layer's forward (the kernels only read it)."""
-    return ChunkLayout.batched(batch, num_tokens, chunk_size, device)
+    cu_seqlens = torch.arange(batch + 1, device=device) * num_tokens
+    return ChunkLayout(cu_seqlens, chunk_size, batch * -(-num_tokens // chunk_size))
 
 
 def _token_diag_heads(num_heads: int) -> int:
@@ -140,46 +129,40 @@ def _token_diagonals(q, k, g, beta, layout, scale, l2norm):
 
 def _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, for_backward, storage):
     """Chunk-local quantities as a dict: qg, kbar, w, P in storage.dtype; u, gc_last fp32; Tinv [T, H, C] and the
-    rows' inverse norms [T, H, 2] fp32 where a backward follows (with the qk l2norm for the norms)."""
+    rows' inverse norms [T, H, 2] fp32 where a backward (with the qk l2norm for the norms) or KDA's second prep
+    launch reads them, else None."""
     num_tokens, num_heads, key_dim = q.shape
     f32 = dict(dtype=torch.float32, device=q.device)
     tiles = dict(dtype=storage.dtype, device=q.device)
     out = {name: buffers.empty(num_tokens, num_heads, key_dim, **tiles) for name in ("qg", "kbar", "w")}
     out["u"] = buffers.empty(*v.shape, **f32)
     out["p"] = buffers.empty(num_tokens, num_heads, CHUNK_SIZE, **tiles)
-    # KDA's second prep launch reads Tinv whether or not a backward follows
-    keep_tinv = for_backward or per_channel
-    out["tinv"] = buffers.empty(num_tokens, num_heads, CHUNK_SIZE, **f32) if keep_tinv else out["p"]
     out["glast"] = buffers.empty(layout.num_chunks, num_heads, key_dim if per_channel else 1, **f32)
-    if for_backward and l2norm:
-        # the backward kernels read them instead of summing q^2 and k^2 over K again
-        out["norms"] = buffers.empty(num_tokens, num_heads, 2, **f32)
-    _prep_launches(q, k, v, g, beta, layout, scale, per_channel, l2norm, keep_tinv, out)
+    # KDA's second prep launch reads Tinv and the norms whether or not a backward follows; the backward kernels read
+    # the norms instead of summing q^2 and k^2 over K again
+    keep_tinv, keep_norms = for_backward or per_channel, (for_backward and l2norm) or per_channel
+    out["tinv"] = buffers.empty(num_tokens, num_heads, CHUNK_SIZE, **f32) if keep_tinv else None
+    out["norms"] = buffers.empty(num_tokens, num_heads, 2, **f32) if keep_norms else None
+    _prep_launches(q, k, v, g, beta, layout, scale, per_channel, l2norm, out)
     return out
 
 
-def _prep_launches(q, k, v, g, beta, layout, scale, per_channel, l2norm, store_tinv, out):
+def _prep_launches(q, k, v, g, beta, layout, scale, per_channel, l2norm, out):
     """forward.prep_blocked_kernel writing the buffers of out: whole for GDN; for KDA after its diagonal blocks
     and only to P, Tinv and the inverse norms, prep_columns_kernel making the rest."""
     num_heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[-1]
-    diags = _token_diagonals(q, k, g, beta, layout, scale, l2norm) if per_channel else (q, q)
-    # k's and q's inverse norms per token [T, H, 2]: for the backward, and for KDA's second launch
-    inverse_norms = out.get("norms", out["glast"])
-    if per_channel and "norms" not in out:
-        inverse_norms = buffers.empty(q.shape[0], num_heads, 2, dtype=torch.float32, device=q.device)
+    diags = _token_diagonals(q, k, g, beta, layout, scale, l2norm) if per_channel else (None, None)
     # bf16 operands are exact for bf16 inputs
     gram = _bf16_dots() if q.dtype == torch.bfloat16 else DOT_PRECISION
     fast(forward.prep_blocked_kernel)[(layout.num_chunks, num_heads)](
         q, k, v, g, beta, layout.chunk_start, layout.chunk_end,
-        out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], inverse_norms, *diags,
+        out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], out["norms"], *diags,
         scale, H=num_heads, K=key_dim, V=value_dim, BD=min(PREP_BLOCK, key_dim, value_dim), PER_CHANNEL=per_channel,
-        L2NORM=l2norm, STORE_TINV=store_tinv, STORE_NORMS=per_channel or "norms" in out,
-        GRAM_PREC=gram, num_warps=PREP_WARPS, C=CHUNK_SIZE, S=SUB_CHUNK,
-        PREC=DOT_PRECISION)
+        L2NORM=l2norm, GRAM_PREC=gram, num_warps=PREP_WARPS, C=CHUNK_SIZE, S=SUB_CHUNK, PREC=DOT_PRECISION)
     if per_channel:
         columns = min(PREP_COLUMN_BLOCK, key_dim, value_dim)
         fast(forward.prep_columns_kernel)[(layout.num_chunks, num_heads, key_dim // columns + value_dim // columns)](
-            q, k, v, g, beta, layout.chunk_start, layout.chunk_end, out["tinv"], inverse_norms, out["qg"],
+            q, k, v, g, beta, layout.chunk_start, layout.chunk_end, out["tinv"], out["norms"], out["qg"],
             out["kbar"], out["w"], out["u"], out["glast"], H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE,
             BD=columns, PREC=DOT_PRECISION, num_warps=4 if columns <= 32 else 8)
 
@@ -196,31 +179,28 @@ def _scan(prep, h0, layout, per_channel, out_dtype, storage):
     o = buffers.empty(num_tokens, num_heads, value_dim, dtype=out_dtype, device=device)
     block = min(SCAN_VALUE_BLOCK, value_dim)
     fast(forward.scan_kernel)[(layout.num_seqs, num_heads, value_dim // block)](
-        prep["w"], prep["u"], prep["kbar"], prep["glast"], h0 if h0 is not None else final, prep["qg"], prep["p"],
-        layout.cu_seqlens, layout.chunk_offsets, h, v_new, final, o,
-        H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE, BV=block, PER_CHANNEL=per_channel,
-        HAS_H0=h0 is not None, PREC=storage.dots, num_warps=FORWARD_SCAN_WARPS, num_stages=SCAN_STAGES)
+        prep["w"], prep["u"], prep["kbar"], prep["glast"], h0, prep["qg"], prep["p"],
+        layout.cu_seqlens, layout.chunk_offsets, h, v_new, final, o, H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE,
+        BV=block, PER_CHANNEL=per_channel, PREC=storage.dots, num_warps=FORWARD_SCAN_WARPS, num_stages=SCAN_STAGES)
     return h, v_new, final, o
 
 
 def _scan_bwd(prep, do, dht, layout, per_channel, want_dh0, storage):
-    """(dh leaving every chunk [NC, H, K, V], dv_new [T, H, V], dh0 [N, H, K, V] fp32 or None)."""
+    """(dh leaving every chunk [NC, H, K, V], dv_new [T, H, V], dh0 [N, H, K, V] fp32 or None); dht may be None."""
     num_tokens, num_heads, key_dim = prep["w"].shape
     value_dim = do.shape[-1]
     device = do.device
     dh = buffers.empty(layout.num_chunks, num_heads, key_dim, value_dim, dtype=storage.dtype, device=device)
     dv_new = buffers.empty(num_tokens, num_heads, value_dim, dtype=storage.dtype, device=device)
-    dh0 = dh
+    dh0 = None
     if want_dh0:
         dh0 = buffers.empty(layout.num_seqs, num_heads, key_dim, value_dim, dtype=torch.float32, device=device)
     block = min(SCAN_VALUE_BLOCK, value_dim)
     fast(backward.scan_bwd_kernel)[(layout.num_seqs, num_heads, value_dim // block)](
-        do, prep["p"], prep["kbar"], prep["qg"], prep["w"], prep["glast"], dht if dht is not None else dh0,
-        layout.cu_seqlens, layout.chunk_offsets, dh, dv_new, dh0,
-        H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE, BV=block, PER_CHANNEL=per_channel,
-        HAS_DHT=dht is not None, STORE_DH0=want_dh0, DOTS=storage.dots, num_warps=BACKWARD_SCAN_WARPS,
-        num_stages=SCAN_STAGES)
-    return dh, dv_new, dh0 if want_dh0 else None
+        do, prep["p"], prep["kbar"], prep["qg"], prep["w"], prep["glast"], dht, layout.cu_seqlens, layout.chunk_offsets,
+        dh, dv_new, dh0, H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE, BV=block, PER_CHANNEL=per_channel,
+        DOTS=storage.dots, num_warps=BACKWARD_SCAN_WARPS, num_stages=SCAN_STAGES)
+    return dh, dv_new, dh0
 
 
 def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale, per_channel, l2norm, storage):
@@ -236,8 +216,7 @@ def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale
     s = _grad_scratch(q, layout, per_channel, num_key_blocks, storage)
     dims = dict(H=num_heads, K=key_dim, C=CHUNK_SIZE, L2NORM=l2norm)
     bounds = (layout.chunk_start, layout.chunk_end)
-    # (a pointer argument only without the l2norm)
-    norms = prep.get("norms", s["dq"])
+    norms = prep["norms"]
     fast(backward.state_grad_kernel)[(layout.num_chunks * num_key_blocks, num_heads)](
         q, k, g, h, dh, v_new, dv_new, do, *bounds, norms, s["dq"], s["dk"], s["dw"], s["dgc"], s["dgl"],
         s["dpdiag"], s["dpfull"], s["gcs"], scale, V=value_dim, S=SUB_CHUNK, PER_CHANNEL=per_channel,
@@ -278,17 +257,16 @@ def _grad_scratch(q, layout, per_channel, num_key_blocks, storage):
     s = {name: buffers.empty(num_tokens, num_heads, key_dim, **f32) for name in ("dq", "dk")}
     s["dw"] = buffers.empty(num_tokens, num_heads, key_dim, dtype=storage.dtype, device=q.device)
     if per_channel:
-        s["dgc"] = buffers.empty(num_tokens, num_heads, key_dim, **f32)
+        s.update({name: buffers.empty(num_tokens, num_heads, key_dim, **f32) for name in ("dgc", "gcs")})
         s["dgl"] = buffers.empty(layout.num_chunks, num_heads, key_dim, **f32)
         s["db"] = buffers.empty(num_tokens, num_heads, **f32)
         s["dldiag"], s["dpdiag"] = (buffers.empty(num_tokens, num_heads, SUB_CHUNK, **f32) for _ in range(2))
         s["dlfull"], s["dpfull"] = (buffers.empty(num_tokens, num_heads, CHUNK_SIZE, **f32) for _ in range(2))
-        s["gcs"] = buffers.empty(num_tokens, num_heads, key_dim, **f32)
     else:
         s["dgc"] = buffers.empty(num_tokens, num_heads, num_key_blocks + 1, **f32)
         s["dgl"] = buffers.empty(layout.num_chunks, num_heads, num_key_blocks, **f32)
-        # unused by the scalar decay's kernels (their pointer arguments only)
-        s["db"] = s["dldiag"] = s["dpdiag"] = s["dlfull"] = s["dpfull"] = s["gcs"] = s["dgl"]
+        # pointers the scalar decay's kernels do not read
+        s.update(dict.fromkeys(("db", "dldiag", "dpdiag", "dlfull", "dpfull", "gcs")))
     return s
 
 
@@ -315,6 +293,8 @@ class ChunkDeltaRule(torch.autograd.Function):
         q, k, v, g, beta, h0 = ctx.saved_tensors
         layout, scale, l2norm, per_channel, storage = ctx.settings
         do = torch.zeros_like(v) if do is None else do.contiguous()
+        # the kernels read dfinal as a packed [N, H, K, V] array (a sum's gradient comes expanded, stride 0)
+        dfinal = None if dfinal is None else dfinal.contiguous()
         prep, h, v_new = ctx.kept
         ctx.kept = None
         dh, dv_new, dh0 = _scan_bwd(prep, do, dfinal, layout, per_channel, h0 is not None, storage)
@@ -323,19 +303,18 @@ class ChunkDeltaRule(torch.autograd.Function):
         return dq, dk, dv, dg, dbeta, dh0, None, None, None, None
 
 
-def chunk_delta_rule(
-    q_BTHK, k_BTHK, v_BTHV, g, beta_BTH, scale=None, initial_state_BHKV=None, use_qk_l2norm=True, cu_seqlens=None,
+def gated_delta_rule(
+    q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, scale=None, initial_state_BHKV=None, use_qk_l2norm=True, cu_seqlens=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o_BTHV, final_state_BHKV), g the log decay g_BTH (GDN) or g_BTHK (KDA); packs the batch into time."""
+    """(o_BTHV, final_state_BHKV); g_BTH log decay per head and token, or per key channel too (g_BTHK: KDA, which
+    runs the per-channel kernels); packs the batch into time."""
     batch, num_tokens, num_heads, key_dim = q_BTHK.shape
     if cu_seqlens is not None and batch != 1:
         raise ValueError(f"cu_seqlens needs batch 1, got q of shape {tuple(q_BTHK.shape)}")
-    if cu_seqlens is None:
-        layout = _batched_layout(batch, num_tokens, CHUNK_SIZE, q_BTHK.device)
-    else:
-        layout = ChunkLayout.packed(cu_seqlens.to(q_BTHK.device, torch.int64), CHUNK_SIZE)
+    layout = (_batched_layout(batch, num_tokens, CHUNK_SIZE, q_BTHK.device) if cu_seqlens is None
+              else ChunkLayout(cu_seqlens.to(q_BTHK.device, torch.int64), CHUNK_SIZE))
     scale = key_dim**-0.5 if scale is None else float(scale)
-    packed = [t.flatten(0, 1).contiguous() for t in (q_BTHK, k_BTHK, v_BTHV, g, beta_BTH)]
+    packed = [t.flatten(0, 1).contiguous() for t in (q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH)]
     h0 = None if initial_state_BHKV is None else initial_state_BHKV.float().contiguous()
     # without grad no backward runs: prep then keeps nothing for one
     o, final = ChunkDeltaRule.apply(*packed, h0, layout, scale, use_qk_l2norm, torch.is_grad_enabled())

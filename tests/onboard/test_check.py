@@ -1,0 +1,85 @@
+"""`onboard align PKG --check` against alignment/baseline.json: a deliberately wrong op in PKG/ops/ fails it
+in a real `onboard` process, naming the checks and their numbers; removed again, the check passes. The
+half-headroom rule on real Check values: a metric that still passes but ate more than half of the room to its
+tolerance is a regression, noise is not."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from onboard.align.regression import regressions
+from onboard.align.report import AlignmentReport, Check, tier_result
+from onboard.cli import main
+
+# silu off by 1e-3 relative: far inside bf16's bars, far outside fp32's
+WRONG_SILU = '''import torch
+
+KIND = "activation"
+NAME = "silu"
+
+
+def op(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(x) * 1.001
+'''
+
+
+@pytest.fixture
+def pkg(onboarded_package, tmp_path):
+    code, built = onboarded_package
+    assert code == 0
+    return shutil.copytree(built, tmp_path / "pkg")
+
+
+def test_a_wrong_op_fails_the_check_naming_it_and_its_removal_passes(pkg, capsys):
+    assert main(["align", str(pkg), "--tiers", "0", "--check"]) == 0
+    (pkg / "ops").mkdir()
+    (pkg / "ops" / "activation_silu.py").write_text(WRONG_SILU)
+    # its own process: registering the op replaces silu in the runtime's table of that process
+    broken = subprocess.run([sys.executable, "-m", "onboard.cli", "align", str(pkg), "--tiers", "0", "--check"],
+                            capture_output=True, text=True, timeout=600)
+    assert broken.returncode == 3, broken.stderr
+    lines = [line for line in broken.stderr.splitlines() if line.startswith("regression vs alignment/baseline.json: ")]
+    assert any("moe_experts/fallback/float32/" in line and "pass -> fail, rel_rms " in line and " -> " in line
+               and "(tolerance " in line for line in lines), broken.stderr
+    shutil.rmtree(pkg / "ops")
+    capsys.readouterr()
+    assert main(["align", str(pkg), "--tiers", "0", "--check"]) == 0
+    assert "regression" not in capsys.readouterr().err
+
+
+def _report(*checks: Check) -> AlignmentReport:
+    return AlignmentReport(package="p", source="s", spec_hash="0" * 16, tiers=[tier_result(0, list(checks))],
+                           passed=True)
+
+
+def _check(name: str, value: float, tolerance: float = 1e-5, metric: str = "rel_rms", verdict: str = "pass") -> Check:
+    return Check(tier=0, name=name, metric=metric, value=value, tolerance=tolerance, verdict=verdict)
+
+
+def test_half_the_headroom_is_the_line():
+    baseline = _report(_check("a", 1e-7), _check("b", 1e-7), _check("overlap", 1.0, 0.99, "selection_overlap"),
+                       _check("flips", 0, 0, "routing_flips", "info"), _check("gone", 1e-7))
+    now = _report(_check("a", 5.2e-6), _check("b", 4.8e-6), _check("overlap", 0.994, 0.99, "selection_overlap"),
+                  _check("flips", 7, 0, "routing_flips", "info"))
+    found = {r.name: r.detail for r in regressions(baseline, now)}
+    assert sorted(found) == ["a", "gone", "overlap"]
+    assert found["a"].startswith("rel_rms 1.000e-07 -> 5.200e-06 (tolerance 1.0e-05): 52% of the baseline's headroom")
+    assert found["overlap"].startswith("selection_overlap 1.000e+00 -> 9.940e-01") and "60%" in found["overlap"]
+    assert found["gone"] == "passed in the baseline, not run now"
+
+
+def test_a_move_within_noise_of_the_bar_is_not_a_regression():
+    # a bf16 check at 92% of its bar: half its headroom is 4% of the bar, within what another machine moves it
+    baseline = _report(_check("near", 0.92e-2, 1e-2), _check("far", 0.92e-2, 1e-2))
+    now = _report(_check("near", 0.965e-2, 1e-2), _check("far", 1.01e-2, 1e-2, verdict="fail"))
+    found = {r.name: r.detail for r in regressions(baseline, now)}
+    assert sorted(found) == ["far"] and found["far"].startswith("pass -> fail")
+
+
+def test_only_the_tiers_run_now_are_compared():
+    baseline = AlignmentReport(package="p", source="s", spec_hash="0" * 16, passed=True,
+                               tiers=[tier_result(0, [_check("a", 1e-7)]), tier_result(1, [_check("b", 1e-7)])])
+    assert regressions(baseline, _report(_check("a", 1e-7))) == []

@@ -1,0 +1,190 @@
+"""Load balancing in training (runtime/balance.py): the aux loss against transformers' own and against a plain
+fp64 reference of the formula on the runtime's router outputs (value and gradients); the correction-bias update
+step by step against its formula on the logged global counts, and a resume that restores the biases; the
+`onboard train` defaults. Tier 3 (tests/runtime/test_parallel.py) checks both under FSDP and EP."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import yaml
+
+from onboard.align.reference import load_runtime
+from onboard.train_cli import balance_options
+from runtime import balance
+from runtime.data import Document, pack
+from runtime.lora import LoraConfig, apply_lora
+from runtime.memory import MemoryPolicy, apply_memory_policy
+from runtime.metrics import expert_counts, moe_layers, read_metrics
+from runtime.ops.moe import router_logits
+from runtime.parallel.placement import MeshShape
+from runtime.train import TrainConfig, TrainData, train
+
+LORA = LoraConfig(rank=4, alpha=8, targets=("layers.*.attn.q_proj",), experts=True)
+T = 48
+
+
+def _package(pkg: Path) -> tuple[dict, dict, Path]:
+    source = Path(yaml.safe_load((pkg / "package.yaml").read_text())["source"]["path"])
+    return json.loads((pkg / "spec.json").read_text()), json.loads((pkg / "weight_map.json").read_text()), source
+
+
+def _ids(vocab: int) -> torch.Tensor:
+    return torch.randint(3, vocab, (1, T), generator=torch.Generator().manual_seed(3))
+
+
+def _runtime_model(pkg: Path, trained_B: bool = True):
+    """The release in fp32 with LoRA; trained_B: non-zero B factors (every LoRA factor then has a gradient)."""
+    spec, weight_map, source = _package(pkg)
+    model = load_runtime(spec, weight_map, source, torch.float32)
+    apply_lora(model, LORA)
+    with torch.no_grad():
+        if not trained_B:
+            return model, source
+        for name, p in model.named_parameters():
+            if name.endswith("_B"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+    return model, source
+
+
+def _forward(model, ids: torch.Tensor) -> None:
+    model.hidden_states(ids, torch.arange(T)[None], cu_seqlens=torch.tensor([0, T], dtype=torch.int32))
+
+
+def _ours(model, ids: torch.Tensor) -> torch.Tensor:
+    balance.track_router_probs(model, True)
+    _forward(model, ids)
+    return balance.aux_loss_share(model, balance.global_counts(expert_counts(model), torch.device("cpu")))
+
+
+def _plain_fp64(model, ids: torch.Tensor) -> torch.Tensor:
+    """E * sum_e f_e P_e over the layers pooled, written out in fp64 from each router's input and choices."""
+    inputs = {}
+    hooks = [moe.router.register_forward_pre_hook(lambda m, args, i=i: inputs.__setitem__(i, args[0]))
+             for i, moe in moe_layers(model).items()]
+    balance.track_router_probs(model, False)
+    _forward(model, ids)
+    for h in hooks:
+        h.remove()
+    probs, chosen = [], []
+    for i, moe in moe_layers(model).items():
+        logits = router_logits(inputs[i], moe.router.effective_weight(), moe.router.bias).double()
+        probs.append(logits.softmax(-1))
+        chosen.append(torch.nn.functional.one_hot(moe.last_routing, logits.shape[1]).sum(1).double())
+    num_experts = probs[0].shape[1]
+    return num_experts * (torch.cat(chosen).mean(0) * torch.cat(probs).mean(0)).sum()
+
+
+def _lora_grads(model, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every LoRA factor's gradient (zeros for those no router input depends on: the last layer's experts)."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+    return {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(params.items(), grads)}
+
+
+def test_aux_loss_equals_transformers_and_the_plain_formula(example_package, example_release):
+    """qwen3_moe: the value equals transformers' model's aux_loss (output_router_logits) on the same weights and
+    tokens; value and every LoRA gradient equal an fp64 plain-torch reference on the same router outputs, with
+    the MoE blocks recomputed in backward (the routers' kept sums are reached through the checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    model, source = _runtime_model(example_package("qwen3_moe"), trained_B=False)
+    ids = _ids(model.config.vocab_size)
+    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = float(hf(input_ids=ids, output_router_logits=True).aux_loss)
+    assert abs(float(_ours(model, ids).detach()) - want) <= 1e-5 * want
+    model, _ = _runtime_model(example_package("qwen3_moe"))
+    apply_memory_policy(model, MemoryPolicy(recompute=("moe",)))
+    ours = _ours(model, ids)
+    got_grads = _lora_grads(model, ours)
+    plain = _plain_fp64(model, ids)
+    assert abs(float(ours) - float(plain)) <= 1e-6 * float(plain)
+    want_grads = _lora_grads(model, plain)
+    assert sum(g.norm() > 0 for g in want_grads.values()) >= len(want_grads) // 2
+    for name, g in want_grads.items():
+        assert (got_grads[name].double() - g).norm() <= 1e-5 * g.norm(), name
+
+
+def _data(vocab: int) -> TrainData:
+    gen = torch.Generator().manual_seed(7)
+    docs = [Document(torch.randint(3, vocab, (int(n),), generator=gen).tolist(), [True] * int(n))
+            for n in torch.randint(8, 40, (14,), generator=gen)]
+    return TrainData(pack(docs[:12], 32, 0), pack(docs[12:], 32, 0))
+
+
+CONFIG = TrainConfig(steps=4, batch_size=2, lr=1e-3, warmup_steps=1, eval_every=4, checkpoint_every=2, keep_last=4,
+                     aux_loss_coef=0.1, correction_bias_rate=1e-2)
+
+
+def test_correction_bias_follows_the_step_loads_and_resumes(example_package, tmp_path):
+    """glm4_moe, 4 steps: each step moves every bias by rate * sign(mean - load) of that step's logged counts;
+    resuming the step-2 checkpoint repeats the straight run's losses, aux losses and biases exactly."""
+    model, _ = _runtime_model(example_package("glm4_moe"))
+    start = {i: b.clone() for i, b in balance.correction_biases(model).items()}
+    assert start
+    train(model, _data(model.config.vocab_size), CONFIG, tmp_path / "straight", progress=False)
+    lines = read_metrics(tmp_path / "straight" / "metrics.jsonl")[0]
+    for layer, bias in start.items():
+        for line in lines:
+            load = torch.tensor(line["expert_counts"][str(layer)], dtype=torch.float32)
+            bias = bias + CONFIG.correction_bias_rate * torch.sign(load.mean() - load)
+            assert torch.equal(torch.tensor(line["correction_bias"][str(layer)]), bias), line["step"]
+        assert not torch.equal(bias, start[layer])
+    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step-00000004")
+    model, _ = _runtime_model(example_package("glm4_moe"))
+    train(model, _data(model.config.vocab_size), CONFIG, tmp_path / "resumed", resume=True, progress=False)
+    keys = ("loss", "aux_loss", "correction_bias")
+    resumed = read_metrics(tmp_path / "resumed" / "metrics.jsonl")[0]
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in lines]
+
+
+def _ep2_worker(rank: int, port: int, package: tuple, run_dir: Path) -> None:
+    from runtime.parallel.load import build_sharded_model
+    from runtime.parallel.parallelize import ParallelPlan, device_mesh
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    spec, weight_map, source = package
+    mesh = MeshShape(1, 2)
+    model = build_sharded_model(spec, weight_map, source, LORA, ParallelPlan(mesh), device_mesh(mesh, "cpu"), rank,
+                                torch.device("cpu"), torch.float32)
+    # each rank one row per micro-batch: the expert GEMMs and the aux loss see the one process's 2 rows
+    train(model, _data(spec["vocab_size"]), dataclasses.replace(CONFIG, batch_size=1), run_dir, progress=False)
+    dist.destroy_process_group()
+
+
+def test_correction_bias_and_aux_loss_under_expert_parallelism(example_package, tmp_path, monkeypatch):
+    """glm4_moe on ep2 (2 processes, gloo): every step's loss, aux loss and correction biases equal one process's."""
+    package = _package(example_package("glm4_moe"))
+    model = load_runtime(*package, torch.float32)
+    apply_lora(model, LORA)
+    train(model, _data(model.config.vocab_size), CONFIG, tmp_path / "one", progress=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    mp.spawn(_ep2_worker, args=(port, package, tmp_path / "ep2"), nprocs=2)
+    want, got = (read_metrics(tmp_path / name / "metrics.jsonl")[0] for name in ("one", "ep2"))
+    assert len(got) == len(want) == CONFIG.steps
+    for a, b in zip(got, want):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"] and abs(a["aux_loss"] - b["aux_loss"]) <= 1e-5 * b["aux_loss"]
+        assert a["expert_counts"] == b["expert_counts"] and b["correction_bias"]
+        for layer, bias in b["correction_bias"].items():
+            assert torch.equal(torch.tensor(a["correction_bias"][layer]), torch.tensor(bias)), (a["step"], layer)
+
+
+def test_train_defaults_come_from_the_release(example_spec):
+    """The release's router_aux_loss_coef, DeepSeek-V3's rate where routers have a correction bias; flags win."""
+    assert balance_options(example_spec("qwen3_moe"), None, None) == dict(aux_loss_coef=0.001, correction_bias_rate=0.0)
+    assert balance_options(example_spec("glm4_moe"), None, None)["correction_bias_rate"] == balance.DEFAULT_BIAS_RATE
+    assert balance_options(example_spec("glm4_moe"), 0.5, 0.0) == dict(aux_loss_coef=0.5, correction_bias_rate=0.0)
