@@ -63,11 +63,13 @@ def _release_view(delta: torch.Tensor, entry: dict) -> torch.Tensor:
 
 
 def _merged(name: str, value: torch.Tensor, weight_map: dict, state, scale: float, dtype, biases: dict) -> torch.Tensor:
-    entry = weight_map.get(name)
-    if entry is not None and entry["target"] in biases:
+    entry = weight_map.get(name) or {}
+    if entry.get("target") in biases:
         return biases[entry["target"]].view(value.shape).to(dtype or value.dtype)
-    # no entry (vision) or no runtime target (an own module's tensor, loaded by name): copied as released
-    delta = None if entry is None or entry["target"] is None else delta_for(state, scale, entry["target"], entry["expert"])
+    # an own module's tensor has no target but the runtime tensor transformers loads it into;
+    # with neither (vision, unread tensors) it is copied as released
+    target = entry.get("target") or entry.get("own_module")
+    delta = None if target is None else delta_for(state, scale, target, entry.get("expert"))
     dtype = dtype or value.dtype
     if delta is None:
         return value.to(dtype)

@@ -4,8 +4,8 @@ A family is MoE when its default config (or its text part) sets an expert count;
 when transformers has a causal-LM or image-text-to-text class for it. Its config is shrunk by
 onboard/tiny_config.py (no family named), built with random weights and written by
 save_pretrained; then `inspect` and `new-model` (which aligns a package without gaps, tiers 0-2) run
-as the CLI runs them, `align --tiers 0,1,2` too where new-model left gaps; each exit code and any
-escaped exception is recorded. `python -m onboard.family_sweep FAMILY DIR`
+as the CLI runs them, `align --tiers 0,1,2` too where new-model left gaps, and `train` (4 LoRA steps)
+on every exit-0 package; each exit code and any escaped exception is recorded. `python -m onboard.family_sweep FAMILY DIR`
 runs one family and prints its result as JSON (bench/family_sweep.py runs them all, one process each).
 """
 from __future__ import annotations
@@ -24,6 +24,8 @@ from onboard.tiny_config import shrink
 
 # Above this the shrink did not make the model tiny (the 12 named examples are 0.1-0.5M).
 MAX_TINY_PARAMS = 8_000_000
+# LoRA steps every exit-0 package trains in the sweep
+TRAIN_STEPS = 4
 EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 
 
@@ -149,7 +151,19 @@ def run_family(family: str, workdir: Path) -> FamilyResult:
     if pkg.exists() and not (pkg / "alignment" / "report.json").exists():
         result.steps["align"], _ = _run_cli(["align", str(pkg), "--tiers", "0,1,2"])
     result.tiers_passed, result.failed_checks = _alignment(pkg)
+    if result.steps["new-model"].exit_code == 0:
+        result.steps["train"], _ = _run_cli(["train", str(pkg), "--data", str(_train_data(Path(workdir))), "--steps",
+                                             str(TRAIN_STEPS), "--seq-len", "32", "--eval-every", str(TRAIN_STEPS),
+                                             "--checkpoint-every", str(TRAIN_STEPS), "--no-progress"])
     return result
+
+
+def _train_data(workdir: Path) -> Path:
+    """A few short documents: enough packed rows of 32 tokens for 4 steps and an eval split."""
+    path = workdir / "train.jsonl"
+    path.write_text("".join(json.dumps({"text": f"The river runs past mill number {i} under the old stone bridge."})
+                            + "\n" for i in range(12)))
+    return path
 
 
 def _read_report(result: FamilyResult, text: str) -> None:
@@ -181,7 +195,8 @@ def summary(results: list[FamilyResult]) -> dict[str, int]:
             "exit_2": codes.count(2), "inspect_exit_2": sum(r.steps["inspect"].exit_code == 2 for r in built),
             "tracebacks": sum(any(s.exit_code is None and not _timed_out(s) for s in r.steps.values()) for r in built),
             "timed_out": sum(any(_timed_out(s) for s in r.steps.values()) for r in built),
-            "tiers_0_1_2_passed": sum(r.tiers_passed == [0, 1, 2] for r in built)}
+            "tiers_0_1_2_passed": sum(r.tiers_passed == [0, 1, 2] for r in built),
+            "trained": sum(r.steps["train"].exit_code == 0 for r in built if "train" in r.steps)}
 
 
 def _timed_out(step: StepResult) -> bool:
@@ -195,20 +210,24 @@ def _code(r: FamilyResult, step: str) -> str:
 
 def _row(r: FamilyResult) -> str:
     if not r.built:
-        return f"| {r.family} | {r.model_class} | not built | | | | | | | | {r.not_built_reason.replace('|', '/')} |"
+        return f"| {r.family} | {r.model_class} | not built | | | | | | | | | {r.not_built_reason.replace('|', '/')} |"
     kinds = ", ".join(f"{k} x{n}" for k, n in r.layer_kinds.items())
     registry = ", ".join(r.ops.get("covered", []) + [f"{o} (variant)" for o in r.ops.get("variant", [])])
     tiers = ",".join(map(str, r.tiers_passed)) or "none"
     return (f"| {r.family} | {r.model_class} | {kinds} | {registry} | {', '.join(r.ops.get('fallback', []))} | "
             f"{', '.join(r.ops.get('missing', []))} | {_code(r, 'inspect')} | {_code(r, 'new-model')} | "
-            f"{_code(r, 'align')} | {tiers} | {_note(r)} |")
+            f"{_code(r, 'align')} | {tiers} | {_code(r, 'train')} | {_note(r)} |")
 
 
 def _note(r: FamilyResult) -> str:
-    """Why it is not exit 0: a traceback's last line, else the first failed check, else what was not understood."""
+    """Why it is not exit 0: a traceback's last line, else the first failed check, a failed training's error,
+    else what was not understood."""
     for step in r.steps.values():
         if step.exit_code is None:
             return "traceback: " + (step.traceback.strip().splitlines() or [""])[-1][:200].replace("|", "/")
+    train = r.steps.get("train")
+    if train is not None and train.exit_code != 0:
+        return f"train: {train.stderr_tail.splitlines()[-1] if train.stderr_tail else ''}"[:240].replace("|", "/")
     if r.failed_checks:
         return r.failed_checks[0].replace("|", "/")
     return "; ".join(r.unrecognized[:4]).replace("|", "/")
@@ -221,8 +240,9 @@ def families_markdown(results: list[FamilyResult], command: str, date: str) -> s
              "`onboard/tiny_config.py` (no family named). Exit codes are the CLI's: 0 ok, 2 bad input, 3 gaps; "
              "`traceback`: an exception escaped the CLI.", "",
              " / ".join(f"{k}: {v}" for k, v in counts.items()), "",
-             "| family | class | layer kinds | registry ops | fallback | missing | inspect | new-model | align | tiers passed | notes |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| family | class | layer kinds | registry ops | fallback | missing | inspect | new-model | align | tiers passed "
+             f"| train {TRAIN_STEPS} steps | notes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     return "\n".join(lines + [_row(r) for r in results]) + "\n"
 
 

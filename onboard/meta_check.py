@@ -116,3 +116,29 @@ def meta_check(spec: ModelSpec, manifest: Manifest) -> Optional[MetaCheck]:
             problems.append(f"layer {layer_spec.index}: spec ffn={layer_spec.ffn.kind}, transformers disagrees")
     return MetaCheck(model_class=type(model).__name__, params=params,
                      params_agree=params == spec.params.total + spec.params.buffers, layer_disagreements=problems)
+
+
+def transformers_parameter_names(manifest: Manifest, names: list[str]) -> dict[str, str]:
+    """Released name -> the name transformers' model loads it as (after its checkpoint renamings), for a
+    model that runs whole as transformers' own; a name a converter reshapes keeps its renamed key."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    model = _build_on_meta(manifest)
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta_state = model.state_dict()
+    return {name: rename_source_key(name, renamings, converters, model.base_model_prefix, meta_state)[0] for name in names}
+
+
+def transformers_attention_linears(manifest: Manifest) -> set[str]:
+    """transformers' names of the nn.Linear modules (exactly that class, as the runtime's LoRA takes) inside an
+    attention module of its model of this release: a module whose class transformers names *Attention / *Attn."""
+    from torch import nn
+
+    out = set()
+    for name, module in _build_on_meta(manifest).named_modules():
+        if any(word in type(module).__name__ for word in ("Attention", "Attn")):
+            out |= {f"{name}.{n}" for n, m in module.named_modules() if type(m) is nn.Linear}
+    return out

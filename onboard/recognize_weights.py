@@ -5,7 +5,9 @@ format, as save_pretrained writes it) is the oracle: a release tensor whose shap
 contradicts the release's own config (bad input); anything else the recognized spec does not
 expect (a tensor of another shape or layout, a tensor no recognized component uses, one we would use
 that the oracle does not read, one we expect that neither has) is our assumption failing, so the component holding
-it becomes an OwnModule (the whole decoder layer when the tensor sits on the layer itself).
+it becomes an OwnModule (the whole decoder layer when the tensor sits on the layer itself). A tensor
+outside the layers not understood (another embedding or head, hyper-connection or extra norm parameters
+of the model's own glue) makes the whole model transformers' own (`own_model`), when transformers knows it.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Optional
 
 from onboard.errors import BadInput
 from onboard.manifest import Manifest
-from onboard.meta_check import transformers_tensors
+from onboard.meta_check import transformers_attention_linears, transformers_parameter_names, transformers_tensors
 from onboard.spec import LayerSpec, ModelSpec, OwnModule, Unrecognized
 from onboard.weight_layout import expected_tensors
 
@@ -77,29 +79,58 @@ def _disagreement(name: str, info, expected: dict, oracle: Optional[dict]) -> Op
     return None
 
 
-def _own(layer: LayerSpec, parts: dict[str, str], spec: ModelSpec, present: dict) -> LayerSpec:
-    """The layer with the parts named in `parts` as own modules (all of it when its own tensors disagree)."""
+def _outside_layers(spec: ModelSpec, present: dict, oracle: dict) -> Optional[str]:
+    """Why the model's glue (embedding, final norm, head, anything between the layers) is not understood:
+    the first release tensor outside the layers that transformers' model reads and the recognized spec does
+    not expect; None if none. (A tensor neither reads stays a gap: nothing would compute with it.)"""
+    expected = expected_tensors(spec)
+    unknown = sorted(n for n in present if n in oracle and n not in expected and _where(n, spec) is None)
+    return f"tensor {INDEX_RE.sub('.N.', unknown[0])} outside the layers not understood" if unknown else None
+
+
+class _Names:
+    """What transformers calls the release's tensors (its model of the release is the oracle): a tensor's name
+    inside its decoder layer, and whether its module is an attention's nn.Linear (what LoRA adapts by default).
+    Identity without an oracle."""
+
+    def __init__(self, manifest: Manifest, names: list[str], known: bool):
+        self.hf = transformers_parameter_names(manifest, names) if known else {}
+        self.linears = transformers_attention_linears(manifest) if known else set()
+
+    def in_layer(self, name: str, index: int) -> str:
+        return self.hf.get(name, name).partition(f"layers.{index}.")[2]
+
+    def part(self, reason: str, tensors: dict, index: int, path: str = "") -> OwnModule:
+        inner = {n: self.in_layer(n, index).removeprefix(f"{path}." if path else "") for n in tensors}
+        linears = sorted(n.removesuffix(".weight") for n in tensors
+                         if n.endswith(".weight") and self.hf.get(n, n).removesuffix(".weight") in self.linears)
+        return OwnModule(reason=reason, path=path, tensors=tensors, inner=inner, linears=linears)
+
+
+def _own(layer: LayerSpec, parts: dict[str, str], spec: ModelSpec, present: dict, names: _Names) -> LayerSpec:
+    """The layer with the parts named in `parts` as own modules (all of it when its own tensors disagree);
+    module paths are transformers' (after its checkpoint renamings), where the runtime finds the modules."""
     found: dict[str, dict[str, list[int]]] = {"attention": {}, "ffn": {}, "norm": {}, "layer": {}}
     for name, info in present.items():
         where = _where(name, spec)
         if where is not None and where[0] == layer.index:
             found[where[1]][name] = list(info.shape) if info.shape is not None else []
-    head = f"{spec.naming.prefix}layers.{layer.index}."
-    paths = {n[len(head):].split(".")[0] for n in found["attention"]}
+    i = layer.index
+    paths = {names.in_layer(n, i).split(".")[0] for n in found["attention"]}
     whole = parts.get("layer") or parts.get("norm")
     if whole is None and "attention" in parts and len(paths) != 1:
         whole = parts["attention"]  # attention not under one module: only the layer as a whole is known
     if whole:
         rest = {**found["attention"], **found["norm"], **found["layer"]}
-        return layer.model_copy(update={"own_layer": whole, "attention": OwnModule(reason=whole, tensors=rest),
-                                        "ffn": OwnModule(reason=whole, tensors=found["ffn"])})
+        return layer.model_copy(update={"own_layer": whole, "attention": names.part(whole, rest, i),
+                                        "ffn": names.part(whole, found["ffn"], i)})
     fields = {}
     if "attention" in parts:
-        fields["attention"] = OwnModule(reason=_first_reason(layer.attention, parts["attention"]), path=paths.pop(),
-                                        tensors=found["attention"])
+        reason = _first_reason(layer.attention, parts["attention"])
+        fields["attention"] = names.part(reason, found["attention"], i, paths.pop())
     if "ffn" in parts:
-        fields["ffn"] = OwnModule(reason=_first_reason(layer.ffn, parts["ffn"]), path=spec.naming.ffn_module,
-                                  tensors=found["ffn"])
+        ffn_paths = sorted({names.in_layer(n, i).split(".")[0] for n in found["ffn"]}) or [spec.naming.ffn_module]
+        fields["ffn"] = names.part(_first_reason(layer.ffn, parts["ffn"]), found["ffn"], i, ffn_paths[0])
     return layer.model_copy(update=fields)
 
 
@@ -127,12 +158,17 @@ def apply(spec: ModelSpec, manifest: Manifest) -> ModelSpec:
     if oracle is not None:
         _contradictions(manifest, present, oracle, spec.family)
     why = _disagreements(spec, present, oracle, manifest.shards_present)
+    outside = _outside_layers(spec, present, oracle) if oracle is not None else None
+    if outside is not None:
+        why = {**why, **{(layer.index, "layer"): f"the whole model runs as its own: {outside}" for layer in spec.layers}}
+        spec = spec.model_copy(update={"own_model": outside})
     if not why:
         return spec
     by_layer: dict[int, dict[str, str]] = {}
     for (index, part), reason in why.items():
         by_layer.setdefault(index, {})[part] = reason
-    layers = [_own(l, by_layer[l.index], spec, present) if l.index in by_layer else l for l in spec.layers]
+    names = _Names(manifest, [n for n in present if (_where(n, spec) or (None,))[0] in by_layer], oracle is not None)
+    layers = [_own(l, by_layer[l.index], spec, present, names) if l.index in by_layer else l for l in spec.layers]
     notes = _notes(why)
     spec = spec.model_copy(update={"layers": layers, "unrecognized": list(spec.unrecognized) + notes})
     return spec.model_copy(update={"params": param_count.count(spec, spec.vision)})

@@ -98,6 +98,11 @@ class OwnModule(_Spec):
     reason: str
     path: str = ""  # the module's attribute path in transformers' decoder layer ("" for the layer itself)
     tensors: dict[str, list[int]] = {}
+    # released name -> its name inside the module, after transformers' checkpoint renamings (absent: the same)
+    inner: dict[str, str] = {}
+    # released modules (`<module>.weight` released) that transformers builds as nn.Linear inside an attention
+    # module: the default LoRA targets
+    linears: list[str] = []
 
 
 Attention = Annotated[
@@ -221,6 +226,9 @@ class ModelSpec(_Spec):
     dtype: str = "bfloat16"
     params: ParamCounts
     unrecognized: list[Unrecognized] = []
+    # why the whole model runs as transformers' own (a tensor outside the layers not understood); then
+    # every layer is an own layer too, and the runtime runs transformers' text model end to end
+    own_model: Optional[str] = None
 
     def layer_kinds(self) -> list[str]:
         return [layer_kind_name(layer) for layer in self.layers]

@@ -5,16 +5,18 @@ Entries are plain dicts (written to the package's weight_map.json, read by runti
 `expert` writes into one slice of a stacked [E, ...] tensor, `rows` into a row range of it (gate and
 up halves of w_gate_up), `transpose` swaps the last two dims (gpt-oss stores experts as [E, in, out]),
 `flatten` drops singleton dims (Ernie's [1, E] correction bias). Tensors of a component that runs
-as its own module have no target but `own_module` (the runtime module transformers loads them into);
+as its own module have no target but `own_module` (the runtime tensor transformers loads them into);
 tensors nothing reads (listed in the gap report) have neither.
 """
 from __future__ import annotations
 
 import re
 
-from onboard.spec import ModelSpec, MoEFFN, own_tensors
+from onboard.spec import ModelSpec, MoEFFN
 from onboard.weight_layout import attention_tensors, ffn_tensors
 
+# the runtime module holding transformers' whole model, when the model runs as its own
+OWN_MODEL = "own.module"
 EXPERT_RE = re.compile(r"^experts\.(\d+)\.(\w+)\.weight$")
 GATE_NAMES, UP_NAMES, DOWN_NAMES = ("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")
 
@@ -24,8 +26,11 @@ def _entry(target: str, **steps) -> dict:
             **steps}
 
 
-def build_weight_map(spec: ModelSpec, unused: list[str] = ()) -> dict[str, dict]:
-    """`unused`: release tensors no runtime part reads (the gap report lists them); mapped to nothing."""
+def build_weight_map(spec: ModelSpec, unused: list[str] = (), own_names: dict[str, str] | None = None) -> dict[str, dict]:
+    """`unused`: release tensors no runtime part reads (the gap report lists them); mapped to nothing.
+    `own_names` (a model run whole as transformers' own): released name -> transformers' name of every tensor."""
+    if spec.own_model:
+        return {name: _entry(None, own_module=f"{OWN_MODEL}.{param}") for name, param in own_names.items()}
     return {name: _entry(None) for name in unused} | _mapped(spec)
 
 
@@ -35,7 +40,7 @@ def _mapped(spec: ModelSpec) -> dict[str, dict]:
     if not spec.tie_word_embeddings:
         out["lm_head.weight"] = _entry("lm_head.weight")
     for layer in spec.layers:
-        out |= _own_module_entries(layer)
+        out |= _own_module_entries(layer, n.prefix)
         if layer.own_layer:
             continue
         src, dst = f"{n.prefix}layers.{layer.index}.", f"layers.{layer.index}."
@@ -49,13 +54,20 @@ def _mapped(spec: ModelSpec) -> dict[str, dict]:
     return out
 
 
-def _own_module_entries(layer) -> dict[str, dict]:
-    """Tensors of own modules are loaded by transformers into the module itself, by their released names."""
-    part = "layer" if layer.own_layer else None
+def _own_module_entries(layer, prefix: str) -> dict[str, dict]:
+    """Tensors of own modules are loaded by transformers into the module itself, by their released names;
+    `own_module` names the runtime tensor they become (LoRA targets are found through it)."""
+    head = f"{prefix}layers.{layer.index}."
     entries = {}
-    for name_, module in (("attn", layer.attention), ("ffn", layer.ffn)):
-        for name in own_tensors(module):
-            entries[name] = _entry(None, own_module=f"layers.{layer.index}.{part or name_}")
+    for slot, part in (("attn", layer.attention), ("ffn", layer.ffn)):
+        if part.kind != "own_module":
+            continue
+        # an own layer is the runtime layer's `own` slot; a tensor sits in its slot under its transformers name
+        slot = "own" if layer.own_layer else slot
+        inside = head + (f"{part.path}." if part.path else "")
+        for name in part.tensors:
+            inner = part.inner.get(name, name.removeprefix(inside))
+            entries[name] = _entry(None, own_module=f"layers.{layer.index}.{slot}.module.{inner}")
     return entries
 
 

@@ -187,6 +187,8 @@ class ModelConfig:
     layers: tuple[LayerConfig, ...]
     norm: NormConfig  # every RMSNorm of the decoder (layers, final, qk-norm)
     tie_word_embeddings: bool  # LM head is the embedding matrix
+    # why the whole model runs as transformers' own (runtime/own_modules.py OwnModel); None: assembled here
+    own_model: Optional[str] = None
 
     @classmethod
     def from_spec(cls, spec: dict, source: str = "spec.json") -> ModelConfig:

@@ -10,6 +10,8 @@ Token mixing is counted per packed segment of n tokens from the model's config (
        plus the indexer's 2 I J n(n+1)/2 (forward only)
   GDN / KDA (chunk C = 64, per token and head): 6 K V (state read, correction, update) + C (2 K + V)
   lightning (per token and head): 4 K V + C (K + V)
+  own modules (transformers' code, no formula known here): token mixing not counted, so the MFU of a
+  package with own attention is a lower bound; their projections are counted from their weights as above.
 """
 from __future__ import annotations
 
@@ -59,7 +61,8 @@ def projection_flops_per_token(model: nn.Module) -> float:
         in_indexer = ".indexer" in f".{name}"
         for pname, weight in module.named_parameters(recurse=False):
             total += _per_token(module, pname, weight, top_k) * _passes(weight, in_indexer)
-    if model.lm_head is None:
+    # tied head: the embedding matrix read as a matmul (a model run whole as transformers' own counts its head as a linear)
+    if model.lm_head is None and model.embed_tokens is not None:
         total += 2 * 2 * model.embed_tokens.weight.numel()
     return total
 
@@ -90,6 +93,8 @@ def mixing_flops(a: AttentionConfig, n: int) -> tuple[float, float]:
     if a.kind == "lightning":
         K = a.head_dim
         return float(n * a.num_heads * (4 * K * K + CHUNK * 2 * K)), 0.0
+    if a.kind == "own_module":
+        return 0.0, 0.0
     raise ValueError(f"no FLOP count for attention kind {a.kind!r}")
 
 

@@ -39,10 +39,11 @@ def module_map(weight_map: dict[str, dict]) -> dict[str, str]:
     """Release module name -> runtime module name, for every module stored whole as `<module>.weight`."""
     out = {}
     for name, entry in weight_map.items():
-        # entries without a target: tensors an own module loads by name, or that nothing reads
-        if name.endswith(".weight") and (entry["target"] or "").endswith(".weight") and entry["expert"] is None \
-                and entry["rows"] is None:
-            out[name.removesuffix(".weight")] = entry["target"].removesuffix(".weight")
+        # an own module's tensor is loaded by transformers, by name, into the runtime tensor `own_module`;
+        # entries with neither are tensors nothing reads
+        target = entry["target"] or entry.get("own_module") or ""
+        if name.endswith(".weight") and target.endswith(".weight") and entry["expert"] is None and entry["rows"] is None:
+            out[name.removesuffix(".weight")] = target.removesuffix(".weight")
     return out
 
 
@@ -82,8 +83,14 @@ def default_lora_file(spec: dict, weight_map: dict[str, dict]) -> LoraFile:
     linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)
                and fnmatch.fnmatchcase(name, "layers.*.attn.*") and ".indexer." not in name}
     modules = module_map(weight_map)
-    chosen = sorted(r for r, runtime in modules.items() if runtime in linears)
+    chosen = sorted({r for r, runtime in modules.items() if runtime in linears} | _own_attention_linears(spec))
     return LoraFile(targets=_by_layer_pattern(chosen, list(modules)))
+
+
+def _own_attention_linears(spec: dict) -> set[str]:
+    """Released modules of own modules that transformers builds as nn.Linear inside its attention modules:
+    the token mixer's projections (recognition lists them per layer)."""
+    return {name for layer in spec["layers"] for name in layer["attention"].get("linears", [])}
 
 
 def _by_layer_pattern(chosen: list[str], modules: list[str]) -> list[str]:

@@ -46,13 +46,19 @@ def _kinds(layer: LayerConfig, part: str) -> set[str]:
     return {kind, "linear_attention" if kind in LINEAR_ATTENTION else "attention"}
 
 
+def _parts(layer: nn.Module, config: LayerConfig) -> list[tuple[str, nn.Module, set[str]]]:
+    """(name, module, kinds) of the layer's wrappable parts; an own layer is one part, named by all its kinds."""
+    if layer.own is not None:
+        return [("own", layer.own, _kinds(config, "attn") | _kinds(config, "ffn"))]
+    return [(part, getattr(layer, part), _kinds(config, part)) for part in ("attn", "ffn")]
+
+
 def apply_memory_policy(model: nn.Module, policy: MemoryPolicy) -> list[str]:
     """Wrap the forward of every layer part the policy names; returns 'name: recompute|offload' lines."""
     offload = CpuOffload() if policy.offload else None
     applied = []
     for i, layer in enumerate(model.layers):
-        for part in ("attn", "ffn"):
-            kinds, module = _kinds(model.config.layers[i], part), getattr(layer, part)
+        for part, module, kinds in _parts(layer, model.config.layers[i]):
             if kinds & set(policy.recompute):
                 module.forward = functools.partial(_recomputed, module.forward)
                 applied.append(f"layers.{i}.{part}: recompute")

@@ -18,7 +18,7 @@ from runtime.layers.mla import MLAAttention
 from runtime.layers.norm import make_norm
 from runtime.layers.softmax_attention import SoftmaxAttention
 from runtime.ops.residual import mix
-from runtime.own_modules import OwnModule
+from runtime.own_modules import OwnModel, OwnModule
 from runtime.rotary import RotaryCache
 
 ATTENTION_CLASSES = {"softmax": SoftmaxAttention, "mla": MLAAttention, "gated_delta": GatedDeltaNet,
@@ -45,6 +45,8 @@ class DecoderLayer(nn.Module):
         d, eps, offset = hidden_size, norm.eps, norm.offset
         # a layer not understood as a whole is transformers' decoder layer, norms and residuals included
         self.own = OwnModule(index, "layer", "") if layer.own_layer else None
+        # readers of layer.attn / layer.ffn (metrics, memory policy) see no part of ours in an own layer
+        self.attn = self.ffn = None
         if self.own is None:
             self.input_layernorm = make_norm(d, norm)
             self.post_attention_layernorm = make_norm(d, norm)
@@ -54,7 +56,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h_BTD: torch.Tensor, rotary: RotaryCache, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         if self.own is not None:
-            return self.own(h_BTD, rotary)
+            return self.own(h_BTD, rotary, cu_seqlens)
         r = self.residual
         normed_BTD = self.input_layernorm(h_BTD)
         skip_BTD = normed_BTD if r.skip_from_normed else h_BTD
@@ -73,6 +75,11 @@ class HybridDecoder(nn.Module):
             config = ModelConfig.from_spec(config)
         self.config = config
         d, vocab, norm = config.hidden_size, config.vocab_size, config.norm
+        # a model whose glue is not understood is transformers' whole model: no layers, embedding or head of ours
+        self.own = OwnModel(num_layers) if config.own_model else None
+        if self.own is not None:
+            self.layers, self.embed_tokens, self.lm_head = nn.ModuleList(), None, None
+            return
         self.embed_tokens = nn.Embedding(vocab, d)
         self.layers = nn.ModuleList(DecoderLayer(layer, d, norm, i) for i, layer in enumerate(config.layers[:num_layers]))
         self.norm = make_norm(d, norm)
@@ -82,6 +89,8 @@ class HybridDecoder(nn.Module):
                       inputs_embeds_BTD: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None):
         """h_BTD after the final norm. positions: [B, T], or [3, B, T] for multimodal rope (default 0..T-1).
         cu_seqlens (batch 1): packed segments, which never attend to or carry state from one another."""
+        if self.own is not None:
+            return self.own.hidden_states(input_ids_BT, positions, inputs_embeds_BTD, cu_seqlens)
         h_BTD = self.embed_tokens(input_ids_BT) if inputs_embeds_BTD is None else inputs_embeds_BTD
         if positions is None:
             positions = torch.arange(h_BTD.shape[1], device=h_BTD.device).expand(h_BTD.shape[0], -1)
@@ -92,6 +101,8 @@ class HybridDecoder(nn.Module):
 
     def head_weight(self) -> torch.Tensor:
         """w_XD of the LM head (the embedding when tied)."""
+        if self.own is not None:
+            return weight_of(self.own.module.get_output_embeddings())
         return self.embed_tokens.weight if self.lm_head is None else weight_of(self.lm_head)
 
     def forward(self, input_ids_BT: torch.Tensor | None = None, positions: torch.Tensor | None = None,

@@ -4,9 +4,11 @@ A spec part of kind "own_module" (attention, FFN, or the whole decoder layer) be
 here: an empty slot until `load_own_modules` builds transformers' model of the release (truncated
 to the runtime's layers), lets transformers load the release's weights into it by name, and moves
 the needed submodules into the slots; the rest is dropped. The moved modules are ordinary
-submodules: their nn.Linear layers take LoRA and they train with the rest. Slow because nothing
-is fused and the whole truncated release passes through memory once when loading.
-Shape legend: B batch, T tokens, D model width.
+submodules: their nn.Linear layers take LoRA and they train with the rest. A model whose glue
+(embedding, head, anything between the layers) is not understood is an OwnModel: transformers' whole
+model, its text path run end to end. Packed segments run one at a time (transformers' modules take
+no cu_seqlens). Slow because nothing is fused and the truncated release passes through memory once
+when loading. Shape legend: B batch, T tokens, D model width.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from runtime.segments import per_segment
 
 # Per-layer context transformers' decoders pass their layers; given where a module's forward accepts it.
 CONTEXT_ARGS = ("attention_mask", "position_ids", "position_embeddings")
@@ -100,12 +104,17 @@ class OwnModule(nn.Module):
         takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
         self._accepts = {a for a in CONTEXT_ARGS if a in params or (takes_any and self.part != "ffn")}
 
-    def forward(self, x_BTD: torch.Tensor, rotary=None) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, rotary=None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """cu_seqlens (batch 1): packed segments; transformers' modules take no such argument, so a module
+        that mixes tokens runs once per segment, on that segment's positions."""
         if self.module is None:
             raise RuntimeError(f"layer {self.index} {self.part}: own module {self.path or 'decoder layer'} was not loaded")
         if self.part == "ffn":
             return _first_tensor(self.module(x_BTD))
         positions = rotary.positions if rotary is not None else torch.arange(x_BTD.shape[1])[None]
+        return per_segment(self._mixing, cu_seqlens, x_BTD, positions)
+
+    def _mixing(self, x_BTD: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         context = self._context[0].kwargs(self.index, x_BTD, positions)
         return _first_tensor(self.module(x_BTD, **{k: v for k, v in context.items() if k in self._accepts}))
 
@@ -114,26 +123,70 @@ def own_slots(model: nn.Module) -> list[OwnModule]:
     return [m for m in model.modules() if isinstance(m, OwnModule)]
 
 
+def runs_own_code(model: nn.Module) -> bool:
+    """Whether any part of the runtime model is transformers' module (a slot, or the whole model)."""
+    return any(isinstance(m, (OwnModule, OwnModel)) for m in model.modules())
+
+
 def text_decoder(model: nn.Module) -> nn.Module:
     """transformers' text decoder inside a model: the module holding both its layers and its token embedding."""
     return next(m for m in model.modules() if isinstance(getattr(m, "layers", None), nn.ModuleList)
                 and any(isinstance(c, nn.Embedding) for c in m.children()))
 
 
-def load_own_modules(model: nn.Module, model_dir: Path) -> None:
-    """Fill every OwnModule slot of `model` with transformers' module, the release's weights in it."""
-    slots = own_slots(model)
-    if not slots:
-        return
+class OwnModel(nn.Module):
+    """A slot for transformers' whole model of the release, filled by load_own_modules: its text model runs
+    end to end (embedding, layers and whatever glue sits between them, final norm), its LM head gives the
+    head weight. `num_layers` truncates it like the runtime model (None: all layers)."""
+
+    def __init__(self, num_layers: int | None):
+        super().__init__()
+        self.num_layers = num_layers
+        self.module: nn.Module | None = None
+        # empty, so `.to()` on the runtime model leaves here the dtype and device to load transformers' model in
+        self.register_buffer("placement", torch.zeros(0), persistent=False)
+
+    def decoder_layers(self) -> list[nn.Module]:
+        return list(text_decoder(self.module).layers)
+
+    def hidden_states(self, input_ids_BT, positions, inputs_embeds_BTD, cu_seqlens) -> torch.Tensor:
+        """h_BTD after the final norm; packed segments (cu_seqlens, batch 1) run one at a time."""
+        if self.module is None:
+            raise RuntimeError("the model runs as transformers' own, which was not loaded")
+        decoder = text_decoder(self.module)
+        given = input_ids_BT if inputs_embeds_BTD is None else inputs_embeds_BTD
+        if positions is None:
+            positions = torch.arange(given.shape[1], device=given.device).expand(given.shape[0], -1)
+        key = "input_ids" if inputs_embeds_BTD is None else "inputs_embeds"
+        run = lambda x, pos: decoder(**{key: x}, position_ids=pos, use_cache=False).last_hidden_state  # noqa: E731
+        # in the head's dtype: transformers keeps some heads in fp32 and feeds them fp32 hidden states
+        return per_segment(run, cu_seqlens, given, positions).to(self.module.get_output_embeddings().weight.dtype)
+
+
+def _reference(model_dir: Path, num_layers: int | None, dtype: torch.dtype) -> nn.Module:
+    """transformers' model of the release, truncated to num_layers, the release's weights loaded by name."""
     from transformers import AutoConfig
 
-    dtype = next(p.dtype for p in model.parameters())
-    config = truncated_config(AutoConfig.from_pretrained(model_dir), max(s.index for s in slots) + 1)
+    config = truncated_config(AutoConfig.from_pretrained(model_dir), num_layers)
     cls = transformers_class(config.model_type)
     if cls is None:
         raise RuntimeError(f"{model_dir}: transformers has no model for {config.model_type!r}, whose own modules "
-                           f"layers {sorted({s.index for s in slots})} need")
-    reference = cls.from_pretrained(model_dir, config=config, dtype=dtype)
+                           "the runtime model needs")
+    return cls.from_pretrained(model_dir, config=config, dtype=dtype)
+
+
+def load_own_modules(model: nn.Module, model_dir: Path) -> None:
+    """Fill every OwnModule slot (or the OwnModel) of `model` with transformers' module, the release's weights in it."""
+    whole = next((m for m in model.modules() if isinstance(m, OwnModel)), None)
+    if whole is not None:
+        reference = _reference(Path(model_dir), whole.num_layers, whole.placement.dtype)
+        whole.module = reference.to(whole.placement.device).train(model.training)
+        return
+    slots = own_slots(model)
+    if not slots:
+        return
+    dtype = next(p.dtype for p in model.parameters())
+    reference = _reference(Path(model_dir), max(s.index for s in slots) + 1, dtype)
     decoder = text_decoder(reference)
     context = _Context(decoder)
     for slot in slots:

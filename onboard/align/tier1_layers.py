@@ -58,7 +58,9 @@ def _own_or_ours(part):
 
 def _lora_grad_checks(hf_layer, our_layer, index: int, name: str) -> list[Check]:
     checks = []
-    if our_layer.own is not None:
+    if not hasattr(our_layer, "own"):
+        pairs = ((hf_layer, our_layer),)  # transformers' layer inside a model run whole as its own
+    elif our_layer.own is not None:
         pairs = ((hf_layer, our_layer.own.module),)
     else:
         pairs = ((attention_module(hf_layer), _own_or_ours(our_layer.attn)),
@@ -89,10 +91,12 @@ def tier1(spec: dict, weight_map: dict, source: Path, num_layers: int, T: int = 
         ref(input_ids=random_tokens(spec, 1, T, seed), use_cache=False)
     recorder.close()
     rotary = RotaryCache(torch.arange(T)[None])
+    # a model run whole as transformers' own: its layers, as the runtime loaded them, take transformers' arguments
+    our_layers = ours.own.decoder_layers() if ours.own is not None else ours.layers
     checks = []
     for label, i in layers.items():
         progress.group(f"layer {i} ({label})")
-        checks += _layer_checks(decoder_layers(ref)[i], ours.layers[i], recorder, i, label, rotary, seed)
+        checks += _layer_checks(decoder_layers(ref)[i], our_layers[i], recorder, i, label, rotary, seed)
     return checks
 
 
@@ -100,7 +104,9 @@ def _layer_checks(hf_layer, our_layer, recorder: Recorder, i: int, label: str, r
     """Both layers on the input transformers fed layer i: output, input gradient, LoRA-target gradients."""
     h_hf = recorder.input("layer", i).clone().requires_grad_(True)
     h_ours = h_hf.detach().clone().requires_grad_(True)
-    hf_out, our_out = _hf_rerun(hf_layer, recorder.calls[("layer", i)], h_hf), our_layer(h_ours, rotary)
+    recorded = recorder.calls[("layer", i)]
+    hf_out = _hf_rerun(hf_layer, recorded, h_hf)
+    our_out = our_layer(h_ours, rotary) if hasattr(our_layer, "own") else _hf_rerun(our_layer, recorded, h_ours)
     name = f"layer{i}:{label}"
     out = compare(our_out, hf_out, tolerance_for("layer", torch.float32))
     checks = [Check.from_comparison(1, f"{name}/out", out, layer=i, op=label)]

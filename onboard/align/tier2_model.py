@@ -13,7 +13,7 @@ import torch
 from onboard.align.progress import Progress
 from onboard.align.reference import Recorder, load_reference, load_runtime, random_tokens
 from onboard.align.report import Check, Divergence
-from runtime.own_modules import own_slots
+from runtime.own_modules import runs_own_code
 from runtime.registry import ops_for_layer
 from runtime.rotary import RotaryCache
 from runtime.tolerances import Tolerance, compare, tolerance_for
@@ -105,7 +105,7 @@ def _bf16_checks(spec, weight_map, source, num_layers, ids, truth, choices, tamp
         theirs_bf16 = theirs_bf16(input_ids=ids, use_cache=False).logits.float()
     tol, note = tolerance_for("model_logits", torch.bfloat16), "expert/key choices pinned to fp32's"
     free_c, own_c = compare(free, truth, tol), compare(theirs_bf16, truth, tol)
-    if own_slots(ours):
+    if runs_own_code(ours):
         # own modules are transformers' code with choices we cannot pin: the bar is transformers' own bf16 error
         tol = Tolerance(rel_rms=max(tol.rel_rms, OWN_MODULE_BF16_MARGIN * own_c.rel_rms), max_abs_rel=tol.max_abs_rel)
         note += f"; own modules unpinned, bar max({free_c.tolerance.rel_rms:.0e}, {OWN_MODULE_BF16_MARGIN} x transformers' bf16 error)"

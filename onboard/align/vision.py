@@ -32,6 +32,11 @@ def vision_checks(spec: dict, weight_map: dict, source: Path, vision_config: dic
                   progress: Progress | None = None) -> list[Check]:
     progress = progress or Progress()
     progress.group("vision path")
+    if spec.get("own_model"):
+        # the tower sits frozen inside transformers' whole model, which the runtime runs on text only
+        return [Check(tier=2, name="vision/not-aligned", metric="none", value=0.0, tolerance=0.0, verdict="info",
+                      detail="the model runs whole as transformers' own; the runtime trains its text path only, "
+                             "the vision tower is loaded frozen and not compared")]
     ids, pixels, grid, token_types = _image_input(spec, vision_config, seed)
     ref = load_reference(source, spec["family"], torch.float32, num_layers)
     ours = load_runtime(spec, weight_map, source, torch.float32, num_layers)

@@ -115,6 +115,26 @@ def release_copy():
 
 
 @pytest.fixture(scope="session")
+def tiny_family(tmp_path_factory):
+    """family -> (release folder, package folder) of any MoE family of the installed transformers, built tiny
+    the way the family sweep builds it (onboard/family_sweep.py), cached per session."""
+    from onboard.example_models import save_release
+    from onboard.family_sweep import build_tiny
+    from onboard.package import write_package
+
+    cache: dict[str, tuple[Path, Path]] = {}
+
+    def make(family: str) -> tuple[Path, Path]:
+        if family not in cache:
+            root = tmp_path_factory.mktemp("tiny") / family
+            release = save_release(build_tiny(family)[0], root / "release", num_shards=2)
+            cache[family] = release, write_package(release, root / "pkg")[0]
+        return cache[family]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def onboarded_package(example_release, tmp_path_factory):
     """`onboard new-model` (the whole graph, tiers 0-2) on the tiny qwen3_next release, once per session:
     (exit code, PKG). Tests that change the package work on a copy."""

@@ -42,6 +42,8 @@ def test_a_family_of_the_day_is_onboarded_honestly(index, tmp_path):
     assert {s.exit_code for s in result.steps.values()} <= {0, 3}, (family, result.steps)
     if result.steps["new-model"].exit_code == 0:
         assert result.tiers_passed == [0, 1, 2], (family, result.failed_checks)
+        # an exit-0 package trains: 4 LoRA steps through `onboard train`
+        assert result.steps["train"].exit_code == 0, (family, result.steps["train"])
 
 
 def test_shrink_keeps_switches_patterns_and_relations():
