@@ -22,6 +22,7 @@ class RunOptions(BaseModel):
     llm_url: Optional[str] = None
     llm_model: Optional[str] = None
     max_attempts: int = 3  # candidates per op before it is reported missing
+    align_tiers: list[int] = [0, 1, 2]  # 3 (gloo processes) and 4 (the plan's cluster, on paper) when asked
 
 
 class Failure(BaseModel):

@@ -60,7 +60,8 @@ def _new_model(args) -> int:
         check_repo(Path(args.git), model)
     options = RunOptions(model_dir=str(Path(args.model_dir).resolve()), out=str(Path(args.out).absolute()),
                          gpu_mem_gib=args.gpu_mem_gib, lora_rank=args.lora_rank, seq_len=args.seq_len, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
-                         llm_url=args.llm_url, llm_model=args.llm_model, max_attempts=args.max_attempts)
+                         llm_url=args.llm_url, llm_model=args.llm_model, max_attempts=args.max_attempts,
+                         align_tiers=_tier_list(args.tiers))
     state = run(options, resume=args.resume, progress=lambda line: print(line, file=sys.stderr))
     counts = state["report"].summary["ops"]
     print(f"wrote {state['package']}: {counts['covered']} ops covered, {counts['variant']} variant, "
@@ -182,6 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-attempts", type=_positive_int, default=3, help="candidates per missing op (default 3)")
     p.add_argument("--resume", action="store_true", help="continue the interrupted run of this --out")
     p.add_argument("--git", metavar="REPO", help="commit the package into this git work tree on a new branch onboard/<model>")
+    p.add_argument("--tiers", default="0,1,2", help="alignment tiers: 0-2 always; add 3 (gloo processes) and 4 "
+                   "(the --gpus cluster, on paper), e.g. 0,1,2,4")
     p.set_defaults(run=_new_model)
     p = sub.add_parser("plan", help="search dp_shard x ep meshes, activation policies and micro-batches for a cluster")
     p.add_argument("model_dir")

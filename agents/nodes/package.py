@@ -12,6 +12,7 @@ from langgraph.runtime import Runtime
 from onboard.align import run_alignment
 from onboard.align.progress import Progress
 from onboard.package import write_package
+from onboard.plan import Cluster
 from onboard.pr_render import render_pr
 from onboard.render import gap_markdown
 
@@ -58,7 +59,11 @@ def _replace(path: Path, text: str) -> None:
 
 
 def align(state: OnboardState, runtime: Runtime[Context]) -> dict:
-    report = run_alignment(Path(state["package"]), ALIGN_TIERS, progress=Progress(runtime.context.progress))
+    options = state["options"]
+    tiers = sorted(set(ALIGN_TIERS) | set(options.align_tiers))
+    # tier 4 checks the cluster plan.yaml was planned for
+    cluster = Cluster(options.gpus, options.gpu_mem_gib, options.gpus_per_node) if 4 in tiers else None
+    report = run_alignment(Path(state["package"]), tiers, progress=Progress(runtime.context.progress), cluster=cluster)
     return {"alignment": Alignment(passed=report.passed, summary=report.summary_line())}
 
 

@@ -136,10 +136,10 @@ def tiny_family(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def onboarded_package(example_release, tmp_path_factory):
-    """`onboard new-model` (the whole graph, tiers 0-2) on the tiny qwen3_next release, once per session:
-    (exit code, PKG). Tests that change the package work on a copy."""
+    """`onboard new-model` (the whole graph, tiers 0-2 and tier 4 on paper for its plan's 8 GPUs) on the tiny
+    qwen3_next release, once per session: (exit code, PKG). Tests that change the package work on a copy."""
     pkg = tmp_path_factory.mktemp("onboarded") / "qwen3_next"
-    return run_onboard("new-model", example_release("qwen3_next"), "--out", pkg).code, pkg
+    return run_onboard("new-model", example_release("qwen3_next"), "--out", pkg, "--tiers", "0,1,2,4").code, pkg
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,10 @@ def test_a_trainable_package_has_every_file(onboarded_package):
         assert (pkg / name).is_file(), name
     package = yaml.safe_load((pkg / "package.yaml").read_text())
     assert package["status"] == "trainable" and package["reasons"] == []
+    # tier 4 when asked (--tiers 0,1,2,4): the plan's cluster, on paper
+    report = json.loads((pkg / "alignment" / "report.json").read_text())
+    assert [t["tier"] for t in report["tiers"]] == [0, 1, 2, 4] and report["passed"]
+    assert (pkg / "alignment" / "tier4.json").is_file()
     # recorded relative to PKG, so the two can move together
     assert not Path(package["source"]["path"]).is_absolute()
     assert (pkg / package["source"]["path"]).resolve() == Path(package["source"]["absolute"])
