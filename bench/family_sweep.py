@@ -3,7 +3,7 @@
 One process per family (a family that hangs or crashes the interpreter cannot take the others
 down), --jobs at a time. Results: bench/results/families.json; the table: docs/families.md.
 
-    python bench/family_sweep.py [--families a b ...] [--jobs 2] [--timeout 600]
+    python bench/family_sweep.py [--families a b ...] [--jobs 2] [--timeout 600] [--out MD] [--json JSON]
 """
 from __future__ import annotations
 
@@ -36,10 +36,10 @@ def run_one(family: str, workdir: Path, timeout: int) -> FamilyResult:
     return FamilyResult.model_validate_json(lines[-1])
 
 
-def write(results: list[FamilyResult], out: Path, command: str, date: str) -> None:
+def write(results: list[FamilyResult], out: Path, out_json: Path, command: str, date: str) -> None:
     results = sorted(results, key=lambda r: r.family)
     out.write_text(families_markdown(results, command, date))
-    (ROOT / "bench" / "results" / "families.json").write_text(
+    out_json.write_text(
         json.dumps({"command": command, "date": date, "summary": summary(results),
                     "families": [r.model_dump() for r in results]}, indent=1))
 
@@ -49,7 +49,8 @@ def main() -> None:
     parser.add_argument("--families", nargs="*")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=900)
-    parser.add_argument("--out", default=str(ROOT / "docs" / "families.md"))
+    parser.add_argument("--out", default=str(ROOT / "docs" / "families.md"), help="the Markdown table")
+    parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "families.json"), help="the results")
     args = parser.parse_args()
     families, unreadable = moe_families()
     results = [FamilyResult(family=f, model_class=model_classes()[f], built=False, not_built_reason=why)
@@ -61,7 +62,7 @@ def main() -> None:
         # written after every family, so an interrupted sweep leaves what it found
         for run in as_completed(runs):
             results.append(run.result())
-            write(results, Path(args.out), command, date)
+            write(results, Path(args.out), Path(args.json), command, date)
     print(json.dumps(summary(results)))
 
 
