@@ -40,14 +40,24 @@ def transformers_class(family: str):
 def truncated_config(config, num_layers: int | None):
     """The config with its text model cut to num_layers, per-layer lists cut alike."""
     text = config.get_text_config()
-    total = text.num_hidden_layers
+    count_key = _layer_count_key(text)
+    total = getattr(text, count_key)
     if num_layers is None or num_layers >= total:
         return config
     for key, value in list(vars(text).items()):
         if isinstance(value, list) and len(value) == total:
             setattr(text, key, value[:num_layers])
-    text.num_hidden_layers = num_layers
+    setattr(text, count_key, num_layers)
     return config
+
+
+def _layer_count_key(text) -> str:
+    """The key counting the decoder's layers: num_hidden_layers, unless the config derives that (a property,
+    e.g. two attention sublayers per decoder layer) from a stored count of decoder layers."""
+    if isinstance(getattr(type(text), "num_hidden_layers", None), property):
+        return next((k for k in ("num_layers", "n_layers", "n_layer") if type(vars(text).get(k)) is int),
+                    "num_hidden_layers")
+    return "num_hidden_layers"
 
 
 class _Context:
