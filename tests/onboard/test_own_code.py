@@ -90,3 +90,32 @@ def test_own_attention_honours_packing_and_takes_lora(tiny_family):
     assert _packed_equals_separate(model, inputs.spec["vocab_size"])
     adapted = _lora_trains(inputs, model, pkg)
     assert adapted and all(".attn.module." in name for name in adapted)
+
+
+def test_an_own_layer_gets_what_its_decoder_passes_it(tiny_family):
+    """Beam's decoder passes each layer its layer type's rotary table (or none, for NoPE layers, with an
+    attention scaling instead): recorded from the decoder's own forward, each own layer gives what the layer
+    gives inside transformers' model, and packed documents still run apart."""
+    from runtime.rotary import RotaryCache
+
+    release, pkg = tiny_family("beam")
+    inputs, model = _runtime(pkg)
+    assert all(layer["own_layer"] for layer in inputs.spec["layers"])
+    ids = random_tokens(inputs.spec, 1, 11, seed=0)
+    with torch.no_grad():
+        ref = load_reference(inputs.source, inputs.spec["family"], torch.float32)
+        hidden = ref(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
+        rotary = RotaryCache(torch.arange(11)[None])
+        # hidden[i] enters layer i; the last layer's output is only seen after the final norm
+        for i in range(len(model.layers) - 1):
+            assert torch.allclose(model.layers[i](hidden[i], rotary), hidden[i + 1], atol=1e-6, rtol=1e-5), i
+    assert _packed_equals_separate(model, inputs.spec["vocab_size"])
+
+
+def test_own_layers_load_where_the_config_counts_decoder_layers_apart(tiny_family):
+    """LongCat-Flash derives num_hidden_layers (two attention sublayers per decoder layer) from num_layers:
+    the own layers are cut by the stored count, so every decoder layer is there and the logits match."""
+    release, pkg = tiny_family("longcat_flash")
+    inputs, model = _runtime(pkg)
+    assert len(inputs.spec["layers"]) == json.loads((release / "config.json").read_text())["num_layers"]
+    assert _logits_match(inputs, model)
