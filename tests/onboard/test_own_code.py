@@ -119,3 +119,14 @@ def test_own_layers_load_where_the_config_counts_decoder_layers_apart(tiny_famil
     inputs, model = _runtime(pkg)
     assert len(inputs.spec["layers"]) == json.loads((release / "config.json").read_text())["num_layers"]
     assert _logits_match(inputs, model)
+
+
+def test_the_text_layers_are_those_beside_the_token_embedding(tiny_family):
+    """Qwen3-Omni's thinker stores more audio-encoder layer tensors (audio_tower.layers.N) than text ones:
+    the text decoder is the prefix holding the token embedding, so the LoRA plan adapts the text attention
+    the loss runs through, and every adapted module gets a gradient."""
+    release, pkg = tiny_family("qwen3_omni_moe_thinker")
+    inputs, model = _runtime(pkg)
+    assert inputs.spec["naming"]["prefix"] == "model."
+    adapted = _lora_trains(inputs, model, pkg)
+    assert adapted and not any("audio_tower" in name for name in adapted)
