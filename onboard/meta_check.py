@@ -6,6 +6,7 @@ attention is linear and whether the FFN is a MoE.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 from typing import Optional
 
@@ -134,11 +135,22 @@ def transformers_parameter_names(manifest: Manifest, names: list[str]) -> dict[s
 
 def transformers_attention_linears(manifest: Manifest) -> set[str]:
     """transformers' names of the nn.Linear modules (exactly that class, as the runtime's LoRA takes) inside an
-    attention module of its model of this release: a module whose class transformers names *Attention / *Attn."""
+    attention module of its model of this release: a module whose class transformers names *Attention / *Attn,
+    or, named otherwise (LongCat's *MLA), the innermost module whose forward takes the attention mask."""
     from torch import nn
 
     out = set()
-    for name, module in _build_on_meta(manifest).named_modules():
-        if any(word in type(module).__name__ for word in ("Attention", "Attn")):
+    modules = dict(_build_on_meta(manifest).named_modules())
+    for name, module in modules.items():
+        if any(word in type(module).__name__ for word in ("Attention", "Attn")) or _innermost_mask_taker(module):
             out |= {f"{name}.{n}" for n, m in module.named_modules() if type(m) is nn.Linear}
     return out
+
+
+def _takes_mask(module) -> bool:
+    return "attention_mask" in inspect.signature(module.forward).parameters
+
+
+def _innermost_mask_taker(module) -> bool:
+    """A decoder layer takes the mask to hand it on: the module that uses it is the one below which none does."""
+    return _takes_mask(module) and not any(_takes_mask(m) for m in list(module.modules())[1:])

@@ -114,11 +114,14 @@ def test_an_own_layer_gets_what_its_decoder_passes_it(tiny_family):
 
 def test_own_layers_load_where_the_config_counts_decoder_layers_apart(tiny_family):
     """LongCat-Flash derives num_hidden_layers (two attention sublayers per decoder layer) from num_layers:
-    the own layers are cut by the stored count, so every decoder layer is there and the logits match."""
+    the own layers are cut by the stored count, so every decoder layer is there and the logits match. Its
+    attention class is named *MLA: found as the innermost module taking the mask, its projections take LoRA."""
     release, pkg = tiny_family("longcat_flash")
     inputs, model = _runtime(pkg)
     assert len(inputs.spec["layers"]) == json.loads((release / "config.json").read_text())["num_layers"]
     assert _logits_match(inputs, model)
+    adapted = _lora_trains(inputs, model, pkg)
+    assert {name.rpartition(".")[2] for name in adapted} >= {"q_a_proj", "kv_b_proj", "o_proj"}
 
 
 def test_the_text_layers_are_those_beside_the_token_embedding(tiny_family):
