@@ -154,3 +154,40 @@ def _takes_mask(module) -> bool:
 def _innermost_mask_taker(module) -> bool:
     """A decoder layer takes the mask to hand it on: the module that uses it is the one below which none does."""
     return _takes_mask(module) and not any(_takes_mask(m) for m in list(module.modules())[1:])
+
+
+class _FirstLayerInput(Exception):
+    """Raised by the first decoder layer's stand-in, carrying the shape of the hidden states it was handed."""
+
+
+def glue_reshapes(manifest: Manifest) -> Optional[str]:
+    """Why the decoder's glue before its layers is not plain: transformers' decoder (meta tensors) hands its
+    first layer hidden states shaped otherwise than the token embeddings (e.g. several residual streams);
+    None when it hands them on as they are, or when the decoder cannot run on the meta device."""
+    import torch
+    from torch import nn
+
+    from runtime.own_modules import text_decoder
+
+    model = _build_on_meta(manifest)
+    try:
+        decoder = text_decoder(model)
+    except StopIteration:
+        return None
+    width = next(m for m in decoder.children() if isinstance(m, nn.Embedding)).embedding_dim
+    first = decoder.layers[0]
+
+    def stand_in(hidden_states, *args, **kwargs):
+        raise _FirstLayerInput(tuple(hidden_states.shape))
+
+    first.forward = stand_in  # an instance attribute shadows the class's forward
+    try:
+        decoder(inputs_embeds=torch.zeros(1, 4, width, device="meta"), use_cache=False)
+    except _FirstLayerInput as handed:
+        shape = handed.args[0]
+        return None if shape == (1, 4, width) else f"the decoder hands its layers hidden states {shape} for embeddings (1, 4, {width})"
+    except Exception:  # a decoder that needs real data before its layers: no conclusion
+        return None
+    finally:
+        del first.forward
+    return None

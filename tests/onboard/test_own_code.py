@@ -133,3 +133,13 @@ def test_the_text_layers_are_those_beside_the_token_embedding(tiny_family):
     assert inputs.spec["naming"]["prefix"] == "model."
     adapted = _lora_trains(inputs, model, pkg)
     assert adapted and not any("audio_tower" in name for name in adapted)
+
+
+def test_a_decoder_that_reshapes_the_embeddings_for_its_layers_runs_whole_as_its_own(tiny_family):
+    """GLM-5-Next's decoder widens the embeddings into several residual streams before its layers (no tensor
+    of that glue): found by running transformers' decoder on meta tensors, the whole model is its own and
+    reproduces transformers' logits."""
+    release, pkg = tiny_family("glm5_next")
+    inputs, model = _runtime(pkg)
+    assert "hands its layers hidden states" in inputs.spec["own_model"]
+    assert _logits_match(inputs, model)
