@@ -59,15 +59,6 @@ def _glu_backward(gate0, up0, dh, CLAMP: tl.constexpr, limit, HAS_ALPHA: tl.cons
 
 
 @triton.jit
-def _column_map(pid_n, N, MODE: tl.constexpr, BLOCK_N: tl.constexpr, row_mult):
-    """Accumulator column -> (unit, row of W, valid). In GLU_FWD a column is a gate/up unit whose
-    gate row of W is unit * row_mult (its up row sits up_offset further)."""
-    units = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_rows = units * row_mult if MODE == 1 else units
-    return units, w_rows, units < N
-
-
-@triton.jit
 def _mainloop(a_ptr, stride_am, a_rows, row_ok, w_ptr, stride_wn, stride_wk, w_rows, col_ok, K, up_offset,
               PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
@@ -149,7 +140,11 @@ def grouped_gemm_kernel(
     # int32 (S = T * k < 2**31) over a constexpr k: the division compiles to a multiply and shift
     pairs = tl.load(pair_ptr + rows, mask=row_ok, other=0).to(tl.int32)
     a_rows = pairs // TOP_K if GATHER_A else rows
-    units, w_rows, col_ok = _column_map(pid_n, N, MODE, BLOCK_N, row_mult)
+    # accumulator column -> row of W: in GLU_FWD a column is a gate/up unit whose gate row of W is
+    # unit * row_mult (its up row sits up_offset further)
+    units = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = units * row_mult if MODE == 1 else units
+    col_ok = units < N
     e64 = e.to(tl.int64)
     acc, acc_up = _mainloop(a_ptr, stride_am, a_rows, row_ok, w_ptr + e64 * stride_we, stride_wn, stride_wk, w_rows,
                             col_ok, K, up_offset, MODE == 1, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
@@ -246,7 +241,7 @@ class LowRank:
     scale: float
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs get full fp32 products so that fp32 runs can be held to fp32 tolerances
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -290,7 +285,7 @@ def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, gath
     flags = dict(
         TOP_K=sched.top_k, MODE=mode, GATHER_A=gather_a, SCATTER_C=scatter_out, ROW_SCALE=row_scale_P is not None,
         HAS_BIAS=bias_EN is not None, HAS_LORA=low_rank is not None, WANT_DW=dw_P is not None,
-        CLAMP=glu.clamp is not None, HAS_ALPHA=glu.alpha is not None, PRECISION=_dot_precision(a_SK.dtype),
+        CLAMP=glu.clamp is not None, HAS_ALPHA=glu.alpha is not None, PRECISION=dot_precision(a_SK.dtype),
         BLOCK_M=sched.block_m, BLOCK_R=_small_block(lr.left_Sr.shape[1]),
     )
     config = dict(BLOCK_N=_small_block(N), BLOCK_K=32, num_warps=4) if N <= SMALL_N else None
