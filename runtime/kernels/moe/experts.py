@@ -163,7 +163,7 @@ def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg,
     s = lora.scale
     grads = {}
     if need["w_gu"]:
-        # x's rows are the copy in expert order here (_x_rows): torch._grouped_mm where it takes them
+        # x's rows are the copy in expert order here (see forward): torch._grouped_mm where it takes them
         grad = sorted_rows_wgrad(d_gate_up, x.data, sched)
         grads["w_gu"] = grad if grad is not None else grouped_wgrad(d_gate_up, x.data, sched)
     if need["w_d"]:

@@ -16,13 +16,13 @@ Shape legend: S sorted rows, N accumulator columns, K reduction width, E experts
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels import buffers
 from runtime.kernels.launch import fast, interpreting
 from runtime.kernels.moe.schedule import Schedule
 
@@ -250,13 +250,6 @@ def _small_block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
 
-@functools.cache
-def _dw_placeholder(device: torch.device) -> torch.Tensor:
-    # dw_ptr's own placeholder when no routing-weight gradient is wanted: the autotuner saves and
-    # restores whatever is passed there. Cached, so that no launch fills a fresh one per call.
-    return torch.zeros(1, dtype=torch.float32, device=device)
-
-
 def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, gather_a=False, scatter_out=False,
                  row_scale_P=None, bias_EN=None, low_rank: LowRank | None = None, gate_up=None, dw_P=None,
                  glu: Glu = Glu()):
@@ -277,7 +270,9 @@ def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, gath
         bias_EN if bias_EN is not None else dummy, bias_EN.stride(0) if bias_EN is not None else 0,
         lr.left_Sr, lr.left_Sr.stride(0), lr.right.data, *lr.right.strides(), lr.left_Sr.shape[1], lr.scale,
         gate_up if gate_up is not None else dummy, gate_up.stride(0) if gate_up is not None else 0,
-        dw_P if dw_P is not None else _dw_placeholder(a_SK.device),
+        # dw_ptr's own placeholder when no routing-weight gradient is wanted: the autotuner saves and
+        # restores whatever is passed there
+        dw_P if dw_P is not None else buffers.zeros(1, dtype=torch.float32, device=a_SK.device),
         sched.pair_S, sched.tile_expert, sched.tile_start, sched.ends_E,
         N, K, sched.num_experts, row_mult, up_offset,
         glu.clamp if glu.clamp is not None else 0.0, glu.alpha if glu.alpha is not None else 1.0,
