@@ -127,12 +127,15 @@ def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_
     tl.store(dq_row + V + offs_r[None, :], (dq_r * scale).to(dq_ptr.dtype.element_ty), mask=head_ok & (offs_r[None, :] < R))
 
 
+def _tiles(H, V, R, max_heads, keys):
+    return dict(BH=min(max_heads, max(16, triton.next_power_of_2(H))), BS=keys,
+                BV=max(16, triton.next_power_of_2(V)), BR=max(16, triton.next_power_of_2(R)))
+
+
 def _launch(kernel, B, T, H, V, R, max_heads, keys, *args):
     """One program per token and BH heads (see _token_and_head0)."""
-    heads = min(max_heads, max(16, triton.next_power_of_2(H)))
-    fast(kernel)[(B * T * triton.cdiv(H, heads),)](
-        *args, BH=heads, BS=keys, BV=max(16, triton.next_power_of_2(V)), BR=max(16, triton.next_power_of_2(R)),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    tiles = _tiles(H, V, R, max_heads, keys)
+    fast(kernel)[(B * T * triton.cdiv(H, tiles["BH"]),)](*args, **tiles, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
 
 def sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, scale, v_dim):

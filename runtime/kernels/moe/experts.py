@@ -21,7 +21,7 @@ import torch
 
 from runtime.kernels import buffers
 from runtime.ops import moe as torch_ops
-from runtime.kernels.moe.rows import gather_tokens, sum_k
+from runtime.kernels.moe.token_rows import gather_tokens, sum_k
 from runtime.kernels.moe.grouped_gemm import (
     MODE_GLU_BWD,
     MODE_GLU_FWD,

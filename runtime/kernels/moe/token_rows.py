@@ -1,4 +1,4 @@
-"""The two row passes around the grouped GEMMs, both bandwidth-bound copies over the schedule's rows.
+"""Token rows around the grouped GEMMs: x gathered into expert-sorted order and each token's k rows summed back.
 
 `gather_tokens`: x's rows in expert-sorted order, out[s] = x[pair(s) // k], for the weight gradient
 that reduces over them (it runs faster on rows in order than gathering along its reduction); the token
