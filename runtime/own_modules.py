@@ -3,7 +3,8 @@
 A spec part of kind "own_module" (attention, FFN, or the whole decoder layer) becomes an OwnModule
 here: an empty slot until `load_own_modules` builds transformers' model of the release (truncated
 to the runtime's layers), lets transformers load the release's weights into it by name, and moves
-the needed submodules into the slots; the rest is dropped. The moved modules are ordinary
+the needed submodules into the slots; of the rest only its text decoder is kept (its embedding too),
+whose own forward is run to record what it passes its layers. The moved modules are ordinary
 submodules: their nn.Linear layers take LoRA and they train with the rest. A model whose glue
 (embedding, head, anything between the layers) is not understood is an OwnModel: transformers' whole
 model, its text path run end to end. Packed segments run one at a time (transformers' modules take
