@@ -80,28 +80,37 @@ class _Context:
     def _record(self, x_BTD: torch.Tensor, positions: torch.Tensor) -> list[dict]:
         calls: list[dict] = []
         layers = list(self.decoder.layers)
-        for layer in layers:
-            layer.forward = _recorder(layer.forward, calls)  # an instance attribute shadows the class's forward
+        for layer in layers:  # an instance attribute shadows the class's forward
+            layer.forward = _recorder(layer.forward, calls, len(layers))
         try:
             # no gradient: what a decoder passes its layers is made of positions and buffers, not weights
             with torch.no_grad():
                 self.decoder(inputs_embeds=x_BTD.detach(), position_ids=positions, use_cache=False)
+        except _AllRecorded:
+            pass
         finally:
             for layer in layers:
                 del layer.forward
         return calls
 
 
-def _recorder(forward, calls: list[dict]):
+class _AllRecorded(Exception):
+    """Raised by the last layer's recorder: what follows the layers (the final norm, maybe left on another
+    device than the moved layers) is not needed."""
+
+
+def _recorder(forward, calls: list[dict], total: int):
     """A layer forward that appends its arguments but the hidden states, by name, and returns them unchanged."""
     signature = inspect.signature(forward)
     first = next(iter(signature.parameters))
+    extra = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
 
     def record(*args, **kwargs):
         named = dict(signature.bind(*args, **kwargs).arguments)
-        hidden = named.pop(first)
-        extra = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
-        calls.append({**named, **named.pop(extra, {})} if extra else named)
+        hidden, passed = named.pop(first), named.pop(extra, {}) if extra else {}
+        calls.append({**named, **passed})
+        if len(calls) == total:
+            raise _AllRecorded
         return hidden
 
     return record
@@ -127,7 +136,8 @@ class OwnModule(nn.Module):
         self.module, self._context = module, [context]
         params = inspect.signature(module.forward).parameters
         takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-        self._accepts = None if self.part == "layer" else {a for a in params} | set(CONTEXT_ARGS if takes_any else ())
+        named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        self._accepts = None if self.part == "layer" else named | set(CONTEXT_ARGS if takes_any else ())
 
     def forward(self, x_BTD: torch.Tensor, rotary=None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """cu_seqlens (batch 1): packed segments; transformers' modules take no such argument, so a module
