@@ -191,3 +191,44 @@ def glue_reshapes(manifest: Manifest) -> Optional[str]:
     finally:
         del first.forward
     return None
+
+
+def rope_pairs_interleaved(manifest: Manifest) -> Optional[bool]:
+    """Whether the release's attention rotates adjacent channel pairs (interleaved) rather than halves, read
+    off transformers' own rotary function: a query with only channel 0 set, rotated at position 1, scores
+    against a key with only channel 1 set (interleaved) or channel d/2 (halves), at position 0. Scores, not
+    output channels: some interleaved functions also permute the channels they return. None when the
+    attention does not name exactly one rotary function, or it cannot be called with its decoder's tables."""
+    import sys
+
+    import torch
+
+    from runtime.own_modules import text_decoder
+
+    try:
+        decoder = text_decoder(_build_on_meta(manifest))
+        attention = next(m for m in decoder.layers[0].modules() if "Attention" in type(m).__name__)
+        names = {n for n in inspect.unwrap(type(attention).forward).__code__.co_names if n.startswith("apply_rotary")}
+        if len(names) != 1:
+            return None
+        rotate = getattr(sys.modules[type(attention).__module__], names.pop())
+        rotary = type(decoder.rotary_emb)(config=decoder.config)
+        at = [rotary(torch.zeros(1), torch.tensor([[p]])) for p in (0, 1)]
+        at = [t if isinstance(t, tuple) else (t,) for t in at]
+        width = at[0][0].shape[-1] * (2 if at[0][0].is_complex() else 1)
+        query = _rotated(rotate, at[1], 0, width)
+        pair, half = (float(query @ _rotated(rotate, at[0], c, width)) for c in (1, width // 2))
+    except Exception:  # an attention or rotary module built otherwise: no conclusion
+        return None
+    if abs(pair) > 1e-6 > abs(half):
+        return True
+    return False if abs(half) > 1e-6 > abs(pair) else None
+
+
+def _rotated(rotate, tables: tuple, channel: int, width: int):
+    """A unit vector along `channel`, through transformers' rotary function as its query."""
+    import torch
+
+    unit = torch.zeros(1, 1, 1, width)
+    unit[..., channel] = 1.0
+    return rotate(unit, unit.clone(), *tables)[0].flatten()
