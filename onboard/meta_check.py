@@ -199,6 +199,8 @@ def rope_pairs_interleaved(manifest: Manifest) -> Optional[bool]:
     against a key with only channel 1 set (interleaved) or channel d/2 (halves), at position 0. Scores, not
     output channels: some interleaved functions also permute the channels they return. None when the
     attention does not name exactly one rotary function, or it cannot be called with its decoder's tables."""
+    if not transformers_may_know(str(manifest.config.get("model_type"))):
+        return None  # without importing transformers (inspect of an unknown family stays light)
     import sys
 
     import torch
