@@ -77,12 +77,22 @@ class Recognizer:
         tie = bool(self.cfg.get("tie_word_embeddings", default=self.top.get("tie_word_embeddings", default=False)))
         fields = dict(family=self.family, architecture=self._architecture(), hidden_size=hidden,
                       vocab_size=self.cfg.positive_int("vocab_size"), num_layers=num_layers, layers=layers,
-                      norm=self.norm(), tie_word_embeddings=tie, naming=self.naming, vision=vision,
+                      norm=self.norm(), tie_word_embeddings=tie, final_logit_softcapping=self.logit_softcap(),
+                      naming=self.naming, vision=vision,
                       dtype=str(self.manifest.config.get("torch_dtype") or self.manifest.config.get("dtype") or "bfloat16"))
         counts = param_count.count(ModelSpec.model_construct(**fields, params=None), vision)
         self.collect_unrecognized()
         unique = list({(u.source, u.item): u for u in self.unrecognized}.values())
         return ModelSpec(**fields, params=counts, unrecognized=unique)
+
+    def logit_softcap(self) -> float | None:
+        """transformers' name for a tanh cap on the logits after the LM head; absent or null: none."""
+        if not self.cfg.has("final_logit_softcapping"):
+            return None
+        cap = self.cfg.number("final_logit_softcapping")
+        if cap <= 0:
+            raise NotRecognized(self.cfg._dotted("final_logit_softcapping"), f"recognized for caps > 0, got {cap!r}")
+        return cap
 
     def _architecture(self) -> str:
         archs = self.manifest.config.get("architectures") or ["unknown"]
