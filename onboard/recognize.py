@@ -18,6 +18,7 @@ from onboard.spec import (DenseFFN, DSAIndexer, GatedDeltaAttention, KDAAttentio
                           MLAAttention, ModelSpec, MoEFFN, NormSpec, OwnModule, ResidualSpec, RopeSpec, RouterSpec,
                           SoftmaxAttention, Unrecognized)
 from onboard import param_count, recognize_vision
+from onboard.recognize_mrope import probed_mrope
 
 # Families whose RMSNorm applies (1 + w): not expressed in their configs.
 ONE_PLUS_W_NORM_FAMILIES = {"qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"}
@@ -159,6 +160,10 @@ class Recognizer:
         scaling = {**legacy, **params}
         if scaling.get("rope_type", scaling.get("type", "default")) == "default":
             scaling = None
+        if mrope_section is None and self.manifest.vision_config is not None:
+            # the vision path's positions have three axes: the split the model code applies by default
+            mrope_section, mrope_interleaved = probed_mrope(self.manifest, int(rotary_base_dim * factor) // 2,
+                                                            self.cfg._dotted("rope_parameters"))
         return RopeSpec(theta=float(theta), rotary_dim=int(rotary_base_dim * factor), interleaved=interleaved,
                         scaling=scaling, mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
 
