@@ -19,6 +19,7 @@ from onboard.spec import (DenseFFN, DSAIndexer, GatedDeltaAttention, KDAAttentio
                           SoftmaxAttention, Unrecognized)
 from onboard import param_count, recognize_vision
 from onboard.recognize_mrope import probed_mrope
+from onboard.transformers_classes import transformers_knows
 
 # Families whose RMSNorm applies (1 + w): not expressed in their configs.
 ONE_PLUS_W_NORM_FAMILIES = {"qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"}
@@ -160,7 +161,7 @@ class Recognizer:
         scaling = {**legacy, **params}
         if scaling.get("rope_type", scaling.get("type", "default")) == "default":
             scaling = None
-        if mrope_section is None and self.manifest.vision_config is not None:
+        if mrope_section is None and self.manifest.vision_config is not None and transformers_knows(self.family):
             # the vision path's positions have three axes: the split the model code applies by default
             mrope_section, mrope_interleaved = probed_mrope(self.manifest, int(rotary_base_dim * factor) // 2,
                                                             self.cfg._dotted("rope_parameters"))

@@ -1,8 +1,8 @@
 """A multimodal release whose rope config does not say how the rotary pairs split over the position axes.
 
 Its vision path gives the text model positions on three axes (time, height, width); a config without
-`mrope_section` leaves the split to the model code's default. transformers' own rotary module is then
-the oracle: run on one token whose three positions differ (1, 2, 3), each pair's angle divided by its
+`mrope_section` leaves the split to the model code's default. For a family transformers knows, its own
+rotary module is then the oracle: run on one token whose three positions differ (1, 2, 3), each pair's angle divided by its
 frequency says which axis drives it. The split is kept when it is one of the runtime's layouts
 (contiguous sections or interleaved, runtime/ops/rope.py), else the rope is not recognized.
 """
