@@ -6,6 +6,7 @@ attention is linear and whether the FFN is a MoE.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 from typing import Optional
 
@@ -134,11 +135,102 @@ def transformers_parameter_names(manifest: Manifest, names: list[str]) -> dict[s
 
 def transformers_attention_linears(manifest: Manifest) -> set[str]:
     """transformers' names of the nn.Linear modules (exactly that class, as the runtime's LoRA takes) inside an
-    attention module of its model of this release: a module whose class transformers names *Attention / *Attn."""
+    attention module of its model of this release: a module whose class transformers names *Attention / *Attn,
+    or, named otherwise (LongCat's *MLA), the innermost module whose forward takes the attention mask."""
     from torch import nn
 
     out = set()
-    for name, module in _build_on_meta(manifest).named_modules():
-        if any(word in type(module).__name__ for word in ("Attention", "Attn")):
+    modules = dict(_build_on_meta(manifest).named_modules())
+    for name, module in modules.items():
+        if any(word in type(module).__name__ for word in ("Attention", "Attn")) or _innermost_mask_taker(module):
             out |= {f"{name}.{n}" for n, m in module.named_modules() if type(m) is nn.Linear}
     return out
+
+
+def _takes_mask(module) -> bool:
+    return "attention_mask" in inspect.signature(module.forward).parameters
+
+
+def _innermost_mask_taker(module) -> bool:
+    """A decoder layer takes the mask to hand it on: the module that uses it is the one below which none does."""
+    return _takes_mask(module) and not any(_takes_mask(m) for m in list(module.modules())[1:])
+
+
+class _FirstLayerInput(Exception):
+    """Raised by the first decoder layer's stand-in, carrying the shape of the hidden states it was handed."""
+
+
+def glue_reshapes(manifest: Manifest) -> Optional[str]:
+    """Why the decoder's glue before its layers is not plain: transformers' decoder (meta tensors) hands its
+    first layer hidden states shaped otherwise than the token embeddings (e.g. several residual streams);
+    None when it hands them on as they are, or when the decoder cannot run on the meta device."""
+    import torch
+    from torch import nn
+
+    from runtime.own_modules import text_decoder
+
+    model = _build_on_meta(manifest)
+    try:
+        decoder = text_decoder(model)
+    except StopIteration:
+        return None
+    width = next(m for m in decoder.children() if isinstance(m, nn.Embedding)).embedding_dim
+    first = decoder.layers[0]
+
+    def stand_in(hidden_states, *args, **kwargs):
+        raise _FirstLayerInput(tuple(hidden_states.shape))
+
+    first.forward = stand_in  # an instance attribute shadows the class's forward
+    try:
+        decoder(inputs_embeds=torch.zeros(1, 4, width, device="meta"), use_cache=False)
+    except _FirstLayerInput as handed:
+        shape = handed.args[0]
+        return None if shape == (1, 4, width) else f"the decoder hands its layers hidden states {shape} for embeddings (1, 4, {width})"
+    except Exception:  # a decoder that needs real data before its layers: no conclusion
+        return None
+    finally:
+        del first.forward
+    return None
+
+
+def rope_pairs_interleaved(manifest: Manifest) -> Optional[bool]:
+    """Whether the release's attention rotates adjacent channel pairs (interleaved) rather than halves, read
+    off transformers' own rotary function: a query with only channel 0 set, rotated at position 1, scores
+    against a key with only channel 1 set (interleaved) or channel d/2 (halves), at position 0. Scores, not
+    output channels: some interleaved functions also permute the channels they return. None when the
+    attention does not name exactly one rotary function, or it cannot be called with its decoder's tables."""
+    if not transformers_may_know(str(manifest.config.get("model_type"))):
+        return None  # without importing transformers (inspect of an unknown family stays light)
+    import sys
+
+    import torch
+
+    from runtime.own_modules import text_decoder
+
+    try:
+        decoder = text_decoder(_build_on_meta(manifest))
+        attention = next(m for m in decoder.layers[0].modules() if "Attention" in type(m).__name__)
+        names = {n for n in inspect.unwrap(type(attention).forward).__code__.co_names if n.startswith("apply_rotary")}
+        if len(names) != 1:
+            return None
+        rotate = getattr(sys.modules[type(attention).__module__], names.pop())
+        rotary = type(decoder.rotary_emb)(config=decoder.config)
+        at = [rotary(torch.zeros(1), torch.tensor([[p]])) for p in (0, 1)]
+        at = [t if isinstance(t, tuple) else (t,) for t in at]
+        width = at[0][0].shape[-1] * (2 if at[0][0].is_complex() else 1)
+        query = _rotated(rotate, at[1], 0, width)
+        pair, half = (float(query @ _rotated(rotate, at[0], c, width)) for c in (1, width // 2))
+    except Exception:  # an attention or rotary module built otherwise: no conclusion
+        return None
+    if abs(pair) > 1e-6 > abs(half):
+        return True
+    return False if abs(half) > 1e-6 > abs(pair) else None
+
+
+def _rotated(rotate, tables: tuple, channel: int, width: int):
+    """A unit vector along `channel`, through transformers' rotary function as its query."""
+    import torch
+
+    unit = torch.zeros(1, 1, 1, width)
+    unit[..., channel] = 1.0
+    return rotate(unit, unit.clone(), *tables)[0].flatten()

@@ -32,8 +32,9 @@ def scan_layers(names) -> tuple[str, dict[int, set[str]]]:
     One pass of string slicing, no regex per name: the flagship index holds 157k names, 150k of them
     experts, which collapse to a handful of patterns per layer.
     """
+    names = list(names)
     prefixes: dict[str, int] = {}
-    by_layer: dict[int, set[str]] = {}
+    by_prefix: dict[str, dict[int, set[str]]] = {}
     for name in names:
         start = name.find("layers.")
         if start < 0 or "vis" in name[:start]:
@@ -46,8 +47,18 @@ def scan_layers(names) -> tuple[str, dict[int, set[str]]]:
         prefixes[prefix] = prefixes.get(prefix, 0) + 1
         if "experts." in rest:
             rest = EXPERT_INDEX_RE.sub(".N.", rest)
-        by_layer.setdefault(int(index), set()).add(rest)
-    return (max(prefixes, key=prefixes.get) if prefixes else "model."), by_layer
+        by_prefix.setdefault(prefix, {}).setdefault(int(index), set()).add(rest)
+    if not prefixes:
+        return "model.", {}
+    prefix = max(prefixes, key=lambda p: (_holds_embedding(names, p), prefixes[p]))
+    return prefix, by_prefix[prefix]
+
+
+def _holds_embedding(names, prefix: str) -> bool:
+    """Whether a token embedding sits beside the layers under prefix: the text decoder's, where another
+    tower's layers (an audio encoder's) may be more."""
+    return any(n.startswith(prefix) and "embed" in n[len(prefix):] and n.count(".") == prefix.count(".") + 1
+               for n in names)
 
 
 def _first_component_with(suffixes, leaf_pattern: str) -> Optional[str]:

@@ -13,6 +13,7 @@ import re
 from onboard.config_view import ConfigView, NotRecognized
 from onboard.errors import BadInput
 from onboard.manifest import Manifest
+from onboard.meta_check import rope_pairs_interleaved
 from onboard.naming import WeightNaming, detect_naming, scan_layers
 from onboard.spec import (DenseFFN, DSAIndexer, GatedDeltaAttention, KDAAttention, LayerSpec, LightningAttention,
                           MLAAttention, ModelSpec, MoEFFN, NormSpec, OwnModule, ResidualSpec, RopeSpec, RouterSpec,
@@ -202,7 +203,9 @@ class Recognizer:
         # MLA has one latent kv; head_dim / kv heads keys are the unabsorbed view's bookkeeping
         self.cfg.mark_used("head_dim", "num_key_value_heads", "attention_bias", "mlp_bias")
         nope = self.family in NOPE_MLA_FAMILIES
-        interleaved = bool(self.cfg.get("rope_interleave", default=self.family in ("deepseek_v3", "deepseek_v32")))
+        # without the key: the family's known layout, else what transformers' own rotary function does
+        known = self.family in ("deepseek_v3", "deepseek_v32") or rope_pairs_interleaved(self.manifest)
+        interleaved = bool(self.cfg.get("rope_interleave", default=known))
         return MLAAttention(
             num_heads=self.cfg.positive_int("num_attention_heads"),
             q_lora_rank=self.cfg.positive_int("q_lora_rank", default=None),

@@ -16,7 +16,8 @@ from typing import Optional
 
 from onboard.errors import BadInput
 from onboard.manifest import Manifest
-from onboard.meta_check import transformers_attention_linears, transformers_parameter_names, transformers_tensors
+from onboard.meta_check import (glue_reshapes, transformers_attention_linears, transformers_parameter_names,
+                                transformers_tensors)
 from onboard.spec import LayerSpec, ModelSpec, OwnModule, Unrecognized
 from onboard.weight_layout import expected_tensors
 
@@ -158,7 +159,7 @@ def apply(spec: ModelSpec, manifest: Manifest) -> ModelSpec:
     if oracle is not None:
         _contradictions(manifest, present, oracle, spec.family)
     why = _disagreements(spec, present, oracle, manifest.shards_present)
-    outside = _outside_layers(spec, present, oracle) if oracle is not None else None
+    outside = (_outside_layers(spec, present, oracle) or glue_reshapes(manifest)) if oracle is not None else None
     if outside is not None:
         why = {**why, **{(layer.index, "layer"): f"the whole model runs as its own: {outside}" for layer in spec.layers}}
         spec = spec.model_copy(update={"own_model": outside})

@@ -1,7 +1,8 @@
 """Shrink any family's default config to a tiny one, by key-name rules alone (no family named).
 
 Widths, head counts, ranks and expert counts are capped by what their key names say they are;
-zeros and nulls stay (they switch features off); per-layer lists are cut to a few layers that
+zeros and nulls stay (they switch features off), but a null experts-per-token beside an expert
+count takes its cap (a router cannot run without it: the default leaves it to the release); per-layer lists are cut to a few layers that
 still show every distinct layer pattern, and lists of layer indices are renumbered alike. What a
 rule cannot judge is left as it was: the model build then says whether the result is consistent.
 """
@@ -38,6 +39,8 @@ CAPS: list[tuple[str, int]] = [
     (r"(_period|_freq|_interval|_step|every_n_layers|_group_size)$", MAX_LAYERS),
     (r"_offset$", MAX_LAYERS - 1),
 ]
+# experts per token: a null here does not switch routing off, it is left for the release to set
+TOP_K_RE = re.compile(r"experts_per_(tok|token)$")
 WIDTH_KEY_RE = re.compile(r"dim|size|heads|rank")
 LAYER_COUNT_KEYS = ("num_hidden_layers", "num_layers", "n_layer", "n_layers")
 TOKEN_ID_RE = re.compile(r"(_token_id|_token_index|_id)$")
@@ -91,6 +94,8 @@ def _shrink_value(key, value, part: dict, keep: list[int] | None, tokens: _Token
         return _scaled_sections(value, part)
     if isinstance(value, list) and value and all(type(v) is int and v > 0 for v in value) and cap_for(key):
         return [min(v, cap_for(key)) for v in value]
+    if value is None and TOP_K_RE.search(key) and _expert_count(part):
+        return cap_for(key)
     if isinstance(value, bool) or not isinstance(value, int):
         return value
     if key.endswith("vocab_size"):
@@ -133,6 +138,10 @@ def _scaled_sections(sections: list[int], part: dict) -> list[int]:
     scaled = [max(1, v * target // sum(sections)) for v in sections]
     scaled[0] += target - sum(scaled)
     return scaled
+
+
+def _expert_count(part: dict) -> int:
+    return max((v for k, v in part.items() if type(v) is int and re.search(CAPS[0][0], str(k).lower())), default=0)
 
 
 def _first_int(part: dict, *keys: str) -> int | None:

@@ -3,7 +3,8 @@
 A spec part of kind "own_module" (attention, FFN, or the whole decoder layer) becomes an OwnModule
 here: an empty slot until `load_own_modules` builds transformers' model of the release (truncated
 to the runtime's layers), lets transformers load the release's weights into it by name, and moves
-the needed submodules into the slots; the rest is dropped. The moved modules are ordinary
+the needed submodules into the slots; of the rest only its text decoder is kept (its embedding too),
+whose own forward is run to record what it passes its layers. The moved modules are ordinary
 submodules: their nn.Linear layers take LoRA and they train with the rest. A model whose glue
 (embedding, head, anything between the layers) is not understood is an OwnModel: transformers' whole
 model, its text path run end to end. Packed segments run one at a time (transformers' modules take
@@ -40,46 +41,79 @@ def transformers_class(family: str):
 def truncated_config(config, num_layers: int | None):
     """The config with its text model cut to num_layers, per-layer lists cut alike."""
     text = config.get_text_config()
-    total = text.num_hidden_layers
+    count_key = _layer_count_key(text)
+    total = getattr(text, count_key)
     if num_layers is None or num_layers >= total:
         return config
     for key, value in list(vars(text).items()):
         if isinstance(value, list) and len(value) == total:
             setattr(text, key, value[:num_layers])
-    text.num_hidden_layers = num_layers
+    setattr(text, count_key, num_layers)
     return config
 
 
+def _layer_count_key(text) -> str:
+    """The key counting the decoder's layers: num_hidden_layers, unless the config derives that (a property,
+    e.g. two attention sublayers per decoder layer) from a stored count of decoder layers."""
+    if isinstance(getattr(type(text), "num_hidden_layers", None), property):
+        return next((k for k in ("num_layers", "n_layers", "n_layer") if type(vars(text).get(k)) is int),
+                    "num_hidden_layers")
+    return "num_hidden_layers"
+
+
 class _Context:
-    """What the release's decoder computes once per forward for its layers: rotary tables and masks.
-    A plain object (not a Module), so the rotary module is not registered once per slot."""
+    """What the release's decoder passes each layer (rotary tables, masks, any per-layer-type extra), found by
+    running the decoder's own forward with every layer's forward swapped for one that records its arguments
+    and passes the hidden states through: the decoder decides them, not a rule of ours. Recorded once per
+    input shape and positions. A plain object (not a Module), so the decoder is not registered once per slot."""
 
     def __init__(self, decoder: nn.Module):
-        self.config = decoder.config
-        self.rotary = getattr(decoder, "rotary_emb", None)
-        self.layer_types = getattr(self.config, "layer_types", None)
+        self.decoder = decoder
+        self._key, self._calls = None, []
 
     def kwargs(self, index: int, x_BTD: torch.Tensor, positions: torch.Tensor) -> dict:
-        layer_type = self.layer_types[index] if self.layer_types else "full_attention"
-        return {"attention_mask": self._mask(layer_type, x_BTD), "position_ids": positions,
-                "position_embeddings": self._rotary(layer_type, x_BTD, positions)}
+        key = (x_BTD.shape, x_BTD.dtype, x_BTD.device, tuple(positions.flatten().tolist()))
+        if key != self._key:
+            self._calls, self._key = self._record(x_BTD, positions), key
+        return self._calls[index]
 
-    def _rotary(self, layer_type: str, x_BTD, positions):
-        if self.rotary is None:
-            return None
-        if "layer_type" in inspect.signature(self.rotary.forward).parameters:
-            return self.rotary(x_BTD, positions, layer_type)
-        return self.rotary(x_BTD, positions)
+    def _record(self, x_BTD: torch.Tensor, positions: torch.Tensor) -> list[dict]:
+        calls: list[dict] = []
+        layers = list(self.decoder.layers)
+        for layer in layers:  # an instance attribute shadows the class's forward
+            layer.forward = _recorder(layer.forward, calls, len(layers))
+        try:
+            # no gradient: what a decoder passes its layers is made of positions and buffers, not weights
+            with torch.no_grad():
+                self.decoder(inputs_embeds=x_BTD.detach(), position_ids=positions, use_cache=False)
+        except _AllRecorded:
+            pass
+        finally:
+            for layer in layers:
+                del layer.forward
+        return calls
 
-    def _mask(self, layer_type: str, x_BTD):
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        # recurrent and convolutional layers take no causal mask (their own padding mask is None here)
-        if "linear" in layer_type or "attention" not in layer_type:
-            return None
-        make = create_sliding_window_causal_mask if "sliding" in layer_type else create_causal_mask
-        # always a tensor: some layers index the mask themselves (sparse-attention indexers)
-        return make(config=self.config, inputs_embeds=x_BTD, attention_mask=None, cache=None, allow_is_causal_skip=False)
+class _AllRecorded(Exception):
+    """Raised by the last layer's recorder: what follows the layers (the final norm, maybe left on another
+    device than the moved layers) is not needed."""
+
+
+def _recorder(forward, calls: list[dict], total: int):
+    """A layer forward that appends its arguments but the hidden states, by name, and returns them unchanged."""
+    signature = inspect.signature(forward)
+    first = next(iter(signature.parameters))
+    extra = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+
+    def record(*args, **kwargs):
+        named = dict(signature.bind(*args, **kwargs).arguments)
+        hidden, passed = named.pop(first), named.pop(extra, {}) if extra else {}
+        calls.append({**named, **passed})
+        if len(calls) == total:
+            raise _AllRecorded
+        return hidden
+
+    return record
 
 
 def _first_tensor(output) -> torch.Tensor:
@@ -102,7 +136,8 @@ class OwnModule(nn.Module):
         self.module, self._context = module, [context]
         params = inspect.signature(module.forward).parameters
         takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-        self._accepts = {a for a in CONTEXT_ARGS if a in params or (takes_any and self.part != "ffn")}
+        named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        self._accepts = None if self.part == "layer" else named | set(CONTEXT_ARGS if takes_any else ())
 
     def forward(self, x_BTD: torch.Tensor, rotary=None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """cu_seqlens (batch 1): packed segments; transformers' modules take no such argument, so a module
@@ -116,7 +151,9 @@ class OwnModule(nn.Module):
 
     def _mixing(self, x_BTD: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         context = self._context[0].kwargs(self.index, x_BTD, positions)
-        return _first_tensor(self.module(x_BTD, **{k: v for k, v in context.items() if k in self._accepts}))
+        if self._accepts is not None:  # a part of the layer takes what the layer is given, where it names it
+            context = {k: v for k, v in context.items() if k in self._accepts}
+        return _first_tensor(self.module(x_BTD, **context))
 
 
 def own_slots(model: nn.Module) -> list[OwnModule]:

@@ -65,3 +65,18 @@ def test_shrink_keeps_switches_patterns_and_relations():
     assert kept <= 4 and set(small["layer_types"]) == {"linear_attention", "full_attention"}
     assert len(small["layer_types"]) == kept and all(0 <= i < kept for i in small["moe_layers"])
     assert small["text_config"]["hidden_size"] == 64
+
+
+def test_a_null_experts_per_token_beside_experts_takes_its_cap_and_other_nulls_stay():
+    """A default that leaves experts-per-token null (DeepSeek-V2's) cannot route; a null elsewhere switches off."""
+    small = shrink({"n_routed_experts": 64, "num_experts_per_tok": None, "n_group": None, "hidden_size": 4096})
+    assert small["num_experts_per_tok"] == 2 and small["n_group"] is None
+    assert shrink({"hidden_size": 4096, "num_experts_per_tok": None})["num_experts_per_tok"] is None
+
+
+def test_a_tiny_model_transformers_cannot_run_is_not_built_and_says_why(tmp_path):
+    """Step3p7's model builds a sliding-window mask its default config (sliding_window null) cannot give:
+    transformers itself fails on the tiny release, so it is listed as not built with that reason."""
+    result = run_family("step3p7", tmp_path)
+    assert not result.built and "does not run in transformers" in result.not_built_reason
+    assert "sliding_window" in result.not_built_reason and not result.steps

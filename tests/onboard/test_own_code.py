@@ -92,6 +92,59 @@ def test_own_attention_honours_packing_and_takes_lora(tiny_family):
     assert adapted and all(".attn.module." in name for name in adapted)
 
 
+def test_an_own_layer_gets_what_its_decoder_passes_it(tiny_family):
+    """Beam's decoder passes each layer its layer type's rotary table (or none, for NoPE layers, with an
+    attention scaling instead): recorded from the decoder's own forward, each own layer gives what the layer
+    gives inside transformers' model, and packed documents still run apart."""
+    from runtime.rotary import RotaryCache
+
+    release, pkg = tiny_family("beam")
+    inputs, model = _runtime(pkg)
+    assert all(layer["own_layer"] for layer in inputs.spec["layers"])
+    ids = random_tokens(inputs.spec, 1, 11, seed=0)
+    with torch.no_grad():
+        ref = load_reference(inputs.source, inputs.spec["family"], torch.float32)
+        hidden = ref(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
+        rotary = RotaryCache(torch.arange(11)[None])
+        # hidden[i] enters layer i; the last layer's output is only seen after the final norm
+        for i in range(len(model.layers) - 1):
+            assert torch.allclose(model.layers[i](hidden[i], rotary), hidden[i + 1], atol=1e-6, rtol=1e-5), i
+    assert _packed_equals_separate(model, inputs.spec["vocab_size"])
+
+
+def test_own_layers_load_where_the_config_counts_decoder_layers_apart(tiny_family):
+    """LongCat-Flash derives num_hidden_layers (two attention sublayers per decoder layer) from num_layers:
+    the own layers are cut by the stored count, so every decoder layer is there and the logits match. Its
+    attention class is named *MLA: found as the innermost module taking the mask, its projections take LoRA."""
+    release, pkg = tiny_family("longcat_flash")
+    inputs, model = _runtime(pkg)
+    assert len(inputs.spec["layers"]) == json.loads((release / "config.json").read_text())["num_layers"]
+    assert _logits_match(inputs, model)
+    adapted = _lora_trains(inputs, model, pkg)
+    assert {name.rpartition(".")[2] for name in adapted} >= {"q_a_proj", "kv_b_proj", "o_proj"}
+
+
+def test_the_text_layers_are_those_beside_the_token_embedding(tiny_family):
+    """Qwen3-Omni's thinker stores more audio-encoder layer tensors (audio_tower.layers.N) than text ones:
+    the text decoder is the prefix holding the token embedding, so the LoRA plan adapts the text attention
+    the loss runs through, and every adapted module gets a gradient."""
+    release, pkg = tiny_family("qwen3_omni_moe_thinker")
+    inputs, model = _runtime(pkg)
+    assert inputs.spec["naming"]["prefix"] == "model."
+    adapted = _lora_trains(inputs, model, pkg)
+    assert adapted and not any("audio_tower" in name for name in adapted)
+
+
+def test_a_decoder_that_reshapes_the_embeddings_for_its_layers_runs_whole_as_its_own(tiny_family):
+    """GLM-5-Next's decoder widens the embeddings into several residual streams before its layers (no tensor
+    of that glue): found by running transformers' decoder on meta tensors, the whole model is its own and
+    reproduces transformers' logits."""
+    release, pkg = tiny_family("glm5_next")
+    inputs, model = _runtime(pkg)
+    assert "hands its layers hidden states" in inputs.spec["own_model"]
+    assert _logits_match(inputs, model)
+
+
 def test_a_final_logit_softcap_caps_the_logits_and_the_training_loss(tiny_family):
     """Inkling-2 caps its logits (c * tanh(z / c), config final_logit_softcapping) after the LM head: the spec
     carries the cap, and the runtime's logits and its chunked training loss apply it as transformers does

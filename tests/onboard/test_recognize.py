@@ -145,6 +145,20 @@ def test_seed_flagship_from_keys_and_names(seed_dir):
     assert any("auto_map" in u.source for u in report.unrecognized)
 
 
+def test_mla_rope_layout_without_a_key_is_read_off_the_family_s_rotary_function(tiny_family, example_release):
+    """DeepSeek-V2's config has no rope_interleave key but its attention rotates adjacent channel pairs
+    (complex multiplication): transformers' own rotary function says so, and the spec follows it; a
+    half-split family's function says halves."""
+    from onboard.manifest import read_manifest
+    from onboard.meta_check import rope_pairs_interleaved
+
+    release, pkg = tiny_family("deepseek_v2")
+    assert "rope_interleave" not in json.loads((release / "config.json").read_text())
+    assert rope_pairs_interleaved(read_manifest(release)) is True
+    assert json.loads((pkg / "spec.json").read_text())["layers"][0]["attention"]["rope"]["interleaved"] is True
+    assert rope_pairs_interleaved(read_manifest(example_release("qwen3_moe"))) is False
+
+
 def test_a_multimodal_rope_without_mrope_section_takes_the_split_transformers_applies(tiny_family):
     """Qwen3.5-MoE's default config has no mrope_section (its rotary module falls back to a default split):
     transformers' rotary module is probed for the split, so our 3-axis tables are its own and the vision
