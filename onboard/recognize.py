@@ -13,6 +13,7 @@ import re
 from onboard.config_view import ConfigView, NotRecognized
 from onboard.errors import BadInput
 from onboard.manifest import Manifest
+from onboard.meta_check import transformers_layer_count
 from onboard.naming import WeightNaming, detect_naming, scan_layers
 from onboard.spec import (DenseFFN, DSAIndexer, GatedDeltaAttention, KDAAttention, LayerSpec, LightningAttention,
                           MLAAttention, ModelSpec, MoEFFN, NormSpec, OwnModule, ResidualSpec, RopeSpec, RouterSpec,
@@ -65,7 +66,7 @@ class Recognizer:
 
     def run(self) -> ModelSpec:
         hidden = self.cfg.positive_int("hidden_size", "d_model", "n_embd")
-        num_layers = self.cfg.positive_int("num_hidden_layers", "num_layers", "n_layer")
+        num_layers = self.num_layers()
         kinds = self.layer_kinds(num_layers)
         moe_layers = self.moe_layer_flags(num_layers)
         if all(moe_layers):
@@ -83,6 +84,12 @@ class Recognizer:
         self.collect_unrecognized()
         unique = list({(u.source, u.item): u for u in self.unrecognized}.values())
         return ModelSpec(**fields, params=counts, unrecognized=unique)
+
+    def num_layers(self) -> int:
+        keys = ("num_hidden_layers", "num_layers", "n_layer")
+        # without a count key, transformers' model of the release (where it knows the family) is the oracle
+        counted = None if self.cfg.has(*keys) else transformers_layer_count(self.manifest)
+        return counted or self.cfg.positive_int(*keys)
 
     def _architecture(self) -> str:
         archs = self.manifest.config.get("architectures") or ["unknown"]
