@@ -74,7 +74,7 @@ class Recognizer:
         layers = [LayerSpec(index=i, attention=self._component(i, "attention", self.attention, i, kinds[i]),
                             ffn=self._component(i, "ffn", self.ffn, i, moe_layers[i]),
                             residual=self.residual(kinds[i])) for i in range(num_layers)]
-        vision = recognize_vision.recognize(self.manifest, self.top, self.naming)
+        vision = self.vision()
         tie = bool(self.cfg.get("tie_word_embeddings", default=self.top.get("tie_word_embeddings", default=False)))
         fields = dict(family=self.family, architecture=self._architecture(), hidden_size=hidden,
                       vocab_size=self.cfg.positive_int("vocab_size"), num_layers=num_layers, layers=layers,
@@ -84,6 +84,16 @@ class Recognizer:
         self.collect_unrecognized()
         unique = list({(u.source, u.item): u for u in self.unrecognized}.values())
         return ModelSpec(**fields, params=counts, unrecognized=unique)
+
+    def vision(self):
+        """The vision tower as recognized; None, noted, when its config is not read as our tower's: image inputs
+        are then not supported, and the text path onboards without them."""
+        try:
+            return recognize_vision.recognize(self.manifest, self.top, self.naming)
+        except NotRecognized as gap:
+            self.unrecognized.append(Unrecognized(source=f"config.json:{gap.key}", item="vision tower not understood",
+                                                  detail=f"{gap}: image inputs not supported, the text path only"))
+            return None
 
     def num_layers(self) -> int:
         keys = ("num_hidden_layers", "num_layers", "n_layer")

@@ -90,3 +90,88 @@ def test_own_attention_honours_packing_and_takes_lora(tiny_family):
     assert _packed_equals_separate(model, inputs.spec["vocab_size"])
     adapted = _lora_trains(inputs, model, pkg)
     assert adapted and all(".attn.module." in name for name in adapted)
+
+
+def _peft_export_matches(inputs, model, pkg, out) -> bool:
+    """The package's LoRA plan on the model, B moved off zero, written in PEFT's format and loaded into
+    transformers + peft: the same logits as ours."""
+    from peft import PeftModel
+
+    from onboard.export import write_peft
+    from runtime.lora import lora_state_dict
+
+    config = read_lora_yaml(pkg / "lora.yaml", inputs.weight_map)
+    apply_lora(model, config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    write_peft(out, lora_state_dict(model), config, inputs.spec, inputs.weight_map, inputs.source)
+    ids = random_tokens(inputs.spec, 2, 11, seed=0)
+    with torch.no_grad():
+        theirs = PeftModel.from_pretrained(load_reference(inputs.source, inputs.spec["family"], torch.float32), out)
+        return compare(model(ids), theirs.eval()(input_ids=ids, use_cache=False).logits.float(),
+                       tolerance_for("model_logits", torch.float32)).passed
+
+
+def test_a_target_peft_would_read_as_an_expert_name_is_exported_through_its_weight(tiny_family, tmp_path):
+    """AFMoE's attention has its own gate_proj (nn.Linear), a name PEFT's MoE conversion reads as the experts'
+    pre-fusion gate_proj: the export targets it as the parameter gate_proj.weight, and loads and matches."""
+    release, pkg = tiny_family("afmoe")
+    assert "model.layers.*.self_attn.gate_proj" in (pkg / "lora.yaml").read_text()
+    inputs, model = _runtime(pkg)
+    assert _peft_export_matches(inputs, model, pkg, tmp_path / "peft")
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert not any(m.endswith("gate_proj") for m in config["target_modules"])
+    assert any(p.endswith("self_attn.gate_proj.weight") for p in config["target_parameters"])
+
+
+def test_an_own_layer_takes_lora_on_its_attention_linears_wherever_recognition_filed_them(tiny_family):
+    """JetMoE's attention is a mixture of heads (its experts and router inside the attention module) beside one
+    kv_proj: the plan targets kv_proj, never the router inside the attention, and it trains."""
+    release, pkg = tiny_family("jetmoe")
+    assert "self_attention.kv_proj" in (pkg / "lora.yaml").read_text()
+    assert "router" not in (pkg / "lora.yaml").read_text()
+    inputs, model = _runtime(pkg)
+    adapted = _lora_trains(inputs, model, pkg)
+    assert adapted and all(name.endswith("self_attention.kv_proj") for name in adapted)
+
+
+def test_a_tensor_transformers_splits_on_loading_takes_no_lora(tiny_family, tmp_path):
+    """Sarvam-MoE releases a fused attention.query_key_value that transformers splits into q/k/v_proj: no one
+    module holds it, so it is no LoRA target and maps to no runtime tensor; the plan's other projection
+    (attention.dense, transformers' o_proj) exports to PEFT and matches."""
+    release, pkg = tiny_family("sarvam_moe")
+    weight_map = json.loads((pkg / "weight_map.json").read_text())
+    assert weight_map["model.layers.0.attention.query_key_value.weight"]["own_module"] is None
+    assert "query_key_value" not in (pkg / "lora.yaml").read_text()
+    inputs, model = _runtime(pkg)
+    assert _peft_export_matches(inputs, model, pkg, tmp_path / "peft")
+
+
+def test_a_model_run_whole_as_its_own_takes_lora_on_its_text_attention(tiny_family):
+    """Kimi-K2.5 names its layers `blocks` and runs whole as transformers' own: the plan's targets are found by
+    their transformers names, the text decoder's attention projections only (not the vision tower's), and train."""
+    release, pkg = tiny_family("kimi_k25")
+    inputs, model = _runtime(pkg)
+    adapted = _lora_trains(inputs, model, pkg)
+    assert adapted and all(n.startswith("own.module.model.language_model.layers.") and ".self_attn." in n for n in adapted)
+
+
+def test_without_a_layer_count_key_the_layers_are_counted_in_transformers_model(tiny_family):
+    """Nemotron-H says its depth by a list of block types (and stores an infinite float as transformers encodes it):
+    transformers' model of the release counts the layers, and recognition goes on from there."""
+    release, _ = tiny_family("nemotron_h")
+    config = json.loads((release / "config.json").read_text())
+    assert not {"num_hidden_layers", "num_layers", "n_layer"} & set(config)
+    assert recognize(read_manifest(release)).num_layers == len(config["layers_block_type"])
+
+
+def test_a_vision_tower_not_read_as_ours_is_a_gap_and_the_text_path_goes_on(tiny_family):
+    """Unlimited-OCR's vision config has no depth key (its towers say theirs in sub-configs): the tower is noted as
+    not understood, image inputs unsupported, and the text model is recognized."""
+    release, _ = tiny_family("unlimited_ocr")
+    spec = recognize(read_manifest(release))
+    assert spec.vision is None and spec.layers
+    assert any(u.item == "vision tower not understood" and "vision_config.depth" in u.source for u in spec.unrecognized)
