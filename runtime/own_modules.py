@@ -160,7 +160,13 @@ class OwnModel(nn.Module):
         key = "input_ids" if inputs_embeds_BTD is None else "inputs_embeds"
         run = lambda x, pos: decoder(**{key: x}, position_ids=pos, use_cache=False).last_hidden_state  # noqa: E731
         # in the head's dtype: transformers keeps some heads in fp32 and feeds them fp32 hidden states
-        return per_segment(run, cu_seqlens, given, positions).to(self.module.get_output_embeddings().weight.dtype)
+        return per_segment(run, cu_seqlens, given, positions).to(self.head().weight.dtype)
+
+    def head(self) -> nn.Module:
+        """The LM head: the model's output embeddings, or those of the causal LM inside it (a multimodal model
+        that holds a whole causal LM and does not pass its head on)."""
+        return next(head for m in self.module.modules() if hasattr(m, "get_output_embeddings")
+                    and (head := m.get_output_embeddings()) is not None)
 
 
 def _reference(model_dir: Path, num_layers: int | None, dtype: torch.dtype) -> nn.Module:
