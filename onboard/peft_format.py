@@ -145,6 +145,36 @@ def to_peft(state: dict[str, torch.Tensor], pairs) -> dict[str, torch.Tensor]:
     return out
 
 
+def adapter_file_state(peft_model: nn.Module, state: dict[str, torch.Tensor], pairs, weight_map: dict) -> dict[str, torch.Tensor]:
+    """to_peft's state under the keys that land on PEFT's modules when PEFT loads it: PEFT applies
+    transformers' checkpoint renamings to adapter keys, and one that is not idempotent on transformers' own
+    names (`(^|model.)layers.` matching inside `language_model.layers.`) would move a key; such a factor is
+    stored under the release's module name, which the renaming maps home."""
+    out = to_peft(state, pairs)
+    landed = _as_loaded(peft_model, out)
+    if landed.keys() == out.keys():
+        return out
+    release = {runtime: name for name, runtime in module_map(weight_map).items()}
+    stored = {}
+    for key, value in out.items():
+        module_key, _, leaf = key.rpartition(".lora_")
+        runtime = next(m for k, m, _ in pairs if k == module_key)
+        candidate = f"base_model.model.{release.get(runtime, '')}.lora_{leaf}"
+        if key in landed:
+            stored[key] = value
+        elif runtime in release and key in _as_loaded(peft_model, {candidate: value}):
+            stored[candidate] = value
+        else:
+            raise ExportGap(f"LoRA factor {key}: PEFT's loading conversion moves it off its module, under either name")
+    return stored
+
+
+def _as_loaded(peft_model: nn.Module, adapter_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers
+
+    return convert_peft_adapter_state_dict_for_transformers(peft_model, peft_model.peft_config["default"], adapter_state)
+
+
 def from_peft(peft_state: dict[str, torch.Tensor], pairs, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """PEFT adapter state -> runtime LoRA state shaped as `like` (the inverse of to_peft)."""
     out = {}

@@ -175,3 +175,17 @@ def test_a_vision_tower_not_read_as_ours_is_a_gap_and_the_text_path_goes_on(tiny
     spec = recognize(read_manifest(release))
     assert spec.vision is None and spec.layers
     assert any(u.item == "vision tower not understood" and "vision_config.depth" in u.source for u in spec.unrecognized)
+
+
+def test_an_adapter_key_peft_would_move_on_loading_is_stored_under_the_release_name(tiny_family, tmp_path):
+    """Unlimited-OCR's checkpoint renaming `(^|model.)layers.` -> `language_model.layers.` also matches inside
+    transformers' own `model.language_model.layers.`, and PEFT applies it to adapter keys on loading: those factors
+    are stored under the release's names (`model.layers.N...`), which it maps home; the export loads and matches."""
+    from safetensors import safe_open
+
+    release, pkg = tiny_family("unlimited_ocr")
+    inputs, model = _runtime(pkg)
+    assert _peft_export_matches(inputs, model, pkg, tmp_path / "peft")
+    with safe_open(tmp_path / "peft" / "adapter_model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    assert keys and all(k.startswith("base_model.model.model.layers.") for k in keys)
