@@ -151,10 +151,17 @@ def test_a_tensor_transformers_splits_on_loading_takes_no_lora(tiny_family, tmp_
 
 
 def test_a_model_run_whole_as_its_own_takes_lora_on_its_text_attention(tiny_family):
-    """Kimi-K2.5 names its layers `blocks` and runs whole as transformers' own: the plan's targets are found by
-    their transformers names, the text decoder's attention projections only (not the vision tower's), and train."""
+    """Kimi-K2.5 names its layers `blocks` and runs whole as transformers' own: token ids (image placeholders
+    too) give transformers' logits; the plan's targets are found by their transformers names, the text
+    decoder's attention projections only (not the vision tower's), and train."""
     release, pkg = tiny_family("kimi_k25")
     inputs, model = _runtime(pkg)
+    # token ids run through the multimodal model's own path, which maps image/video placeholders to a plain token
+    ids = random_tokens(inputs.spec, 2, 11, seed=0)
+    ids[:, 3] = json.loads((release / "config.json").read_text())["image_token_id"]
+    with torch.no_grad():
+        theirs = load_reference(inputs.source, inputs.spec["family"], torch.float32)(input_ids=ids, use_cache=False).logits
+        assert compare(model(ids), theirs.float(), tolerance_for("model_logits", torch.float32)).passed
     adapted = _lora_trains(inputs, model, pkg)
     assert adapted and all(n.startswith("own.module.model.language_model.layers.") and ".self_attn." in n for n in adapted)
 
