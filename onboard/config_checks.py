@@ -243,12 +243,14 @@ def transformers_config(config: dict, path: str | Path):
     """The family's transformers config object built from a copy of config, or None for a family
     transformers does not know. Whatever that class refuses is bad input: it is the outer bound
     of what a release of the family may say."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     if config.get("model_type") not in CONFIG_MAPPING_NAMES:
         return None
     values = {k: v for k, v in copy.deepcopy(config).items() if k != "transformers_version"}
+    # floats JSON cannot hold ({"__float__": "Infinity"}), decoded as transformers does reading config.json
+    values = PretrainedConfig._decode_special_floats(values)
     try:
         return AutoConfig.for_model(**values)
     # the class's own validation (strict dataclass fields, ValueError) and whatever it trips over

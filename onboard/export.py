@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from onboard.align.package_files import read_package
 from onboard.errors import BadInput
-from onboard.peft_format import ExportGap, hf_skeleton, key_pairs, peft_config, to_peft
+from onboard.peft_format import ExportGap, adapter_file_state, hf_skeleton, key_pairs, peft_config
 from runtime.lora import delta_for
 from runtime.run_folder import read_adapter, read_biases, read_run
 from runtime.weights import shard_order
@@ -50,9 +50,10 @@ def write_peft(out: Path, state, config, spec: dict, weight_map: dict, release: 
 
     hf = hf_skeleton(release, spec["family"])
     cfg = peft_config(config, state, weight_map, hf, str(release))
-    pairs = key_pairs(get_peft_model(hf, cfg), weight_map)
+    peft_model = get_peft_model(hf, cfg)
+    state = adapter_file_state(peft_model, state, key_pairs(peft_model, weight_map), weight_map)
     cfg.save_pretrained(out)
-    save_file(to_peft(state, pairs), Path(out) / "adapter_model.safetensors", metadata={"format": "pt"})
+    save_file(state, Path(out) / "adapter_model.safetensors", metadata={"format": "pt"})
 
 
 def _release_view(delta: torch.Tensor, entry: dict) -> torch.Tensor:

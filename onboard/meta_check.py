@@ -122,6 +122,16 @@ def meta_check(spec: ModelSpec, manifest: Manifest) -> Optional[MetaCheck]:
 def transformers_parameter_names(manifest: Manifest, names: list[str]) -> dict[str, str]:
     """Released name -> the name transformers' model loads it as (after its checkpoint renamings), for a
     model that runs whole as transformers' own; a name a converter reshapes keeps its renamed key."""
+    return {name: key for name, (key, _) in _loading(manifest, tuple(names)).items()}
+
+
+def transformers_reshaped(manifest: Manifest, names: list[str]) -> set[str]:
+    """The released names that transformers' conversion splits or fuses on loading (e.g. a fused
+    query_key_value into q_proj, k_proj, v_proj): no one module of its model holds such a tensor."""
+    return {name for name, (_, reshaped) in _loading(manifest, tuple(names)).items() if reshaped}
+
+
+def _loading(manifest: Manifest, names: tuple[str, ...]) -> dict[str, tuple[str, bool]]:
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
@@ -130,21 +140,27 @@ def transformers_parameter_names(manifest: Manifest, names: list[str]) -> dict[s
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     meta_state = model.state_dict()
-    return {name: rename_source_key(name, renamings, converters, model.base_model_prefix, meta_state)[0] for name in names}
+    out = {}
+    for name in names:
+        key, converter = rename_source_key(name, renamings, converters, model.base_model_prefix, meta_state)
+        out[name] = (key, converter is not None)
+    return out
 
 
 def transformers_attention_linears(manifest: Manifest) -> set[str]:
     """transformers' names of the nn.Linear modules (exactly that class, as the runtime's LoRA takes) inside an
     attention module of its model of this release: a module whose class transformers names *Attention / *Attn,
-    or, named otherwise (LongCat's *MLA), the innermost module whose forward takes the attention mask."""
+    or, named otherwise (LongCat's *MLA), the innermost module whose forward takes the attention mask. A router
+    inside it (a mixture of attention heads, *Router / *Gating) is left out, as the MoE router is."""
     from torch import nn
 
+    model = _build_on_meta(manifest)
+    routers = [name for name, m in model.named_modules() if any(w in type(m).__name__ for w in ("Router", "Gating"))]
     out = set()
-    modules = dict(_build_on_meta(manifest).named_modules())
-    for name, module in modules.items():
+    for name, module in model.named_modules():
         if any(word in type(module).__name__ for word in ("Attention", "Attn")) or _innermost_mask_taker(module):
             out |= {f"{name}.{n}" for n, m in module.named_modules() if type(m) is nn.Linear}
-    return out
+    return {n for n in out if not any(n.startswith(f"{r}.") for r in routers)}
 
 
 def _takes_mask(module) -> bool:
@@ -234,3 +250,27 @@ def _rotated(rotate, tables: tuple, channel: int, width: int):
     unit = torch.zeros(1, 1, 1, width)
     unit[..., channel] = 1.0
     return rotate(unit, unit.clone(), *tables)[0].flatten()
+
+
+def transformers_layer_count(manifest: Manifest) -> Optional[int]:
+    """How many decoder layers transformers' model of this release has (its config may say it otherwise than by
+    a layer-count key, e.g. by a list of block types); None when transformers cannot build it."""
+    from runtime.own_modules import text_decoder
+
+    if not transformers_may_know(str(manifest.config.get("model_type"))):
+        return None
+    try:
+        model = _build_on_meta(manifest)
+        return None if model is None else len(text_decoder(model).layers)
+    # no model to count (bad values are judged where the spec is cross-checked): the missing key stays the gap
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def transformers_decoder_layers(manifest: Manifest) -> str:
+    """transformers' name of its text decoder's layer list, e.g. "model.language_model.layers"."""
+    from runtime.own_modules import text_decoder
+
+    model = _build_on_meta(manifest)
+    decoder = text_decoder(model)
+    return next(f"{name}.layers" if name else "layers" for name, m in model.named_modules() if m is decoder)

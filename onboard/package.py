@@ -23,7 +23,7 @@ from onboard.errors import BadInput
 from onboard.gap import analyze
 from onboard.generated import GeneratedOp, mark_generated
 from onboard.manifest import read_manifest
-from onboard.meta_check import transformers_parameter_names
+from onboard.meta_check import transformers_parameter_names, transformers_reshaped
 from onboard.plan import Cluster, Workload, search
 from onboard.plan_render import plan_yaml
 from onboard.recognize import recognize
@@ -145,10 +145,18 @@ def release_path(model_dir: Path, out: Path) -> str:
         return str(model_dir)
 
 
+def _own_model_names(manifest) -> dict[str, str | None]:
+    """Released name -> transformers' name of a model run whole as its own; None where its conversion splits or
+    fuses the tensor (no one parameter holds it)."""
+    names = list(manifest.tensors)
+    reshaped = transformers_reshaped(manifest, names)
+    return {n: None if n in reshaped else hf for n, hf in transformers_parameter_names(manifest, names).items()}
+
+
 def _write_files(pkg: Path, out: Path, model_dir: Path, manifest, spec, report,
                  generated: Sequence[GeneratedOp]) -> None:
     (pkg / "spec.json").write_text(spec.model_dump_json(indent=2))
-    own_names = transformers_parameter_names(manifest, list(manifest.tensors)) if spec.own_model else None
+    own_names = _own_model_names(manifest) if spec.own_model else None
     (pkg / "weight_map.json").write_text(json.dumps(build_weight_map(spec, report.weights.unexpected, own_names), indent=1))
     (pkg / "gap_report.json").write_text(report.model_dump_json(indent=2))
     (pkg / "gap_report.md").write_text(gap_markdown(report))

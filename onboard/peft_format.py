@@ -1,7 +1,9 @@
 """Our LoRA factors in PEFT's format, under the module names of the release's transformers class.
 
 Dense projections (and the router): PEFT's LoRA on the transformers module the release tensor loads
-into (after transformers' own checkpoint renamings), A [r, in], B [out, r]. Routed experts: PEFT's `target_parameters` on the experts' 3D parameters (gate_up_proj,
+into (after transformers' own checkpoint renamings), A [r, in], B [out, r]; through its 2D weight in
+`target_parameters` where the module is no nn.Linear, or bears a name PEFT's MoE conversion would take
+for an expert's. Routed experts: PEFT's `target_parameters` on the experts' 3D parameters (gate_up_proj,
 down_proj): A [r*E, in] with rows e*r .. e*r+r-1 for expert e, B [out, r*E] with column j*E+e for
 rank j of expert e (peft's ParamWrapper.get_delta_weight), so expert e's delta is scale * B_e @ A_e
 in [out, in], whether transformers stores the parameter [E, out, in] or transposed [E, in, out].
@@ -73,6 +75,16 @@ def _expert_parameters(hf: nn.Module, runtime_module: str) -> list[str]:
     return names
 
 
+def _claimed_by_peft_conversion(hf: nn.Module) -> set[str]:
+    """Module leaf names that PEFT's v4 -> v5 MoE conversion reads as the experts' pre-fusion names for this
+    model type: it turns any target module so named (an attention gate_proj too) into the stacked expert
+    parameter, so such modules are targeted through their weight parameter instead."""
+    from peft.utils import transformers_weight_conversion as conversion
+
+    base = conversion._MODEL_TO_CONVERSION_PATTERN.get(getattr(hf.config, "model_type", None))
+    return set(conversion._MOE_TARGET_MODULE_MAPPING.get(base, {}))
+
+
 def peft_config(config: LoraConfig, state: dict[str, torch.Tensor], weight_map: dict, hf: nn.Module, base: str):
     """peft.LoraConfig adapting the same modules of the transformers class as `state` does of ours."""
     import peft
@@ -80,17 +92,20 @@ def peft_config(config: LoraConfig, state: dict[str, torch.Tensor], weight_map: 
     names = hf_modules(hf, weight_map)
     dense, experts = _adapted(state)
     present = dict(hf.named_modules())
+    claimed = _claimed_by_peft_conversion(hf)
     modules, parameters = [], []
     for name in dense:
         module = names.get(name)
         if module not in present:
             raise ExportGap(f"runtime module {name}: no module {module!r} in {type(hf).__name__}")
-        if isinstance(present[module], nn.Linear):
+        if isinstance(present[module], nn.Linear) and module.rpartition(".")[2] not in claimed:
             modules.append(module)
         else:
             parameters.append(module + ".weight")
     for name in experts:
         parameters += _expert_parameters(hf, name)
+    if parameters and config.dropout:
+        raise ExportGap(f"LoRA dropout {config.dropout} on {parameters[0]}: PEFT's target_parameters take no dropout")
     return peft.LoraConfig(r=config.rank, lora_alpha=config.alpha, use_rslora=config.use_rslora, target_modules=modules,
                            target_parameters=parameters or None, lora_dropout=config.dropout, bias="none",
                            base_model_name_or_path=base)
@@ -128,6 +143,36 @@ def to_peft(state: dict[str, torch.Tensor], pairs) -> dict[str, torch.Tensor]:
             A, B = A.reshape(E * r, -1), B.permute(1, 2, 0).reshape(B.shape[1], r * E)
         out[f"{key}.lora_A.weight"], out[f"{key}.lora_B.weight"] = A.contiguous(), B.contiguous()
     return out
+
+
+def adapter_file_state(peft_model: nn.Module, state: dict[str, torch.Tensor], pairs, weight_map: dict) -> dict[str, torch.Tensor]:
+    """to_peft's state under the keys that land on PEFT's modules when PEFT loads it: PEFT applies
+    transformers' checkpoint renamings to adapter keys, and one that is not idempotent on transformers' own
+    names (`(^|model.)layers.` matching inside `language_model.layers.`) would move a key; such a factor is
+    stored under the release's module name, which the renaming maps home."""
+    out = to_peft(state, pairs)
+    landed = _as_loaded(peft_model, out)
+    if landed.keys() == out.keys():
+        return out
+    release = {runtime: name for name, runtime in module_map(weight_map).items()}
+    stored = {}
+    for key, value in out.items():
+        module_key, _, leaf = key.rpartition(".lora_")
+        runtime = next(m for k, m, _ in pairs if k == module_key)
+        candidate = f"base_model.model.{release.get(runtime, '')}.lora_{leaf}"
+        if key in landed:
+            stored[key] = value
+        elif runtime in release and key in _as_loaded(peft_model, {candidate: value}):
+            stored[candidate] = value
+        else:
+            raise ExportGap(f"LoRA factor {key}: PEFT's loading conversion moves it off its module, under either name")
+    return stored
+
+
+def _as_loaded(peft_model: nn.Module, adapter_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from peft.utils.transformers_weight_conversion import convert_peft_adapter_state_dict_for_transformers
+
+    return convert_peft_adapter_state_dict_for_transformers(peft_model, peft_model.peft_config["default"], adapter_state)
 
 
 def from_peft(peft_state: dict[str, torch.Tensor], pairs, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

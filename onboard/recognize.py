@@ -13,7 +13,7 @@ import re
 from onboard.config_view import ConfigView, NotRecognized
 from onboard.errors import BadInput
 from onboard.manifest import Manifest
-from onboard.meta_check import rope_pairs_interleaved
+from onboard.meta_check import rope_pairs_interleaved, transformers_layer_count
 from onboard.naming import WeightNaming, detect_naming, scan_layers
 from onboard.spec import (DenseFFN, DSAIndexer, GatedDeltaAttention, KDAAttention, LayerSpec, LightningAttention,
                           MLAAttention, ModelSpec, MoEFFN, NormSpec, OwnModule, ResidualSpec, RopeSpec, RouterSpec,
@@ -68,7 +68,7 @@ class Recognizer:
 
     def run(self) -> ModelSpec:
         hidden = self.cfg.positive_int("hidden_size", "d_model", "n_embd")
-        num_layers = self.cfg.positive_int("num_hidden_layers", "num_layers", "n_layer")
+        num_layers = self.num_layers()
         kinds = self.layer_kinds(num_layers)
         moe_layers = self.moe_layer_flags(num_layers)
         if all(moe_layers):
@@ -76,7 +76,7 @@ class Recognizer:
         layers = [LayerSpec(index=i, attention=self._component(i, "attention", self.attention, i, kinds[i]),
                             ffn=self._component(i, "ffn", self.ffn, i, moe_layers[i]),
                             residual=self.residual(kinds[i])) for i in range(num_layers)]
-        vision = recognize_vision.recognize(self.manifest, self.top, self.naming)
+        vision = self.vision()
         tie = bool(self.cfg.get("tie_word_embeddings", default=self.top.get("tie_word_embeddings", default=False)))
         fields = dict(family=self.family, architecture=self._architecture(), hidden_size=hidden,
                       vocab_size=self.cfg.positive_int("vocab_size"), num_layers=num_layers, layers=layers,
@@ -87,6 +87,22 @@ class Recognizer:
         self.collect_unrecognized()
         unique = list({(u.source, u.item): u for u in self.unrecognized}.values())
         return ModelSpec(**fields, params=counts, unrecognized=unique)
+
+    def vision(self):
+        """The vision tower as recognized; None, noted, when its config is not read as our tower's: image inputs
+        are then not supported, and the text path onboards without them."""
+        try:
+            return recognize_vision.recognize(self.manifest, self.top, self.naming)
+        except NotRecognized as gap:
+            self.unrecognized.append(Unrecognized(source=f"config.json:{gap.key}", item="vision tower not understood",
+                                                  detail=f"{gap}: image inputs not supported, the text path only"))
+            return None
+
+    def num_layers(self) -> int:
+        keys = ("num_hidden_layers", "num_layers", "n_layer")
+        # without a count key, transformers' model of the release (where it knows the family) is the oracle
+        counted = None if self.cfg.has(*keys) else transformers_layer_count(self.manifest)
+        return counted or self.cfg.positive_int(*keys)
 
     def logit_softcap(self) -> float | None:
         """transformers' name for a tanh cap on the logits after the LM head; absent or null: none."""

@@ -16,8 +16,8 @@ from typing import Optional
 
 from onboard.errors import BadInput
 from onboard.manifest import Manifest
-from onboard.meta_check import (glue_reshapes, transformers_attention_linears, transformers_parameter_names,
-                                transformers_tensors)
+from onboard.meta_check import (glue_reshapes, transformers_attention_linears, transformers_decoder_layers,
+                                transformers_parameter_names, transformers_reshaped, transformers_tensors)
 from onboard.spec import LayerSpec, ModelSpec, OwnModule, Unrecognized
 from onboard.weight_layout import expected_tensors
 
@@ -96,16 +96,26 @@ class _Names:
 
     def __init__(self, manifest: Manifest, names: list[str], known: bool):
         self.hf = transformers_parameter_names(manifest, names) if known else {}
+        self.reshaped = transformers_reshaped(manifest, names) if known else set()
         self.linears = transformers_attention_linears(manifest) if known else set()
+        self.decoder_layers = transformers_decoder_layers(manifest) if known else "layers"
+
+    def decoder_linears(self, present: dict, index: int) -> list[str]:
+        """Released modules in text layer `index` of transformers' model that are attention nn.Linear: found by
+        their transformers names, so whatever the release calls its layers (a model run whole as its own)."""
+        head = f"{self.decoder_layers}.{index}."
+        return sorted(n.removesuffix(".weight") for n in present if n.endswith(".weight") and n not in self.reshaped
+                      and (hf := self.hf.get(n, n)).startswith(head) and hf.removesuffix(".weight") in self.linears)
 
     def in_layer(self, name: str, index: int) -> str:
         return self.hf.get(name, name).partition(f"layers.{index}.")[2]
 
     def part(self, reason: str, tensors: dict, index: int, path: str = "") -> OwnModule:
         inner = {n: self.in_layer(n, index).removeprefix(f"{path}." if path else "") for n in tensors}
-        linears = sorted(n.removesuffix(".weight") for n in tensors
-                         if n.endswith(".weight") and self.hf.get(n, n).removesuffix(".weight") in self.linears)
-        return OwnModule(reason=reason, path=path, tensors=tensors, inner=inner, linears=linears)
+        linears = sorted(n.removesuffix(".weight") for n in tensors if n.endswith(".weight") and n not in self.reshaped
+                         and self.hf.get(n, n).removesuffix(".weight") in self.linears)
+        return OwnModule(reason=reason, path=path, tensors=tensors, inner=inner, linears=linears,
+                         reshaped=sorted(self.reshaped & set(tensors)))
 
 
 def _own(layer: LayerSpec, parts: dict[str, str], spec: ModelSpec, present: dict, names: _Names) -> LayerSpec:
@@ -133,6 +143,10 @@ def _own(layer: LayerSpec, parts: dict[str, str], spec: ModelSpec, present: dict
         ffn_paths = sorted({names.in_layer(n, i).split(".")[0] for n in found["ffn"]}) or [spec.naming.ffn_module]
         fields["ffn"] = names.part(_first_reason(layer.ffn, parts["ffn"]), found["ffn"], i, ffn_paths[0])
     return layer.model_copy(update=fields)
+
+
+def _with_linears(layer: LayerSpec, linears: list[str]) -> LayerSpec:
+    return layer.model_copy(update={"attention": layer.attention.model_copy(update={"linears": linears})})
 
 
 def _first_reason(part, weights_reason: str) -> str:
@@ -168,8 +182,12 @@ def apply(spec: ModelSpec, manifest: Manifest) -> ModelSpec:
     by_layer: dict[int, dict[str, str]] = {}
     for (index, part), reason in why.items():
         by_layer.setdefault(index, {})[part] = reason
-    names = _Names(manifest, [n for n in present if (_where(n, spec) or (None,))[0] in by_layer], oracle is not None)
+    # a model run whole as its own may name its layers otherwise: all its tensors are looked up
+    named = list(present) if outside else [n for n in present if (_where(n, spec) or (None,))[0] in by_layer]
+    names = _Names(manifest, named, oracle is not None)
     layers = [_own(l, by_layer[l.index], spec, present, names) if l.index in by_layer else l for l in spec.layers]
+    if outside:
+        layers = [_with_linears(layer, names.decoder_linears(present, layer.index)) for layer in layers]
     notes = _notes(why)
     spec = spec.model_copy(update={"layers": layers, "unrecognized": list(spec.unrecognized) + notes})
     return spec.model_copy(update={"params": param_count.count(spec, spec.vision)})

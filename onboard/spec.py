@@ -103,6 +103,9 @@ class OwnModule(_Spec):
     # released modules (`<module>.weight` released) that transformers builds as nn.Linear inside an attention
     # module: the default LoRA targets
     linears: list[str] = []
+    # released tensors transformers' conversion splits or fuses on loading (a fused query_key_value): no one
+    # module holds them, so they take no LoRA and a merge copies them as released
+    reshaped: list[str] = []
 
 
 Attention = Annotated[

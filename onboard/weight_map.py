@@ -28,9 +28,10 @@ def _entry(target: str, **steps) -> dict:
 
 def build_weight_map(spec: ModelSpec, unused: list[str] = (), own_names: dict[str, str] | None = None) -> dict[str, dict]:
     """`unused`: release tensors no runtime part reads (the gap report lists them); mapped to nothing.
-    `own_names` (a model run whole as transformers' own): released name -> transformers' name of every tensor."""
+    `own_names` (a model run whole as transformers' own): released name -> transformers' name of every tensor
+    (None for one its conversion splits or fuses)."""
     if spec.own_model:
-        return {name: _entry(None, own_module=f"{OWN_MODEL}.{param}") for name, param in own_names.items()}
+        return {name: _entry(None, own_module=param and f"{OWN_MODEL}.{param}") for name, param in own_names.items()}
     return {name: _entry(None) for name in unused} | _mapped(spec)
 
 
@@ -67,7 +68,9 @@ def _own_module_entries(layer, prefix: str) -> dict[str, dict]:
         inside = head + (f"{part.path}." if part.path else "")
         for name in part.tensors:
             inner = part.inner.get(name, name.removeprefix(inside))
-            entries[name] = _entry(None, own_module=f"layers.{layer.index}.{slot}.module.{inner}")
+            # a tensor transformers splits or fuses on loading becomes no one runtime tensor
+            own = None if name in part.reshaped else f"layers.{layer.index}.{slot}.module.{inner}"
+            entries[name] = _entry(None, own_module=own)
     return entries
 
 

@@ -89,8 +89,9 @@ def default_lora_file(spec: dict, weight_map: dict[str, dict]) -> LoraFile:
 
 def _own_attention_linears(spec: dict) -> set[str]:
     """Released modules of own modules that transformers builds as nn.Linear inside its attention modules:
-    the token mixer's projections (recognition lists them per layer)."""
-    return {name for layer in spec["layers"] for name in layer["attention"].get("linears", [])}
+    the token mixer's projections (recognition lists them per part; in an own layer the part a tensor is
+    filed under is bookkeeping, so both parts are read)."""
+    return {name for layer in spec["layers"] for part in ("attention", "ffn") for name in layer[part].get("linears", [])}
 
 
 def _by_layer_pattern(chosen: list[str], modules: list[str]) -> list[str]:

@@ -106,7 +106,7 @@ class HybridDecoder(nn.Module):
     def head_weight(self) -> torch.Tensor:
         """w_XD of the LM head (the embedding when tied)."""
         if self.own is not None:
-            return weight_of(self.own.module.get_output_embeddings())
+            return weight_of(self.own.head())
         return self.embed_tokens.weight if self.lm_head is None else weight_of(self.lm_head)
 
     def forward(self, input_ids_BT: torch.Tensor | None = None, positions: torch.Tensor | None = None,

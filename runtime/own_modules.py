@@ -190,14 +190,27 @@ class OwnModel(nn.Module):
         """h_BTD after the final norm; packed segments (cu_seqlens, batch 1) run one at a time."""
         if self.module is None:
             raise RuntimeError("the model runs as transformers' own, which was not loaded")
-        decoder = text_decoder(self.module)
+        decoder = text_decoder(self.module) if inputs_embeds_BTD is not None else self._token_path()
         given = input_ids_BT if inputs_embeds_BTD is None else inputs_embeds_BTD
         if positions is None:
             positions = torch.arange(given.shape[1], device=given.device).expand(given.shape[0], -1)
         key = "input_ids" if inputs_embeds_BTD is None else "inputs_embeds"
         run = lambda x, pos: decoder(**{key: x}, position_ids=pos, use_cache=False).last_hidden_state  # noqa: E731
         # in the head's dtype: transformers keeps some heads in fp32 and feeds them fp32 hidden states
-        return per_segment(run, cu_seqlens, given, positions).to(self.module.get_output_embeddings().weight.dtype)
+        return per_segment(run, cu_seqlens, given, positions).to(self.head().weight.dtype)
+
+    def _token_path(self) -> nn.Module:
+        """What runs token ids: the model's base model (a multimodal one reads its placeholder ids itself, e.g.
+        mapping them to a plain token when no image comes), or its text decoder where the base model is the
+        whole model with its head."""
+        base = self.module.base_model
+        return text_decoder(self.module) if base is self.module else base
+
+    def head(self) -> nn.Module:
+        """The LM head: the model's output embeddings, or those of the causal LM inside it (a multimodal model
+        that holds a whole causal LM and does not pass its head on)."""
+        return next(head for m in self.module.modules() if hasattr(m, "get_output_embeddings")
+                    and (head := m.get_output_embeddings()) is not None)
 
 
 def _reference(model_dir: Path, num_layers: int | None, dtype: torch.dtype) -> nn.Module:

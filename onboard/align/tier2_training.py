@@ -20,7 +20,7 @@ from onboard.align.progress import Progress
 from onboard.align.reference import load_reference, load_runtime
 from onboard.align.report import Check
 from onboard.align.tier2_model import logits_check
-from onboard.peft_format import key_pairs, peft_config, to_peft
+from onboard.peft_format import adapter_file_state, key_pairs, peft_config
 from runtime.lora import LoraConfig, apply_lora, lora_parameters, lora_state_dict
 from runtime.lora_file import read_lora_yaml
 from runtime.model import causal_lm_loss
@@ -60,7 +60,7 @@ def _peft_twin(ref, ours, config: LoraConfig, weight_map: dict, source: Path):
 
     state = lora_state_dict(ours)
     twin = get_peft_model(ref, peft_config(config, state, weight_map, ref, str(source)))
-    result = set_peft_model_state_dict(twin, to_peft(state, key_pairs(twin, weight_map)))
+    result = set_peft_model_state_dict(twin, adapter_file_state(twin, state, key_pairs(twin, weight_map), weight_map))
     if result.unexpected_keys:
         raise RuntimeError(f"PEFT did not take our factors: {result.unexpected_keys[:3]}")
     return twin

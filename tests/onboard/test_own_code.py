@@ -145,6 +145,112 @@ def test_a_decoder_that_reshapes_the_embeddings_for_its_layers_runs_whole_as_its
     assert _logits_match(inputs, model)
 
 
+def _peft_export_matches(inputs, model, pkg, out) -> bool:
+    """The package's LoRA plan on the model, B moved off zero, written in PEFT's format and loaded into
+    transformers + peft: the same logits as ours."""
+    from peft import PeftModel
+
+    from onboard.export import write_peft
+    from runtime.lora import lora_state_dict
+
+    config = read_lora_yaml(pkg / "lora.yaml", inputs.weight_map)
+    apply_lora(model, config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    write_peft(out, lora_state_dict(model), config, inputs.spec, inputs.weight_map, inputs.source)
+    ids = random_tokens(inputs.spec, 2, 11, seed=0)
+    with torch.no_grad():
+        theirs = PeftModel.from_pretrained(load_reference(inputs.source, inputs.spec["family"], torch.float32), out)
+        return compare(model(ids), theirs.eval()(input_ids=ids, use_cache=False).logits.float(),
+                       tolerance_for("model_logits", torch.float32)).passed
+
+
+def test_a_target_peft_would_read_as_an_expert_name_is_exported_through_its_weight(tiny_family, tmp_path):
+    """AFMoE's attention has its own gate_proj (nn.Linear), a name PEFT's MoE conversion reads as the experts'
+    pre-fusion gate_proj: the export targets it as the parameter gate_proj.weight, and loads and matches."""
+    release, pkg = tiny_family("afmoe")
+    assert "model.layers.*.self_attn.gate_proj" in (pkg / "lora.yaml").read_text()
+    inputs, model = _runtime(pkg)
+    assert _peft_export_matches(inputs, model, pkg, tmp_path / "peft")
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert not any(m.endswith("gate_proj") for m in config["target_modules"])
+    assert any(p.endswith("self_attn.gate_proj.weight") for p in config["target_parameters"])
+
+
+def test_an_own_layer_takes_lora_on_its_attention_linears_wherever_recognition_filed_them(tiny_family):
+    """JetMoE's attention is a mixture of heads (its experts and router inside the attention module) beside one
+    kv_proj: the plan targets kv_proj, never the router inside the attention, and it trains."""
+    release, pkg = tiny_family("jetmoe")
+    inputs, model = _runtime(pkg)
+    targets = read_lora_yaml(pkg / "lora.yaml", inputs.weight_map).targets
+    assert targets and all(t.endswith("self_attention.kv_proj") for t in targets)
+    adapted = _lora_trains(inputs, model, pkg)
+    assert adapted and all(name.endswith("self_attention.kv_proj") for name in adapted)
+
+
+def test_a_tensor_transformers_splits_on_loading_takes_no_lora(tiny_family, tmp_path):
+    """Sarvam-MoE releases a fused attention.query_key_value that transformers splits into q/k/v_proj: no one
+    module holds it, so it is no LoRA target and maps to no runtime tensor; the plan's other projection
+    (attention.dense, transformers' o_proj) exports to PEFT and matches."""
+    release, pkg = tiny_family("sarvam_moe")
+    weight_map = json.loads((pkg / "weight_map.json").read_text())
+    assert weight_map["model.layers.0.attention.query_key_value.weight"]["own_module"] is None
+    assert "query_key_value" not in (pkg / "lora.yaml").read_text()
+    inputs, model = _runtime(pkg)
+    assert _peft_export_matches(inputs, model, pkg, tmp_path / "peft")
+
+
+def test_a_model_run_whole_as_its_own_takes_lora_on_its_text_attention(tiny_family):
+    """Kimi-K2.5 names its layers `blocks` and runs whole as transformers' own: token ids (image placeholders
+    too) give transformers' logits; the plan's targets are found by their transformers names, the text
+    decoder's attention projections only (not the vision tower's), and train."""
+    release, pkg = tiny_family("kimi_k25")
+    inputs, model = _runtime(pkg)
+    # token ids run through the multimodal model's own path, which maps image/video placeholders to a plain token
+    ids = random_tokens(inputs.spec, 2, 11, seed=0)
+    ids[:, 3] = json.loads((release / "config.json").read_text())["image_token_id"]
+    with torch.no_grad():
+        theirs = load_reference(inputs.source, inputs.spec["family"], torch.float32)(input_ids=ids, use_cache=False).logits
+        assert compare(model(ids), theirs.float(), tolerance_for("model_logits", torch.float32)).passed
+    adapted = _lora_trains(inputs, model, pkg)
+    assert adapted and all(n.startswith("own.module.model.language_model.layers.") and ".self_attn." in n for n in adapted)
+
+
+def test_without_a_layer_count_key_the_layers_are_counted_in_transformers_model(tiny_family):
+    """Nemotron-H says its depth by a list of block types (and stores an infinite float as transformers encodes it):
+    transformers' model of the release counts the layers, and recognition goes on from there."""
+    release, _ = tiny_family("nemotron_h")
+    config = json.loads((release / "config.json").read_text())
+    assert not {"num_hidden_layers", "num_layers", "n_layer"} & set(config)
+    assert recognize(read_manifest(release)).num_layers == len(config["layers_block_type"])
+
+
+def test_a_vision_tower_not_read_as_ours_is_a_gap_and_the_text_path_goes_on(tiny_family):
+    """Unlimited-OCR's vision config has no depth key (its towers say theirs in sub-configs): the tower is noted as
+    not understood, image inputs unsupported, and the text model is recognized."""
+    release, _ = tiny_family("unlimited_ocr")
+    spec = recognize(read_manifest(release))
+    assert spec.vision is None and spec.layers
+    assert any(u.item == "vision tower not understood" and "vision_config.depth" in u.source for u in spec.unrecognized)
+
+
+def test_an_adapter_key_peft_would_move_on_loading_is_stored_under_the_release_name(tiny_family, tmp_path):
+    """Unlimited-OCR's checkpoint renaming `(^|model.)layers.` -> `language_model.layers.` also matches inside
+    transformers' own `model.language_model.layers.`, and PEFT applies it to adapter keys on loading: those factors
+    are stored under the release's names (`model.layers.N...`), which it maps home; the export loads and matches."""
+    from safetensors import safe_open
+
+    release, pkg = tiny_family("unlimited_ocr")
+    inputs, model = _runtime(pkg)
+    assert _peft_export_matches(inputs, model, pkg, tmp_path / "peft")
+    with safe_open(tmp_path / "peft" / "adapter_model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    assert keys and all(k.startswith("base_model.model.model.layers.") for k in keys)
+
+
 def test_a_final_logit_softcap_caps_the_logits_and_the_training_loss(tiny_family):
     """Inkling-2 caps its logits (c * tanh(z / c), config final_logit_softcapping) after the LM head: the spec
     carries the cap, and the runtime's logits and its chunked training loss apply it as transformers does
