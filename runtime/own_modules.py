@@ -150,17 +150,28 @@ class OwnModel(nn.Module):
         return list(text_decoder(self.module).layers)
 
     def hidden_states(self, input_ids_BT, positions, inputs_embeds_BTD, cu_seqlens) -> torch.Tensor:
-        """h_BTD after the final norm; packed segments (cu_seqlens, batch 1) run one at a time."""
+        """h_BTD as the head takes it; packed segments (cu_seqlens, batch 1) run one at a time."""
         if self.module is None:
             raise RuntimeError("the model runs as transformers' own, which was not loaded")
-        decoder = text_decoder(self.module)
         given = input_ids_BT if inputs_embeds_BTD is None else inputs_embeds_BTD
         if positions is None:
             positions = torch.arange(given.shape[1], device=given.device).expand(given.shape[0], -1)
         key = "input_ids" if inputs_embeds_BTD is None else "inputs_embeds"
-        run = lambda x, pos: decoder(**{key: x}, position_ids=pos, use_cache=False).last_hidden_state  # noqa: E731
+        run = lambda x, pos: self._head_input(**{key: x}, position_ids=pos)  # noqa: E731
         # in the head's dtype: transformers keeps some heads in fp32 and feeds them fp32 hidden states
         return per_segment(run, cu_seqlens, given, positions).to(self.module.get_output_embeddings().weight.dtype)
+
+    def _head_input(self, **inputs) -> torch.Tensor:
+        """What transformers' causal-LM forward feeds its head (after the final norm and any scaling before the
+        head), times any scaling it applies to the logits after it (a logit multiplier): its forward run with
+        the head swapped for identity, which a linear step after the head commutes with. A nonlinear one
+        (soft-capping) would act on h instead; alignment tier 2 compares with transformers' logits and fails then."""
+        head = self.module.get_output_embeddings()
+        self.module.set_output_embeddings(nn.Identity())
+        try:
+            return self.module(**inputs, use_cache=False).logits
+        finally:
+            self.module.set_output_embeddings(head)
 
 
 def _reference(model_dir: Path, num_layers: int | None, dtype: torch.dtype) -> nn.Module:
