@@ -77,24 +77,6 @@ def example_package(example_release, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def sweep_release(tmp_path_factory):
-    """family -> a tiny release of a family the README does not name, shrunk as the family sweep shrinks it
-    (onboard/family_sweep.py build_tiny), saved once per session."""
-    from onboard.example_models import save_release
-    from onboard.family_sweep import build_tiny
-
-    cache: dict[str, Path] = {}
-
-    def make(family: str) -> Path:
-        if family not in cache:
-            model, _ = build_tiny(family)
-            cache[family] = save_release(model, tmp_path_factory.mktemp("sweep") / family, num_shards=2)
-        return cache[family]
-
-    return make
-
-
-@pytest.fixture(scope="session")
 def seed_dir(tmp_path_factory) -> Path:
     """The 2.81T-parameter example: config and weight index only, no tensor data."""
     if SEED_DIR.exists():

@@ -24,8 +24,8 @@ def _check(name: str, tier: int = 1, layer: int | None = 0, value: float = 0.17)
 
 
 @pytest.fixture(scope="module")
-def release(sweep_release):
-    path = sweep_release(FAMILY)
+def release(tiny_family):
+    path, _ = tiny_family(FAMILY)
     return path, read_manifest(path)
 
 

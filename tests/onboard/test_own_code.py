@@ -9,9 +9,12 @@ import json
 import torch
 
 from onboard.align.package_files import read_package
+from onboard.align.report import Check
 from onboard.align.reference import load_reference, load_runtime, random_tokens
+from onboard.fallback import replan
 from onboard.gap import analyze
 from onboard.manifest import read_manifest
+from onboard.package import write_package
 from onboard.recognize import recognize
 from runtime.lora import apply_lora
 from runtime.lora_file import read_lora_yaml
@@ -90,3 +93,17 @@ def test_own_attention_honours_packing_and_takes_lora(tiny_family):
     assert _packed_equals_separate(model, inputs.spec["vocab_size"])
     adapted = _lora_trains(inputs, model, pkg)
     assert adapted and all(".attn.module." in name for name in adapted)
+
+
+def test_the_whole_model_takes_the_heads_logit_multiplier(tiny_family, tmp_path):
+    """Cohere2-MoE multiplies its logits by `logit_scale` in its causal-LM forward, after the head: run as its
+    own model (the fallback's last rung), the head takes what that forward feeds it with the multiplier folded
+    in, so the logits are transformers'."""
+    release, _ = tiny_family("cohere2_moe")
+    manifest = read_manifest(release)
+    assert manifest.config["logit_scale"] not in (None, 1, 1.0)
+    failed = Check(tier=2, name="logits/float32", metric="rel_rms", value=15.0, tolerance=1e-4, verdict="fail")
+    spec = replan(recognize(manifest), manifest, "model", [failed])
+    pkg, _ = write_package(release, tmp_path / "pkg", spec=spec)
+    inputs, model = _runtime(pkg)
+    assert _logits_match(inputs, model)
