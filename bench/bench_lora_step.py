@@ -62,14 +62,17 @@ def token_batch(seq_len: int, vocab: int):
     return torch.randint(0, vocab, (1, seq_len), generator=generator).to(DEVICE)
 
 
-def timed_steps(step) -> tuple[float, float, float]:
-    """(mean s/step over REPS after WARMUP, first loss, peak GiB)."""
+def timed_steps(step, peak_from_start: bool = False) -> tuple[float, float, float]:
+    """(mean s/step over REPS after WARMUP, first loss, peak GiB after the warm-up, or from the first step on: a
+    graph's capture allocates its private pool once, and replays then allocate nothing the peak would see)."""
     import torch
+    torch.cuda.reset_peak_memory_stats()
     first = float(step())
     for _ in range(WARMUP - 1):
         step()
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    if not peak_from_start:
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     for _ in range(REPS):
         step()
@@ -114,8 +117,10 @@ POLICIES = {"none": {}, "recompute": dict(recompute=("attention", "linear_attent
 
 
 def ours_setup(work: Path, experts: bool, seq_len: int, policy: str | None = None):
-    """(step, model, trainable params): the package's model as `onboard train` builds it (LoRA r16 alpha32 on the
-    package's attention targets, the experts too when asked), one packed row of seq_len tokens, the chunked loss."""
+    """(steps, model, trainable params): the package's model as `onboard train` builds it (LoRA r16 alpha32 on the
+    package's attention targets, the experts too when asked), one packed row of seq_len tokens, the chunked loss;
+    steps[graph] is the trainer's step, its forward+backward replayed as a CUDA graph or run eagerly. Run the eager
+    one first: the graphed one keeps its .grad tensors for good."""
     import dataclasses
     import json as json_
 
@@ -123,41 +128,52 @@ def ours_setup(work: Path, experts: bool, seq_len: int, policy: str | None = Non
     from onboard.train_cli import build_model, read_lora
     from runtime.data import Document, pack
     from runtime.memory import MemoryPolicy
-    from runtime.train import loss_sum, micro_batch
+    from runtime.train import TrainConfig, micro_batch, micro_step_for, optimizer_for
     spec, weight_map = (json_.loads((work / "pkg" / name).read_text()) for name in ("spec.json", "weight_map.json"))
     lora = dataclasses.replace(read_lora(work / "pkg", weight_map), rank=RANK, alpha=ALPHA, experts=experts)
     model = build_model(spec, weight_map, work / "release", lora, MemoryPolicy(**POLICIES[policy or "none"]), DEVICE)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    device = torch.device(DEVICE)
+    # the trainer's own pieces (runtime/train.py): its fused AdamW and its micro-step
+    cfg = TrainConfig(lr=1e-4)
+    optimizer = optimizer_for(params, cfg, device)
     ids = token_batch(seq_len, model.config.vocab_size)
-    batch = micro_batch(pack([Document(ids[0].tolist(), [True] * seq_len)], seq_len, 0), [0], torch.device(DEVICE))
+    batch = micro_batch(pack([Document(ids[0].tolist(), [True] * seq_len)], seq_len, 0), [0], device)
+    scale = torch.tensor(1 / (seq_len - 1), device=device)
 
-    def step():
-        loss = loss_sum(model, batch, 1024) / (seq_len - 1)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+    def step_of(micro_step):
+        def step():
+            loss = micro_step(batch, scale)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=not micro_step.keeps_grads)
+            return loss
+        step.micro_step = micro_step
+        return step
 
-    return step, model, params
+    steps = {graph: step_of(micro_step_for(model, params, dataclasses.replace(cfg, cuda_graph=graph), device,
+                                           model.offloads_activations)) for graph in (False, True)}
+    return steps, model, params
 
 
-def ours_part(work: Path, experts: bool, seq_len: int, policy: str | None = None) -> dict:
+def ours_part(work: Path, experts: bool, seq_len: int, policy: str | None = None, graph: bool = True) -> dict:
+    """Our step timed eagerly, then graphed (the trainer's default) unless graph is False."""
     from runtime.flops import step_flops
-    step, model, params = ours_setup(work, experts, seq_len, policy)
-    seconds, first, peak = timed_steps(step)
+    steps, model, params = ours_setup(work, experts, seq_len, policy)
+    seconds, first, peak = timed_steps(steps[False])
     flops = step_flops(model, [seq_len])
-    return dict(seconds=seconds, first_loss=first, peak_gib=peak, trainable=sum(p.numel() for p in params),
-                flops=flops, mfu=flops / seconds / (PEAK_TFLOPS * 1e12))
+    result = dict(seconds=seconds, first_loss=first, peak_gib=peak, trainable=sum(p.numel() for p in params),
+                  flops=flops, mfu=flops / seconds / (PEAK_TFLOPS * 1e12), cuda_graph="not timed")
+    if graph:
+        graphed, _, graphed_peak = timed_steps(steps[True], peak_from_start=True)
+        result |= dict(seconds=graphed, peak_gib=max(peak, graphed_peak), mfu=flops / graphed / (PEAK_TFLOPS * 1e12),
+                       eager_seconds=seconds, eager_peak_gib=peak, cuda_graph=steps[True].micro_step.reason or "on")
+    return result
 
 
-def profile_part(work: Path, seq_len: int) -> dict:
-    """GPU time per kernel and per op kind over 3 profiled steps after 3 warm-up ones (ms per step)."""
+def gpu_ms_per_kernel(step) -> dict[str, float]:
+    """GPU time per kernel name over 3 profiled steps after 3 warm-up ones (ms per step)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-
-    from runtime.profile_kinds import op_kind
-    step, _, _ = ours_setup(work, False, seq_len)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -169,11 +185,21 @@ def profile_part(work: Path, seq_len: int) -> dict:
     for event in prof.key_averages():
         if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0:
             per_kernel[event.key] = per_kernel.get(event.key, 0.0) + event.self_device_time_total / 3e3
+    return per_kernel
+
+
+def profile_part(work: Path, seq_len: int) -> dict:
+    """Our step's GPU time per kernel and op kind (eager), and the graphed step's total GPU time."""
+    from runtime.profile_kinds import op_kind
+    steps, _, _ = ours_setup(work, False, seq_len)
+    per_kernel = gpu_ms_per_kernel(steps[False])
+    graphed = gpu_ms_per_kernel(steps[True])
     kinds = {}
     for name, ms in per_kernel.items():
         kinds[op_kind(name)] = kinds.get(op_kind(name), 0.0) + ms
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:40]
-    return dict(gpu_ms_per_step=sum(per_kernel.values()), ops=dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+    return dict(gpu_ms_per_step=sum(per_kernel.values()), graphed_gpu_ms_per_step=sum(graphed.values()),
+                ops=dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
                 top_kernels=[dict(name=n[:160], ms=round(ms, 4), kind=op_kind(n)) for n, ms in top])
 
 
@@ -241,7 +267,8 @@ def run_part(args) -> dict:
     if args.one_step:
         WARMUP, REPS = 1, 1
     if args.part == "ours":
-        return ours_part(args.work, args.experts, args.seq_len, args.policy)
+        # the longest-sequence search (one step per length) asks what the eager step's memory allows
+        return ours_part(args.work, args.experts, args.seq_len, args.policy, graph=not args.one_step)
     if args.part == "profile":
         return profile_part(args.work, args.seq_len)
     return peft_part(args.work, args.experts, args.part == "peft_fla", args.seq_len)

@@ -47,7 +47,8 @@ def measure(work: Path, seq_len: int, policy: str, device: str) -> dict:
     import torch
 
     bench_lora_step.DEVICE = device
-    step, _, params = bench_lora_step.ours_setup(work, False, seq_len, policy)
+    steps, _, params = bench_lora_step.ours_setup(work, False, seq_len, policy)
+    step = steps[False]
     step()
     if device != "cuda":
         return dict(measured_gib=None, reserved_gib=None, trainable=sum(p.numel() for p in params))

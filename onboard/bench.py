@@ -114,20 +114,19 @@ class _Setup:
     """The package's model, its optimizer and one packed row, with the trainer's step over them."""
 
     def __init__(self, model, data, release: Path, device):
-        import torch
-
         from runtime.lora import lora_parameters
-        from runtime.train import TrainConfig
+        from runtime.train import TrainConfig, micro_step_for, optimizer_for
 
         self.model, self.data, self.release, self.device = model, data, release, device
         self.params = lora_parameters(model)
-        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4)
         self.config = TrainConfig()
+        self.optimizer = optimizer_for(self.params, self.config, device)
+        self.micro_step = micro_step_for(model, self.params, self.config, device, model.offloads_activations)
 
     def step(self) -> None:
         from runtime.train import train_step
 
-        train_step(self.model, self.optimizer, self.params, self.data, self.config, 0, self.device)
+        train_step(self.model, self.optimizer, self.params, self.data, self.config, 0, self.device, self.micro_step)
 
 
 def _setup(pkg: Path, seq_len: int, model_dir: Path | None) -> _Setup:

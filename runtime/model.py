@@ -67,6 +67,9 @@ class DecoderLayer(nn.Module):
 
 
 class HybridDecoder(nn.Module):
+    # set by runtime/memory.py's apply_memory_policy when it offloads saved activations to host memory
+    offloads_activations = False
+
     def __init__(self, config: ModelConfig | dict, num_layers: int | None = None):
         """config: a ModelConfig, or the spec.json dict (parsed here, once; SpecError if malformed).
         num_layers truncates the model (alignment of very large releases runs the first few)."""

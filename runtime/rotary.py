@@ -19,16 +19,28 @@ def cos_sin(rope: RopeConfig, positions: torch.Tensor) -> tuple[torch.Tensor, to
     if generated is not None:
         if rope.mrope_section:
             raise ValueError(f"rope_type {rope_type_of(rope.scaling)!r} is generated: not for multimodal rope")
-        inv_freq, _ = rope_inv_freq(rope.rotary_dim, rope.theta)
-        return generated_cos_sin(generated, positions, inv_freq.to(positions.device))
-    inv_freq, attention_factor = rope_inv_freq(rope.rotary_dim, rope.theta, rope.scaling)
-    inv_freq = inv_freq.to(positions.device)
+        inv_freq, _ = _inv_freq_on(rope, positions.device, scaled=False)
+        return generated_cos_sin(generated, positions, inv_freq)
+    inv_freq, attention_factor = _inv_freq_on(rope, positions.device, scaled=True)
     if rope.mrope_section:
         positions_3BT = positions if positions.dim() == 3 else positions.unsqueeze(0).expand(3, -1, -1)
         return mrope_cos_sin(positions_3BT, inv_freq, list(rope.mrope_section), rope.mrope_interleaved,
                              attention_factor)
     positions_BT = positions[0] if positions.dim() == 3 else positions
     return rope_cos_sin(positions_BT, inv_freq, attention_factor)
+
+
+# inv_freq is computed on the host; copied to the device once per rope and device, since a host-to-device
+# copy in every forward is a sync that a captured step (runtime/step_graph.py) cannot hold
+_INV_FREQ_ON_DEVICE: dict[tuple, tuple[torch.Tensor, float]] = {}
+
+
+def _inv_freq_on(rope: RopeConfig, device: torch.device, scaled: bool) -> tuple[torch.Tensor, float]:
+    key = (rope_key(rope), scaled, device)
+    if key not in _INV_FREQ_ON_DEVICE:
+        inv_freq, factor = rope_inv_freq(rope.rotary_dim, rope.theta, rope.scaling if scaled else None)
+        _INV_FREQ_ON_DEVICE[key] = inv_freq.to(device), factor
+    return _INV_FREQ_ON_DEVICE[key]
 
 
 class RotaryCache:

@@ -27,6 +27,7 @@ from runtime.lora import lora_parameters
 from runtime.loss import chunked_cross_entropy
 from runtime.metrics import MetricsLog, expert_counts, expert_drops, imbalance, peak_memory_gib, plot
 from runtime.parallel.grads import clip_grad_norm
+from runtime.step_graph import MicroStep, graph_allowed
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class TrainConfig:
     seed: int = 0  # data order
     aux_loss_coef: float = 0.0  # weight of the auxiliary load-balancing loss (runtime/balance.py); 0: off
     correction_bias_rate: float = 0.0  # loss-free balancing: routers' correction-bias step per update; 0: off
+    cuda_graph: bool = True  # replay forward+backward as a CUDA graph where legal (runtime/step_graph.py)
 
 
 class TrainingAborted(RuntimeError):
@@ -112,7 +114,20 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def train_step(model, optimizer, params, data: TrainData, cfg: TrainConfig, step: int, device) -> dict:
+def micro_step_for(model, params, cfg: TrainConfig, device, offload: bool) -> MicroStep:
+    """The forward+backward of one micro-batch this trainer runs: graphed where runtime/step_graph.py allows."""
+    allowed = cfg.cuda_graph and graph_allowed(device, cfg.aux_loss_coef, offload)
+    return MicroStep(lambda batch: loss_sum(model, batch, cfg.loss_chunk), params, allowed)
+
+
+def optimizer_for(params, cfg: TrainConfig, device) -> torch.optim.Optimizer:
+    # one fused kernel per step on CUDA instead of a handful of foreach launches per parameter group
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                             fused=device.type == "cuda")
+
+
+def train_step(model, optimizer, params, data: TrainData, cfg: TrainConfig, step: int, device,
+               micro_step: MicroStep) -> dict:
     """One optimizer step (or a skipped one); returns its measurements."""
     rank, size = _rank_and_size()
     micro = [micro_batch(data.train, batch_rows(len(data.train), step * cfg.grad_accum + m, cfg.batch_size,
@@ -120,16 +135,20 @@ def train_step(model, optimizer, params, data: TrainData, cfg: TrainConfig, step
     trained = _sum_over_ranks(sum((b["labels"] != IGNORE).sum() for b in micro).to(torch.float32))
     total, aux, load, segments = torch.zeros((), device=device), torch.zeros((), device=device), {}, []
     for batch in micro:
-        loss = loss_sum(model, batch, cfg.loss_chunk) / trained.clamp(min=1)
-        total += loss.detach()
+        if cfg.aux_loss_coef:
+            loss = loss_sum(model, batch, cfg.loss_chunk) / trained.clamp(min=1)
+            total += loss.detach()
+            counts = expert_counts(model)
+            if counts:
+                share = balance.aux_loss_share(model, balance.global_counts(counts, device))
+                aux += share.detach() / cfg.grad_accum
+                loss = loss + cfg.aux_loss_coef / cfg.grad_accum * share
+            loss.backward()
+        else:
+            total += micro_step(batch, 1 / trained.clamp(min=1))
         counts, drops = expert_counts(model), expert_drops(model)
         for layer, c in counts.items():
             load[layer] = load.get(layer, 0) + torch.stack([c, drops[layer]])
-        if cfg.aux_loss_coef and counts:
-            share = balance.aux_loss_share(model, balance.global_counts(counts, device))
-            aux += share.detach() / cfg.grad_accum
-            loss = loss + cfg.aux_loss_coef / cfg.grad_accum * share
-        loss.backward()
         segments += torch.diff(batch["cu_seqlens"]).tolist()
     total, aux = _sum_over_ranks(torch.stack([total, aux]))
     load = {layer: _sum_over_ranks(v.to(device)).cpu() for layer, v in load.items()}
@@ -141,7 +160,7 @@ def train_step(model, optimizer, params, data: TrainData, cfg: TrainConfig, step
         optimizer.step()
         if cfg.correction_bias_rate:
             balance.update_correction_bias(model, {layer: v[0] for layer, v in load.items()}, cfg.correction_bias_rate)
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=not micro_step.keeps_grads)
     return {"loss": float(total), "aux_loss": float(aux) if cfg.aux_loss_coef else None, "grad_norm": float(grad_norm),
             "finite": finite, "load": load, "tokens": sum(segments) * size, "segments": segments,
             "correction_bias": {k: b.tolist() for k, b in balance.correction_biases(model).items()}}
@@ -202,7 +221,8 @@ def train(model: nn.Module, data: TrainData, cfg: TrainConfig, run_dir: Path, re
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     device = next(iter(lora_parameters(model))).device
     params = lora_parameters(model)
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    optimizer = optimizer_for(params, cfg, device)
+    micro_step = micro_step_for(model, params, cfg, device, offload=model.offloads_activations)
     balance.track_router_probs(model, cfg.aux_loss_coef != 0)
     if cfg.correction_bias_rate:
         balance.keep_bias_fp32(model)
@@ -213,7 +233,7 @@ def train(model: nn.Module, data: TrainData, cfg: TrainConfig, run_dir: Path, re
         task = bar.add_task("train", total=cfg.steps, completed=state["step"], stats="")
         while state["step"] < cfg.steps:
             started = time.perf_counter()
-            result = train_step(model, optimizer, params, data, cfg, state["step"], device)
+            result = train_step(model, optimizer, params, data, cfg, state["step"], device, micro_step)
             state["step"] += 1
             record = _record(state["step"], result, time.perf_counter() - started,
                              step_flops(model, result["segments"]), cfg, device)

@@ -311,7 +311,8 @@ def gated_delta_rule(
     batch, num_tokens, num_heads, key_dim = q_BTHK.shape
     if cu_seqlens is not None and batch != 1:
         raise ValueError(f"cu_seqlens needs batch 1, got q of shape {tuple(q_BTHK.shape)}")
-    layout = (_batched_layout(batch, num_tokens, CHUNK_SIZE, q_BTHK.device) if cu_seqlens is None
+    # one segment is the whole sequence: the cached layout, with no count read back from the device
+    layout = (_batched_layout(batch, num_tokens, CHUNK_SIZE, q_BTHK.device) if cu_seqlens is None or cu_seqlens.numel() == 2
               else ChunkLayout(cu_seqlens.to(q_BTHK.device, torch.int64), CHUNK_SIZE))
     scale = key_dim**-0.5 if scale is None else float(scale)
     packed = [t.flatten(0, 1).contiguous() for t in (q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH)]
