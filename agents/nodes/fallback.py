@@ -4,10 +4,11 @@ writes the new one and align checks it again."""
 from __future__ import annotations
 
 import shutil
+from typing import Optional
 
 from langgraph.runtime import Runtime
 
-from onboard.fallback import next_rung, replan
+from onboard.fallback import Rung, next_rung, replan
 from onboard.gap import analyze as gap_analysis
 
 from agents.context import Context
@@ -15,7 +16,7 @@ from agents.nodes.understand import manifest
 from agents.state import Fallback, OnboardState
 
 
-def rung(state: OnboardState):
+def rung(state: OnboardState) -> Optional[Rung]:
     """The rung the latest alignment calls for, or None (passed, or nothing left to fall back to)."""
     aligned, done = state.get("alignment"), [f.rung for f in state.get("fallbacks", [])]
     if aligned is None:
