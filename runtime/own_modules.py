@@ -164,14 +164,14 @@ class OwnModel(nn.Module):
     def _head_input(self, **inputs) -> torch.Tensor:
         """What transformers' causal-LM forward feeds its head (after the final norm and any scaling before the
         head), times any scaling it applies to the logits after it (a logit multiplier): its forward run with
-        the head swapped for identity, which a linear step after the head commutes with. A nonlinear one
-        (soft-capping) would act on h instead; alignment tier 2 compares with transformers' logits and fails then."""
-        head = self.module.get_output_embeddings()
-        self.module.set_output_embeddings(nn.Identity())
+        the head's output replaced by its input (a hook: the head module stays, forwards read its weight), which
+        a linear step after the head commutes with. A nonlinear one (soft-capping) would act on h instead;
+        alignment tier 2 compares with transformers' logits and fails then."""
+        hook = self.module.get_output_embeddings().register_forward_hook(lambda head, args, logits: args[0])
         try:
             return self.module(**inputs, use_cache=False).logits
         finally:
-            self.module.set_output_embeddings(head)
+            hook.remove()
 
 
 def _reference(model_dir: Path, num_layers: int | None, dtype: torch.dtype) -> nn.Module:
