@@ -11,7 +11,7 @@ every weight (full fine-tune); then frozen base weights (input grad only, and Lo
 Correctness at the real shape: the bf16 kernels vs the torch fallback run in fp64 with the same
 routing fed to both; the fused router vs the fp64 reference on the same logits; the shared expert vs
 its torch form in fp64; routing flips against transformers' bf16 router are counted separately.
-Writes moe.json under --out. What was tried: bench/NOTES.md.
+Writes moe.json (moe-<T>.json for --T other than 16384) under --out. What was tried: bench/NOTES.md.
 """
 from __future__ import annotations
 
@@ -290,7 +290,9 @@ def main():
     result |= summarize(result)
     print({k: result[k] for k in ("baseline_ms", "ours_ms", "speedup", "frozen_speedup", "max_rel_err")}, flush=True)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "moe.json"), "w") as f:
+    # the committed names: moe.json at the default 16384 tokens, moe-<T>.json at any other count
+    name = "moe.json" if args.T == 16384 else f"moe-{args.T}.json"
+    with open(os.path.join(args.out, name), "w") as f:
         json.dump(result, f, indent=1)
 
 

@@ -18,6 +18,8 @@ from onboard.spec import (DenseFFN, DSAIndexer, GatedDeltaAttention, KDAAttentio
                           MLAAttention, ModelSpec, MoEFFN, NormSpec, OwnModule, ResidualSpec, RopeSpec, RouterSpec,
                           SoftmaxAttention, Unrecognized)
 from onboard import param_count, recognize_vision
+from onboard.recognize_mrope import probed_mrope
+from onboard.transformers_classes import transformers_knows
 
 # Families whose RMSNorm applies (1 + w): not expressed in their configs.
 ONE_PLUS_W_NORM_FAMILIES = {"qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"}
@@ -77,12 +79,22 @@ class Recognizer:
         tie = bool(self.cfg.get("tie_word_embeddings", default=self.top.get("tie_word_embeddings", default=False)))
         fields = dict(family=self.family, architecture=self._architecture(), hidden_size=hidden,
                       vocab_size=self.cfg.positive_int("vocab_size"), num_layers=num_layers, layers=layers,
-                      norm=self.norm(), tie_word_embeddings=tie, naming=self.naming, vision=vision,
+                      norm=self.norm(), tie_word_embeddings=tie, final_logit_softcapping=self.logit_softcap(),
+                      naming=self.naming, vision=vision,
                       dtype=str(self.manifest.config.get("torch_dtype") or self.manifest.config.get("dtype") or "bfloat16"))
         counts = param_count.count(ModelSpec.model_construct(**fields, params=None), vision)
         self.collect_unrecognized()
         unique = list({(u.source, u.item): u for u in self.unrecognized}.values())
         return ModelSpec(**fields, params=counts, unrecognized=unique)
+
+    def logit_softcap(self) -> float | None:
+        """transformers' name for a tanh cap on the logits after the LM head; absent or null: none."""
+        if not self.cfg.has("final_logit_softcapping"):
+            return None
+        cap = self.cfg.number("final_logit_softcapping")
+        if cap <= 0:
+            raise NotRecognized(self.cfg._dotted("final_logit_softcapping"), f"recognized for caps > 0, got {cap!r}")
+        return cap
 
     def _architecture(self) -> str:
         archs = self.manifest.config.get("architectures") or ["unknown"]
@@ -149,6 +161,10 @@ class Recognizer:
         scaling = {**legacy, **params}
         if scaling.get("rope_type", scaling.get("type", "default")) == "default":
             scaling = None
+        if mrope_section is None and self.manifest.vision_config is not None and transformers_knows(self.family):
+            # the vision path's positions have three axes: the split the model code applies by default
+            mrope_section, mrope_interleaved = probed_mrope(self.manifest, int(rotary_base_dim * factor) // 2,
+                                                            self.cfg._dotted("rope_parameters"))
         return RopeSpec(theta=float(theta), rotary_dim=int(rotary_base_dim * factor), interleaved=interleaved,
                         scaling=scaling, mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
 

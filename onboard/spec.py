@@ -221,6 +221,8 @@ class ModelSpec(_Spec):
     layers: list[LayerSpec]
     norm: NormSpec
     tie_word_embeddings: bool
+    # logits = c * tanh(z / c) after the LM head (config final_logit_softcapping); None: plain logits
+    final_logit_softcapping: Optional[float] = None
     naming: WeightNaming  # how the release names its tensors
     vision: Optional[VisionSpec] = None
     dtype: str = "bfloat16"

@@ -187,6 +187,7 @@ class ModelConfig:
     layers: tuple[LayerConfig, ...]
     norm: NormConfig  # every RMSNorm of the decoder (layers, final, qk-norm)
     tie_word_embeddings: bool  # LM head is the embedding matrix
+    final_logit_softcapping: Optional[float] = None  # logits = c * tanh(z / c); None: plain logits
     # why the whole model runs as transformers' own (runtime/own_modules.py OwnModel); None: assembled here
     own_model: Optional[str] = None
 

@@ -17,6 +17,7 @@ from runtime.layers.lora_linear import weight_of
 from runtime.layers.mla import MLAAttention
 from runtime.layers.norm import make_norm
 from runtime.layers.softmax_attention import SoftmaxAttention
+from runtime.loss import capped
 from runtime.ops.residual import mix
 from runtime.own_modules import OwnModel, OwnModule
 from runtime.rotary import RotaryCache
@@ -112,7 +113,7 @@ class HybridDecoder(nn.Module):
                 inputs_embeds_BTD: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """logits_BTX in fp32 (training takes hidden_states and runtime.loss instead: no [T, X] logits)."""
         h_BTD = self.hidden_states(input_ids_BT, positions, inputs_embeds_BTD, cu_seqlens)
-        return F.linear(h_BTD, self.head_weight()).float()
+        return capped(F.linear(h_BTD, self.head_weight()).float(), self.config.final_logit_softcapping)[0]
 
 
 def causal_lm_loss(logits_BTX: torch.Tensor, input_ids_BT: torch.Tensor) -> torch.Tensor:

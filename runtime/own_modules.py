@@ -134,6 +134,14 @@ def text_decoder(model: nn.Module) -> nn.Module:
                 and any(isinstance(c, nn.Embedding) for c in m.children()))
 
 
+class _HeadReached(Exception):
+    """Raised at the head's input to stop transformers' forward there (OwnModel._head_input)."""
+
+    def __init__(self, h_BTD: torch.Tensor):
+        super().__init__("head reached")
+        self.h_BTD = h_BTD
+
+
 class OwnModel(nn.Module):
     """A slot for transformers' whole model of the release, filled by load_own_modules: its text model runs
     end to end (embedding, layers and whatever glue sits between them, final norm), its LM head gives the
@@ -163,15 +171,19 @@ class OwnModel(nn.Module):
 
     def _head_input(self, **inputs) -> torch.Tensor:
         """What transformers' causal-LM forward feeds its head (after the final norm and any scaling before the
-        head), times any scaling it applies to the logits after it (a logit multiplier): its forward run with
-        the head's output replaced by its input (a hook: the head module stays, forwards read its weight), which
-        a linear step after the head commutes with. A nonlinear one (soft-capping) would act on h instead;
-        alignment tier 2 compares with transformers' logits and fails then."""
-        hook = self.module.get_output_embeddings().register_forward_hook(lambda head, args, logits: args[0])
+        head): its forward run up to the head, where a hook takes the head's input and stops it (the head and
+        anything after it, a logit cap, are the runtime's)."""
+        def stop(head, args):
+            raise _HeadReached(args[0])
+
+        hook = self.module.get_output_embeddings().register_forward_pre_hook(stop)
         try:
-            return self.module(**inputs, use_cache=False).logits
+            self.module(**inputs, use_cache=False)
+        except _HeadReached as reached:
+            return reached.h_BTD
         finally:
             hook.remove()
+        raise RuntimeError(f"{type(self.module).__name__} computed its logits without calling its head module")
 
 
 def _reference(model_dir: Path, num_layers: int | None, dtype: torch.dtype) -> nn.Module:

@@ -1,8 +1,8 @@
 """Forward and backward of one micro-batch, replayed as a CUDA graph where that is legal.
 
-A LoRA step at thin widths launches thousands of small kernels; the host spends longer launching
-them than the GPU spends running them. A captured graph replays the whole forward and backward with
-one launch. Capture needs a fixed batch shape and a step that never reads the device from the host:
+A LoRA step at thin widths launches thousands of small kernels; a captured graph replays the whole
+forward and backward with one launch, so the host never falls behind the GPU. Capture needs a fixed
+batch shape and a step that never reads the device from the host:
 that holds on one CUDA device for batches whose rows are each one segment (packed rows of several
 documents split attention and conv per segment at host-read bounds), without the auxiliary loss
 (its counts meet the loss between forward and backward). Anything else runs eagerly, and so does a

@@ -91,7 +91,8 @@ def micro_batch(rows: PackedRows, indices: list[int], device: torch.device) -> d
 
 def loss_sum(model: nn.Module, batch: dict, chunk: int) -> torch.Tensor:
     h_BTD = model.hidden_states(batch["input_ids"], batch["positions"], cu_seqlens=batch["cu_seqlens"])
-    return chunked_cross_entropy(h_BTD[0], model.head_weight(), batch["labels"], chunk)
+    cap = model.config.final_logit_softcapping
+    return chunked_cross_entropy(h_BTD[0], model.head_weight(), batch["labels"], chunk, cap)
 
 
 @torch.no_grad()

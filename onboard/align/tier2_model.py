@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from onboard.align import own_choices
 from onboard.align.progress import Progress
 from onboard.align.reference import Recorder, load_reference, load_runtime, random_tokens
 from onboard.align.report import Check, Divergence
@@ -77,38 +78,49 @@ def tier2(spec: dict, weight_map: dict, source: Path, num_layers: int, T: int = 
     ours = load_runtime(spec, weight_map, source, torch.float32, num_layers)
     if tamper is not None:
         tamper(ours)
-    recorder = Recorder(ref)
+    recorder, own_truth = Recorder(ref), {}
+    hooks = own_choices.record(ours, own_truth)
     with torch.no_grad():
         truth, logits = ref(input_ids=ids, use_cache=False).logits.float(), ours(ids)
     recorder.close()
+    own_choices.remove(hooks)
     checks = [logits_check("logits/float32", compare(logits, truth, tolerance_for("model_logits", torch.float32)), torch.float32),
               _loss_check("float32", logits, truth, ids, torch.float32)]
     checks += _routing_flips(ours, recorder, num_layers)
     if any(c.verdict == "fail" for c in checks):
         divergence = first_divergence(spec, ours, recorder, num_layers, T)
     progress.group("bfloat16 logits and loss")
-    checks += _bf16_checks(spec, weight_map, source, num_layers, ids, truth, _choices(ours), tamper)
+    checks += _bf16_checks(spec, weight_map, source, num_layers, ids, truth, (_choices(ours), own_truth), tamper)
     return checks, divergence
 
 
 def _bf16_checks(spec, weight_map, source, num_layers, ids, truth, choices, tamper) -> list[Check]:
+    """choices: (registry modules' choices, own modules' expert choices) of the fp32 run."""
     ours = load_runtime(spec, weight_map, source, torch.bfloat16, num_layers)
     if tamper is not None:
         tamper(ours)
+    (registry_truth, own_truth), own_free = choices, {}
     with torch.no_grad():
+        hooks = own_choices.record(ours, own_free)
         free = ours(ids)
-        flips = _choice_flips(_choices(ours), choices)
-        _pin(ours, choices)
+        own_choices.remove(hooks)
+        flips = _choice_flips(_choices(ours), registry_truth)
+        flips += _choice_flips(own_choices.indices(own_free), own_choices.indices(own_truth))
+        _pin(ours, registry_truth)
+        hooks = own_choices.pin(ours, own_truth)
         pinned = ours(ids)
+        own_choices.remove(hooks)
         _pin(ours, None)
         theirs_bf16 = load_reference(source, spec["family"], torch.bfloat16, num_layers)
         theirs_bf16 = theirs_bf16(input_ids=ids, use_cache=False).logits.float()
     tol, note = tolerance_for("model_logits", torch.bfloat16), "expert/key choices pinned to fp32's"
     free_c, own_c = compare(free, truth, tol), compare(theirs_bf16, truth, tol)
     if runs_own_code(ours):
-        # own modules are transformers' code with choices we cannot pin: the bar is transformers' own bf16 error
+        # their expert choices are pinned where they call their experts; other choices inside transformers'
+        # code cannot be: the bar is transformers' own bf16 error where that is larger
         tol = Tolerance(rel_rms=max(tol.rel_rms, OWN_MODULE_BF16_MARGIN * own_c.rel_rms), max_abs_rel=tol.max_abs_rel)
-        note += f"; own modules unpinned, bar max({free_c.tolerance.rel_rms:.0e}, {OWN_MODULE_BF16_MARGIN} x transformers' bf16 error)"
+        note += (f" (own modules' at their experts call); bar max({free_c.tolerance.rel_rms:.0e}, "
+                 f"{OWN_MODULE_BF16_MARGIN} x transformers' bf16 error)")
     return [logits_check("logits/bfloat16", compare(pinned, truth, tol), torch.bfloat16, note),
             _loss_check("bfloat16", pinned, truth, ids, torch.bfloat16),
             Check(tier=2, name="logits/bfloat16-free", metric="rel_rms", value=free_c.rel_rms, tolerance=tol.rel_rms,

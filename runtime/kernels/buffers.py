@@ -1,10 +1,12 @@
-"""Allocation of every buffer a fused kernel writes.
+"""Allocation of every buffer a fused kernel writes, and of the constant zeros some launches read.
 
 One function for all kernels so that tests can swap in a NaN-filled allocator
 (`tests` monkeypatch `runtime.kernels.buffers.empty`) and catch any element a kernel forgets to write.
 Kernel modules call it as `buffers.empty(...)` (attribute lookup at call time) so the swap reaches them.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -18,3 +20,9 @@ def nan_empty(*shape: int, dtype: torch.dtype, device) -> torch.Tensor:
     it can replace it."""
     out = torch.empty(shape, dtype=dtype, device=device)
     return out.fill_(float("nan") if out.is_floating_point() else -1)
+
+
+@functools.cache
+def zeros(*shape: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """One zero tensor per shape, dtype and device, made once: no launch fills a fresh one per call. Read-only."""
+    return torch.zeros(shape, dtype=dtype, device=device)

@@ -15,8 +15,6 @@ N = stacked rows: F gate, F up, 1 gate row of g when gated, zero rows up to a mu
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -86,12 +84,6 @@ def swiglu_backward_kernel(gus_ptr, dh_ptr, dgus_ptr, T, F, N, stride_g, HAS_GAT
              mask=row_ok[:, None] & (tail < N)[None, :])
 
 
-@functools.cache
-def _zero_rows(num_rows: int, D: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # cached, so that stacking the weights is one launch (the cat), not a fill and a cat
-    return torch.zeros(num_rows, D, dtype=dtype, device=device)
-
-
 def _stack_weights(w_gate_FD, w_up_FD, g_1D) -> torch.Tensor:
     """[N, D]: gate rows, up rows, g (when given), zero rows."""
     F, D = w_gate_FD.shape
@@ -99,7 +91,8 @@ def _stack_weights(w_gate_FD, w_up_FD, g_1D) -> torch.Tensor:
     num_rows = 2 * F + int(g_1D is not None)
     pad = triton.cdiv(num_rows, 8) * 8 - num_rows
     if pad:
-        parts.append(_zero_rows(pad, D, w_gate_FD.dtype, w_gate_FD.device))
+        # cached zeros: stacking the weights is one launch (the cat), not a fill and a cat
+        parts.append(buffers.zeros(pad, D, dtype=w_gate_FD.dtype, device=w_gate_FD.device))
     return torch.cat(parts)
 
 

@@ -111,7 +111,7 @@ def mrope_cos_sin(
     attention_factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Multimodal rope (Qwen2-VL contiguous sections, Qwen3-VL/Qwen3.5 interleaved): cos_BTR, sin_BTR in fp32."""
-    axis_F = _mrope_axes(inv_freq.shape[0], mrope_section, interleaved).to(positions_3BT.device)
+    axis_F = mrope_axes(inv_freq.shape[0], mrope_section, interleaved).to(positions_3BT.device)
     angles_3BTF = positions_3BT.float()[..., None] * inv_freq.float()
     # pick, for every frequency, the angle of the position axis that drives it
     index_1BTF = axis_F.expand(1, *angles_3BTF.shape[1:])
@@ -120,7 +120,7 @@ def mrope_cos_sin(
     return angles_BTR.cos() * attention_factor, angles_BTR.sin() * attention_factor
 
 
-def _mrope_axes(num_freqs: int, mrope_section: list[int], interleaved: bool) -> torch.Tensor:
+def mrope_axes(num_freqs: int, mrope_section: list[int], interleaved: bool) -> torch.Tensor:
     """axis_F: 0 time, 1 height, 2 width for each frequency."""
     if sum(mrope_section) != num_freqs:
         raise ValueError(f"mrope_section {mrope_section} must sum to rotary_dim/2 = {num_freqs}")

@@ -14,7 +14,7 @@ import torch
 
 from reference_ops import moe as ref
 from runtime.kernels import moe as kernels
-from runtime.kernels.moe import combine, experts, gather, grouped_wgrad, router, schedule
+from runtime.kernels.moe import experts, grouped_wgrad, router, schedule, token_rows
 from runtime.ops import moe as torch_ops
 from runtime.tolerances import assert_close
 from tests.opcheck import check_route
@@ -124,7 +124,7 @@ def test_lora_with_trainable_experts_and_gpt_oss_glu():
 def test_sum_k_over_two_column_blocks():
     # D 1100 spans two 1024-wide column blocks, the second one masked
     rows_SD = torch.randn(5 * 3, 1100)
-    out = combine.sum_k(rows_SD, 3)
+    out = token_rows.sum_k(rows_SD, 3)
     assert_close(out, rows_SD.double().view(5, 3, 1100).sum(1), "swiglu_experts", torch.float32, "out")
 
 
@@ -185,7 +185,7 @@ def test_gather_tokens_writes_every_sorted_row():
     sched = schedule.build_schedule(idx, 7, block_m=16)
     # D 1100 spans two 1024-wide column blocks, the second one masked
     x_TD = torch.randn(T, 1100)
-    assert torch.equal(gather.gather_tokens(x_TD, sched), x_TD[sched.pair_S // 3])
+    assert torch.equal(token_rows.gather_tokens(x_TD, sched), x_TD[sched.pair_S // 3])
 
 
 ROUTER_CASES = {

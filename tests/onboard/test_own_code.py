@@ -95,15 +95,63 @@ def test_own_attention_honours_packing_and_takes_lora(tiny_family):
     assert adapted and all(".attn.module." in name for name in adapted)
 
 
-def test_the_whole_model_takes_the_heads_logit_multiplier(tiny_family, tmp_path):
-    """Cohere2-MoE multiplies its logits by `logit_scale` in its causal-LM forward, after the head: run as its
-    own model (the fallback's last rung), the head takes what that forward feeds it with the multiplier folded
-    in, so the logits are transformers'."""
-    release, _ = tiny_family("cohere2_moe")
+def test_the_whole_model_takes_what_its_head_takes(tiny_family, tmp_path):
+    """Inkling divides the final hidden states by `logits_mup_width_multiplier` in its causal-LM forward, before
+    the head: run as its own model (the fallback's last rung), the head takes what that forward feeds it, so the
+    logits are transformers'."""
+    release, _ = tiny_family("inkling_text")
     manifest = read_manifest(release)
-    assert manifest.config["logit_scale"] not in (None, 1, 1.0)
-    failed = Check(tier=2, name="logits/float32", metric="rel_rms", value=15.0, tolerance=1e-4, verdict="fail")
+    assert manifest.config["logits_mup_width_multiplier"] not in (None, 1, 1.0)
+    failed = Check(tier=2, name="logits/float32", metric="rel_rms", value=23.0, tolerance=1e-4, verdict="fail")
     spec = replan(recognize(manifest), manifest, "model", [failed])
     pkg, _ = write_package(release, tmp_path / "pkg", spec=spec)
     inputs, model = _runtime(pkg)
     assert _logits_match(inputs, model)
+
+
+def test_a_final_logit_softcap_caps_the_logits_and_the_training_loss(tiny_family):
+    """Inkling-2 caps its logits (c * tanh(z / c), config final_logit_softcapping) after the LM head: the spec
+    carries the cap, and the runtime's logits and its chunked training loss apply it as transformers does
+    (at this size the uncapped logits miss the fp32 bar)."""
+    from runtime.data import IGNORE
+    from runtime.train import loss_sum
+
+    release, pkg = tiny_family("inkling2_text")
+    inputs, model = _runtime(pkg)
+    cap = inputs.spec["final_logit_softcapping"]
+    assert cap == json.loads((release / "config.json").read_text())["final_logit_softcapping"]
+    assert _logits_match(inputs, model)
+    ids = random_tokens(inputs.spec, 1, 13, seed=2)
+    with torch.no_grad():
+        theirs = load_reference(inputs.source, inputs.spec["family"], torch.float32)(input_ids=ids, use_cache=False).logits
+        uncapped = torch.nn.functional.linear(model.hidden_states(ids), model.head_weight())
+        batch = {"input_ids": ids, "positions": torch.arange(13)[None], "cu_seqlens": torch.tensor([0, 13]),
+                 "labels": torch.cat([ids[0, 1:], torch.tensor([IGNORE])])}
+        ours_loss = loss_sum(model, batch, chunk=5) / 12
+    tol = tolerance_for("model_logits", torch.float32)
+    assert not compare(uncapped, theirs, tol).passed
+    loss = compare(ours_loss, causal_lm_loss(theirs, ids), tolerance_for("model_loss", torch.float32))
+    assert loss.passed, loss.describe()
+
+
+def test_the_bf16_check_pins_expert_choices_inside_own_modules(tiny_family):
+    """MiniMax-M2's MoE runs as its own module: the bf16 run's experts get the fp32 run's choices where they
+    differ (at transformers' experts call), so the bf16 check measures bf16 numerics within the 2e-2 bar."""
+    from onboard.align import own_choices
+    from onboard.align.tier2_model import tier2
+
+    release, pkg = tiny_family("minimax_m2")
+    inputs = read_package(pkg)
+    ids, fp32, free, pinned = random_tokens(inputs.spec, 2, 24, seed=1), {}, {}, {}
+    for dtype, seen, pin in ((torch.float32, fp32, False), (torch.bfloat16, free, False), (torch.bfloat16, pinned, True)):
+        model = _runtime(pkg, dtype)[1]
+        hooks = (own_choices.pin(model, fp32) if pin else []) + own_choices.record(model, seen)
+        with torch.no_grad():
+            model(ids)
+        own_choices.remove(hooks)
+    same = lambda a, b: torch.equal(a[0].sort(-1).values, b[0].sort(-1).values)  # noqa: E731
+    assert fp32 and fp32.keys() == pinned.keys()
+    assert not all(same(free[n], fp32[n]) for n in fp32), "no choice flips free: the pin is not exercised"
+    assert all(same(pinned[n], fp32[n]) for n in fp32)
+    checks = {c.name: c for c in tier2(inputs.spec, inputs.weight_map, inputs.source, inputs.spec["num_layers"])[0]}
+    assert checks["logits/bfloat16"].verdict == "pass" and checks["logits/bfloat16"].value <= 2e-2

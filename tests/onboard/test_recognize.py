@@ -143,3 +143,30 @@ def test_seed_flagship_from_keys_and_names(seed_dir):
     assert (mem.min_gpus - 1) * per_gpu < mem.weights_gib + mem.lora_states_gib <= mem.min_gpus * per_gpu
     assert budget(spec, 80.0).min_gpus > mem.min_gpus
     assert any("auto_map" in u.source for u in report.unrecognized)
+
+
+def test_a_multimodal_rope_without_mrope_section_takes_the_split_transformers_applies(tiny_family):
+    """Qwen3.5-MoE's default config has no mrope_section (its rotary module falls back to a default split):
+    transformers' rotary module is probed for the split, so our 3-axis tables are its own and the vision
+    path matches transformers' multimodal run at the fp32 bar (registry ops only, no fallback)."""
+    from onboard.align.package_files import read_package
+    from onboard.align.reference import load_reference
+    from onboard.align.vision import vision_checks
+    from runtime.config import ModelConfig
+    from runtime.own_modules import text_decoder
+    from runtime.rotary import cos_sin
+    from runtime.tolerances import assert_close
+
+    release, pkg = tiny_family("qwen3_5_moe")
+    assert "mrope_section" not in json.loads((release / "config.json").read_text())["text_config"]["rope_parameters"]
+    inputs = read_package(pkg)
+    assert all(layer["attention"]["kind"] != "own_module" for layer in inputs.spec["layers"])
+    rope = next(layer.attention.rope for layer in ModelConfig.from_spec(inputs.spec).layers if layer.attention.kind == "softmax")
+    positions_3BT = torch.randint(0, 50, (3, 1, 9), generator=torch.Generator().manual_seed(0))
+    rotary = text_decoder(load_reference(inputs.source, inputs.spec["family"], torch.float32)).rotary_emb
+    theirs = rotary(torch.zeros(1, 9, 1), positions_3BT)
+    ours = cos_sin(rope, positions_3BT)
+    for name, a, b in zip(("cos", "sin"), ours, theirs):
+        assert_close(a, b, "mrope_cos_sin", torch.float32, name=name)
+    checks = vision_checks(inputs.spec, inputs.weight_map, inputs.source, inputs.vision_config, inputs.spec["num_layers"])
+    assert all(c.verdict == "pass" for c in checks), [(c.name, c.value) for c in checks]

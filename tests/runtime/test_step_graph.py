@@ -10,16 +10,19 @@ import torch
 from onboard.train_cli import build_model, read_lora
 from runtime.data import Document, pack
 from runtime.memory import MemoryPolicy
+from runtime.tolerances import Tolerance, compare
 from runtime.train import TrainConfig, loss_sum, micro_batch, micro_step_for, optimizer_for
 
+ATOMICS_ORDER = Tolerance(rel_rms=1e-3, max_abs_rel=1e-2)
 
-def _model(example_package, family: str, device: str):
+
+def _model(example_package, family: str, device: str, policy: MemoryPolicy = MemoryPolicy()):
     import yaml
 
     package = example_package(family)
     spec, weight_map = (json.loads((package / name).read_text()) for name in ("spec.json", "weight_map.json"))
     release = yaml.safe_load((package / "package.yaml").read_text())["source"]["absolute"]
-    model = build_model(spec, weight_map, release, read_lora(package, weight_map), MemoryPolicy(), device)
+    model = build_model(spec, weight_map, release, read_lora(package, weight_map), policy, device)
     return model.train(), [p for p in model.parameters() if p.requires_grad], spec["vocab_size"]
 
 
@@ -58,10 +61,11 @@ def test_cpu_micro_step_is_the_eager_loss_and_backward(example_package):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("family", ["qwen3_next", "deepseek_v32", "kimi_linear", "qwen3_moe"])
-def test_graph_replays_the_eager_step(example_package, family):
+@pytest.mark.parametrize("family,recompute", [("qwen3_next", ()), ("deepseek_v32", ()), ("kimi_linear", ()),
+                                              ("qwen3_moe", ()), ("qwen3_next", ("linear_attention", "moe"))])
+def test_graph_replays_the_eager_step(example_package, family, recompute):
     """The same model state, three steps of new tokens each: graphed losses and gradients match eager's."""
-    model, params, vocab = _model(example_package, family, "cuda")
+    model, params, vocab = _model(example_package, family, "cuda", MemoryPolicy(recompute=recompute))
     start = [p.detach().clone() for p in params]
     batches = [_batch(vocab, 64, seed, "cuda") for seed in range(3)]
     scale = torch.tensor(1 / 63, device="cuda")
@@ -75,9 +79,12 @@ def test_graph_replays_the_eager_step(example_package, family):
     graph_losses, graph_grads = _run(model, params, graphed, batches, scale)
     assert graphed.reason is None and graphed.keeps_grads
     torch.testing.assert_close(graph_losses, eager_losses, rtol=1e-5, atol=0)
+    # the same kernels run in both; those that accumulate with atomics (DSA's and the MoE's backward) add in
+    # another order from run to run, so single elements of a factor's gradient move (6e-5 of 8e-3 seen on
+    # deepseek_v32) while the factor as a whole agrees far closer
     for step_eager, step_graph in zip(eager_grads, graph_grads):
         for e, g in zip(step_eager, step_graph):
-            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-7)
+            assert compare(g, e, ATOMICS_ORDER).passed, compare(g, e, ATOMICS_ORDER)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

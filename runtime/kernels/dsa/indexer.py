@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from runtime.kernels import buffers
+from runtime.kernels.launch import fast
 
 # Queries and keys per program of the scoring kernel, 8 warps (bench/NOTES.md: a larger query tile
 # timed the same); queries per block of indexer_topk: its [B, block, T] fp32 scores bound the memory.
@@ -56,8 +57,8 @@ def block_scores(q_BTHK, k_BTK, weights_BTH, scale, first, last):
     Q = last - first
     scores_BQT = buffers.empty(B, Q, last, dtype=torch.float32, device=q_BTHK.device)
     grid = (triton.cdiv(last, BLOCK_T), triton.cdiv(Q, BLOCK_Q), B)
-    _scores_kernel[grid](q_BTHK, k_BTK, weights_BTH, scores_BQT, first, Q, last, T, H, K, scale,
-                         BQ=BLOCK_Q, BT=BLOCK_T, BK=max(16, triton.next_power_of_2(K)), num_warps=NUM_WARPS)
+    fast(_scores_kernel)[grid](q_BTHK, k_BTK, weights_BTH, scores_BQT, first, Q, last, T, H, K, scale,
+                               BQ=BLOCK_Q, BT=BLOCK_T, BK=max(16, triton.next_power_of_2(K)), num_warps=NUM_WARPS)
     return scores_BQT
 
 

@@ -21,8 +21,7 @@ import torch
 
 from runtime.kernels import buffers
 from runtime.ops import moe as torch_ops
-from runtime.kernels.moe.combine import sum_k
-from runtime.kernels.moe.gather import gather_tokens
+from runtime.kernels.moe.token_rows import gather_tokens, sum_k
 from runtime.kernels.moe.grouped_gemm import (
     MODE_GLU_BWD,
     MODE_GLU_FWD,
@@ -48,14 +47,6 @@ class Rows:
     by_token: bool
 
 
-def _x_rows(x_TD: torch.Tensor, sched: Schedule, reread: bool) -> Rows:
-    # The gate/up GEMM gathers rows as fast as it reads a copy, but the gate/up weight gradient
-    # reduces over rows and runs faster on a copy in expert order: copy only for that reader.
-    if reread:
-        return Rows(gather_tokens(x_TD, sched), False)
-    return Rows(x_TD, True)
-
-
 @dataclass(frozen=True)
 class Lora:
     """LoRA pairs of the two projections (None when absent) and their common scale."""
@@ -75,8 +66,7 @@ def _block_m(num_rows: int, num_experts: int) -> int:
 def _gate_up(x: Rows, w_gu, b_gu, lora: Lora, sched: Schedule, glu: Glu):
     """-> (gate_up_S2F pre-activation, h_SF, xa_Sr or None)."""
     S, two_f, dtype, device = sched.pair_S.numel(), w_gu.shape[1], x.data.dtype, x.data.device
-    xa = _rank_rows(x, Weight(lora.A_gu_ErD), sched) if lora.A_gu_ErD is not None else None
-    low_rank = LowRank(xa, Weight(lora.B_gu_E2Fr), lora.scale) if xa is not None else None
+    xa, low_rank = _low_rank(x, lora.A_gu_ErD, lora.B_gu_E2Fr, lora.scale, sched)
     gate_up = buffers.empty(S, two_f, dtype=dtype, device=device)
     h = buffers.empty(S, two_f // 2, dtype=dtype, device=device)
     grouped_gemm(x.data, Weight(w_gu), sched, h, mode=MODE_GLU_FWD, gather_a=x.by_token, bias_EN=b_gu,
@@ -87,8 +77,7 @@ def _gate_up(x: Rows, w_gu, b_gu, lora: Lora, sched: Schedule, glu: Glu):
 def _down(h_SF, w_d, b_d, w_P, lora: Lora, sched: Schedule):
     """-> (y_TD, ha_Sr or None): the weighted rows land in pair order, then sum over k."""
     S, D = h_SF.shape[0], w_d.shape[1]
-    ha = _rank_rows(Rows(h_SF, False), Weight(lora.A_d_ErF), sched) if lora.A_d_ErF is not None else None
-    low_rank = LowRank(ha, Weight(lora.B_d_EDr), lora.scale) if ha is not None else None
+    ha, low_rank = _low_rank(Rows(h_SF, False), lora.A_d_ErF, lora.B_d_EDr, lora.scale, sched)
     y_pairs = buffers.empty(S, D, dtype=h_SF.dtype, device=h_SF.device)
     grouped_gemm(h_SF, Weight(w_d), sched, y_pairs, scatter_out=True, row_scale_P=w_P, bias_EN=b_d, low_rank=low_rank)
     return sum_k(y_pairs, sched.top_k), ha
@@ -99,50 +88,50 @@ _INPUTS = ["x", "weights", "idx", "w_gu", "w_d", "b_gu", "b_d", "A_gu", "B_gu", 
 
 class _SwigluExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, weights_Tk, idx_Tk, w_gu, w_d, b_gu, b_d, A_gu, B_gu, A_d, B_d, scale, glu):
+    def forward(ctx, scale, glu, *inputs):
+        x_TD, weights_Tk, idx_Tk, w_gu, w_d, b_gu, b_d, A_gu, B_gu, A_d, B_d = inputs
         T, k = idx_Tk.shape
         E = w_gu.shape[0]
         sched = build_schedule(idx_Tk, E, _block_m(T * k, E))
         w_P = weights_Tk.reshape(-1).contiguous()
         lora = Lora(A_gu, B_gu, A_d, B_d, scale)
-        need = dict(zip(_INPUTS, ctx.needs_input_grad))
-        # x only feeds the gradients of the gate/up weights and of LoRA's A there
+        need = dict(zip(_INPUTS, ctx.needs_input_grad[2:]))
+        # The gate/up GEMM gathers x's rows by token as fast as it reads a copy, but the gradients of
+        # the gate/up weights and of LoRA's A there reduce over x's rows and run faster on a copy in
+        # expert order: copy only for those readers.
         keep_x = need["w_gu"] or need["A_gu"]
-        x = _x_rows(x_TD, sched, keep_x)
+        x = Rows(gather_tokens(x_TD, sched), False) if keep_x else Rows(x_TD, True)
         gate_up, h, xa = _gate_up(x, w_gu, b_gu, lora, sched, glu)
         y_TD, ha = _down(h, w_d, b_d, w_P, lora, sched)
         ctx.save_for_backward(x.data if keep_x else None, w_P, idx_Tk, w_gu, w_d, b_d, A_gu, B_gu, A_d, B_d,
                               gate_up, h, xa, ha)
         ctx.sched, ctx.scale, ctx.glu, ctx.x_by_token = sched, scale, glu, x.by_token
-        ctx.dtypes = {"x": x_TD.dtype, "weights": weights_Tk.dtype, "b_gu": getattr(b_gu, "dtype", None),
-                      "b_d": getattr(b_d, "dtype", None)}
+        ctx.dtypes = {n: t.dtype for n, t in zip(_INPUTS, inputs) if t is not None}
         return y_TD
 
     @staticmethod
     def backward(ctx, dy_TD):
         x_data, w_P, idx_Tk, w_gu, w_d, b_d, A_gu, B_gu, A_d, B_d, gate_up, h, xa, ha = ctx.saved_tensors
-        need = dict(zip(_INPUTS, ctx.needs_input_grad))
+        need = dict(zip(_INPUTS, ctx.needs_input_grad[2:]))
         sched = ctx.sched
         x = Rows(x_data, ctx.x_by_token)
         dy = Rows(dy_TD.contiguous().to(ctx.dtypes["x"]), True)
         lora = Lora(A_gu, B_gu, A_d, B_d, ctx.scale)
         glu_sched = retiled(sched, GLU_BWD_BLOCK_M)
         d_gate_up, dw_P, dyb = _backward_glu(dy, w_d, w_P, gate_up, lora, glu_sched, ctx.glu, need["weights"])
-        lg = None
-        if A_gu is not None and (need["x"] or need["A_gu"]):
-            # d_gate_up @ B_gu per sorted row: the rank-r signal reaching A_gu and, through it, x
-            lg = _rank_rows(Rows(d_gate_up, False), Weight(B_gu, transposed=True), sched)
-        grads = _input_grads(d_gate_up, dw_P, w_gu, b_d, dy.data, idx_Tk, lg, lora, sched, need)
+        # d_gate_up @ B_gu per sorted row: the rank-r signal reaching A_gu and, through it, x
+        lg, lg_term = _low_rank(Rows(d_gate_up, False), B_gu if need["x"] or need["A_gu"] else None, A_gu,
+                                ctx.scale, sched, transposed=True)
+        grads = _input_grads(d_gate_up, dw_P, w_gu, b_d, dy.data, idx_Tk, lg_term, sched, need)
         grads |= _weight_grads(x, dy, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg, lora, sched, need)
-        params = dict(w_gu=w_gu, w_d=w_d, A_gu=A_gu, B_gu=B_gu, A_d=A_d, B_d=B_d)
-        return (*(_cast(grads.get(n), params.get(n), ctx.dtypes.get(n)) for n in need), None, None)
+        # each gradient in its input's dtype (the kernels accumulate some in fp32)
+        return None, None, *(grads[n].to(ctx.dtypes[n]) if n in grads else None for n in _INPUTS)
 
 
 def _backward_glu(dy: Rows, w_d, w_P, gate_up, lora: Lora, sched: Schedule, glu: Glu, want_dw: bool):
     """-> (d_gate_up_S2F, d(routing weight) in pair order [T * k] or None, dy @ B_d per row or None)."""
     S, dtype, device = sched.pair_S.numel(), dy.data.dtype, dy.data.device
-    dyb = _rank_rows(dy, Weight(lora.B_d_EDr, transposed=True), sched) if lora.A_d_ErF is not None else None
-    low_rank = LowRank(dyb, Weight(lora.A_d_ErF, transposed=True), lora.scale) if dyb is not None else None
+    dyb, low_rank = _low_rank(dy, lora.B_d_EDr, lora.A_d_ErF, lora.scale, sched, transposed=True)
     d_gate_up = buffers.empty(*gate_up.shape, dtype=dtype, device=device)
     # the kernel adds one partial sum per column tile into each pair's entry
     dw_P = torch.zeros(S, dtype=torch.float32, device=device) if want_dw else None
@@ -151,13 +140,8 @@ def _backward_glu(dy: Rows, w_d, w_P, gate_up, lora: Lora, sched: Schedule, glu:
     return d_gate_up, dw_P, dyb
 
 
-def _cast(grad, like, dtype):
-    if grad is None:
-        return None
-    return grad.to(like.dtype if like is not None else dtype)
-
-
-def _input_grads(d_gate_up, dw_P, w_gu, b_d, dy_TD, idx_Tk, lg, lora: Lora, sched: Schedule, need: dict) -> dict:
+def _input_grads(d_gate_up, dw_P, w_gu, b_d, dy_TD, idx_Tk, low_rank: LowRank | None, sched: Schedule,
+                 need: dict) -> dict:
     grads = {}
     k = sched.top_k
     if dw_P is not None:
@@ -167,7 +151,6 @@ def _input_grads(d_gate_up, dw_P, w_gu, b_d, dy_TD, idx_Tk, lg, lora: Lora, sche
             dw_Tk = dw_Tk + (dy_TD.float() @ b_d.float().T).gather(1, idx_Tk)
         grads["weights"] = dw_Tk
     if need["x"]:
-        low_rank = LowRank(lg, Weight(lora.A_gu_ErD, transposed=True), lora.scale) if lg is not None else None
         dx_pairs = buffers.empty(d_gate_up.shape[0], w_gu.shape[2], dtype=d_gate_up.dtype, device=d_gate_up.device)
         grouped_gemm(d_gate_up, Weight(w_gu, transposed=True), sched, dx_pairs, scatter_out=True, low_rank=low_rank)
         grads["x"] = sum_k(dx_pairs, k)
@@ -180,7 +163,7 @@ def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg,
     s = lora.scale
     grads = {}
     if need["w_gu"]:
-        # x's rows are the copy in expert order here (_x_rows): torch._grouped_mm where it takes them
+        # x's rows are the copy in expert order here (see forward): torch._grouped_mm where it takes them
         grad = sorted_rows_wgrad(d_gate_up, x.data, sched)
         grads["w_gu"] = grad if grad is not None else grouped_wgrad(d_gate_up, x.data, sched)
     if need["w_d"]:
@@ -200,11 +183,15 @@ def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg,
     return grads
 
 
-def _rank_rows(a: Rows, w: Weight, sched: Schedule) -> torch.Tensor:
-    """[S, r]: a's rows times the rank-r LoRA factor w of their expert."""
-    out = buffers.empty(sched.pair_S.numel(), w.data.shape[2 if w.transposed else 1], dtype=a.data.dtype,
+def _low_rank(a: Rows, left, right, scale: float, sched: Schedule, transposed: bool = False):
+    """(a's rows times the rank-r LoRA factor `left` of their expert [S, r], the LoRA term scale * that @ right[e]^T
+    of the GEMM over a), or (None, None) without that factor."""
+    if left is None:
+        return None, None
+    mid = buffers.empty(sched.pair_S.numel(), left.shape[2 if transposed else 1], dtype=a.data.dtype,
                         device=a.data.device)
-    return grouped_gemm(a.data, w, sched, out, gather_a=a.by_token)
+    grouped_gemm(a.data, Weight(left, transposed), sched, mid, gather_a=a.by_token)
+    return mid, LowRank(mid, Weight(right, transposed), scale)
 
 
 def _segment_sum(rows_SN: torch.Tensor, sched: Schedule) -> torch.Tensor:
@@ -247,5 +234,5 @@ def swiglu_experts(
     A_gu, B_gu = lora_gate_up if lora_gate_up is not None else (None, None)
     A_d, B_d = lora_down if lora_down is not None else (None, None)
     glu = Glu(interleaved_gate_up, clamp, glu_alpha)
-    return _SwigluExperts.apply(x_TD.contiguous(), weights_Tk, idx_Tk, w_gate_up_E2FD, w_down_EDF, b_gate_up_E2F,
-                                b_down_ED, A_gu, B_gu, A_d, B_d, float(lora_scale), glu)
+    return _SwigluExperts.apply(float(lora_scale), glu, x_TD.contiguous(), weights_Tk, idx_Tk, w_gate_up_E2FD,
+                                w_down_EDF, b_gate_up_E2F, b_down_ED, A_gu, B_gu, A_d, B_d)

@@ -16,13 +16,13 @@ Shape legend: S sorted rows, N accumulator columns, K reduction width, E experts
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from runtime.kernels import buffers
 from runtime.kernels.launch import fast, interpreting
 from runtime.kernels.moe.schedule import Schedule
 
@@ -56,15 +56,6 @@ def _glu_backward(gate0, up0, dh, CLAMP: tl.constexpr, limit, HAS_ALPHA: tl.cons
         d_gate = tl.where(gate0 <= limit, d_gate, 0.0)
         d_up = tl.where((up0 >= -limit) & (up0 <= limit), d_up, 0.0)
     return act * up, d_gate, d_up
-
-
-@triton.jit
-def _column_map(pid_n, N, MODE: tl.constexpr, BLOCK_N: tl.constexpr, row_mult):
-    """Accumulator column -> (unit, row of W, valid). In GLU_FWD a column is a gate/up unit whose
-    gate row of W is unit * row_mult (its up row sits up_offset further)."""
-    units = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    w_rows = units * row_mult if MODE == 1 else units
-    return units, w_rows, units < N
 
 
 @triton.jit
@@ -149,7 +140,11 @@ def grouped_gemm_kernel(
     # int32 (S = T * k < 2**31) over a constexpr k: the division compiles to a multiply and shift
     pairs = tl.load(pair_ptr + rows, mask=row_ok, other=0).to(tl.int32)
     a_rows = pairs // TOP_K if GATHER_A else rows
-    units, w_rows, col_ok = _column_map(pid_n, N, MODE, BLOCK_N, row_mult)
+    # accumulator column -> row of W: in GLU_FWD a column is a gate/up unit whose gate row of W is
+    # unit * row_mult (its up row sits up_offset further)
+    units = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = units * row_mult if MODE == 1 else units
+    col_ok = units < N
     e64 = e.to(tl.int64)
     acc, acc_up = _mainloop(a_ptr, stride_am, a_rows, row_ok, w_ptr + e64 * stride_we, stride_wn, stride_wk, w_rows,
                             col_ok, K, up_offset, MODE == 1, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
@@ -246,20 +241,13 @@ class LowRank:
     scale: float
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
+def dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs get full fp32 products so that fp32 runs can be held to fp32 tolerances
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _small_block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
-
-
-@functools.cache
-def _dw_placeholder(device: torch.device) -> torch.Tensor:
-    # dw_ptr's own placeholder when no routing-weight gradient is wanted: the autotuner saves and
-    # restores whatever is passed there. Cached, so that no launch fills a fresh one per call.
-    return torch.zeros(1, dtype=torch.float32, device=device)
 
 
 def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, gather_a=False, scatter_out=False,
@@ -282,7 +270,9 @@ def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, gath
         bias_EN if bias_EN is not None else dummy, bias_EN.stride(0) if bias_EN is not None else 0,
         lr.left_Sr, lr.left_Sr.stride(0), lr.right.data, *lr.right.strides(), lr.left_Sr.shape[1], lr.scale,
         gate_up if gate_up is not None else dummy, gate_up.stride(0) if gate_up is not None else 0,
-        dw_P if dw_P is not None else _dw_placeholder(a_SK.device),
+        # dw_ptr's own placeholder when no routing-weight gradient is wanted: the autotuner saves and
+        # restores whatever is passed there
+        dw_P if dw_P is not None else buffers.zeros(1, dtype=torch.float32, device=a_SK.device),
         sched.pair_S, sched.tile_expert, sched.tile_start, sched.ends_E,
         N, K, sched.num_experts, row_mult, up_offset,
         glu.clamp if glu.clamp is not None else 0.0, glu.alpha if glu.alpha is not None else 1.0,
@@ -290,7 +280,7 @@ def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, gath
     flags = dict(
         TOP_K=sched.top_k, MODE=mode, GATHER_A=gather_a, SCATTER_C=scatter_out, ROW_SCALE=row_scale_P is not None,
         HAS_BIAS=bias_EN is not None, HAS_LORA=low_rank is not None, WANT_DW=dw_P is not None,
-        CLAMP=glu.clamp is not None, HAS_ALPHA=glu.alpha is not None, PRECISION=_dot_precision(a_SK.dtype),
+        CLAMP=glu.clamp is not None, HAS_ALPHA=glu.alpha is not None, PRECISION=dot_precision(a_SK.dtype),
         BLOCK_M=sched.block_m, BLOCK_R=_small_block(lr.left_Sr.shape[1]),
     )
     config = dict(BLOCK_N=_small_block(N), BLOCK_K=32, num_warps=4) if N <= SMALL_N else None

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from runtime.kernels import buffers
-from runtime.kernels.launch import interpreting
+from runtime.kernels.launch import fast, interpreting
+from runtime.kernels.moe.grouped_gemm import dot_precision
 from runtime.kernels.moe.schedule import Schedule
 
 
@@ -100,14 +101,14 @@ def grouped_wgrad(a_SM, b_SN, sched: Schedule, *, gather_a=False, gather_b=False
     row; row_scale_P in pair order."""
     M, N, E = a_SM.shape[1], b_SN.shape[1], sched.num_experts
     out = buffers.empty(E, M, N, dtype=b_SN.dtype, device=a_SM.device)
-    config = _small_config(M, N) if min(M, N) <= SMALL else None
+    args = (a_SM, a_SM.stride(0), row_scale_P if row_scale_P is not None else a_SM, b_SN, b_SN.stride(0),
+            out, *out.stride(), sched.pair_S, sched.ends_E, M, N, alpha)
+    flags = dict(TOP_K=sched.top_k, GATHER_A=gather_a, GATHER_B=gather_b, ROW_SCALE=row_scale_P is not None,
+                 PRECISION=dot_precision(b_SN.dtype))
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]), E)  # noqa: E731
-    kernel = grouped_wgrad_kernel if config is not None else _tuned_kernel
-    kernel[grid](
-        a_SM, a_SM.stride(0), row_scale_P if row_scale_P is not None else a_SM,
-        b_SN, b_SN.stride(0),
-        out, *out.stride(), sched.pair_S, sched.ends_E, M, N, alpha,
-        TOP_K=sched.top_k, GATHER_A=gather_a, GATHER_B=gather_b, ROW_SCALE=row_scale_P is not None,
-        PRECISION="ieee" if b_SN.dtype == torch.float32 else "tf32", **(config or {}),
-    )
+    if min(M, N) <= SMALL:
+        config = _small_config(M, N)
+        fast(grouped_wgrad_kernel)[grid(config)](*args, **flags, **config)
+    else:
+        _tuned_kernel[grid](*args, **flags)
     return out

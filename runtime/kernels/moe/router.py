@@ -73,10 +73,12 @@ def topk_softmax_backward_kernel(dw_ptr, weights_ptr, idx_ptr, dlogits_ptr, stri
              d_logits.to(dlogits_ptr.dtype.element_ty), mask=t_ok[:, None] & (experts < E)[None, :])
 
 
-def _blocks(E: int, k: int) -> dict:
+def _launch(kernel, T: int, E: int, k: int, *args):
     block_e = triton.next_power_of_2(E)
     # about 4096 logits per program: 8 tokens of 512 experts
-    return dict(TOP_K=k, BLOCK_T=max(1, 4096 // block_e), BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k))
+    block_t = max(1, 4096 // block_e)
+    fast(kernel)[(triton.cdiv(T, block_t),)](*args, TOP_K=k, BLOCK_T=block_t, BLOCK_E=block_e,
+                                             BLOCK_K=triton.next_power_of_2(k), num_warps=4)
 
 
 class _TopkSoftmax(torch.autograd.Function):
@@ -85,9 +87,7 @@ class _TopkSoftmax(torch.autograd.Function):
         T, E = logits_TE.shape
         weights_Tk = buffers.empty(T, top_k, dtype=torch.float32, device=logits_TE.device)
         idx_Tk = buffers.empty(T, top_k, dtype=torch.int64, device=logits_TE.device)
-        blocks = _blocks(E, top_k)
-        fast(topk_softmax_kernel)[(triton.cdiv(T, blocks["BLOCK_T"]),)](
-            logits_TE, logits_TE.stride(0), weights_Tk, idx_Tk, T, E, scale, **blocks, num_warps=4)
+        _launch(topk_softmax_kernel, T, E, top_k, logits_TE, logits_TE.stride(0), weights_Tk, idx_Tk, T, E, scale)
         ctx.save_for_backward(weights_Tk, idx_Tk)
         ctx.mark_non_differentiable(idx_Tk)
         # no zero-filled gradient for idx (nor for weights when unused): a launch saved
@@ -102,10 +102,8 @@ class _TopkSoftmax(torch.autograd.Function):
         weights_Tk, idx_Tk = ctx.saved_tensors
         T, E = ctx.shape
         d_logits = buffers.empty(T, E, dtype=ctx.dtype, device=weights_Tk.device)
-        blocks = _blocks(E, idx_Tk.shape[1])
-        fast(topk_softmax_backward_kernel)[(triton.cdiv(T, blocks["BLOCK_T"]),)](
-            dw_Tk.contiguous(), weights_Tk, idx_Tk, d_logits, d_logits.stride(0), T, E, 1.0 / ctx.scale,
-            **blocks, num_warps=4)
+        _launch(topk_softmax_backward_kernel, T, E, idx_Tk.shape[1], dw_Tk.contiguous(), weights_Tk, idx_Tk,
+                d_logits, d_logits.stride(0), T, E, 1.0 / ctx.scale)
         return d_logits, None, None
 
 

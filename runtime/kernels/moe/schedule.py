@@ -84,8 +84,7 @@ def _row_tiles(expert_S: torch.Tensor, num_experts: int, block_m: int):
     num_rows, device = expert_S.numel(), expert_S.device
     num_tiles = triton.cdiv(num_rows, block_m) + num_experts
     ends_E = buffers.empty(num_experts, dtype=torch.int32, device=device)
-    tile_expert = buffers.empty(num_tiles, dtype=torch.int32, device=device)
-    tile_start = buffers.empty(num_tiles, dtype=torch.int32, device=device)
+    tile_expert, tile_start = (buffers.empty(num_tiles, dtype=torch.int32, device=device) for _ in range(2))
     block_e = triton.next_power_of_2(num_experts)
     # each program compares its tiles against every expert: about 8192 (tile, expert) pairs a program
     block_tiles = max(16, 8192 // block_e)
