@@ -6,6 +6,7 @@ from typing import Literal, Optional, TypedDict, Union
 
 from pydantic import BaseModel
 
+from onboard.align.report import Check
 from onboard.gap import GapReport
 from onboard.generated import GeneratedOp
 from onboard.spec import ModelSpec
@@ -84,6 +85,14 @@ class Explanation(BaseModel):
 class Alignment(BaseModel):
     passed: bool
     summary: str
+    failed_tier: Optional[int] = None  # the first tier that failed (None: passed)
+    failed: list[Check] = []  # that tier's failing checks
+
+
+class Fallback(BaseModel):
+    """One rung of the alignment-driven fallback (onboard/fallback.py): what failed, what runs as own code now."""
+    rung: Literal["layers", "model"]
+    failed: list[Check]  # the failing checks that called for it
 
 
 class OnboardState(TypedDict, total=False):
@@ -95,8 +104,9 @@ class OnboardState(TypedDict, total=False):
     validation_salt: int  # seeds of the fuzzed validation inputs derive from it; never shown to the LLM
     package: Optional[str]
     alignment: Optional[Alignment]
+    fallbacks: list[Fallback]  # the rungs tried, in order (at most one each)
     exit_code: int
 
 
 SERIALIZED_TYPES = [RunOptions, ModelSpec, GapReport, OpTask, Alignment, GeneratedOp, Failure, Candidate, Proposal,
-                    Explanation]
+                    Explanation, Check, Fallback]

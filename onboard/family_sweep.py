@@ -47,6 +47,7 @@ class FamilyResult(BaseModel):
     steps: dict[str, StepResult] = {}
     tiers_passed: list[int] = []
     failed_checks: list[str] = []  # the first failed alignment checks, with their detail
+    fallback_rungs: list[str] = []  # new-model's alignment-driven fallbacks (onboard/fallback.py); ops are then the package's
 
 
 def model_classes() -> dict[str, str]:
@@ -161,6 +162,7 @@ def run_family(family: str, workdir: Path) -> FamilyResult:
     result.steps["inspect"], report = _run_cli(["inspect", str(release), "--json"])
     _read_report(result, report)
     result.steps["new-model"], _ = _run_cli(["new-model", str(release), "--out", str(pkg)])
+    _read_fallbacks(result, pkg)
     # new-model aligns a package without gaps itself; a package with gaps is aligned here, to see where it fails
     if pkg.exists() and not (pkg / "alignment" / "report.json").exists():
         result.steps["align"], _ = _run_cli(["align", str(pkg), "--tiers", "0,1,2"])
@@ -185,10 +187,23 @@ def _read_report(result: FamilyResult, text: str) -> None:
         report = json.loads(text)
     except ValueError:
         return
-    result.layer_kinds = report["model"]["layer_kinds"]
+    _read_ops(result, report)
+    result.unrecognized = [u["item"] for u in report["unrecognized"]]
+
+
+def _read_ops(result: FamilyResult, report: dict) -> None:
+    result.layer_kinds, result.ops = report["model"]["layer_kinds"], {}
     for op in report["ops"]:
         result.ops.setdefault(op["status"], []).append(op["op"])
-    result.unrecognized = [u["item"] for u in report["unrecognized"]]
+
+
+def _read_fallbacks(result: FamilyResult, pkg: Path) -> None:
+    """A package that fell back after a failed alignment runs what its own gap report says, not what inspect
+    recognized."""
+    path = pkg / "agents" / "fallbacks.json"
+    result.fallback_rungs = [step["rung"] for step in json.loads(path.read_text())] if path.exists() else []
+    if result.fallback_rungs:
+        _read_ops(result, json.loads((pkg / "gap_report.json").read_text()))
 
 
 def _alignment(pkg: Path) -> tuple[list[int], list[str]]:
@@ -228,7 +243,9 @@ def _row(r: FamilyResult) -> str:
     kinds = ", ".join(f"{k} x{n}" for k, n in r.layer_kinds.items())
     registry = ", ".join(r.ops.get("covered", []) + [f"{o} (variant)" for o in r.ops.get("variant", [])])
     tiers = ",".join(map(str, r.tiers_passed)) or "none"
-    return (f"| {r.family} | {r.model_class} | {kinds} | {registry} | {', '.join(r.ops.get('fallback', []))} | "
+    fallback = ", ".join(r.ops.get("fallback", [])) + (f" (after alignment: {', '.join(r.fallback_rungs)})"
+                                                       if r.fallback_rungs else "")
+    return (f"| {r.family} | {r.model_class} | {kinds} | {registry} | {fallback} | "
             f"{', '.join(r.ops.get('missing', []))} | {_code(r, 'inspect')} | {_code(r, 'new-model')} | "
             f"{_code(r, 'align')} | {tiers} | {_code(r, 'train')} | {_note(r)} |")
 

@@ -165,8 +165,6 @@ def _notes(why: dict) -> list[Unrecognized]:
 
 def apply(spec: ModelSpec, manifest: Manifest) -> ModelSpec:
     """The spec with every component the weights contradict turned into an OwnModule."""
-    from onboard import param_count
-
     vision_prefix = spec.naming.vision_prefix or "\0"
     present = {n: t for n, t in manifest.tensors.items() if not n.startswith(vision_prefix)}
     oracle = transformers_tensors(manifest)
@@ -179,15 +177,26 @@ def apply(spec: ModelSpec, manifest: Manifest) -> ModelSpec:
         spec = spec.model_copy(update={"own_model": outside})
     if not why:
         return spec
+    spec = spec.model_copy(update={"unrecognized": list(spec.unrecognized) + _notes(why)})
+    return run_own(spec, manifest, why, knows=oracle is not None)
+
+
+def run_own(spec: ModelSpec, manifest: Manifest, why: dict[tuple[int, str], str], knows: bool = True) -> ModelSpec:
+    """The spec with each (layer index, part) of `why` run as its own module, `why` the reason; part "layer" or
+    "norm" makes the whole decoder layer its own. `knows`: transformers knows the family (its names are used)."""
+    from onboard import param_count
+
+    vision_prefix = spec.naming.vision_prefix or "\0"
+    present = {n: t for n, t in manifest.tensors.items() if not n.startswith(vision_prefix)}
     by_layer: dict[int, dict[str, str]] = {}
     for (index, part), reason in why.items():
         by_layer.setdefault(index, {})[part] = reason
+    outside = spec.own_model is not None
     # a model run whole as its own may name its layers otherwise: all its tensors are looked up
     named = list(present) if outside else [n for n in present if (_where(n, spec) or (None,))[0] in by_layer]
-    names = _Names(manifest, named, oracle is not None)
+    names = _Names(manifest, named, knows)
     layers = [_own(l, by_layer[l.index], spec, present, names) if l.index in by_layer else l for l in spec.layers]
     if outside:
         layers = [_with_linears(layer, names.decoder_linears(present, layer.index)) for layer in layers]
-    notes = _notes(why)
-    spec = spec.model_copy(update={"layers": layers, "unrecognized": list(spec.unrecognized) + notes})
+    spec = spec.model_copy(update={"layers": layers})
     return spec.model_copy(update={"params": param_count.count(spec, spec.vision)})

@@ -171,6 +171,14 @@ def text_decoder(model: nn.Module) -> nn.Module:
                 and any(isinstance(c, nn.Embedding) for c in m.children()))
 
 
+class _HeadReached(Exception):
+    """Raised at the head's input to stop transformers' forward there (OwnModel._head_input)."""
+
+    def __init__(self, h_BTD: torch.Tensor):
+        super().__init__("head reached")
+        self.h_BTD = h_BTD
+
+
 class OwnModel(nn.Module):
     """A slot for transformers' whole model of the release, filled by load_own_modules: its text model runs
     end to end (embedding, layers and whatever glue sits between them, final norm), its LM head gives the
@@ -187,30 +195,38 @@ class OwnModel(nn.Module):
         return list(text_decoder(self.module).layers)
 
     def hidden_states(self, input_ids_BT, positions, inputs_embeds_BTD, cu_seqlens) -> torch.Tensor:
-        """h_BTD after the final norm; packed segments (cu_seqlens, batch 1) run one at a time."""
+        """h_BTD as the head takes it; packed segments (cu_seqlens, batch 1) run one at a time."""
         if self.module is None:
             raise RuntimeError("the model runs as transformers' own, which was not loaded")
-        decoder = text_decoder(self.module) if inputs_embeds_BTD is not None else self._token_path()
         given = input_ids_BT if inputs_embeds_BTD is None else inputs_embeds_BTD
         if positions is None:
             positions = torch.arange(given.shape[1], device=given.device).expand(given.shape[0], -1)
         key = "input_ids" if inputs_embeds_BTD is None else "inputs_embeds"
-        run = lambda x, pos: decoder(**{key: x}, position_ids=pos, use_cache=False).last_hidden_state  # noqa: E731
+        run = lambda x, pos: self._head_input(**{key: x}, position_ids=pos)  # noqa: E731
         # in the head's dtype: transformers keeps some heads in fp32 and feeds them fp32 hidden states
         return per_segment(run, cu_seqlens, given, positions).to(self.head().weight.dtype)
-
-    def _token_path(self) -> nn.Module:
-        """What runs token ids: the model's base model (a multimodal one reads its placeholder ids itself, e.g.
-        mapping them to a plain token when no image comes), or its text decoder where the base model is the
-        whole model with its head."""
-        base = self.module.base_model
-        return text_decoder(self.module) if base is self.module else base
 
     def head(self) -> nn.Module:
         """The LM head: the model's output embeddings, or those of the causal LM inside it (a multimodal model
         that holds a whole causal LM and does not pass its head on)."""
         return next(head for m in self.module.modules() if hasattr(m, "get_output_embeddings")
                     and (head := m.get_output_embeddings()) is not None)
+
+    def _head_input(self, **inputs) -> torch.Tensor:
+        """What transformers' causal-LM forward feeds its head (after the final norm and any scaling before the
+        head): its forward run up to the head, where a hook takes the head's input and stops it (the head and
+        anything after it, a logit cap, are the runtime's)."""
+        def stop(head, args):
+            raise _HeadReached(args[0])
+
+        hook = self.head().register_forward_pre_hook(stop)
+        try:
+            self.module(**inputs, use_cache=False)
+        except _HeadReached as reached:
+            return reached.h_BTD
+        finally:
+            hook.remove()
+        raise RuntimeError(f"{type(self.module).__name__} computed its logits without calling its head module")
 
 
 def _reference(model_dir: Path, num_layers: int | None, dtype: torch.dtype) -> nn.Module:

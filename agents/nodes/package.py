@@ -17,7 +17,7 @@ from onboard.pr_render import render_pr
 from onboard.render import gap_markdown
 
 from agents.context import Context
-from agents.state import Alignment, OnboardState
+from agents.state import Alignment, Fallback, OnboardState
 from agents.tasks import final_report
 
 ALIGN_TIERS = [0, 1, 2]
@@ -64,7 +64,10 @@ def align(state: OnboardState, runtime: Runtime[Context]) -> dict:
     # tier 4 checks the cluster plan.yaml was planned for
     cluster = Cluster(options.gpus, options.gpu_mem_gib, options.gpus_per_node) if 4 in tiers else None
     report = run_alignment(Path(state["package"]), tiers, progress=Progress(runtime.context.progress), cluster=cluster)
-    return {"alignment": Alignment(passed=report.passed, summary=report.summary_line())}
+    failed = next((t for t in report.tiers if not t.passed), None)
+    return {"alignment": Alignment(passed=report.passed, summary=report.summary_line(),
+                                   failed_tier=failed.tier if failed else None,
+                                   failed=[c for c in failed.checks if c.verdict == "fail"] if failed else [])}
 
 
 def review(state: OnboardState, runtime: Runtime[Context]) -> dict:
@@ -78,7 +81,10 @@ def review(state: OnboardState, runtime: Runtime[Context]) -> dict:
         shutil.copy(log, folder / "llm.jsonl")
     (folder / "tasks.json").write_text(json.dumps([t.model_dump(exclude={"accepted"}) for t in state["tasks"]], indent=1))
     (folder / "explanations.json").write_text(json.dumps([e.model_dump() for e in state.get("explanations", [])], indent=1))
+    fallbacks = state.get("fallbacks", [])
+    (folder / "fallbacks.json").write_text(json.dumps([f.model_dump(mode="json") for f in fallbacks], indent=1))
     status, reasons = outcome(report, aligned)
+    reasons += [fallback_reason(f) for f in fallbacks]
     package = yaml.safe_load((pkg / "package.yaml").read_text())
     _replace(pkg / "package.yaml", yaml.safe_dump({**package, "status": status, "reasons": reasons}, sort_keys=False))
     exit_code = 0 if status == "trainable" else 3
@@ -99,3 +105,10 @@ def outcome(report, aligned: Alignment | None) -> tuple[str, list[str]]:
     if aligned is None or not aligned.passed:
         return "alignment-failed", [aligned.summary if aligned else "alignment did not run"]
     return "trainable", []
+
+
+def fallback_reason(step: Fallback) -> str:
+    """Why an alignment-driven fallback replaced registry ops with the release's own (slow) modules."""
+    c = step.failed[0]
+    return (f"fallback ({step.rung}): tier {c.tier} check {c.name} failed ({c.metric} {c.value:.1e} over its bar {c.tolerance:.0e}), "
+            "so the release's own transformers modules run there (slow: nothing fused); see gap_report.json own:*")

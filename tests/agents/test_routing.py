@@ -4,8 +4,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from agents.graph import after_analyze, after_assemble, after_generate, after_validate, build
-from agents.state import Candidate, OpTask
+from agents.graph import after_align, after_analyze, after_assemble, after_generate, after_validate, build
+from agents.state import Alignment, Candidate, Fallback, OpTask
+from onboard.align.report import Check
 
 
 def _task(**update) -> OpTask:
@@ -43,10 +44,26 @@ def test_alignment_runs_only_without_gaps():
     assert after_assemble({"report": _Report(gaps=False)}) == "align"
 
 
+def _failed(tier: int, name: str, layer: int | None) -> Alignment:
+    check = Check(tier=tier, name=name, metric="rel_rms", value=0.5, tolerance=1e-4, verdict="fail", layer=layer)
+    return Alignment(passed=False, summary="...", failed_tier=tier, failed=[check])
+
+
+def test_a_failed_alignment_falls_back_once_per_rung_then_reviews(seed_spec):
+    """A passing package (every README family's) goes to review; no retry runs for it."""
+    layers = Fallback(rung="layers", failed=[])
+    assert after_align({"spec": seed_spec, "alignment": Alignment(passed=True, summary="ok")}) == "review"
+    assert after_align({"spec": seed_spec, "alignment": _failed(1, "layer0:x/out", 0)}) == "fall_back"
+    assert after_align({"spec": seed_spec, "alignment": _failed(1, "layer0:x/out", 0), "fallbacks": [layers]}) == "fall_back"
+    assert after_align({"spec": seed_spec, "alignment": _failed(2, "logits/float32", None),
+                        "fallbacks": [layers, Fallback(rung="model", failed=[])]}) == "review"
+    assert after_align({"spec": seed_spec, "alignment": _failed(2, "training/loss", None)}) == "review"
+
+
 def test_the_drawing_has_exactly_the_routed_edges():
     mermaid = build().compile().get_graph().draw_mermaid()
     for edge in ("validate -.-> generate", "generate -.-> validate", "analyze -.-> explain", "explain --> plan",
-                 "assemble -.-> align"):
+                 "assemble -.-> align", "align -.-> fall_back", "align -.-> review", "fall_back --> assemble"):
         assert edge in mermaid
     assert "analyze -.-> review" not in mermaid and "analyze -.-> plan" not in mermaid
 

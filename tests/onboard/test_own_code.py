@@ -9,9 +9,12 @@ import json
 import torch
 
 from onboard.align.package_files import read_package
+from onboard.align.report import Check
 from onboard.align.reference import load_reference, load_runtime, random_tokens
+from onboard.fallback import replan
 from onboard.gap import analyze
 from onboard.manifest import read_manifest
+from onboard.package import write_package
 from onboard.recognize import recognize
 from runtime.lora import apply_lora
 from runtime.lora_file import read_lora_yaml
@@ -249,6 +252,20 @@ def test_an_adapter_key_peft_would_move_on_loading_is_stored_under_the_release_n
     with safe_open(tmp_path / "peft" / "adapter_model.safetensors", "pt") as f:
         keys = list(f.keys())
     assert keys and all(k.startswith("base_model.model.model.layers.") for k in keys)
+
+
+def test_the_whole_model_takes_what_its_head_takes(tiny_family, tmp_path):
+    """Inkling divides the final hidden states by `logits_mup_width_multiplier` in its causal-LM forward, before
+    the head: run as its own model (the fallback's last rung), the head takes what that forward feeds it, so the
+    logits are transformers'."""
+    release, _ = tiny_family("inkling_text")
+    manifest = read_manifest(release)
+    assert manifest.config["logits_mup_width_multiplier"] not in (None, 1, 1.0)
+    failed = Check(tier=2, name="logits/float32", metric="rel_rms", value=23.0, tolerance=1e-4, verdict="fail")
+    spec = replan(recognize(manifest), manifest, "model", [failed])
+    pkg, _ = write_package(release, tmp_path / "pkg", spec=spec)
+    inputs, model = _runtime(pkg)
+    assert _logits_match(inputs, model)
 
 
 def test_a_final_logit_softcap_caps_the_logits_and_the_training_loss(tiny_family):

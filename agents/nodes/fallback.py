@@ -1,0 +1,37 @@
+"""fall_back: after a failed alignment, the next rung of onboard/fallback.py. The spec is re-planned with the
+release's own modules where ours disagreed, the gap report redone, and the failed package removed, so assemble
+writes the new one and align checks it again."""
+from __future__ import annotations
+
+import shutil
+from typing import Optional
+
+from langgraph.runtime import Runtime
+
+from onboard.fallback import Rung, next_rung, replan
+from onboard.gap import analyze as gap_analysis
+
+from agents.context import Context
+from agents.nodes.understand import manifest
+from agents.state import Fallback, OnboardState
+
+
+def rung(state: OnboardState) -> Optional[Rung]:
+    """The rung the latest alignment calls for, or None (passed, or nothing left to fall back to)."""
+    aligned, done = state.get("alignment"), [f.rung for f in state.get("fallbacks", [])]
+    if aligned is None:
+        return None
+    return next_rung(state["spec"], aligned.failed_tier, aligned.failed, done)
+
+
+def fall_back(state: OnboardState, runtime: Runtime[Context]) -> dict:
+    o, step = state["options"], rung(state)
+    failed = state["alignment"].failed
+    spec = replan(state["spec"], manifest(o.model_dir), step, failed)
+    report = gap_analysis(spec, manifest(o.model_dir), o.gpu_mem_gib, o.lora_rank, o.seq_len)
+    own = [f"{g.op} (layers {','.join(map(str, g.layers))})" for g in report.ops if g.op.startswith("own:")]
+    runtime.context.progress(f"fall back ({step}): {failed[0].name} failed; now own modules: {', '.join(own)}")
+    # the package that failed is replaced by the re-planned one; its failing checks stay in the state
+    shutil.rmtree(state["package"], ignore_errors=True)
+    return {"spec": spec, "report": report, "alignment": None,
+            "fallbacks": [*state.get("fallbacks", []), Fallback(rung=step, failed=failed)]}
