@@ -85,6 +85,9 @@ def _bwrap_argv(inner: list[str], workdir: Path) -> list[str]:
     argv = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
             "--bind", str(workdir), str(workdir), "--unshare-net", "--unshare-pid", "--die-with-parent",
             "--new-session", "--chdir", str(workdir)]
+    # the private /tmp would hide an interpreter or a checkout that lives there (a clone in /tmp): bound back read-only
+    for root in _roots_under_tmp():
+        argv += ["--ro-bind", str(root), str(root)]
     for hidden in _hidden_paths():
         argv += ["--tmpfs", str(hidden)]
     return argv + ["--", *inner]
@@ -99,6 +102,17 @@ def _hidden_paths() -> tuple[Path, ...]:
              "    for p in (spec.submodule_search_locations or []) if spec else []: print(p)")
     found = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, timeout=60)
     return tuple(Path(line) for line in found.stdout.splitlines() if line.strip())
+
+
+@functools.lru_cache(maxsize=1)
+def _roots_under_tmp() -> tuple[Path, ...]:
+    """The child's interpreter prefixes and import roots (isolated mode, as it will run) that lie under /tmp."""
+    probe = "import sys\nfor p in [sys.prefix, sys.base_prefix, *sys.path]: print(p)"
+    found = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, timeout=60)
+    paths = {Path(line).resolve() for line in found.stdout.splitlines() if line.strip()}
+    under = [p for p in paths if p.is_relative_to("/tmp") and p.exists()]
+    # a path inside another one is bound with it
+    return tuple(sorted(p for p in under if not any(p != q and p.is_relative_to(q) for q in under)))
 
 
 def _unshare_argv(inner: list[str], workdir: Path) -> list[str]:
