@@ -150,16 +150,17 @@ def _loading(manifest: Manifest, names: tuple[str, ...]) -> dict[str, tuple[str,
 def transformers_attention_linears(manifest: Manifest) -> set[str]:
     """transformers' names of the nn.Linear modules (exactly that class, as the runtime's LoRA takes) inside an
     attention module of its model of this release: a module whose class transformers names *Attention / *Attn,
-    or, named otherwise (LongCat's *MLA), the innermost module whose forward takes the attention mask. A router
+    or, where it names none so (LongCat's *MLA), the innermost module whose forward takes the attention mask. A router
     inside it (a mixture of attention heads, *Router / *Gating) is left out, as the MoE router is."""
     from torch import nn
 
     model = _build_on_meta(manifest)
     routers = [name for name, m in model.named_modules() if any(w in type(m).__name__ for w in ("Router", "Gating"))]
     out = set()
-    for name, module in model.named_modules():
-        if any(word in type(module).__name__ for word in ("Attention", "Attn")) or _innermost_mask_taker(module):
-            out |= {f"{name}.{n}" for n, m in module.named_modules() if type(m) is nn.Linear}
+    named = [(name, m) for name, m in model.named_modules() if any(w in type(m).__name__ for w in ("Attention", "Attn"))]
+    # only where transformers names no module so: a state-space mixer of a hybrid also takes the mask
+    for name, module in named or [(name, m) for name, m in model.named_modules() if _innermost_mask_taker(m)]:
+        out |= {f"{name}.{n}" for n, m in module.named_modules() if type(m) is nn.Linear}
     return {n for n in out if not any(n.startswith(f"{r}.") for r in routers)}
 
 
