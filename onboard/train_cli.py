@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the run folder's last complete checkpoint")
     p.add_argument("--model-dir", default=None, help="the release folder, if it moved since new-model")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-cuda-graph", action="store_true",
+                   help="run every step eagerly on CUDA (default: replay forward+backward as a CUDA graph where legal)")
     p.add_argument("--nproc", type=positive_int, default=1, help="processes per node (torchrun); gloo on CPU, NCCL on GPU")
     p.add_argument("--ep", type=positive_int, default=1, help="expert-parallel degree (divides the world size)")
     p.add_argument("--capacity-factor", type=float, default=None, help="cap tokens per expert (default dropless)")
@@ -190,7 +192,7 @@ def _train(args) -> int:
     policy = memory_policy(pkg, args.recompute, args.offload)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
                       warmup_steps=min(10, max(1, args.steps // 10)), eval_every=args.eval_every,
-                      checkpoint_every=args.checkpoint_every,
+                      checkpoint_every=args.checkpoint_every, cuda_graph=not args.no_cuda_graph,
                       **balance_options(spec, args.aux_loss_coef, args.bias_update_rate))
     try:
         data = prepare_data(Path(args.data), load_tokenizer(release), args.seq_len, args.eval_fraction, cfg.seed)
