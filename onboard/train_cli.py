@@ -128,6 +128,10 @@ def aux_coef(text: str) -> float | str:
     return text if text == "auto" else float(text)
 
 
+class OptionGap(Exception):
+    """A train option this valid release gives nothing to act on: exit 3 with one gap line, not bad input."""
+
+
 def balance_options(spec: dict, aux_loss_coef: float | str, bias_rate: float) -> dict:
     """TrainConfig's load-balancing fields from the flags. Both default off: LoRA fine-tuning keeps the router
     frozen (transformers adds the aux loss only with output_router_logits=True). `auto` takes the release's
@@ -136,7 +140,7 @@ def balance_options(spec: dict, aux_loss_coef: float | str, bias_rate: float) ->
     if aux_loss_coef == "auto":
         aux_loss_coef = next((r["aux_loss_coef"] for r in routers if r.get("aux_loss_coef")), 0.0)
     if bias_rate and not any(r.get("correction_bias") for r in routers):
-        raise BadInput(None, "--bias-update-rate", "the release's routers have no correction bias to update")
+        raise OptionGap("--bias-update-rate: the release's routers have no correction bias to update")
     return dict(aux_loss_coef=aux_loss_coef, correction_bias_rate=bias_rate)
 
 
@@ -167,7 +171,7 @@ def build_parallel_model(spec: dict, weight_map: dict, release: Path, lora_confi
 
 def run(args) -> int:
     """0 trained; 1 aborted (non-finite steps, or a failed rank); 3 the release's chat template cannot mask
-    assistant turns. With --nproc > 1 (outside torchrun) the job is relaunched under torchrun."""
+    assistant turns, or --bias-update-rate on routers without a correction bias. With --nproc > 1 (outside torchrun) the job is relaunched under torchrun."""
     if (args.nproc > 1 or args.nnodes > 1) and "LOCAL_RANK" not in os.environ:
         from onboard.launch import launch
 
@@ -179,8 +183,6 @@ def run(args) -> int:
 def _train(args) -> int:
     import dataclasses
 
-    import torch
-
     from runtime import balance
     from runtime.data import ChatTemplateError
     from runtime.parallel.process import full_lora_state_dict, is_main, start
@@ -190,10 +192,14 @@ def _train(args) -> int:
     pkg = Path(args.pkg)
     spec, weight_map, release = _read_package(pkg, Path(args.model_dir) if args.model_dir else None)
     policy = memory_policy(pkg, args.recompute, args.offload)
+    try:
+        balancing = balance_options(spec, args.aux_loss_coef, args.bias_update_rate)
+    except OptionGap as gap:
+        print(f"onboard: gap: {release}: {gap}", file=sys.stderr)
+        return 3
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
                       warmup_steps=min(10, max(1, args.steps // 10)), eval_every=args.eval_every,
-                      checkpoint_every=args.checkpoint_every, cuda_graph=not args.no_cuda_graph,
-                      **balance_options(spec, args.aux_loss_coef, args.bias_update_rate))
+                      checkpoint_every=args.checkpoint_every, cuda_graph=not args.no_cuda_graph, **balancing)
     try:
         data = prepare_data(Path(args.data), load_tokenizer(release), args.seq_len, args.eval_fraction, cfg.seed)
     except ChatTemplateError as err:

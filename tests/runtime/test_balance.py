@@ -21,8 +21,7 @@ import torch.multiprocessing as mp
 
 from onboard.align.package_files import read_package
 from onboard.align.reference import load_runtime
-from onboard.errors import BadInput
-from onboard.train_cli import balance_options
+from onboard.train_cli import OptionGap, balance_options
 from runtime import balance
 from runtime.data import Document, pack
 from runtime.lora import LoraConfig, apply_lora
@@ -197,8 +196,18 @@ def test_train_defaults_are_off(example_spec):
     assert balance_options(example_spec("glm4_moe"), 0.0, 0.0) == off
     assert balance_options(example_spec("qwen3_moe"), "auto", 0.0) == dict(aux_loss_coef=0.001, correction_bias_rate=0.0)
     assert balance_options(example_spec("glm4_moe"), 0.5, 1e-3) == dict(aux_loss_coef=0.5, correction_bias_rate=1e-3)
-    with pytest.raises(BadInput, match="--bias-update-rate"):
+    with pytest.raises(OptionGap, match="--bias-update-rate"):
         balance_options(example_spec("qwen3_moe"), 0.0, 1e-3)
+
+
+def test_a_bias_rate_on_routers_without_a_correction_bias_is_a_gap(example_package, tmp_path, capsys):
+    """The release is valid; the option has nothing to act on: exit 3 with one gap line, before any data is read."""
+    from onboard import cli
+
+    code = cli.main(["train", str(example_package("qwen3_moe")), "--data", str(tmp_path / "absent.jsonl"),
+                     "--bias-update-rate", "1e-3", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 3 and "onboard: gap:" in err and "--bias-update-rate" in err and "no correction bias" in err
 
 
 def test_a_run_that_updated_biases_saves_them_and_export_says_peft_cannot(example_package, tmp_path):
