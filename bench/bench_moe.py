@@ -110,15 +110,6 @@ def train_step(fn, x, dy, params):
     return step
 
 
-def train_step(fn, x, dy, params):
-    def step():
-        for p in params:
-            p.grad = None
-        x.grad = None
-        fn(x).backward(dy)
-    return step
-
-
 def timings(block, x, dy):
     params = list(block.parameters())
     hf = transformers_block(block)
@@ -177,15 +168,6 @@ def _errors(fn, inputs: dict, idx, dy, ref: dict, fixed=None):
     errs = {n: compare(got[n], ref[n], tolerance_for("swiglu_experts", torch.bfloat16, "out" if n == "out" else "grad"))
             for n in got}
     return {n: dict(rel_rms=c.rel_rms, max_abs_rel=c.max_abs_rel, passed=c.passed) for n, c in errs.items()}
-
-
-def _experts_call(fn, tuning=None):
-    def call(t, idx):
-        extra = {} if tuning is None else {"tuning": tuning}
-        if "A_gu" in t:
-            extra |= dict(lora_gate_up=(t["A_gu"], t["B_gu"]), lora_down=(t["A_d"], t["B_d"]), lora_scale=2.0)
-        return fn(t["x"], t["weights"], idx, t["w_gu"], t["w_d"], **extra)
-    return call
 
 
 def _experts_call(fn):

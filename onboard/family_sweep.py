@@ -102,7 +102,6 @@ def tiny_config(family: str):
 def build_tiny(family: str, seed: int = 0):
     """(model, param count): the family's class at its shrunk config, random weights moved off their init."""
     import torch
-    from transformers import AutoConfig
 
     cls = getattr(__import__("transformers"), model_classes()[family])
     config = tiny_config(family)
@@ -266,7 +265,7 @@ def _note(r: FamilyResult) -> str:
 
 def families_markdown(results: list[FamilyResult], command: str, date: str) -> str:
     counts = summary(results)
-    lines = [f"# Family sweep", "", f"`{command}` ({date}, CPU, installed transformers); one tiny release per MoE "
+    lines = ["# Family sweep", "", f"`{command}` ({date}, CPU, installed transformers); one tiny release per MoE "
              "family with a causal-LM or image-text-to-text class, its default config shrunk by "
              "`onboard/tiny_config.py` (no family named). Exit codes are the CLI's: 0 ok, 2 bad input, 3 gaps; "
              "`traceback`: an exception escaped the CLI.", "",

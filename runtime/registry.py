@@ -125,9 +125,10 @@ def _activation(params: dict) -> Support:
 
 
 OPS: dict[str, OpFamily] = {op.name: op for op in [
-    OpFamily("rms_norm", "norm", "reference_ops.norms:rms_norm", "runtime.ops.norms:rms_norm", None, _norm),
+    OpFamily("rms_norm", "norm", "reference_ops.norms:rms_norm", "runtime.ops.norms:rms_norm",
+             "runtime.kernels.norm:rms_norm", _norm),
     OpFamily("gated_rms_norm", "attention:linear_output_norm", "reference_ops.norms:gated_rms_norm",
-             "runtime.ops.norms:gated_rms_norm", None, _always),
+             "runtime.ops.norms:gated_rms_norm", "runtime.kernels.norm:gated_rms_norm", _always),
     OpFamily("rope", "rope", "reference_ops.rope:apply_rope", "runtime.ops.rope:apply_rope", None, _rope),
     OpFamily("softmax_attention", "attention:softmax", "reference_ops.attention:softmax_attention",
              "runtime.ops.attention:softmax_attention", None, _softmax),

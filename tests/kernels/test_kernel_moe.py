@@ -78,7 +78,7 @@ CASES = {
     "T37-E6-k2": dict(),
     "T37-E7-k3-empty-expert": dict(E=7, k=3, empty_expert=4),
     "T37-E11-k1": dict(E=11, k=1, seed=2),
-    # 150 rows per expert: the schedule's 128-row tiles and the GLU backward retiled to 64
+    # 150 rows per expert: two of the schedule's 128-row tiles each, the second partial
     "T300-E2-k1-schedule-tile-128": dict(E=2, k=1, seed=7, num_tokens=300),
 }
 
@@ -145,7 +145,7 @@ def test_schedule_covers_every_row_once(E, k, empty, block_m):
 
 
 GPT_OSS = dict(clamp=1.5, glu_alpha=1.702, interleaved_gate_up=True)
-OWN_TILE_PROBLEMS = {
+SMALL_TILE_PROBLEMS = {
     "E7-k3-empty-expert": (dict(E=7, k=3, empty_expert=4), (), {}),
     "lora-gpt-oss-biases": (dict(E=6, bias=True, lora_rank=3, seed=6), (), dict(lora_scale=2.0, **GPT_OSS)),
     "lora-frozen-base": (dict(E=7, empty_expert=1, lora_rank=4, seed=5), ("w_gate_up_E2FD", "w_down_EDF"),
@@ -153,12 +153,12 @@ OWN_TILE_PROBLEMS = {
 }
 
 
-@pytest.mark.parametrize("problem", list(OWN_TILE_PROBLEMS))
-def test_glu_backward_on_its_own_row_tiles(problem, monkeypatch):
-    """The GLU backward's tile differs from the schedule's at real sizes (schedule 128, GLU backward 64):
-    here 16-row tiles, which split the larger experts into two, against the schedule's 64."""
-    monkeypatch.setattr(experts, "GLU_BWD_BLOCK_M", 16)
-    shape, frozen, static = OWN_TILE_PROBLEMS[problem]
+@pytest.mark.parametrize("problem", list(SMALL_TILE_PROBLEMS))
+def test_experts_over_several_row_tiles_each(problem, monkeypatch):
+    """16-row tiles, which cut the larger experts into two or three tiles (the last partial) in every GEMM mode,
+    LoRA and the gpt-oss GLU included, at interpreter-sized problems."""
+    monkeypatch.setattr(experts, "BLOCK_M", 16)
+    shape, frozen, static = SMALL_TILE_PROBLEMS[problem]
     leaves, idx = _problem(**shape)
     check_experts(leaves, idx, frozen=frozen, **static)
 

@@ -7,7 +7,6 @@ from typing import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeSparseMoeBlock

@@ -12,7 +12,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from onboard.train_cli import build_model, load_tokenizer, memory_policy, prepare_data, read_lora

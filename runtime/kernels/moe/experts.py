@@ -31,12 +31,13 @@ from runtime.kernels.moe.grouped_gemm import (
     grouped_gemm,
 )
 from runtime.kernels.moe.grouped_wgrad import grouped_wgrad, sorted_rows_wgrad
-from runtime.kernels.moe.schedule import Schedule, build_schedule, retiled
+from runtime.kernels.moe.schedule import Schedule, build_schedule
 
 
-# Row tile of the GLU backward GEMM: smaller than the schedule's 128 when experts hold a few hundred
-# rows each, as tiles are padded per expert (the schedule's own tile is _block_m's).
-GLU_BWD_BLOCK_M = 64
+# Row tile of every grouped GEMM. Tiles are padded per expert, so smaller ones waste fewer rows, but on the H200
+# 128 rows beat 64 both at ~80 rows per expert (4096 tokens, where 64 also reads every expert's weights twice) and
+# at ~320 (16384 tokens), for the GLU backward too (bench/NOTES.md).
+BLOCK_M = 128
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,6 @@ class Lora:
     A_d_ErF: torch.Tensor | None
     B_d_EDr: torch.Tensor | None
     scale: float
-
-
-def _block_m(num_rows: int, num_experts: int) -> int:
-    # Row tiles are padded per expert: with few rows per expert, smaller tiles waste less.
-    return 64 if num_rows < 128 * num_experts else 128
 
 
 def _gate_up(x: Rows, w_gu, b_gu, lora: Lora, sched: Schedule, glu: Glu):
@@ -92,7 +88,7 @@ class _SwigluExperts(torch.autograd.Function):
         x_TD, weights_Tk, idx_Tk, w_gu, w_d, b_gu, b_d, A_gu, B_gu, A_d, B_d = inputs
         T, k = idx_Tk.shape
         E = w_gu.shape[0]
-        sched = build_schedule(idx_Tk, E, _block_m(T * k, E))
+        sched = build_schedule(idx_Tk, E, BLOCK_M)
         w_P = weights_Tk.reshape(-1).contiguous()
         lora = Lora(A_gu, B_gu, A_d, B_d, scale)
         need = dict(zip(_INPUTS, ctx.needs_input_grad[2:]))
@@ -117,8 +113,7 @@ class _SwigluExperts(torch.autograd.Function):
         x = Rows(x_data, ctx.x_by_token)
         dy = Rows(dy_TD.contiguous().to(ctx.dtypes["x"]), True)
         lora = Lora(A_gu, B_gu, A_d, B_d, ctx.scale)
-        glu_sched = retiled(sched, GLU_BWD_BLOCK_M)
-        d_gate_up, dw_P, dyb = _backward_glu(dy, w_d, w_P, gate_up, lora, glu_sched, ctx.glu, need["weights"])
+        d_gate_up, dw_P, dyb = _backward_glu(dy, w_d, w_P, gate_up, lora, sched, ctx.glu, need["weights"])
         # d_gate_up @ B_gu per sorted row: the rank-r signal reaching A_gu and, through it, x
         lg, lg_term = _low_rank(Rows(d_gate_up, False), B_gu if need["x"] or need["A_gu"] else None, A_gu,
                                 ctx.scale, sched, transposed=True)

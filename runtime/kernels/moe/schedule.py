@@ -11,7 +11,7 @@ Shape legend: T tokens, k top-k, E experts, S = T * k pairs in expert-sorted ord
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -100,11 +100,3 @@ def build_schedule(idx_Tk: torch.Tensor, num_experts: int, block_m: int) -> Sche
     return Schedule(pair_S=pair_S, expert_S=expert_S, ends_E=ends_E, tile_expert=tile_expert,
                     tile_start=tile_start, block_m=block_m, num_experts=num_experts, top_k=idx_Tk.shape[1])
 
-
-def retiled(sched: Schedule, block_m: int) -> Schedule:
-    """The same sorted rows cut into row tiles of another height, for a GEMM that runs best with
-    its own tile (one more launch, still without a host sync); sched itself when its tiles are that height."""
-    if block_m == sched.block_m:
-        return sched
-    _, tile_expert, tile_start = _row_tiles(sched.expert_S, sched.num_experts, block_m)
-    return replace(sched, tile_expert=tile_expert, tile_start=tile_start, block_m=block_m)
