@@ -5,7 +5,8 @@ what every norm ran before) and fla 0.6.0's fused norms, bf16, one GPU, at the L
 
 Cases: the decoder's RMSNorm over [4096, 2048] ("1+w" weights) and Qwen3-Next's gated output norm over
 [4096, 32, 128] (silu gate); forward+backward with the weight frozen (the LoRA case: dx and d(gate) only) and
-with its gradient. Timings: bench/timing.py (CUDA events, median). Correctness: each implementation in bf16 vs
+with its gradient. Timings: the step captured once as a CUDA graph and replayed (bench/timing.py: CUDA events,
+median), so that they are GPU time: an eager call of a kernel this short is the host's launch time. Correctness: each implementation in bf16 vs
 the fp64 reference (reference_ops/norms.py) on the same inputs, output and every gradient. Writes norm.json.
 """
 from __future__ import annotations
@@ -88,11 +89,28 @@ def timings(fn, shape, gated: bool) -> dict:
             for v in t.values():
                 v.grad = None
             call(fn, t, gated).backward(dy)
-        res[f"fwd_bwd_{label}_ms"] = time_ms(step, reps=50, warmup=5)
-    with torch.no_grad():
-        t = inputs(shape, gated, False)
-        res["fwd_ms"] = time_ms(lambda: call(fn, t, gated), reps=50, warmup=5)
+        res[f"fwd_bwd_{label}_ms"] = graphed_ms(step)
+    t = inputs(shape, gated, False)
+
+    def forward():
+        with torch.no_grad():
+            call(fn, t, gated)
+    res["fwd_ms"] = graphed_ms(forward)
     return res
+
+
+def graphed_ms(step) -> float:
+    """Median time of one replay of `step` captured as a CUDA graph (after warm-up calls on a side stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return time_ms(graph.replay, reps=50, warmup=5)
 
 
 def main():

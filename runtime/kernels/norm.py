@@ -23,6 +23,7 @@ ACT_NONE, ACT_SILU, ACT_SIGMOID = 0, 1, 2
 _ACTIVATIONS = {None: ACT_NONE, "silu": ACT_SILU, "sigmoid": ACT_SIGMOID}
 # rows x columns one program holds at a time: wide rows go one or two a program, head-wide ones in dozens
 ELEMENTS_PER_BLOCK = 4096
+NUM_WARPS = 8
 # the backward's persistent grid: enough programs to fill an H200 several times over, few partial dw rows
 MAX_PROGRAMS = 1024
 
@@ -99,7 +100,7 @@ class _RmsNorm(torch.autograd.Function):
         block_r, block_d = _blocks(D)
         fast(rms_norm_fwd_kernel)[(triton.cdiv(R, block_r),)](
             x_RD, gate_RD, weight, y, rstd, R, D, eps, offset, ACT=act, BLOCK_R=block_r, BLOCK_D=block_d,
-            num_warps=4)
+            num_warps=NUM_WARPS)
         ctx.save_for_backward(x_RD, gate if gate is None else gate_RD, weight, rstd)
         ctx.offset, ctx.act, ctx.shape = offset, act, x.shape
         return y.view(x.shape)
@@ -117,7 +118,7 @@ class _RmsNorm(torch.autograd.Function):
         dw = buffers.empty(programs, D, dtype=torch.float32, device=x_RD.device) if want_dw else rstd
         fast(rms_norm_bwd_kernel)[(programs,)](
             dy_RD, x_RD, gate_RD if gate_RD is not None else x_RD, weight, rstd, dx, dgate, dw, R, D, ctx.offset,
-            ACT=ctx.act, WANT_DW=want_dw, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4)
+            ACT=ctx.act, WANT_DW=want_dw, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=NUM_WARPS)
         d_gate = dgate.view(ctx.shape) if gate_RD is not None else None
         d_weight = dw.sum(0).to(weight.dtype) if want_dw else None
         return dx.view(ctx.shape), d_gate, d_weight, None, None, None
