@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import runtime.kernels.gated_delta as kernels
 import runtime.ops.gated_delta as chunked_gdn
 import runtime.ops.kda as chunked_kda
-from bench.timing import peak_gib, time_ms
+from bench.timing import kernel_ms, peak_gib, time_ms
 from runtime.tolerances import compare, tolerance_for
 
 COMMAND = ("python3 bench/bench_gated_delta.py --out $OUT  (wheels fla-core 0.6.0, einops 0.8.2, transformers 5.24.0 "
@@ -106,19 +106,9 @@ def wall(fn, x: dict, backward: bool, reps: int = 10, warmup: int = 3) -> dict:
 def kernel_profile(fn, x: dict, backward: bool, reps: int = 5) -> dict:
     """GPU ms per step: the sum over every kernel the step launches ("total") and the 15 largest, from
     torch.profiler, whatever the kernels are called."""
-    step = training_step(fn, x, backward)
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
     times = {}
-    for event in prof.key_averages():
-        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
-        if us > 0:
-            times[event.key[:80]] = us / reps / 1000
+    for name, ms in kernel_ms(training_step(fn, x, backward), reps=reps).items():
+        times[name[:80]] = times.get(name[:80], 0.0) + ms
     largest = dict(sorted(times.items(), key=lambda kv: -kv[1])[:15])
     return {"total": sum(times.values()), "kernels": {k: round(v, 4) for k, v in largest.items()}}
 

@@ -170,30 +170,13 @@ def ours_part(work: Path, experts: bool, seq_len: int, policy: str | None = None
     return result
 
 
-def gpu_ms_per_kernel(step) -> dict[str, float]:
-    """GPU time per kernel name over 3 profiled steps after 3 warm-up ones (ms per step)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-    per_kernel = {}
-    for event in prof.key_averages():
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0:
-            per_kernel[event.key] = per_kernel.get(event.key, 0.0) + event.self_device_time_total / 3e3
-    return per_kernel
-
-
 def profile_part(work: Path, seq_len: int) -> dict:
     """Our step's GPU time per kernel and op kind (eager), and the graphed step's total GPU time."""
+    from bench.timing import kernel_ms
     from runtime.profile_kinds import op_kind
     steps, _, _ = ours_setup(work, False, seq_len)
-    per_kernel = gpu_ms_per_kernel(steps[False])
-    graphed = gpu_ms_per_kernel(steps[True])
+    per_kernel = kernel_ms(steps[False], warmup=3)
+    graphed = kernel_ms(steps[True], warmup=3)
     kinds = {}
     for name, ms in per_kernel.items():
         kinds[op_kind(name)] = kinds.get(op_kind(name), 0.0) + ms

@@ -7,7 +7,8 @@ Shape legend: T tokens, D model width, E experts, F expert width, k top-k, r LoR
     PYTHONUNBUFFERED=1 python bench/bench_moe.py [--T 16384] [--out DIR]
 
 Timings (bench/timing.py: CUDA events, median): forward, and forward+backward w.r.t. the input and
-every weight (full fine-tune); then frozen base weights (input grad only, and LoRA r16 on the experts).
+every weight (full fine-tune); then frozen base weights (input grad only, and LoRA r16 on the experts); the
+fwd+bwd steps also in GPU time (`*_gpu`: the profiler's kernel time, which the trainer's CUDA-graph step sees).
 Correctness at the real shape: the bf16 kernels vs the torch fallback run in fp64 with the same
 routing fed to both; the fused router vs the fp64 reference on the same logits; the shared expert vs
 its torch form in fp64; routing flips against transformers' bf16 router are counted separately.
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.timing import peak_gib, time_ms  # noqa: E402
+from bench.timing import kernel_ms, peak_gib, time_ms  # noqa: E402
 from reference_ops import moe as reference_moe  # noqa: E402
 from runtime.kernels import mlp as mlp_kernels  # noqa: E402
 from runtime.config import MoEConfig, RouterConfig  # noqa: E402
@@ -121,8 +122,16 @@ def timings(block, x, dy):
     torch.cuda.reset_peak_memory_stats()
     res["ours_fwd_bwd"] = time_ms(train_step(lambda t: ours(block, t), x, dy, params))
     res["ours_peak_gib"] = peak_gib()
+    res["hf_fwd_bwd_gpu"] = gpu_ms(train_step(hf, x, dy, params))
+    res["ours_fwd_bwd_gpu"] = gpu_ms(train_step(lambda t: ours(block, t), x, dy, params))
     print(f"timings: {res}", flush=True)
     return res
+
+
+def gpu_ms(step) -> float:
+    """The step's GPU time (every kernel, no host time or launch gaps): eager wall time at these sizes moves
+    with the host's speed, for transformers' block most (bench/NOTES.md)."""
+    return sum(kernel_ms(step).values())
 
 
 def frozen_timings(block, x, dy):
@@ -136,6 +145,8 @@ def frozen_timings(block, x, dy):
             "hf_frozen_fwd_bwd": time_ms(train_step(transformers_block(block), x, dy, [])),
             "ours_frozen_fwd_bwd": time_ms(train_step(lambda t: ours(block, t), x, dy, [])),
             "ours_lora_fwd_bwd": time_ms(train_step(lambda t: ours(block, t, lora=lora), x, dy, adapters)),
+            "hf_frozen_fwd_bwd_gpu": gpu_ms(train_step(transformers_block(block), x, dy, [])),
+            "ours_frozen_fwd_bwd_gpu": gpu_ms(train_step(lambda t: ours(block, t), x, dy, [])),
         }
         with torch.no_grad():
             res["router_only"] = time_ms(lambda: kernels.route(fallback.router_logits(x, block.gate.weight), K_TOP,
@@ -248,7 +259,10 @@ def summarize(result: dict) -> dict:
     t, frozen = result["timings"], result["frozen_timings"]
     errs = [v["rel_rms"] for k in ("full", "lora_frozen_base", "shared_expert") for v in result["correctness"][k].values()]
     return {"baseline_ms": t["hf_fwd_bwd"], "ours_ms": t["ours_fwd_bwd"], "speedup": t["hf_fwd_bwd"] / t["ours_fwd_bwd"],
-            "frozen_speedup": frozen["hf_frozen_fwd_bwd"] / frozen["ours_frozen_fwd_bwd"], "max_rel_err": max(errs)}
+            "frozen_speedup": frozen["hf_frozen_fwd_bwd"] / frozen["ours_frozen_fwd_bwd"],
+            "gpu_speedup": t["hf_fwd_bwd_gpu"] / t["ours_fwd_bwd_gpu"],
+            "gpu_frozen_speedup": frozen["hf_frozen_fwd_bwd_gpu"] / frozen["ours_frozen_fwd_bwd_gpu"],
+            "max_rel_err": max(errs)}
 
 
 def main():
@@ -270,7 +284,8 @@ def main():
     for stage in (timings, frozen_timings, correctness):
         result[stage.__name__] = stage(block, x, dy)
     result |= summarize(result)
-    print({k: result[k] for k in ("baseline_ms", "ours_ms", "speedup", "frozen_speedup", "max_rel_err")}, flush=True)
+    print({k: result[k] for k in ("baseline_ms", "ours_ms", "speedup", "frozen_speedup", "gpu_speedup", "gpu_frozen_speedup",
+                                  "max_rel_err")}, flush=True)
     os.makedirs(args.out, exist_ok=True)
     # the committed names: moe.json at the default 16384 tokens, moe-<T>.json at any other count
     name = "moe.json" if args.T == 16384 else f"moe-{args.T}.json"
