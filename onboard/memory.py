@@ -73,17 +73,18 @@ def _attention_saved(spec: ModelSpec, layer, b: int, lora_rank: int) -> int:
     lora = _lora_saved(spec, layer, b, lora_rank)
     if a.kind == "softmax":
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        # qk norms keep fp32 copies and rstd; rope keeps fp32 cos and sin; lse is fp32
-        norms = 4 * (q + kv) + 4 * (a.num_heads + a.num_kv_heads) if a.qk_norm != "none" else 0
+        # qk norms keep their inputs and an fp32 rstd per head (runtime/kernels/norm.py); rope keeps fp32 cos and
+        # sin; lse is fp32
+        norms = _norms(q + kv, b, a.num_heads + a.num_kv_heads) if a.qk_norm != "none" else 0
         # x, q, k, v, the output (and its gate), o_proj's input
         kept = b * (d + q + 2 * kv + (2 if a.output_gate else 1) * q + q)
         return kept + norms + 4 * a.num_heads + 8 * a.rope.rotary_dim + lora
     if a.kind == "gated_delta":
         H, J, K, V = a.num_v_heads, a.num_k_heads, a.head_k_dim, a.head_v_dim
         conv = 2 * J * K + H * V
-        # x, the conv's input, q k (per value head) v, beta, o_proj's input; the gated norm's four fp32 [H, V]
-        # tensors and three fp32 [H] (decay g and norms)
-        return b * (d + conv + 2 * H * K + H * V + H + H * V) + 16 * H * V + 12 * H + lora
+        # x, the conv's input, q k (per value head) v, beta, o_proj's input; the gated norm's input and gate and
+        # its rstd per head; two fp32 [H] of the decay's softplus and exp
+        return b * (d + conv + 2 * H * K + H * V + H + H * V) + _norms(H * V, b, H) + b * H * V + 8 * H + lora
     widths = sum(s[0] for s in _attention_shapes(layer, spec).values() if len(s) == 2)
     return b * (d + widths) + lora
 
@@ -148,9 +149,10 @@ LINEAR_CHUNK = 64
 LOSS_CHUNK = 1024
 
 
-def _norms(d: int) -> int:
-    """Per token, one RMSNorm: its input as fp32 and the fp32 rstd (the rms_norm op)."""
-    return 4 * d + 4
+def _norms(d: int, b: int, rows: int = 1) -> int:
+    """Per token, RMSNorms over `rows` rows of d // rows: their input (b bytes an element) and an fp32 rstd per row
+    (runtime/kernels/norm.py)."""
+    return b * d + 4 * rows
 
 
 def _kept_and_backward(spec: ModelSpec, policy: str, lora_rank: int) -> tuple[int, int]:
@@ -164,9 +166,9 @@ def _kept_and_backward(spec: ModelSpec, policy: str, lora_rank: int) -> tuple[in
     parts = [_part_bytes(spec, layer, b, lora_rank) for layer in spec.layers]
     in_flight = 2 * b * d
     if policy == "none":
-        return sum(2 * _norms(d) + sum(p) for p in parts), in_flight
+        return sum(2 * _norms(d, b) + sum(p) for p in parts), in_flight
     kept_layers = spec.num_layers if policy == "recompute" else min(2, spec.num_layers)
-    kept = kept_layers * (2 * _norms(d) + 2 * b * d) + sum(tiles for _, tiles, _ in parts)
+    kept = kept_layers * (2 * _norms(d, b) + 2 * b * d) + sum(tiles for _, tiles, _ in parts)
     rebuilt = max((max(attn + tiles, ffn) for attn, tiles, ffn in parts), default=0)
     return kept, rebuilt + in_flight
 
@@ -185,8 +187,8 @@ def activations(spec: ModelSpec, seq_len: int, policy: str = "recompute", lora_r
     kept, backward = _kept_and_backward(spec, policy, lora_rank)
     # fp32 logits of one chunk and their gradient
     logits = 8 * spec.vocab_size * min(seq_len, LOSS_CHUNK)
-    # the loss keeps its input's gradient [T, D] for backward; the final norm its fp32 input
-    head = b * d + _norms(d)
+    # the loss keeps its input's gradient [T, D] for backward; the final norm its input and rstd
+    head = b * d + _norms(d, b)
     return seq_len * (kept + per_token_state + head) + per_sequence_state + max(logits, seq_len * backward)
 
 

@@ -52,7 +52,7 @@ def test_memory_terms_are_what_the_runtime_keeps(odd_spec, example_package, poli
     measured = _per_token(odd_spec, lora, RECOMPUTE if policy == "recompute" else MemoryPolicy())
     spec = ModelSpec.model_validate(odd_spec)
     d = spec.hidden_size
-    assert measured.pop("other") == 2 * memory._norms(d) * spec.num_layers
+    assert measured.pop("other") == 2 * memory._norms(d, 2) * spec.num_layers
     for i, layer in enumerate(spec.layers):
         attn, tiles, ffn = memory._part_bytes(spec, layer, B, RANK)
         if policy == "recompute":
