@@ -98,9 +98,11 @@ class _RmsNorm(torch.autograd.Function):
         y = buffers.empty(R, D, dtype=x.dtype, device=x.device)
         rstd = buffers.empty(R, dtype=torch.float32, device=x.device)
         block_r, block_d = _blocks(D)
-        fast(rms_norm_fwd_kernel)[(triton.cdiv(R, block_r),)](
-            x_RD, gate_RD, weight, y, rstd, R, D, eps, offset, ACT=act, BLOCK_R=block_r, BLOCK_D=block_d,
-            num_warps=NUM_WARPS)
+        # (no launch for zero rows: CUDA refuses an empty grid)
+        if R:
+            fast(rms_norm_fwd_kernel)[(triton.cdiv(R, block_r),)](
+                x_RD, gate_RD, weight, y, rstd, R, D, eps, offset, ACT=act, BLOCK_R=block_r, BLOCK_D=block_d,
+                num_warps=NUM_WARPS)
         ctx.save_for_backward(x_RD, gate if gate is None else gate_RD, weight, rstd)
         ctx.offset, ctx.act, ctx.shape = offset, act, x.shape
         return y.view(x.shape)
@@ -116,9 +118,10 @@ class _RmsNorm(torch.autograd.Function):
         dx = buffers.empty(R, D, dtype=x_RD.dtype, device=x_RD.device)
         dgate = buffers.empty(R, D, dtype=gate_RD.dtype, device=x_RD.device) if gate_RD is not None else dx
         dw = buffers.empty(programs, D, dtype=torch.float32, device=x_RD.device) if want_dw else rstd
-        fast(rms_norm_bwd_kernel)[(programs,)](
-            dy_RD, x_RD, gate_RD if gate_RD is not None else x_RD, weight, rstd, dx, dgate, dw, R, D, ctx.offset,
-            ACT=ctx.act, WANT_DW=want_dw, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=NUM_WARPS)
+        if programs:
+            fast(rms_norm_bwd_kernel)[(programs,)](
+                dy_RD, x_RD, gate_RD if gate_RD is not None else x_RD, weight, rstd, dx, dgate, dw, R, D, ctx.offset,
+                ACT=ctx.act, WANT_DW=want_dw, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=NUM_WARPS)
         d_gate = dgate.view(ctx.shape) if gate_RD is not None else None
         d_weight = dw.sum(0).to(weight.dtype) if want_dw else None
         return dx.view(ctx.shape), d_gate, d_weight, None, None, None

@@ -56,3 +56,11 @@ def test_frozen_weight_gets_no_gradient():
     weight = torch.ones(32)
     kernels.rms_norm(x, weight, EPS).sum().backward()
     assert weight.grad is None and torch.isfinite(x.grad).all()
+
+
+def test_no_rows():
+    x = torch.randn(0, 8, requires_grad=True)
+    weight = torch.ones(8, requires_grad=True)
+    y = kernels.rms_norm(x, weight, EPS)
+    y.sum().backward()
+    assert y.shape == (0, 8) and x.grad.shape == (0, 8) and torch.equal(weight.grad, torch.zeros(8))
