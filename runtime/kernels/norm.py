@@ -24,7 +24,7 @@ _ACTIVATIONS = {None: ACT_NONE, "silu": ACT_SILU, "sigmoid": ACT_SIGMOID}
 # rows x columns one program holds at a time: wide rows go one or two a program, head-wide ones in dozens
 ELEMENTS_PER_BLOCK = 4096
 NUM_WARPS = 8
-# the backward's persistent grid: enough programs to fill an H200 several times over, few partial dw rows
+# the backward's persistent grid: about one full wave of an H200 at 8 warps, and few partial dw rows to sum
 MAX_PROGRAMS = 1024
 
 
