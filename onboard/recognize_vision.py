@@ -18,7 +18,7 @@ def recognize(manifest: Manifest, top: ConfigView, naming: WeightNaming) -> Visi
                 intermediate_size=v.positive_int("intermediate_size"), num_heads=v.positive_int("num_heads", "num_attention_heads"),
                 patch_size=v.positive_int("patch_size"), out_hidden_size=v.positive_int("out_hidden_size", default=0, allow_zero=True))
     merge = v.positive_int("spatial_merge_size", default=2)
-    image_token = top.get("image_token_id", "image_token_index", default=None)
+    image_token = top.positive_int("image_token_id", "image_token_index", default=None, allow_zero=True)
     return VisionSpec(**spec, num_params=_count(manifest, naming, v, spec), model_type=v.get("model_type", default=None),
                       spatial_merge_size=merge, image_token_id=image_token)
 

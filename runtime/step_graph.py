@@ -85,11 +85,12 @@ class MicroStep:
 def _syncs_raise():
     """Host syncs raise in the warm-up pass, so a step that has one is found before a capture: a capture that
     fails on one leaves the CUDA generator's capture state behind, and later random ops then fail."""
+    previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
         yield
     finally:
-        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.set_sync_debug_mode(previous)
 
 
 def _first_cause(error: BaseException) -> str:

@@ -18,9 +18,10 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     by_dtype = {}
     for g in local:
         by_dtype.setdefault(g.dtype, []).append(g)
-    # foreach kernels: a few launches for all factors instead of three per factor
-    squares = sum((torch.stack(torch._foreach_norm(gs)).float().square().sum() for gs in by_dtype.values()),
-                  torch.zeros((), device=local[0].device))
+    # foreach kernels: a few launches for all factors instead of three per factor; each norm in fp32, also of
+    # bf16 gradients (a bf16 norm would round the total to 3 digits)
+    squares = sum((torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32)).square().sum()
+                   for gs in by_dtype.values()), torch.zeros((), device=local[0].device))
     if dist.is_initialized() and any(hasattr(g, "to_local") for g in grads):
         dist.all_reduce(squares)
     norm = squares.sqrt()

@@ -70,3 +70,19 @@ def test_any_value_at_any_key(example_release, release_copy, onboard_cli, data):
         result = onboard_cli("inspect", release, *fmt)
     event(f"exit {result.code}")
     result.assert_bounded()
+
+
+
+def test_a_list_for_the_image_token_id_is_bad_input_not_a_crash(example_release, release_copy, onboard_cli, tmp_path):
+    """Found by the property above (qwen3_5_moe, image_token_id = []): recognition handed the list to VisionSpec
+    unchecked, a validation error (exit 1 with a trace). Now it is read as an integer, and transformers' config class
+    then refuses the list: exit 2, one line naming the file and the key."""
+    source = example_release("qwen3_5_moe")
+    config = json.loads((source / "config.json").read_text())
+    mutate(config, ("image_token_id",), "replace", [], "")
+    release = release_copy(source, tmp_path / "release")
+    (release / "config.json").write_text(json.dumps(config))
+    result = onboard_cli("inspect", release)
+    result.assert_bounded()
+    assert result.code == 2 and "config.json" in result.err and "image_token_id" in result.err
+    assert len(result.err.strip().splitlines()) == 1

@@ -86,6 +86,9 @@ def test_package_and_release_moved_together_align_and_train(onboarded_package, t
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": f"The mill number {i} turns by the river."}) + "\n" for i in range(8)))
     run = tmp_path / "run"
+    # --no-cuda-graph rides along: run.json records the TrainConfig the run trained with
     assert main(["train", str(moved), "--data", str(data), "--steps", "2", "--seq-len", "16", "--out", str(run),
-                 "--no-progress"]) == 0
-    assert json.loads((run / "run.json").read_text())["release"] == str((moved / recorded["path"]).resolve())
+                 "--no-progress", "--no-cuda-graph"]) == 0
+    run_json = json.loads((run / "run.json").read_text())
+    assert run_json["release"] == str((moved / recorded["path"]).resolve())
+    assert run_json["train"]["cuda_graph"] is False
