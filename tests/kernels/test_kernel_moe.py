@@ -186,6 +186,10 @@ def test_gather_tokens_writes_every_sorted_row():
     # D 1100 spans two 1024-wide column blocks, the second one masked
     x_TD = torch.randn(T, 1100)
     assert torch.equal(token_rows.gather_tokens(x_TD, sched), x_TD[sched.pair_S // 3])
+    # scaled by each sorted row's routing weight, read at its pair (the down weight gradient's dy rows)
+    w_P = torch.rand(idx.numel())
+    scaled = token_rows.gather_tokens(x_TD, sched, row_scale_P=w_P)
+    assert torch.equal(scaled, x_TD[sched.pair_S // 3] * w_P[sched.pair_S][:, None])
 
 
 ROUTER_CASES = {

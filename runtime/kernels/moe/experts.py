@@ -3,8 +3,8 @@
 Forward: gate/up grouped GEMM with the GLU in its epilogue, reading x gathered by token (plus a
 copy of x in expert order when a weight gradient will read those rows again); down grouped GEMM
 with the routing weight and the scatter to pair order in its epilogue; one pass summing each
-token's k rows. Backward: one GEMM gives d(gate/up) and d(routing weight) (GLU backward in the
-epilogue, the weight gradient added at each row's pair), one gives dx (scattered, then summed
+token's k rows. Backward: one GEMM gives dy @ W_down per sorted row, one pass over those rows the GLU
+backward (d(gate/up) and d(routing weight), glu_backward.py), one GEMM dx (scattered, then summed
 over k), and the per-expert weight gradients run only for the tensors that require grad, so
 frozen experts under LoRA skip them. dy is always gathered by token (a copy costs more than it
 saves). The routing weights are read in the router's [T * k] order and the token of a sorted row
@@ -23,14 +23,14 @@ from runtime.kernels import buffers
 from runtime.ops import moe as torch_ops
 from runtime.kernels.moe.token_rows import gather_tokens, sum_k
 from runtime.kernels.moe.grouped_gemm import (
-    MODE_GLU_BWD,
     MODE_GLU_FWD,
     Glu,
     LowRank,
     Weight,
     grouped_gemm,
 )
-from runtime.kernels.moe.grouped_wgrad import grouped_wgrad, sorted_rows_wgrad
+from runtime.kernels.moe.glu_backward import routed_glu_backward
+from runtime.kernels.moe.grouped_wgrad import grouped_mm_takes, grouped_wgrad, sorted_rows_wgrad
 from runtime.kernels.moe.schedule import Schedule, build_schedule
 
 
@@ -127,11 +127,10 @@ def _backward_glu(dy: Rows, w_d, w_P, gate_up, lora: Lora, sched: Schedule, glu:
     """-> (d_gate_up_S2F, d(routing weight) in pair order [T * k] or None, dy @ B_d per row or None)."""
     S, dtype, device = sched.pair_S.numel(), dy.data.dtype, dy.data.device
     dyb, low_rank = _low_rank(dy, lora.B_d_EDr, lora.A_d_ErF, lora.scale, sched, transposed=True)
-    d_gate_up = buffers.empty(*gate_up.shape, dtype=dtype, device=device)
-    # the kernel adds one partial sum per column tile into each pair's entry
-    dw_P = torch.zeros(S, dtype=torch.float32, device=device) if want_dw else None
-    grouped_gemm(dy.data, Weight(w_d, transposed=True), sched, d_gate_up, mode=MODE_GLU_BWD, gather_a=dy.by_token,
-                 row_scale_P=w_P, low_rank=low_rank, gate_up=gate_up, dw_P=dw_P, glu=glu)
+    # dh before the routing weight, which the GLU pass applies (it needs the unscaled rows for dw)
+    dh_raw = buffers.empty(S, gate_up.shape[1] // 2, dtype=dtype, device=device)
+    grouped_gemm(dy.data, Weight(w_d, transposed=True), sched, dh_raw, gather_a=dy.by_token, low_rank=low_rank)
+    d_gate_up, dw_P = routed_glu_backward(dh_raw, gate_up, w_P, sched, glu, want_dw)
     return d_gate_up, dw_P, dyb
 
 
@@ -162,7 +161,12 @@ def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg,
         grad = sorted_rows_wgrad(d_gate_up, x.data, sched)
         grads["w_gu"] = grad if grad is not None else grouped_wgrad(d_gate_up, x.data, sched)
     if need["w_d"]:
-        grads["w_d"] = grouped_wgrad(dy.data, h, sched, gather_a=dy.by_token, row_scale_P=w_P)
+        if grouped_mm_takes(dy.data, h):
+            # a copy of dy's rows in expert order, scaled by the routing weight, and torch._grouped_mm beat
+            # grouped_wgrad's gather and scale along its reduction (bench/NOTES.md)
+            grads["w_d"] = sorted_rows_wgrad(gather_tokens(dy.data, sched, row_scale_P=w_P), h, sched)
+        else:
+            grads["w_d"] = grouped_wgrad(dy.data, h, sched, gather_a=dy.by_token, row_scale_P=w_P)
     if need["b_gu"]:
         grads["b_gu"] = _segment_sum(d_gate_up.float(), sched)
     if need["b_d"]:

@@ -1,13 +1,11 @@
 """Grouped GEMM over expert-sorted rows: C[s] = epilogue(A[row(s)] @ W[e(s)]^T + bias + low-rank).
 
-One kernel, three epilogues (MODE):
+One kernel, two epilogues (MODE):
 - PLAIN: optional row scale, then a store to C[s] or scattered to C[pair(s)] (the down projection's
   weighted combine, and dx).
 - GLU_FWD: each program owns BLOCK_N gate/up units and runs two dots over the same A tile, one
   for the gate rows of W and one for the up rows; stores the pre-activation gate/up (kept for
   the backward) and h = glu(gate, up), with no reshuffling of the accumulator.
-- GLU_BWD: acc = dy @ W_down[e] = dh / w; recomputes h from the saved gate/up, adds the routing weight
-  gradient sum(acc * h) at the row's pair (atomically, one add per column tile), stores d(gate/up).
 With GATHER_A row s of A is A[pair(s) // k], the sorted row's token (no copy of x or dy); the
 row scale (the routing weight) is read at pair(s). The low-rank term is LoRA: scale * L[s] @ R[e]^T.
 W[e] is addressed as [N, K] through its strides: nn.Linear layouts and their transposes alike.
@@ -22,11 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.kernels import buffers
 from runtime.kernels.launch import fast, interpreting
 from runtime.kernels.moe.schedule import Schedule
 
-MODE_PLAIN, MODE_GLU_FWD, MODE_GLU_BWD = 0, 1, 2
+MODE_PLAIN, MODE_GLU_FWD = 0, 1
 
 
 @triton.jit
@@ -44,8 +41,8 @@ def _glu_parts(gate, up, CLAMP: tl.constexpr, limit, HAS_ALPHA: tl.constexpr, al
 
 
 @triton.jit
-def _glu_backward(gate0, up0, dh, CLAMP: tl.constexpr, limit, HAS_ALPHA: tl.constexpr, alpha):
-    """h and the gradients wrt the pre-clamp gate and up, given dh."""
+def glu_backward(gate0, up0, dh, CLAMP: tl.constexpr, limit, HAS_ALPHA: tl.constexpr, alpha):
+    """h and the gradients wrt the pre-clamp gate and up, given dh (the GLU backward pass of glu_backward.py)."""
     gate, up, sig = _glu_parts(gate0, up0, CLAMP, limit, HAS_ALPHA, alpha)
     a = alpha if HAS_ALPHA else 1.0
     act = gate * sig
@@ -121,11 +118,11 @@ def grouped_gemm_kernel(
     c_ptr, stride_cm,
     scale_ptr, bias_ptr, stride_be,
     l_ptr, stride_lm, r_ptr, stride_re, stride_rn, stride_rr, rank, lora_scale,
-    gu_ptr, stride_gum, dw_ptr,
+    gu_ptr, stride_gum,
     pair_ptr, tile_expert_ptr, tile_start_ptr, ends_ptr,
     N, K, num_experts, row_mult, up_offset, limit, alpha,
     TOP_K: tl.constexpr, MODE: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, ROW_SCALE: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, WANT_DW: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     CLAMP: tl.constexpr, HAS_ALPHA: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
@@ -160,22 +157,13 @@ def grouped_gemm_kernel(
             acc = acc * row_scale
         c_rows = pairs if SCATTER_C else rows
         tl.store(c_ptr + c_rows[:, None].to(tl.int64) * stride_cm + w_rows[None, :], acc.to(c_ptr.dtype.element_ty), mask=mask)
-    elif MODE == 1:
+    else:
         acc_up = _extra_terms(acc_up, rows, row_ok, w_rows + up_offset, col_ok, l_ptr, stride_lm, r_ptr, stride_rn,
                               stride_rr, rank, lora_scale, bias_ptr, HAS_LORA, HAS_BIAS, BLOCK_R, PRECISION)
         _store_pair(gu_ptr, stride_gum, rows, w_rows, up_offset, mask, acc, acc_up)
         gate, up, sig = _glu_parts(acc, acc_up, CLAMP, limit, HAS_ALPHA, alpha)
         h = gate * sig * up
         tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_cm + units[None, :], h.to(c_ptr.dtype.element_ty), mask=mask)
-    else:
-        gu_base = gu_ptr + rows[:, None].to(tl.int64) * stride_gum + (units * row_mult)[None, :]
-        gate0 = tl.load(gu_base, mask=mask, other=0.0).to(tl.float32)
-        up0 = tl.load(gu_base + up_offset, mask=mask, other=0.0).to(tl.float32)
-        dh = acc * row_scale if ROW_SCALE else acc
-        h, d_gate, d_up = _glu_backward(gate0, up0, dh, CLAMP, limit, HAS_ALPHA, alpha)
-        if WANT_DW:
-            tl.atomic_add(dw_ptr + pairs, tl.sum(acc * h, axis=1), mask=row_ok)
-        _store_pair(c_ptr, stride_cm, rows, units * row_mult, up_offset, mask, d_gate, d_up)
 
 
 def _tuned_configs() -> list[triton.Config]:
@@ -193,11 +181,9 @@ def _tuned_configs() -> list[triton.Config]:
 
 
 _even_k_kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(grouped_gemm_kernel)
-# The dw buffer is accumulated atomically, so autotuning must undo its trial runs on it.
 _tuned_kernel = triton.autotune(
     configs=_tuned_configs(),
     key=["N", "K", "MODE", "BLOCK_M", "HAS_LORA", "GATHER_A", "SCATTER_C"],
-    restore_value=["dw_ptr"],
 )(_even_k_kernel)
 # The autotuner's choice per GEMM shape and flags, launched afterwards without the autotuner and the
 # EVEN_K heuristic in between (their per-call Python work is host time the GPU can wait on; see
@@ -251,12 +237,12 @@ def _small_block(n: int) -> int:
 
 
 def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, gather_a=False, scatter_out=False,
-                 row_scale_P=None, bias_EN=None, low_rank: LowRank | None = None, gate_up=None, dw_P=None,
+                 row_scale_P=None, bias_EN=None, low_rank: LowRank | None = None, gate_up=None,
                  glu: Glu = Glu()):
-    """Runs the kernel over every row tile of `sched`; writes `out` (and gate_up / dw_P by mode).
+    """Runs the kernel over every row tile of `sched`; writes `out` (and gate_up in GLU_FWD).
     gather_a: A is [T, K], sorted row s reads A[pair(s) // k]; scatter_out: row s lands at out[pair(s)].
-    row_scale_P and dw_P are in pair order ([T * k], the router's)."""
-    # Accumulator columns: W's N rows, or the F gate/up units in the GLU modes (2F rows of W in GLU_FWD).
+    row_scale_P is in pair order ([T * k], the router's)."""
+    # Accumulator columns: W's N rows, or in GLU_FWD the F gate/up units (2F rows of W).
     N, K = w.data.shape[2 if w.transposed else 1], a_SK.shape[1]
     N = N // 2 if mode == MODE_GLU_FWD else N
     row_mult, up_offset = glu.layout(N)
@@ -270,16 +256,13 @@ def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, gath
         bias_EN if bias_EN is not None else dummy, bias_EN.stride(0) if bias_EN is not None else 0,
         lr.left_Sr, lr.left_Sr.stride(0), lr.right.data, *lr.right.strides(), lr.left_Sr.shape[1], lr.scale,
         gate_up if gate_up is not None else dummy, gate_up.stride(0) if gate_up is not None else 0,
-        # dw_ptr's own placeholder when no routing-weight gradient is wanted: the autotuner saves and
-        # restores whatever is passed there
-        dw_P if dw_P is not None else buffers.zeros(1, dtype=torch.float32, device=a_SK.device),
         sched.pair_S, sched.tile_expert, sched.tile_start, sched.ends_E,
         N, K, sched.num_experts, row_mult, up_offset,
         glu.clamp if glu.clamp is not None else 0.0, glu.alpha if glu.alpha is not None else 1.0,
     )
     flags = dict(
         TOP_K=sched.top_k, MODE=mode, GATHER_A=gather_a, SCATTER_C=scatter_out, ROW_SCALE=row_scale_P is not None,
-        HAS_BIAS=bias_EN is not None, HAS_LORA=low_rank is not None, WANT_DW=dw_P is not None,
+        HAS_BIAS=bias_EN is not None, HAS_LORA=low_rank is not None,
         CLAMP=glu.clamp is not None, HAS_ALPHA=glu.alpha is not None, PRECISION=dot_precision(a_SK.dtype),
         BLOCK_M=sched.block_m, BLOCK_R=_small_block(lr.left_Sr.shape[1]),
     )

@@ -7,8 +7,9 @@ scale (the routing weight) is read at the row's pair, in the router's [T * k] or
 
 One program per (output tile, expert). `sorted_rows_wgrad` is the same gradient through
 torch._grouped_mm (CUTLASS's grouped GEMM, groups along the reduced rows) when both operands' rows
-are in expert order and unscaled: the gate/up weight gradient runs faster there; the down one,
-which scales dy's rows by the routing weight first, stays here (bench/NOTES.md).
+are in expert order and unscaled: both base weight gradients run faster there, the down one on a copy of dy's
+rows in expert order scaled by the routing weight (bench/NOTES.md); the LoRA factors' gradients and the
+dtypes or strides it does not take stay here.
 
 Shape legend: S sorted rows, M and N the two sides of the gradient, E experts.
 """
@@ -82,15 +83,20 @@ def _small_config(M: int, N: int) -> dict:
     return dict(BLOCK_M=fit(M), BLOCK_N=fit(N), BLOCK_K=32, num_warps=4)
 
 
+def grouped_mm_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm takes rows like a's and b's: on CUDA bf16 only (from compute capability 9.0);
+    unit column stride and every row stride a multiple of 16 bytes."""
+    if a.dtype != b.dtype or a.stride(1) != 1 or b.stride(1) != 1:
+        return False
+    if any(t.stride(0) * t.element_size() % 16 for t in (a, b)):
+        return False
+    return not a.is_cuda or (a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device) >= (9, 0))
+
+
 def sorted_rows_wgrad(a_SM: torch.Tensor, b_SN: torch.Tensor, sched: Schedule) -> torch.Tensor | None:
     """[E, M, N] = per expert a^T b over its sorted rows through torch._grouped_mm, or None where that op
-    does not apply: on CUDA it takes bf16 only (from compute capability 9.0); every row stride must be a
-    multiple of 16 bytes."""
-    if a_SM.dtype != b_SN.dtype or a_SM.stride(1) != 1 or b_SN.stride(1) != 1:
-        return None
-    if any(t.stride(0) * t.element_size() % 16 for t in (a_SM, b_SN)):
-        return None
-    if a_SM.is_cuda and (a_SM.dtype != torch.bfloat16 or torch.cuda.get_device_capability(a_SM.device) < (9, 0)):
+    does not apply (grouped_mm_takes)."""
+    if not grouped_mm_takes(a_SM, b_SN):
         return None
     return torch._grouped_mm(a_SM.t(), b_SN, offs=sched.ends_E)
 

@@ -1,7 +1,8 @@
 """Token rows around the grouped GEMMs: x gathered into expert-sorted order and each token's k rows summed back.
 
-`gather_tokens`: x's rows in expert-sorted order, out[s] = x[pair(s) // k], for the weight gradient
-that reduces over them (it runs faster on rows in order than gathering along its reduction); the token
+`gather_tokens`: x's rows in expert-sorted order, out[s] = x[pair(s) // k] (optionally times a pair's
+routing weight: dy's rows for the down weight gradient), for the weight gradients that reduce over them
+(they run faster on rows in order than gathering along their reduction); the token
 of each sorted row comes from the schedule's pair index, so no token index is materialized (torch's
 index_select needs one).
 `sum_k`: each token's k rows, [T * k, D] in pair order -> [T, D], accumulated in fp32, reading every row
@@ -28,17 +29,22 @@ ELEMENTS_PER_PROGRAM = 8192
 
 
 @triton.jit
-def gather_tokens_kernel(x_ptr, out_ptr, pair_ptr, num_rows, D,
-                         TOP_K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+def gather_tokens_kernel(x_ptr, out_ptr, pair_ptr, scale_ptr, num_rows, D, TOP_K: tl.constexpr,
+                         ROW_SCALE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     row_ok = rows < num_rows
-    tokens = tl.load(pair_ptr + rows, mask=row_ok, other=0).to(tl.int32) // TOP_K
-    src = x_ptr + tokens[:, None].to(tl.int64) * D
+    pairs = tl.load(pair_ptr + rows, mask=row_ok, other=0).to(tl.int32)
+    src = x_ptr + (pairs // TOP_K)[:, None].to(tl.int64) * D
     dst = out_ptr + rows[:, None].to(tl.int64) * D
+    if ROW_SCALE:
+        scale = tl.load(scale_ptr + pairs, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         mask = row_ok[:, None] & (cols < D)[None, :]
-        tl.store(dst + cols[None, :], tl.load(src + cols[None, :], mask=mask), mask=mask)
+        x = tl.load(src + cols[None, :], mask=mask)
+        if ROW_SCALE:
+            x = (x.to(tl.float32) * scale).to(out_ptr.dtype.element_ty)
+        tl.store(dst + cols[None, :], x, mask=mask)
 
 
 @triton.jit
@@ -52,14 +58,16 @@ def sum_k_kernel(rows_ptr, out_ptr, D, k, BLOCK_D: tl.constexpr):
     tl.store(out_ptr + t * D + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-def gather_tokens(x_TD: torch.Tensor, sched: Schedule) -> torch.Tensor:
-    """x_TD [T, D] contiguous -> [S, D], row s the token of sorted row s."""
+def gather_tokens(x_TD: torch.Tensor, sched: Schedule, row_scale_P: torch.Tensor | None = None) -> torch.Tensor:
+    """x_TD [T, D] contiguous -> [S, D], row s the token of sorted row s, times row_scale_P[pair(s)] (in fp32,
+    rounded once) when given."""
     S, D = sched.pair_S.numel(), x_TD.shape[1]
     out_SD = buffers.empty(S, D, dtype=x_TD.dtype, device=x_TD.device)
     block_d = min(MAX_BLOCK_D, triton.next_power_of_2(D))
     block_s = max(1, ELEMENTS_PER_PROGRAM // block_d)
-    fast(gather_tokens_kernel)[(triton.cdiv(S, block_s),)](x_TD, out_SD, sched.pair_S, S, D, TOP_K=sched.top_k,
-                                                           BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)
+    fast(gather_tokens_kernel)[(triton.cdiv(S, block_s),)](
+        x_TD, out_SD, sched.pair_S, row_scale_P if row_scale_P is not None else x_TD, S, D, TOP_K=sched.top_k,
+        ROW_SCALE=row_scale_P is not None, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)
     return out_SD
 
 
