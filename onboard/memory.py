@@ -147,6 +147,9 @@ LINEAR_CHUNK = 64
 # The trainer's LM-head chunk (runtime/train.py TrainConfig.loss_chunk): the [chunk, vocab] fp32 logits and
 # their gradient are the only logits alive (runtime/loss.py)
 LOSS_CHUNK = 1024
+# Tokens per chunk of the sparse attention backward (runtime/kernels/dsa/attention.py BWD_CHUNK_TOKENS): its
+# probabilities and score gradients are two [chunk, H, top-k] buffers, alive while one layer's backward runs
+DSA_BWD_CHUNK = 2048
 
 
 def _norms(d: int, b: int, rows: int = 1) -> int:
@@ -189,7 +192,15 @@ def activations(spec: ModelSpec, seq_len: int, policy: str = "recompute", lora_r
     logits = 8 * spec.vocab_size * min(seq_len, LOSS_CHUNK)
     # the loss keeps its input's gradient [T, D] for backward; the final norm its input and rstd
     head = b * d + _norms(d, b)
-    return seq_len * (kept + per_token_state + head) + per_sequence_state + max(logits, seq_len * backward)
+    return (seq_len * (kept + per_token_state + head) + per_sequence_state
+            + max(logits, seq_len * backward + _dsa_backward_workspace(spec, b, seq_len)))
+
+
+def _dsa_backward_workspace(spec: ModelSpec, b: int, seq_len: int) -> int:
+    """The sparse attention backward's p and ds buffers of one chunk of tokens, for the widest DSA layer."""
+    chunk = min(seq_len, DSA_BWD_CHUNK)
+    return max((2 * b * chunk * layer.attention.num_heads * min(layer.attention.indexer.topk, seq_len)
+                for layer in spec.layers if layer.attention.kind == "mla" and layer.attention.indexer), default=0)
 
 
 def budget(spec: ModelSpec, gpu_mem_gib: float = 80.0, lora_rank: int = 16, seq_len: int = 4096) -> MemoryBudget:

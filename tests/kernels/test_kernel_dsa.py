@@ -48,11 +48,16 @@ def test_sparse_attention_forward_and_grads(B, T, H, V, R, S, drop):
 
 def test_several_head_blocks_per_token_match_reference(monkeypatch):
     """3 heads in blocks of 2 (the second padded), so a token's programs are neighbours on the 1-D
-    grid as at 128 heads; smaller key steps, so that a row's keys take several."""
+    grid as at 128 heads; smaller key steps, so that a row's keys take several; the backward in chunks."""
     monkeypatch.setattr(attention, "FWD_HEADS", 2)
     monkeypatch.setattr(attention, "BWD_HEADS", 2)
     monkeypatch.setattr(attention, "FWD_KEYS", 4)
     monkeypatch.setattr(attention, "BWD_KEYS", 4)
+    # the dkv pass in blocks of 2 heads and 4 slots, and the backward in chunks of 7 tokens, which cross the
+    # batch boundary (T 19) and leave a short last chunk
+    monkeypatch.setattr(attention, "DKV_HEADS", 2)
+    monkeypatch.setattr(attention, "DKV_KEYS", 4)
+    monkeypatch.setattr(attention, "BWD_CHUNK_TOKENS", 7)
     # guards the test: the kernels really see two head blocks per token
     assert attention._tiles(3, 32, 16, attention.BWD_HEADS, attention.BWD_KEYS)["BH"] == 2
     B, T, H, V, R, S = 2, 19, 3, 32, 16, 8

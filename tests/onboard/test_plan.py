@@ -79,3 +79,18 @@ def test_cli_plan_json_and_exit_codes(seed_dir, tmp_path):
     short = onboard("plan", str(seed_dir), "--gpus", "32", "--gpu-mem-gib", "141")
     assert short.returncode == 3, short.stderr
     assert "nothing fits 32 GPUs" in short.stdout and "smallest GPU count that fits" in short.stdout
+
+
+def test_activations_count_the_sparse_attention_backward_buffers(seed_spec):
+    """The seed's DSA layers: the sparse attention backward's p and ds of one chunk of tokens (two [chunk, heads,
+    top-k] buffers) are part of the backward's peak, with the kernel's chunk size."""
+    from onboard import memory
+    from runtime.kernels.dsa import attention
+
+    assert memory.DSA_BWD_CHUNK == attention.BWD_CHUNK_TOKENS
+    dsa = [layer.attention for layer in seed_spec.layers if layer.attention.kind == "mla" and layer.attention.indexer]
+    assert dsa, "the seed has DSA layers"
+    heads, topk = max(a.num_heads for a in dsa), dsa[0].indexer.topk
+    assert memory._dsa_backward_workspace(seed_spec, 2, 32768) == 2 * 2 * memory.DSA_BWD_CHUNK * heads * topk
+    # a sequence shorter than the chunk and the top-k: buffers of its own length
+    assert memory._dsa_backward_workspace(seed_spec, 2, 512) == 2 * 2 * 512 * heads * 512

@@ -5,9 +5,12 @@ Shape legend: B batch, T tokens, H heads, K = V + R key width, V value (latent) 
 
 One program handles one query token and a block of BH heads: all heads of a token share the
 same selected kv rows, so a gathered [BS, K] tile feeds a [BH, BS] score tile. Keys are visited
-in tiles of BS indices; index -1 masks a slot. The forward saves the base-2 log-sum-exp; the
-backward recomputes probabilities, accumulates dq in registers and scatter-adds dkv into an fp32
-buffer with atomics (several tokens select the same key row).
+in tiles of BS indices; index -1 masks a slot. The forward saves the base-2 log-sum-exp. The backward
+runs two passes per chunk of tokens: the first recomputes the probabilities p, accumulates dq in registers
+and stores p and scale * ds of the chunk; the second, one program per (token, BS index slots), reduces
+over all the token's heads on tensor cores, (scale * ds)^T q + p^T dO, and scatter-adds those dkv rows
+into an fp32 buffer with atomics (several tokens select the same key row). Done in one pass, each head
+block added its own partial dkv rows (4x the atomics at 32 heads a program; bench/NOTES.md).
 """
 from __future__ import annotations
 
@@ -23,7 +26,14 @@ LOG2E = 1.4426950408889634
 # kv rows, so more heads per program means fewer gathers. The backward holds q, dO and dq of its
 # heads in shared memory: 64 heads x 576 channels do not fit in an H200's 227 KB, 32 do.
 FWD_HEADS, FWD_KEYS = 64, 64
-BWD_HEADS, BWD_KEYS = 32, 32
+BWD_HEADS, BWD_KEYS = 32, 64
+# The dkv pass: BS selected rows of one token per program, its heads walked DKV_HEADS at a time as the
+# products' reduction. 64 rows a program spill its [64, 512] fp32 accumulator (3.7x slower), 16 read q and dO
+# twice as often as 32 (bench/NOTES.md)
+DKV_HEADS, DKV_KEYS, DKV_STAGES = 64, 32, 2
+# Tokens per backward chunk: p and ds of a chunk are two [chunk, H, S] buffers in q's dtype (2.1 GB at 128
+# heads and 2048 keys in bf16; onboard/memory.py counts them)
+BWD_CHUNK_TOKENS = 2048
 # 8 warps and 2 pipeline stages, forward and backward: the fastest timed (bench/NOTES.md)
 NUM_WARPS, NUM_STAGES = 8, 2
 
@@ -92,39 +102,77 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, scale_log2, T, H, S, V, 
 
 
 @triton.jit
-def _bwd_kernel(q_ptr, kv_ptr, idx_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dkv_ptr,
-                scale, scale_log2, T, H, S, V, R,
-                BH: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
+def _bwd_dq_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, p_ptr, ds_ptr,
+                   scale, scale_log2, tok0, T, H, S, V, R,
+                   BH: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
+    """dq of BH heads of one token, and that token's p and scale * ds ([chunk token, H, S], for _bwd_dkv_kernel)."""
     tok, h0 = _token_and_head0(H, BH)
+    tok += tok0
     K = V + R
-    offs_h, offs_v, offs_r = h0 + tl.arange(0, BH), tl.arange(0, BV), tl.arange(0, BR)
+    offs_h = h0 + tl.arange(0, BH)
+    head_ok = offs_h < H
     q_v = _load_heads(q_ptr, tok, h0, H, V, K, 0, BH, BV)
     q_r = _load_heads(q_ptr, tok, h0, H, R, K, V, BH, BR)
     do = _load_heads(do_ptr, tok, h0, H, V, V, 0, BH, BV)
     # lse is +inf for heads without keys (and padding heads): their p is exp2(-inf) = 0
-    lse = tl.load(lse_ptr + tok * H + offs_h, mask=offs_h < H, other=float("inf"))
-    delta = tl.load(delta_ptr + tok * H + offs_h, mask=offs_h < H, other=0.0)
+    lse = tl.load(lse_ptr + tok * H + offs_h, mask=head_ok, other=float("inf"))
+    # softmax backward's row term sum_v o * dO, here rather than as torch passes over fp32 copies of o and dO
+    delta = tl.sum(_load_heads(o_ptr, tok, h0, H, V, V, 0, BH, BV).to(tl.float32) * do.to(tl.float32), 1)
     dq_v = tl.zeros([BH, BV], tl.float32)
     dq_r = tl.zeros([BH, BR], tl.float32)
+    saved = ((tok - tok0) * H + offs_h[:, None]) * S
     for s0 in range(0, S, BS):
         valid, rows, kv_v, kv_r = _load_selected(kv_ptr, idx_ptr, tok, T, S, s0, V, R, K, BS, BV, BR)
         logits = tl.dot(q_v, tl.trans(kv_v)) + tl.dot(q_r, tl.trans(kv_r))
         p = tl.where(valid[None, :], tl.exp2(logits * scale_log2 - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(kv_v))
-        # gradient w.r.t. the scaled logits; the scale is applied once to dq and dkv below
-        ds = (p * (dp - delta[:, None])).to(kv_v.dtype)
-        dq_v += tl.dot(ds, kv_v)
-        dq_r += tl.dot(ds, kv_r)
-        dkv_v = tl.dot(tl.trans(ds), q_v) * scale + tl.dot(tl.trans(p.to(do.dtype)), do)
-        dkv_r = tl.dot(tl.trans(ds), q_r) * scale
-        tl.atomic_add(dkv_ptr + rows[:, None] * K + offs_v[None, :], dkv_v,
-                      mask=valid[:, None] & (offs_v[None, :] < V), sem="relaxed")
-        tl.atomic_add(dkv_ptr + rows[:, None] * K + V + offs_r[None, :], dkv_r,
-                      mask=valid[:, None] & (offs_r[None, :] < R), sem="relaxed")
-    head_ok = offs_h[:, None] < H
+        # gradient w.r.t. the scaled logits; dq takes the scale once at the end, the stored copy now
+        ds = p * (dp - delta[:, None])
+        dq_v += tl.dot(ds.to(kv_v.dtype), kv_v)
+        dq_r += tl.dot(ds.to(kv_v.dtype), kv_r)
+        offs_s = s0 + tl.arange(0, BS)
+        at = saved + offs_s[None, :]
+        keep = head_ok[:, None] & (offs_s < S)[None, :]
+        tl.store(p_ptr + at, p.to(p_ptr.dtype.element_ty), mask=keep)
+        tl.store(ds_ptr + at, (ds * scale).to(ds_ptr.dtype.element_ty), mask=keep)
     dq_row = dq_ptr + (tok * H + offs_h[:, None]) * K
-    tl.store(dq_row + offs_v[None, :], (dq_v * scale).to(dq_ptr.dtype.element_ty), mask=head_ok & (offs_v[None, :] < V))
-    tl.store(dq_row + V + offs_r[None, :], (dq_r * scale).to(dq_ptr.dtype.element_ty), mask=head_ok & (offs_r[None, :] < R))
+    offs_v, offs_r = tl.arange(0, BV), tl.arange(0, BR)
+    tl.store(dq_row + offs_v[None, :], (dq_v * scale).to(dq_ptr.dtype.element_ty), mask=head_ok[:, None] & (offs_v[None, :] < V))
+    tl.store(dq_row + V + offs_r[None, :], (dq_r * scale).to(dq_ptr.dtype.element_ty), mask=head_ok[:, None] & (offs_r[None, :] < R))
+
+
+@triton.jit
+def _bwd_dkv_kernel(q_ptr, idx_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr, tok0, T, H, S, V, R,
+                    BH: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
+    """dkv of the BS selected rows of one token's index slots s0.. : sum over all heads of (scale * ds)^T q
+    + p^T dO as [BS, heads] x [heads, width] products (the heads are the reduction), added into the fp32 dkv
+    rows with atomics (several tokens select the same row)."""
+    num_blocks = tl.cdiv(S, BS)
+    pid = tl.program_id(0).to(tl.int64)
+    tok, s0 = tok0 + pid // num_blocks, (pid % num_blocks).to(tl.int32) * BS
+    K = V + R
+    offs_s = s0 + tl.arange(0, BS)
+    idx = tl.load(idx_ptr + tok * S + offs_s, mask=offs_s < S, other=-1)
+    valid = idx >= 0
+    rows = ((tok // T) * T + tl.where(valid, idx, 0)).to(tl.int64)
+    acc_v = tl.zeros([BS, BV], tl.float32)
+    acc_r = tl.zeros([BS, BR], tl.float32)
+    for h0 in range(0, H, BH):
+        offs_h = h0 + tl.arange(0, BH)
+        at = ((tok - tok0) * H + offs_h[:, None]) * S + offs_s[None, :]
+        keep = (offs_h < H)[:, None] & valid[None, :]
+        p = tl.load(p_ptr + at, mask=keep, other=0.0)
+        ds = tl.load(ds_ptr + at, mask=keep, other=0.0)
+        q_v = _load_heads(q_ptr, tok, h0, H, V, K, 0, BH, BV)
+        q_r = _load_heads(q_ptr, tok, h0, H, R, K, V, BH, BR)
+        do = _load_heads(do_ptr, tok, h0, H, V, V, 0, BH, BV)
+        acc_v += tl.dot(tl.trans(ds).to(q_v.dtype), q_v) + tl.dot(tl.trans(p).to(do.dtype), do)
+        acc_r += tl.dot(tl.trans(ds).to(q_r.dtype), q_r)
+    offs_v, offs_r = tl.arange(0, BV), tl.arange(0, BR)
+    tl.atomic_add(dkv_ptr + rows[:, None] * K + offs_v[None, :], acc_v,
+                  mask=valid[:, None] & (offs_v[None, :] < V), sem="relaxed")
+    tl.atomic_add(dkv_ptr + rows[:, None] * K + V + offs_r[None, :], acc_r,
+                  mask=valid[:, None] & (offs_r[None, :] < R), sem="relaxed")
 
 
 def _tiles(H, V, R, max_heads, keys):
@@ -150,15 +198,28 @@ def sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, scale, v_dim):
 
 
 def sparse_attention_bwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, do_BTHV, scale):
-    """-> (dq_BTHK in q's dtype, dkv_BTK in kv's dtype); dkv is accumulated in fp32."""
+    """-> (dq_BTHK in q's dtype, dkv_BTK in kv's dtype); dkv is accumulated in fp32.
+    Per chunk of BWD_CHUNK_TOKENS tokens: _bwd_dq_kernel (dq, and the chunk's p and scale * ds in q's dtype),
+    then _bwd_dkv_kernel reading them back: the buffers are [chunk, H, S] each."""
     B, T, H, K = q_BTHK.shape
     S, V = idx_BTS.shape[-1], o_BTHV.shape[-1]
-    delta_BTH = (o_BTHV.float() * do_BTHV.float()).sum(-1)
+    R = K - V
     dq_BTHK = buffers.empty(*q_BTHK.shape, dtype=q_BTHK.dtype, device=q_BTHK.device)
     # atomically accumulated: must start at zero
     dkv32_BTK = torch.zeros(kv_BTK.shape, dtype=torch.float32, device=kv_BTK.device)
-    _launch(_bwd_kernel, B, T, H, V, K - V, BWD_HEADS, BWD_KEYS, q_BTHK, kv_BTK, idx_BTS, do_BTHV, lse_BTH,
-            delta_BTH, dq_BTHK, dkv32_BTK, scale, scale * LOG2E, T, H, S, V, K - V)
+    chunk = min(B * T, BWD_CHUNK_TOKENS)
+    p_CHS = buffers.empty(chunk, H, S, dtype=q_BTHK.dtype, device=q_BTHK.device)
+    ds_CHS = buffers.empty(chunk, H, S, dtype=q_BTHK.dtype, device=q_BTHK.device)
+    dq_tiles = _tiles(H, V, R, BWD_HEADS, BWD_KEYS)
+    dkv_tiles = _tiles(H, V, R, DKV_HEADS, DKV_KEYS)
+    for tok0 in range(0, B * T, chunk):
+        n = min(chunk, B * T - tok0)
+        fast(_bwd_dq_kernel)[(n * triton.cdiv(H, dq_tiles["BH"]),)](
+            q_BTHK, kv_BTK, idx_BTS, o_BTHV, do_BTHV, lse_BTH, dq_BTHK, p_CHS, ds_CHS, scale, scale * LOG2E, tok0,
+            T, H, S, V, R, **dq_tiles, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        fast(_bwd_dkv_kernel)[(n * triton.cdiv(S, dkv_tiles["BS"]),)](
+            q_BTHK, idx_BTS, do_BTHV, p_CHS, ds_CHS, dkv32_BTK, tok0, T, H, S, V, R, **dkv_tiles,
+            num_warps=NUM_WARPS, num_stages=DKV_STAGES)
     return dq_BTHK, dkv32_BTK.to(kv_BTK.dtype)
 
 
