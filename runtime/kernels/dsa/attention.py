@@ -23,8 +23,8 @@ from runtime.kernels.launch import fast
 
 LOG2E = 1.4426950408889634
 # Heads per program (BH) and selected keys per step (BS): all heads of a token share its gathered
-# kv rows, so more heads per program means fewer gathers. The backward holds q, dO and dq of its
-# heads in shared memory: 64 heads x 576 channels do not fit in an H200's 227 KB, 32 do.
+# kv rows, so more heads per program means fewer gathers. The backward's dq pass also holds dO and dq of its
+# heads: 32 heads and 64 keys the fastest timed there (64 heads 27% slower, bench/NOTES.md).
 FWD_HEADS, FWD_KEYS = 64, 64
 BWD_HEADS, BWD_KEYS = 32, 64
 # The dkv pass: BS selected rows of one token per program, its heads walked DKV_HEADS at a time as the
