@@ -81,7 +81,7 @@ def test_cli_plan_json_and_exit_codes(seed_dir, tmp_path):
     assert "nothing fits 32 GPUs" in short.stdout and "smallest GPU count that fits" in short.stdout
 
 
-def test_activations_count_the_sparse_attention_backward_buffers(seed_spec):
+def test_activations_count_the_sparse_attention_backward_buffers(seed_spec, monkeypatch):
     """The seed's DSA layers: the sparse attention backward's p and ds of one chunk of tokens (two [chunk, heads,
     top-k] buffers) are part of the backward's peak, with the kernel's chunk size."""
     from onboard import memory
@@ -94,3 +94,7 @@ def test_activations_count_the_sparse_attention_backward_buffers(seed_spec):
     assert memory._dsa_backward_workspace(seed_spec, 2, 32768) == 2 * 2 * memory.DSA_BWD_CHUNK * heads * topk
     # a sequence shorter than the chunk and the top-k: buffers of its own length
     assert memory._dsa_backward_workspace(seed_spec, 2, 512) == 2 * 2 * 512 * heads * 512
+    # and the per-GPU activations carry them (at 32768 tokens the backward's peak outweighs the loss's logits)
+    with_buffers = memory.activations(seed_spec, 32768)
+    monkeypatch.setattr(memory, "_dsa_backward_workspace", lambda spec, b, seq_len: 0)
+    assert with_buffers - memory.activations(seed_spec, 32768) == 2 * 2 * memory.DSA_BWD_CHUNK * heads * topk
