@@ -1,6 +1,6 @@
 """DSA Triton kernels under TRITON_INTERPRET=1 vs the fp64 reference: sparse attention forward,
-dq, dkv (idx with -1 slots, NaN-prefilled outputs, several head blocks per token) and the fused
-indexer top-k.
+dq, dkv (idx with -1 slots, NaN-prefilled outputs, several head blocks per token, dkv column blocks of
+partial width) and the fused indexer top-k.
 
 Shape legend: B batch, T tokens, H heads, K = V + R key width, V value width, S selected keys.
 fp32 inputs: under the interpreter a tl.dot on bf16 operands is wrong in triton 3.9.
@@ -23,18 +23,11 @@ def with_dropped_slots(idx_BTS, fraction, seed):
     return idx_BTS.masked_fill(torch.rand(idx_BTS.shape, generator=g) < fraction, -1)
 
 
-ATTENTION_CASES = [
-    pytest.param(1, 37, 4, 32, 16, 8, 0.0, id="T37-H4-V32R16-S8"),
-    pytest.param(1, 37, 4, 32, 16, 8, 0.3, id="T37-H4-S8-dropped-slots"),
-    pytest.param(2, 21, 3, 20, 12, 37, 0.2, id="B2-T21-H3-V20R12-S37-padded-widths"),
-]
-
-
-@pytest.mark.parametrize("B,T,H,V,R,S,drop", ATTENTION_CASES)
-def test_sparse_attention_forward_and_grads(B, T, H, V, R, S, drop):
+def assert_matches_reference(B, T, H, V, R, S, drop, seed):
+    """o, dq and dkv of the kernels against the fp64 reference; `seed` picks the dropped slots, seed + 1 dO."""
     q_BTHK, kv_BTK, idx_BTS = random_sparse_problem(B, T, H, V + R, S, torch.float32)
-    idx_BTS = with_dropped_slots(idx_BTS, drop, seed=1)
-    do_BTHV = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(2))
+    idx_BTS = with_dropped_slots(idx_BTS, drop, seed=seed)
+    do_BTHV = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(seed + 1))
     scale = (V + R) ** -0.5
     results = {}
     for name, fn, dtype in (("ref", ref.sparse_attention, torch.float64), ("kernel", kernels.sparse_attention, torch.float32)):
@@ -44,6 +37,18 @@ def test_sparse_attention_forward_and_grads(B, T, H, V, R, S, drop):
         results[name] = (o_BTHV, q.grad, kv.grad)
     for label, actual, expected in zip(("o", "dq", "dkv"), results["kernel"], results["ref"]):
         assert_close(actual, expected, "dsa_attention", torch.float32, "out" if label == "o" else "grad", label)
+
+
+ATTENTION_CASES = [
+    pytest.param(1, 37, 4, 32, 16, 8, 0.0, id="T37-H4-V32R16-S8"),
+    pytest.param(1, 37, 4, 32, 16, 8, 0.3, id="T37-H4-S8-dropped-slots"),
+    pytest.param(2, 21, 3, 20, 12, 37, 0.2, id="B2-T21-H3-V20R12-S37-padded-widths"),
+]
+
+
+@pytest.mark.parametrize("B,T,H,V,R,S,drop", ATTENTION_CASES)
+def test_sparse_attention_forward_and_grads(B, T, H, V, R, S, drop):
+    assert_matches_reference(B, T, H, V, R, S, drop, seed=1)
 
 
 def test_several_head_blocks_per_token_match_reference(monkeypatch):
@@ -60,19 +65,20 @@ def test_several_head_blocks_per_token_match_reference(monkeypatch):
     monkeypatch.setattr(attention, "BWD_CHUNK_TOKENS", 7)
     # guards the test: the kernels really see two head blocks per token
     assert attention._tiles(3, 32, 16, attention.BWD_HEADS, attention.BWD_KEYS)["BH"] == 2
-    B, T, H, V, R, S = 2, 19, 3, 32, 16, 8
-    q_BTHK, kv_BTK, idx_BTS = random_sparse_problem(B, T, H, V + R, S, torch.float32)
-    idx_BTS = with_dropped_slots(idx_BTS, 0.2, seed=4)
-    do_BTHV = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(5))
-    scale = (V + R) ** -0.5
-    results = {}
-    for name, fn, dtype in (("ref", ref.sparse_attention, torch.float64), ("kernel", kernels.sparse_attention, torch.float32)):
-        q, kv = q_BTHK.to(dtype).requires_grad_(), kv_BTK.to(dtype).requires_grad_()
-        o_BTHV = fn(q, kv, idx_BTS, scale, V)
-        o_BTHV.backward(do_BTHV.to(dtype))
-        results[name] = (o_BTHV, q.grad, kv.grad)
-    for label, actual, expected in zip(("o", "dq", "dkv"), results["kernel"], results["ref"]):
-        assert_close(actual, expected, "dsa_attention", torch.float32, "out" if label == "o" else "grad", label)
+    assert_matches_reference(2, 19, 3, 32, 16, 8, drop=0.2, seed=4)
+
+
+def test_dkv_column_blocks_match_reference(monkeypatch):
+    """The dkv pass in 16-column blocks: V 40 takes three value blocks and R 24 two rope blocks, the last of each
+    8 wide; 16 slots a program, so 21 slots take two blocks, the second 5 wide; 2 heads of 3 a step; chunks of 7
+    tokens crossing the batch boundary (T 30); dropped slots on top of the causal -1 padding."""
+    monkeypatch.setattr(attention, "DKV_HEADS", 2)
+    monkeypatch.setattr(attention, "DKV_KEYS", 16)
+    monkeypatch.setattr(attention, "DKV_COLUMNS", 16)
+    monkeypatch.setattr(attention, "BWD_CHUNK_TOKENS", 7)
+    # guards the test: the dkv kernel really sees these tiles
+    assert attention._dkv_tiles(3, 21) == dict(BH=2, BS=16, BC=16)
+    assert_matches_reference(2, 30, 3, 40, 24, 21, drop=0.2, seed=6)
 
 
 def test_sparse_attention_query_without_keys_gives_zeros():

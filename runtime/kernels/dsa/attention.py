@@ -1,16 +1,17 @@
 """Sparse MLA attention (DSA) in Triton: forward with online softmax, backward for dq and dkv.
 
 Shape legend: B batch, T tokens, H heads, K = V + R key width, V value (latent) width, R tail
-(rope) width, S selected keys; in-kernel tiles: BH heads, BS selected keys, BV / BR padded widths.
+(rope) width, S selected keys; in-kernel tiles: BH heads, BS selected keys, BV / BR padded widths, BC columns.
 
 One program handles one query token and a block of BH heads: all heads of a token share the
 same selected kv rows, so a gathered [BS, K] tile feeds a [BH, BS] score tile. Keys are visited
 in tiles of BS indices; index -1 masks a slot. The forward saves the base-2 log-sum-exp. The backward
 runs two passes per chunk of tokens: the first recomputes the probabilities p, accumulates dq in registers
-and stores p and scale * ds of the chunk; the second, one program per (token, BS index slots), reduces
-over all the token's heads on tensor cores, (scale * ds)^T q + p^T dO, and scatter-adds those dkv rows
-into an fp32 buffer with atomics (several tokens select the same key row). Done in one pass, each head
-block added its own partial dkv rows (4x the atomics at 32 heads a program; bench/NOTES.md).
+and stores p and scale * ds of the chunk; the second, one program per (token, BS index slots, BC of the K
+columns), reduces over all the token's heads on tensor cores, (scale * ds)^T q + p^T dO for value columns and
+(scale * ds)^T q for the rope tail, and scatter-adds that [BS, BC] block of dkv rows into an fp32 buffer with
+atomics (several tokens select the same key row). Done in one pass, each head block added its own partial dkv
+rows (4x the atomics at 32 heads a program; bench/NOTES.md).
 """
 from __future__ import annotations
 
@@ -27,14 +28,19 @@ LOG2E = 1.4426950408889634
 # heads: 32 heads and 64 keys the fastest timed there (64 heads 27% slower, bench/NOTES.md).
 FWD_HEADS, FWD_KEYS = 64, 64
 BWD_HEADS, BWD_KEYS = 32, 64
-# The dkv pass: BS selected rows of one token per program, its heads walked DKV_HEADS at a time as the
-# products' reduction. 64 rows a program spill its [64, 512] fp32 accumulator (3.7x slower), 16 read q and dO
-# twice as often as 32 (bench/NOTES.md)
-DKV_HEADS, DKV_KEYS, DKV_STAGES = 64, 32, 2
+# The dkv pass: DKV_KEYS selected rows of one token and DKV_COLUMNS of their K columns per program, the token's
+# heads walked DKV_HEADS at a time as the products' reduction. A [128, 64] fp32 accumulator makes products of
+# M = 128 rows (warpgroup MMA); programs over all 576 columns fit only 32 rows (M = 32: 64 rows spill their
+# [64, 512] accumulator, 3.7x slower). And a token's programs read 13.4 MB of p, ds, q and dO from L2 (p and ds
+# once per column block, q and dO once per slot block) instead of 18.8 MB, mostly q and dO re-read by every
+# 32-row program: about 90 ms of that form's 198 ms at 32768 tokens, as 16 rows took 90 ms more (bench/NOTES.md).
+# At 8 warps and 2 stages ptxas (sm_90a; bench/kernel_resources.py with the launch's 16-divisible pointers and
+# sizes) gives 127 registers, no spill, 64 KB of shared memory.
+DKV_HEADS, DKV_KEYS, DKV_COLUMNS, DKV_WARPS, DKV_STAGES = 64, 128, 64, 8, 2
 # Tokens per backward chunk: p and ds of a chunk are two [chunk, H, S] buffers in q's dtype (2.1 GB at 128
 # heads and 2048 keys in bf16; onboard/memory.py counts them)
 BWD_CHUNK_TOKENS = 2048
-# 8 warps and 2 pipeline stages, forward and backward: the fastest timed (bench/NOTES.md)
+# 8 warps and 2 pipeline stages, the forward and the backward's dq pass: the fastest timed (bench/NOTES.md)
 NUM_WARPS, NUM_STAGES = 8, 2
 
 
@@ -143,41 +149,54 @@ def _bwd_dq_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, p_ptr
 
 @triton.jit
 def _bwd_dkv_kernel(q_ptr, idx_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr, tok0, T, H, S, V, R,
-                    BH: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
-    """dkv of the BS selected rows of one token's index slots s0.. : sum over all heads of (scale * ds)^T q
-    + p^T dO as [BS, heads] x [heads, width] products (the heads are the reduction), added into the fp32 dkv
-    rows with atomics (several tokens select the same row)."""
-    num_blocks = tl.cdiv(S, BS)
+                    BH: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr):
+    """Columns col0..col0+BC-1 of the dkv of the BS selected rows of one token's index slots s0.. : the sum over
+    all heads of (scale * ds)^T q, plus p^T dO for value columns, as [BS, heads] x [heads, BC] products (the heads
+    are the reduction), added into the fp32 dkv rows with atomics (several tokens select the same row).
+    Column blocks cdiv(V, BC) value blocks, then cdiv(R, BC) rope blocks; a token's programs are neighbours
+    on the 1-D grid, the column blocks of one slot block innermost, so they read the same p, ds, q and dO
+    through L2."""
+    num_slot_blocks = tl.cdiv(S, BS)
+    num_value_blocks = tl.cdiv(V, BC)
+    num_col_blocks = num_value_blocks + tl.cdiv(R, BC)
     pid = tl.program_id(0).to(tl.int64)
-    tok, s0 = tok0 + pid // num_blocks, (pid % num_blocks).to(tl.int32) * BS
+    tok = tok0 + pid // (num_slot_blocks * num_col_blocks)
+    s0 = (pid // num_col_blocks % num_slot_blocks).to(tl.int32) * BS
+    block = (pid % num_col_blocks).to(tl.int32)
+    is_value = block < num_value_blocks
+    col0 = tl.where(is_value, block * BC, V + (block - num_value_blocks) * BC)
+    width = tl.where(is_value, V, V + R) - col0
     K = V + R
     offs_s = s0 + tl.arange(0, BS)
     idx = tl.load(idx_ptr + tok * S + offs_s, mask=offs_s < S, other=-1)
     valid = idx >= 0
     rows = ((tok // T) * T + tl.where(valid, idx, 0)).to(tl.int64)
-    acc_v = tl.zeros([BS, BV], tl.float32)
-    acc_r = tl.zeros([BS, BR], tl.float32)
+    # rope blocks have no p^T dO term: no head's p is read and their dO columns lie past V (masked), so the second
+    # product adds zeros (one block in nine at V 512, R 64) rather than a branch inside the pipelined loop
+    p_heads = tl.where(is_value, H, 0)
+    acc = tl.zeros([BS, BC], tl.float32)
     for h0 in range(0, H, BH):
         offs_h = h0 + tl.arange(0, BH)
         at = ((tok - tok0) * H + offs_h[:, None]) * S + offs_s[None, :]
-        keep = (offs_h < H)[:, None] & valid[None, :]
-        p = tl.load(p_ptr + at, mask=keep, other=0.0)
-        ds = tl.load(ds_ptr + at, mask=keep, other=0.0)
-        q_v = _load_heads(q_ptr, tok, h0, H, V, K, 0, BH, BV)
-        q_r = _load_heads(q_ptr, tok, h0, H, R, K, V, BH, BR)
-        do = _load_heads(do_ptr, tok, h0, H, V, V, 0, BH, BV)
-        acc_v += tl.dot(tl.trans(ds).to(q_v.dtype), q_v) + tl.dot(tl.trans(p).to(do.dtype), do)
-        acc_r += tl.dot(tl.trans(ds).to(q_r.dtype), q_r)
-    offs_v, offs_r = tl.arange(0, BV), tl.arange(0, BR)
-    tl.atomic_add(dkv_ptr + rows[:, None] * K + offs_v[None, :], acc_v,
-                  mask=valid[:, None] & (offs_v[None, :] < V), sem="relaxed")
-    tl.atomic_add(dkv_ptr + rows[:, None] * K + V + offs_r[None, :], acc_r,
-                  mask=valid[:, None] & (offs_r[None, :] < R), sem="relaxed")
+        p = tl.load(p_ptr + at, mask=(offs_h < p_heads)[:, None] & valid[None, :], other=0.0)
+        ds = tl.load(ds_ptr + at, mask=(offs_h < H)[:, None] & valid[None, :], other=0.0)
+        q = _load_heads(q_ptr, tok, h0, H, width, K, col0, BH, BC)
+        do = _load_heads(do_ptr, tok, h0, H, V - col0, V, col0, BH, BC)
+        acc = tl.dot(tl.trans(ds).to(q.dtype), q, acc)
+        acc = tl.dot(tl.trans(p).to(do.dtype), do, acc)
+    offs_c = tl.arange(0, BC)
+    tl.atomic_add(dkv_ptr + rows[:, None] * K + col0 + offs_c[None, :], acc,
+                  mask=valid[:, None] & (offs_c[None, :] < width), sem="relaxed")
 
 
 def _tiles(H, V, R, max_heads, keys):
     return dict(BH=min(max_heads, max(16, triton.next_power_of_2(H))), BS=keys,
                 BV=max(16, triton.next_power_of_2(V)), BR=max(16, triton.next_power_of_2(R)))
+
+
+def _dkv_tiles(H, S):
+    return dict(BH=min(DKV_HEADS, max(16, triton.next_power_of_2(H))),
+                BS=min(DKV_KEYS, max(16, triton.next_power_of_2(S))), BC=DKV_COLUMNS)
 
 
 def _launch(kernel, B, T, H, V, R, max_heads, keys, *args):
@@ -211,15 +230,16 @@ def sparse_attention_bwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, do_BTHV, scal
     p_CHS = buffers.empty(chunk, H, S, dtype=q_BTHK.dtype, device=q_BTHK.device)
     ds_CHS = buffers.empty(chunk, H, S, dtype=q_BTHK.dtype, device=q_BTHK.device)
     dq_tiles = _tiles(H, V, R, BWD_HEADS, BWD_KEYS)
-    dkv_tiles = _tiles(H, V, R, DKV_HEADS, DKV_KEYS)
+    dkv_tiles = _dkv_tiles(H, S)
+    dkv_programs = triton.cdiv(S, dkv_tiles["BS"]) * (triton.cdiv(V, DKV_COLUMNS) + triton.cdiv(R, DKV_COLUMNS))
     for tok0 in range(0, B * T, chunk):
         n = min(chunk, B * T - tok0)
         fast(_bwd_dq_kernel)[(n * triton.cdiv(H, dq_tiles["BH"]),)](
             q_BTHK, kv_BTK, idx_BTS, o_BTHV, do_BTHV, lse_BTH, dq_BTHK, p_CHS, ds_CHS, scale, scale * LOG2E, tok0,
             T, H, S, V, R, **dq_tiles, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-        fast(_bwd_dkv_kernel)[(n * triton.cdiv(S, dkv_tiles["BS"]),)](
+        fast(_bwd_dkv_kernel)[(n * dkv_programs,)](
             q_BTHK, idx_BTS, do_BTHV, p_CHS, ds_CHS, dkv32_BTK, tok0, T, H, S, V, R, **dkv_tiles,
-            num_warps=NUM_WARPS, num_stages=DKV_STAGES)
+            num_warps=DKV_WARPS, num_stages=DKV_STAGES)
     return dq_BTHK, dkv32_BTK.to(kv_BTK.dtype)
 
 
