@@ -29,14 +29,12 @@ LOG2E = 1.4426950408889634
 FWD_HEADS, FWD_KEYS = 64, 64
 BWD_HEADS, BWD_KEYS = 32, 64
 # The dkv pass: DKV_KEYS selected rows of one token and DKV_COLUMNS of their K columns per program, the token's
-# heads walked DKV_HEADS at a time as the products' reduction. A [128, 64] fp32 accumulator makes products of
-# M = 128 rows (warpgroup MMA); programs over all 576 columns fit only 32 rows (M = 32: 64 rows spill their
-# [64, 512] accumulator, 3.7x slower). And a token's programs read 13.4 MB of p, ds, q and dO from L2 (p and ds
-# once per column block, q and dO once per slot block) instead of 18.8 MB, mostly q and dO re-read by every
-# 32-row program: about 90 ms of that form's 198 ms at 32768 tokens, as 16 rows took 90 ms more (bench/NOTES.md).
-# At 8 warps and 2 stages ptxas (sm_90a; bench/kernel_resources.py with the launch's 16-divisible pointers and
-# sizes) gives 127 registers, no spill, 64 KB of shared memory.
-DKV_HEADS, DKV_KEYS, DKV_COLUMNS, DKV_WARPS, DKV_STAGES = 64, 128, 64, 8, 2
+# heads walked DKV_HEADS at a time as the products' reduction. Programs over all 576 columns fit only 32 rows
+# (64 rows spill their [64, 512] fp32 accumulator) and each re-reads the token's whole q and dO: 201 ms at 32768
+# tokens. In column blocks a token's programs read p and ds once per column block and q and dO once per slot
+# block: 64 rows x 128 columns at 4 warps took 150 ms with 64 heads a step, 126 with 32 heads and 3 stages;
+# 128 x 64 at 8 warps 168, 128 x 32 279 (bench/NOTES.md).
+DKV_HEADS, DKV_KEYS, DKV_COLUMNS, DKV_WARPS, DKV_STAGES = 32, 64, 128, 4, 3
 # Tokens per backward chunk: p and ds of a chunk are two [chunk, H, S] buffers in q's dtype (2.1 GB at 128
 # heads and 2048 keys in bf16; onboard/memory.py counts them)
 BWD_CHUNK_TOKENS = 2048
@@ -172,7 +170,8 @@ def _bwd_dkv_kernel(q_ptr, idx_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr, tok0, T, H, 
     valid = idx >= 0
     rows = ((tok // T) * T + tl.where(valid, idx, 0)).to(tl.int64)
     # rope blocks have no p^T dO term: no head's p is read and their dO columns lie past V (masked), so the second
-    # product adds zeros (one block in nine at V 512, R 64) rather than a branch inside the pipelined loop
+    # product adds zeros (one block in five at V 512, R 64 and 128 columns) rather than a branch inside the pipelined
+    # loop
     p_heads = tl.where(is_value, H, 0)
     acc = tl.zeros([BS, BC], tl.float32)
     for h0 in range(0, H, BH):
