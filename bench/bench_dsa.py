@@ -9,7 +9,8 @@ Correctness: bf16 kernels vs the fp64 reference on the same bf16 inputs, on a su
 tokens (the full fp64 reference does not fit at T=32768): outputs and dq on those rows, dkv from
 an upstream gradient that is zero outside them. Indexer: overlap of the selected sets with the
 fp64 top-k on those rows. Timings: CUDA events, median (bench/timing.py); TFLOP/s by the FLOP
-counts of `flops`. Writes dsa.json under --out. What was tried: bench/NOTES.md.
+counts of `flops`. Writes dsa.json (dsa-<T>.json for --T other than 32768) under --out. What was tried:
+bench/NOTES.md.
 """
 from __future__ import annotations
 
@@ -186,7 +187,8 @@ def main():
           f"speedup {result['speedup']:.2f}x (vs fastest SDPA backend {fastest_dense[0]}: "
           f"{result['speedup_vs_fastest_sdpa_backend']:.2f}x); fwd {result['fwd_tflops']:.0f}, bwd {result['bwd_tflops']:.0f} TFLOP/s")
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "dsa.json"), "w") as f:
+    name = "dsa.json" if T == 32768 else f"dsa-{T}.json"
+    with open(os.path.join(args.out, name), "w") as f:
         json.dump(result, f, indent=2)
     return 0 if attention_check["passed"] else 1
 
