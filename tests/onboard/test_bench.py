@@ -1,6 +1,8 @@
 """`onboard bench PKG [--check]` on a tiny package: every metric written, the check against its own baseline
-and against one doctored to be 3x faster. One intra-op thread while it runs: on the shared test machine two
-threads' spin-waits make CPU timings swing several-fold (bench/NOTES.md), more than any honest band."""
+and against one doctored to be 10x faster. One intra-op thread while it runs: on the shared test machine two
+threads' spin-waits make CPU timings swing several-fold (bench/NOTES.md), more than any honest band. Even so the
+first of the three measurements can run 1.5x slower than the last, which a 3x doctored baseline with the CPU's
+50% band did not survive (1 run in 3 failed alone): 10x leaves the check flagging up to a 5x swing."""
 from __future__ import annotations
 
 import json
@@ -47,7 +49,7 @@ def test_bench_writes_every_metric_and_checks_against_its_baseline(example_packa
     same = onboard_cli("bench", pkg, "--check")
     assert same.code == 0, same.err
 
-    baseline.write_text(json.dumps(_doctored(result, 3.0)))
+    baseline.write_text(json.dumps(_doctored(result, 10.0)))
     slower = onboard_cli("bench", pkg, "--check")
     assert slower.code == 3, slower.err
     assert "regression vs bench_baseline.json: tokens_per_s" in slower.err, slower.err

@@ -25,9 +25,10 @@ from runtime.kernels.launch import fast
 LOG2E = 1.4426950408889634
 # Heads per program (BH) and selected keys per step (BS): all heads of a token share its gathered
 # kv rows, so more heads per program means fewer gathers. The backward's dq pass also holds dO and dq of its
-# heads: 32 heads and 64 keys the fastest timed there (64 heads 27% slower, bench/NOTES.md).
+# heads: 16 heads and 64 keys at 4 warps the fastest timed there, 4% ahead of 32 heads at 8 warps (64 heads 27%
+# slower; bench/NOTES.md).
 FWD_HEADS, FWD_KEYS = 64, 64
-BWD_HEADS, BWD_KEYS = 32, 64
+BWD_HEADS, BWD_KEYS, BWD_WARPS, BWD_STAGES = 16, 64, 4, 2
 # The dkv pass: DKV_KEYS selected rows of one token and DKV_COLUMNS of their K columns per program, the token's
 # heads walked DKV_HEADS at a time as the products' reduction. Programs over all 576 columns fit only 32 rows
 # (64 rows spill their [64, 512] fp32 accumulator) and each re-reads the token's whole q and dO: 201 ms at 32768
@@ -38,7 +39,7 @@ DKV_HEADS, DKV_KEYS, DKV_COLUMNS, DKV_WARPS, DKV_STAGES = 32, 64, 128, 4, 3
 # Tokens per backward chunk: p and ds of a chunk are two [chunk, H, S] buffers in q's dtype (2.1 GB at 128
 # heads and 2048 keys in bf16; onboard/memory.py counts them)
 BWD_CHUNK_TOKENS = 2048
-# 8 warps and 2 pipeline stages, the forward and the backward's dq pass: the fastest timed (bench/NOTES.md)
+# the forward's warps and pipeline stages: the fastest timed (bench/NOTES.md)
 NUM_WARPS, NUM_STAGES = 8, 2
 
 
@@ -235,7 +236,7 @@ def sparse_attention_bwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, do_BTHV, scal
         n = min(chunk, B * T - tok0)
         fast(_bwd_dq_kernel)[(n * triton.cdiv(H, dq_tiles["BH"]),)](
             q_BTHK, kv_BTK, idx_BTS, o_BTHV, do_BTHV, lse_BTH, dq_BTHK, p_CHS, ds_CHS, scale, scale * LOG2E, tok0,
-            T, H, S, V, R, **dq_tiles, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+            T, H, S, V, R, **dq_tiles, num_warps=BWD_WARPS, num_stages=BWD_STAGES)
         fast(_bwd_dkv_kernel)[(n * dkv_programs,)](
             q_BTHK, idx_BTS, do_BTHV, p_CHS, ds_CHS, dkv32_BTK, tok0, T, H, S, V, R, **dkv_tiles,
             num_warps=DKV_WARPS, num_stages=DKV_STAGES)
