@@ -1,6 +1,6 @@
 """DSA Triton kernels under TRITON_INTERPRET=1 vs the fp64 reference: sparse attention forward,
-dq, dkv (idx with -1 slots, NaN-prefilled outputs, several head blocks per token, dkv column blocks of
-partial width) and the fused indexer top-k.
+dq, dkv (idx with -1 slots, NaN-prefilled outputs, several head blocks per token, dq and dkv column blocks
+of partial width) and the fused indexer top-k.
 
 Shape legend: B batch, T tokens, H heads, K = V + R key width, V value width, S selected keys.
 fp32 inputs: under the interpreter a tl.dot on bf16 operands is wrong in triton 3.9.
@@ -55,30 +55,40 @@ def test_several_head_blocks_per_token_match_reference(monkeypatch):
     """3 heads in blocks of 2 (the second padded), so a token's programs are neighbours on the 1-D
     grid as at 128 heads; smaller key steps, so that a row's keys take several; the backward in chunks."""
     monkeypatch.setattr(attention, "FWD_HEADS", 2)
-    monkeypatch.setattr(attention, "BWD_HEADS", 2)
+    monkeypatch.setattr(attention, "SCORE_HEADS", 2)
     monkeypatch.setattr(attention, "FWD_KEYS", 4)
-    monkeypatch.setattr(attention, "BWD_KEYS", 4)
-    # the dkv pass in blocks of 2 heads and 4 slots, and the backward in chunks of 7 tokens, which cross the
-    # batch boundary (T 19) and leave a short last chunk
+    monkeypatch.setattr(attention, "SCORE_KEYS", 4)
+    # the dq and dkv passes in blocks of 2 heads and 4 slots, and the backward in chunks of 7 tokens, which cross
+    # the batch boundary (T 19) and leave a short last chunk
+    monkeypatch.setattr(attention, "DQ_HEADS", 2)
+    monkeypatch.setattr(attention, "DQ_KEYS", 4)
     monkeypatch.setattr(attention, "DKV_HEADS", 2)
     monkeypatch.setattr(attention, "DKV_KEYS", 4)
     monkeypatch.setattr(attention, "BWD_CHUNK_TOKENS", 7)
     # guards the test: the kernels really see two head blocks per token
-    assert attention._tiles(3, 32, 16, attention.BWD_HEADS, attention.BWD_KEYS)["BH"] == 2
+    assert attention._tiles(3, 32, 16, attention.SCORE_HEADS, attention.SCORE_KEYS)["BH"] == 2
+    assert attention._column_tiles(3, 8, 16, attention.DQ_HEADS, attention.DQ_KEYS, attention.DQ_COLUMNS)["BH"] == 2
     assert_matches_reference(2, 19, 3, 32, 16, 8, drop=0.2, seed=4)
 
 
-def test_dkv_column_blocks_match_reference(monkeypatch):
-    """The dkv pass in 16-column blocks: V 40 takes three value blocks and R 24 two rope blocks, the last of each
-    8 wide; 16 slots a program, so 21 slots take two blocks, the second 5 wide; 2 heads of 3 a step; chunks of 7
-    tokens crossing the batch boundary (T 30); dropped slots on top of the causal -1 padding."""
-    monkeypatch.setattr(attention, "DKV_HEADS", 2)
-    monkeypatch.setattr(attention, "DKV_KEYS", 16)
-    monkeypatch.setattr(attention, "DKV_COLUMNS", 16)
+def test_dq_and_dkv_column_blocks_match_reference(monkeypatch):
+    """The dq and dkv passes in 16-column blocks: V 40 takes three value blocks and R 24 two rope blocks, the last
+    of each 8 wide; 16 slots a step or program, so 21 slots take two blocks, the second 5 wide; 2 heads of 3 a
+    program (dq) or step (dkv); chunks of 7 tokens crossing the batch boundary (T 30); dropped slots on top of the
+    causal -1 padding. Then R 12: one rope block of 16 columns, narrower than the 32-column value blocks."""
+    for name, value in (("HEADS", 2), ("KEYS", 16), ("COLUMNS", 16)):
+        monkeypatch.setattr(attention, "DQ_" + name, value)
+        monkeypatch.setattr(attention, "DKV_" + name, value)
     monkeypatch.setattr(attention, "BWD_CHUNK_TOKENS", 7)
-    # guards the test: the dkv kernel really sees these tiles
-    assert attention._dkv_tiles(3, 21) == dict(BH=2, BS=16, BC=16)
+    # guards the test: the column kernels really see these tiles
+    for prefix in ("DQ_", "DKV_"):
+        tiles = attention._column_tiles(3, 21, 24, *(getattr(attention, prefix + n) for n in ("HEADS", "KEYS", "COLUMNS")))
+        assert tiles == dict(BH=2, BS=16, BC=16, BCR=16)
     assert_matches_reference(2, 30, 3, 40, 24, 21, drop=0.2, seed=6)
+    monkeypatch.setattr(attention, "DQ_COLUMNS", 32)
+    monkeypatch.setattr(attention, "DKV_COLUMNS", 32)
+    assert attention._column_tiles(3, 21, 12, 2, 16, 32) == dict(BH=2, BS=16, BC=32, BCR=16)
+    assert_matches_reference(2, 30, 3, 40, 12, 21, drop=0.2, seed=7)
 
 
 def test_sparse_attention_query_without_keys_gives_zeros():

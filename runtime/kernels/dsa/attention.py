@@ -1,17 +1,20 @@
 """Sparse MLA attention (DSA) in Triton: forward with online softmax, backward for dq and dkv.
 
 Shape legend: B batch, T tokens, H heads, K = V + R key width, V value (latent) width, R tail
-(rope) width, S selected keys; in-kernel tiles: BH heads, BS selected keys, BV / BR padded widths, BC columns.
+(rope) width, S selected keys; in-kernel tiles: BH heads, BS selected keys, BV / BR padded widths, BC value
+and BCR rope columns.
 
 One program handles one query token and a block of BH heads: all heads of a token share the
 same selected kv rows, so a gathered [BS, K] tile feeds a [BH, BS] score tile. Keys are visited
 in tiles of BS indices; index -1 masks a slot. The forward saves the base-2 log-sum-exp. The backward
-runs two passes per chunk of tokens: the first recomputes the probabilities p, accumulates dq in registers
-and stores p and scale * ds of the chunk; the second, one program per (token, BS index slots, BC of the K
+runs three passes per chunk of tokens: the scores pass recomputes the probabilities p and stores p and
+scale * ds of the chunk; the dq pass, one program per (token, BH heads, BC of the K columns), is the product
+(scale * ds) [BH, S] x the selected kv rows [S, BC]; the dkv pass, one program per (token, BS index slots, BC
 columns), reduces over all the token's heads on tensor cores, (scale * ds)^T q + p^T dO for value columns and
 (scale * ds)^T q for the rope tail, and scatter-adds that [BS, BC] block of dkv rows into an fp32 buffer with
-atomics (several tokens select the same key row). Done in one pass, each head block added its own partial dkv
-rows (4x the atomics at 32 heads a program; bench/NOTES.md).
+atomics (several tokens select the same key row). Apart, each pass runs its products on warpgroup tiles: with
+dq accumulated in the scores pass, its [heads, 576] fp32 accumulator held that pass to 16 heads a program
+(bench/NOTES.md).
 """
 from __future__ import annotations
 
@@ -24,11 +27,14 @@ from runtime.kernels.launch import fast
 
 LOG2E = 1.4426950408889634
 # Heads per program (BH) and selected keys per step (BS): all heads of a token share its gathered
-# kv rows, so more heads per program means fewer gathers. The backward's dq pass also holds dO and dq of its
-# heads: 16 heads and 64 keys at 4 warps the fastest timed there, 4% ahead of 32 heads at 8 warps (64 heads 27%
-# slower; bench/NOTES.md).
+# kv rows, so more heads per program means fewer gathers.
 FWD_HEADS, FWD_KEYS = 64, 64
-BWD_HEADS, BWD_KEYS, BWD_WARPS, BWD_STAGES = 16, 64, 4, 2
+# The backward's scores pass: p and ds of SCORE_HEADS heads, holding their q and dO. 64 heads is one warpgroup
+# tile; 32 keys a step leave shared memory for 3 stages (64 keys: 1 stage fits, 87 ms against 81 at 32768 tokens).
+SCORE_HEADS, SCORE_KEYS, SCORE_WARPS, SCORE_STAGES = 64, 32, 4, 3
+# The dq pass: DQ_HEADS heads x DQ_COLUMNS of the K columns per program, the token's selected rows walked
+# DQ_KEYS at a time as the product's reduction (22.5 ms at 32768 tokens; bench/NOTES.md has the configs timed).
+DQ_HEADS, DQ_KEYS, DQ_COLUMNS, DQ_WARPS, DQ_STAGES = 128, 64, 128, 8, 5
 # The dkv pass: DKV_KEYS selected rows of one token and DKV_COLUMNS of their K columns per program, the token's
 # heads walked DKV_HEADS at a time as the products' reduction. Programs over all 576 columns fit only 32 rows
 # (64 rows spill their [64, 512] fp32 accumulator) and each re-reads the token's whole q and dO: 201 ms at 32768
@@ -107,10 +113,10 @@ def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, scale_log2, T, H, S, V, 
 
 
 @triton.jit
-def _bwd_dq_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, p_ptr, ds_ptr,
-                   scale, scale_log2, tok0, T, H, S, V, R,
-                   BH: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
-    """dq of BH heads of one token, and that token's p and scale * ds ([chunk token, H, S], for _bwd_dkv_kernel)."""
+def _bwd_scores_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, do_ptr, lse_ptr, p_ptr, ds_ptr,
+                       scale, scale_log2, tok0, T, H, S, V, R,
+                       BH: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr):
+    """p and scale * ds of BH heads of one token, stored [chunk token, H, S] for the dq and dkv passes."""
     tok, h0 = _token_and_head0(H, BH)
     tok += tok0
     K = V + R
@@ -123,67 +129,111 @@ def _bwd_dq_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, do_ptr, lse_ptr, dq_ptr, p_ptr
     lse = tl.load(lse_ptr + tok * H + offs_h, mask=head_ok, other=float("inf"))
     # softmax backward's row term sum_v o * dO, here rather than as torch passes over fp32 copies of o and dO
     delta = tl.sum(_load_heads(o_ptr, tok, h0, H, V, V, 0, BH, BV).to(tl.float32) * do.to(tl.float32), 1)
-    dq_v = tl.zeros([BH, BV], tl.float32)
-    dq_r = tl.zeros([BH, BR], tl.float32)
     saved = ((tok - tok0) * H + offs_h[:, None]) * S
     for s0 in range(0, S, BS):
         valid, rows, kv_v, kv_r = _load_selected(kv_ptr, idx_ptr, tok, T, S, s0, V, R, K, BS, BV, BR)
         logits = tl.dot(q_v, tl.trans(kv_v)) + tl.dot(q_r, tl.trans(kv_r))
         p = tl.where(valid[None, :], tl.exp2(logits * scale_log2 - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(kv_v))
-        # gradient w.r.t. the scaled logits; dq takes the scale once at the end, the stored copy now
-        ds = p * (dp - delta[:, None])
-        dq_v += tl.dot(ds.to(kv_v.dtype), kv_v)
-        dq_r += tl.dot(ds.to(kv_v.dtype), kv_r)
+        # the gradient w.r.t. the unscaled logits: the scale of the logits folded in
+        ds = p * (dp - delta[:, None]) * scale
         offs_s = s0 + tl.arange(0, BS)
         at = saved + offs_s[None, :]
         keep = head_ok[:, None] & (offs_s < S)[None, :]
         tl.store(p_ptr + at, p.to(p_ptr.dtype.element_ty), mask=keep)
-        tl.store(ds_ptr + at, (ds * scale).to(ds_ptr.dtype.element_ty), mask=keep)
-    dq_row = dq_ptr + (tok * H + offs_h[:, None]) * K
-    offs_v, offs_r = tl.arange(0, BV), tl.arange(0, BR)
-    tl.store(dq_row + offs_v[None, :], (dq_v * scale).to(dq_ptr.dtype.element_ty), mask=head_ok[:, None] & (offs_v[None, :] < V))
-    tl.store(dq_row + V + offs_r[None, :], (dq_r * scale).to(dq_ptr.dtype.element_ty), mask=head_ok[:, None] & (offs_r[None, :] < R))
+        tl.store(ds_ptr + at, ds.to(ds_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def _column_block(block, V, R, BC: tl.constexpr, BCR: tl.constexpr):
+    """(first column, width) of column block `block` of a K = V + R row: cdiv(V, BC) value blocks of BC columns,
+    then cdiv(R, BCR) rope blocks of BCR, so that no block straddles the two."""
+    num_value_blocks = tl.cdiv(V, BC)
+    is_value = block < num_value_blocks
+    col0 = tl.where(is_value, block * BC, V + (block - num_value_blocks) * BCR)
+    return col0, tl.where(is_value, V, V + R) - col0
+
+
+@triton.jit
+def _selected_rows(idx_ptr, tok, T, S, offs_s):
+    """(valid, kv row) of index slots offs_s of token `tok` (of the B * T)."""
+    idx = tl.load(idx_ptr + tok * S + offs_s, mask=offs_s < S, other=-1)
+    valid = idx >= 0
+    return valid, ((tok // T) * T + tl.where(valid, idx, 0)).to(tl.int64)
+
+
+@triton.jit
+def _dq_columns(kv_ptr, idx_ptr, ds_ptr, dq_ptr, tok, tok0, T, H, S, K, h0, col0, width,
+                BH: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr):
+    offs_h, offs_c = h0 + tl.arange(0, BH), tl.arange(0, BC)
+    head_ok, col_ok = offs_h < H, offs_c < width
+    acc = tl.zeros([BH, BC], tl.float32)
+    for s0 in range(0, S, BS):
+        offs_s = s0 + tl.arange(0, BS)
+        valid, rows = _selected_rows(idx_ptr, tok, T, S, offs_s)
+        # the scores pass stored 0 for masked slots; slots past S are not in the buffer
+        ds = tl.load(ds_ptr + ((tok - tok0) * H + offs_h[:, None]) * S + offs_s[None, :],
+                     mask=head_ok[:, None] & (offs_s < S)[None, :], other=0.0)
+        kv = tl.load(kv_ptr + rows[:, None] * K + col0 + offs_c[None, :], mask=valid[:, None] & col_ok[None, :],
+                     other=0.0)
+        acc = tl.dot(ds, kv.to(ds.dtype), acc)
+    tl.store(dq_ptr + (tok * H + offs_h[:, None]) * K + col0 + offs_c[None, :], acc.to(dq_ptr.dtype.element_ty),
+             mask=head_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _bwd_dq_kernel(kv_ptr, idx_ptr, ds_ptr, dq_ptr, tok0, T, H, S, V, R,
+                   BH: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr, BCR: tl.constexpr):
+    """One column block (BC value or BCR rope columns) of dq of BH heads of one token: (scale * ds) [BH, S] x the
+    selected kv rows [S, columns], the slots the reduction. A token's programs are neighbours on the 1-D grid,
+    the column blocks of one head block innermost, so they read the same ds rows through L2."""
+    num_head_blocks = tl.cdiv(H, BH)
+    num_col_blocks = tl.cdiv(V, BC) + tl.cdiv(R, BCR)
+    pid = tl.program_id(0).to(tl.int64)
+    tok = tok0 + pid // (num_head_blocks * num_col_blocks)
+    h0 = (pid // num_col_blocks % num_head_blocks).to(tl.int32) * BH
+    col0, width = _column_block((pid % num_col_blocks).to(tl.int32), V, R, BC, BCR)
+    # the rope tail's narrower block in a branch: a launch of its own would read the chunk's ds from HBM again
+    if col0 < V:
+        _dq_columns(kv_ptr, idx_ptr, ds_ptr, dq_ptr, tok, tok0, T, H, S, V + R, h0, col0, width, BH, BS, BC)
+    else:
+        _dq_columns(kv_ptr, idx_ptr, ds_ptr, dq_ptr, tok, tok0, T, H, S, V + R, h0, col0, width, BH, BS, BCR)
 
 
 @triton.jit
 def _bwd_dkv_kernel(q_ptr, idx_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr, tok0, T, H, S, V, R,
-                    BH: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr):
-    """Columns col0..col0+BC-1 of the dkv of the BS selected rows of one token's index slots s0.. : the sum over
-    all heads of (scale * ds)^T q, plus p^T dO for value columns, as [BS, heads] x [heads, BC] products (the heads
-    are the reduction), added into the fp32 dkv rows with atomics (several tokens select the same row).
-    Column blocks cdiv(V, BC) value blocks, then cdiv(R, BC) rope blocks; a token's programs are neighbours
-    on the 1-D grid, the column blocks of one slot block innermost, so they read the same p, ds, q and dO
-    through L2."""
+                    BH: tl.constexpr, BS: tl.constexpr, BC: tl.constexpr, ROPE: tl.constexpr):
+    """One block of BC value columns (or, with ROPE, rope columns) of the dkv of the BS selected rows of one
+    token's index slots s0.. : the sum over all heads of (scale * ds)^T q, plus p^T dO for value columns, as
+    [BS, heads] x [heads, BC] products (the heads are the reduction), added into the fp32 dkv rows with atomics
+    (several tokens select the same row). A token's programs are neighbours on the 1-D grid, the column blocks of
+    one slot block innermost, so they read the same p, ds, q and dO through L2."""
     num_slot_blocks = tl.cdiv(S, BS)
-    num_value_blocks = tl.cdiv(V, BC)
-    num_col_blocks = num_value_blocks + tl.cdiv(R, BC)
+    num_col_blocks = tl.cdiv(R if ROPE else V, BC)
     pid = tl.program_id(0).to(tl.int64)
     tok = tok0 + pid // (num_slot_blocks * num_col_blocks)
     s0 = (pid // num_col_blocks % num_slot_blocks).to(tl.int32) * BS
-    block = (pid % num_col_blocks).to(tl.int32)
-    is_value = block < num_value_blocks
-    col0 = tl.where(is_value, block * BC, V + (block - num_value_blocks) * BC)
-    width = tl.where(is_value, V, V + R) - col0
+    col0 = (V if ROPE else 0) + (pid % num_col_blocks).to(tl.int32) * BC
     K = V + R
+    width = (K if ROPE else V) - col0
     offs_s = s0 + tl.arange(0, BS)
-    idx = tl.load(idx_ptr + tok * S + offs_s, mask=offs_s < S, other=-1)
-    valid = idx >= 0
-    rows = ((tok // T) * T + tl.where(valid, idx, 0)).to(tl.int64)
-    # rope blocks have no p^T dO term: no head's p is read and their dO columns lie past V (masked), so the second
-    # product adds zeros (one block in five at V 512, R 64 and 128 columns) rather than a branch inside the pipelined
-    # loop
-    p_heads = tl.where(is_value, H, 0)
+    valid, rows = _selected_rows(idx_ptr, tok, T, S, offs_s)
     acc = tl.zeros([BS, BC], tl.float32)
     for h0 in range(0, H, BH):
         offs_h = h0 + tl.arange(0, BH)
         at = ((tok - tok0) * H + offs_h[:, None]) * S + offs_s[None, :]
-        p = tl.load(p_ptr + at, mask=(offs_h < p_heads)[:, None] & valid[None, :], other=0.0)
-        ds = tl.load(ds_ptr + at, mask=(offs_h < H)[:, None] & valid[None, :], other=0.0)
+        keep = (offs_h < H)[:, None] & valid[None, :]
+        # every load of the step before its products (each product after its own loads took 140 ms against 123)
+        if not ROPE:
+            p = tl.load(p_ptr + at, mask=keep, other=0.0)
+        ds = tl.load(ds_ptr + at, mask=keep, other=0.0)
         q = _load_heads(q_ptr, tok, h0, H, width, K, col0, BH, BC)
-        do = _load_heads(do_ptr, tok, h0, H, V - col0, V, col0, BH, BC)
+        if not ROPE:
+            do = _load_heads(do_ptr, tok, h0, H, width, V, col0, BH, BC)
         acc = tl.dot(tl.trans(ds).to(q.dtype), q, acc)
-        acc = tl.dot(tl.trans(p).to(do.dtype), do, acc)
+        # the rope tail has no p^T dO term
+        if not ROPE:
+            acc = tl.dot(tl.trans(p).to(do.dtype), do, acc)
     offs_c = tl.arange(0, BC)
     tl.atomic_add(dkv_ptr + rows[:, None] * K + col0 + offs_c[None, :], acc,
                   mask=valid[:, None] & (offs_c[None, :] < width), sem="relaxed")
@@ -194,9 +244,15 @@ def _tiles(H, V, R, max_heads, keys):
                 BV=max(16, triton.next_power_of_2(V)), BR=max(16, triton.next_power_of_2(R)))
 
 
-def _dkv_tiles(H, S):
-    return dict(BH=min(DKV_HEADS, max(16, triton.next_power_of_2(H))),
-                BS=min(DKV_KEYS, max(16, triton.next_power_of_2(S))), BC=DKV_COLUMNS)
+def _column_tiles(H, S, R, max_heads, keys, columns):
+    """Tiles of the passes over column blocks (dq, dkv): BH heads, BS index slots, BC value and BCR rope columns."""
+    return dict(BH=min(max_heads, max(16, triton.next_power_of_2(H))),
+                BS=min(keys, max(16, triton.next_power_of_2(S))), BC=columns,
+                BCR=min(columns, max(16, triton.next_power_of_2(R))))
+
+
+def _num_column_blocks(V, R, tiles):
+    return triton.cdiv(V, tiles["BC"]) + triton.cdiv(R, tiles["BCR"])
 
 
 def _launch(kernel, B, T, H, V, R, max_heads, keys, *args):
@@ -218,8 +274,8 @@ def sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, scale, v_dim):
 
 def sparse_attention_bwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, do_BTHV, scale):
     """-> (dq_BTHK in q's dtype, dkv_BTK in kv's dtype); dkv is accumulated in fp32.
-    Per chunk of BWD_CHUNK_TOKENS tokens: _bwd_dq_kernel (dq, and the chunk's p and scale * ds in q's dtype),
-    then _bwd_dkv_kernel reading them back: the buffers are [chunk, H, S] each."""
+    Per chunk of BWD_CHUNK_TOKENS tokens: _bwd_scores_kernel (the chunk's p and scale * ds in q's dtype), then
+    _bwd_dq_kernel and _bwd_dkv_kernel reading them back: the buffers are [chunk, H, S] each."""
     B, T, H, K = q_BTHK.shape
     S, V = idx_BTS.shape[-1], o_BTHV.shape[-1]
     R = K - V
@@ -229,17 +285,25 @@ def sparse_attention_bwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, do_BTHV, scal
     chunk = min(B * T, BWD_CHUNK_TOKENS)
     p_CHS = buffers.empty(chunk, H, S, dtype=q_BTHK.dtype, device=q_BTHK.device)
     ds_CHS = buffers.empty(chunk, H, S, dtype=q_BTHK.dtype, device=q_BTHK.device)
-    dq_tiles = _tiles(H, V, R, BWD_HEADS, BWD_KEYS)
-    dkv_tiles = _dkv_tiles(H, S)
-    dkv_programs = triton.cdiv(S, dkv_tiles["BS"]) * (triton.cdiv(V, DKV_COLUMNS) + triton.cdiv(R, DKV_COLUMNS))
+    score_tiles = _tiles(H, V, R, SCORE_HEADS, SCORE_KEYS)
+    dq_tiles = _column_tiles(H, S, R, DQ_HEADS, DQ_KEYS, DQ_COLUMNS)
+    dkv_tiles = _column_tiles(H, S, R, DKV_HEADS, DKV_KEYS, DKV_COLUMNS)
+    dq_programs = triton.cdiv(H, dq_tiles["BH"]) * _num_column_blocks(V, R, dq_tiles)
+    dkv_slot_blocks = triton.cdiv(S, dkv_tiles["BS"])
     for tok0 in range(0, B * T, chunk):
         n = min(chunk, B * T - tok0)
-        fast(_bwd_dq_kernel)[(n * triton.cdiv(H, dq_tiles["BH"]),)](
-            q_BTHK, kv_BTK, idx_BTS, o_BTHV, do_BTHV, lse_BTH, dq_BTHK, p_CHS, ds_CHS, scale, scale * LOG2E, tok0,
-            T, H, S, V, R, **dq_tiles, num_warps=BWD_WARPS, num_stages=BWD_STAGES)
-        fast(_bwd_dkv_kernel)[(n * dkv_programs,)](
-            q_BTHK, idx_BTS, do_BTHV, p_CHS, ds_CHS, dkv32_BTK, tok0, T, H, S, V, R, **dkv_tiles,
-            num_warps=DKV_WARPS, num_stages=DKV_STAGES)
+        fast(_bwd_scores_kernel)[(n * triton.cdiv(H, score_tiles["BH"]),)](
+            q_BTHK, kv_BTK, idx_BTS, o_BTHV, do_BTHV, lse_BTH, p_CHS, ds_CHS, scale, scale * LOG2E, tok0,
+            T, H, S, V, R, **score_tiles, num_warps=SCORE_WARPS, num_stages=SCORE_STAGES)
+        fast(_bwd_dq_kernel)[(n * dq_programs,)](
+            kv_BTK, idx_BTS, ds_CHS, dq_BTHK, tok0, T, H, S, V, R, **dq_tiles,
+            num_warps=DQ_WARPS, num_stages=DQ_STAGES)
+        # the rope tail in its own launch of narrower blocks without the p^T dO product (a branch between the two
+        # block shapes inside one kernel slowed the value blocks: 174 ms against 126 for full-width rope blocks)
+        for rope, width, columns in ((False, V, dkv_tiles["BC"]), (True, R, dkv_tiles["BCR"])):
+            fast(_bwd_dkv_kernel)[(n * dkv_slot_blocks * triton.cdiv(width, columns),)](
+                q_BTHK, idx_BTS, do_BTHV, p_CHS, ds_CHS, dkv32_BTK, tok0, T, H, S, V, R, BH=dkv_tiles["BH"],
+                BS=dkv_tiles["BS"], BC=columns, ROPE=rope, num_warps=DKV_WARPS, num_stages=DKV_STAGES)
     return dq_BTHK, dkv32_BTK.to(kv_BTK.dtype)
 
 
