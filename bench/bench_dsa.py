@@ -3,7 +3,7 @@
 Shape legend: B batch, T tokens, H heads, K key width, V value width, S selected keys,
 I indexer heads, J indexer head width, N queries of the correctness subset.
 
-    PYTHONUNBUFFERED=1 python bench/bench_dsa.py [--T 32768] [--out DIR]
+    PYTHONUNBUFFERED=1 python bench/bench_dsa.py [--T 32768] [--out DIR] [--dense-backends flash,efficient,cudnn]
 
 Correctness: bf16 kernels vs the fp64 reference on the same bf16 inputs, on a subset of query
 tokens (the full fp64 reference does not fit at T=32768): outputs and dq on those rows, dkv from
@@ -49,8 +49,13 @@ def try_time(label, fn, reps):
         return None
 
 
-def dense_baseline(T):
-    """Dense causal MLA through SDPA, unabsorbed widths: fwd + bwd per SDPA backend."""
+SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                 "cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def dense_baseline(T, backends=tuple(SDPA_BACKENDS)):
+    """Dense causal MLA through SDPA, unabsorbed widths: fwd + bwd with the default dispatch (the baseline) and
+    with each of `backends` forced."""
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k = (torch.randn(1, H, T, QK, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_() for _ in range(2))
     v = torch.randn(1, H, T, VD, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
@@ -60,9 +65,8 @@ def dense_baseline(T):
         F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=QK**-0.5).backward(do)
 
     results = {"default": try_time("SDPA default dispatch fwd+bwd", step, reps=3)}
-    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
-                          ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-        with sdpa_kernel([backend]):
+    for name in backends:
+        with sdpa_kernel([SDPA_BACKENDS[name]]):
             results[name] = try_time(f"SDPA {name} fwd+bwd", step, reps=3)
     return results
 
@@ -146,7 +150,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--T", type=int, default=32768)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    # the efficient backend takes 35 s a step at T=131072 (7x the default dispatch): worth leaving out there
+    parser.add_argument("--dense-backends", default=",".join(SDPA_BACKENDS),
+                        help="SDPA backends timed beside the default dispatch, comma-separated (default: all)")
     args = parser.parse_args()
+    backends = [name for name in args.dense_backends.split(",") if name]
+    unknown = sorted(set(backends) - set(SDPA_BACKENDS))
+    if unknown:
+        parser.error(f"--dense-backends: unknown {', '.join(unknown)}; choose from {', '.join(SDPA_BACKENDS)}")
     T, scale = args.T, QK**-0.5
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} T={T}", flush=True)
     q, kv, iq, ik, iw = sparse_inputs(T)
@@ -161,7 +172,7 @@ def main():
     del q, kv, iq, ik, iw, idx
     torch.cuda.empty_cache()
     print("dense causal MLA via SDPA (q/k 192, v 128, 128 heads):", flush=True)
-    dense_ms = dense_baseline(T)
+    dense_ms = dense_baseline(T, backends)
     ours_ms = sum(breakdown.values())
     baseline_ms = dense_ms["default"]
     fastest_dense = best(dense_ms)
@@ -177,7 +188,8 @@ def main():
         "max_rel_err": max(attention_check[k] for k in ("o", "dq", "dkv")), "peak_mem_gib": peak,
         "breakdown_ms": breakdown, "dense_ms": dense_ms,
         "correctness": {"attention_rel_rms": attention_check, "indexer": index_check},
-        "command": "PYTHONUNBUFFERED=1 python bench/bench_dsa.py --T %d --out $OUT" % T,
+        "command": " ".join(["PYTHONUNBUFFERED=1 python bench/bench_dsa.py --T", str(T), "--out $OUT"]
+                            + (["--dense-backends", args.dense_backends] if backends != list(SDPA_BACKENDS) else [])),
         "date": datetime.date.today().isoformat(), "torch": torch.__version__,
     }
     print(f"\n{'part':<22}{'ms':>10}")
