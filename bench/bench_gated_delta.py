@@ -31,8 +31,8 @@ import runtime.ops.kda as chunked_kda
 from bench.timing import kernel_ms, peak_gib, time_ms
 from runtime.tolerances import compare, tolerance_for
 
-COMMAND = ("python3 bench/bench_gated_delta.py --out $OUT  (wheels fla-core 0.6.0, einops 0.8.2, transformers 5.24.0 "
-           "installed with --target /tmp/site and put on PYTHONPATH with the repository root)")
+WHEELS = ("(wheels fla-core 0.6.0, einops 0.8.2, transformers 5.24.0 installed with --target /tmp/site and put on "
+          "PYTHONPATH with the repository root)")
 OPS = {"gdn": "gated_delta_rule", "kda": "kda"}
 NAMES = ("o", "dq", "dk", "dv", "dg", "dbeta")
 
@@ -144,9 +144,10 @@ def precision(kind: str, x: dict) -> dict:
 
 
 def measurements(kind: str, x: dict) -> list[tuple[str, object]]:
-    """(key, zero-argument function) in the order they run: ours first, so a run cut short keeps them."""
+    """(key, zero-argument function) in the order they run: ours first, so a run cut short keeps them, then fla
+    (the GPU-time bar's peer), then the torch path, the slowest (KDA's takes over a second a step)."""
     steps = [("precision", lambda: precision(kind, x))]
-    for name, make in (("ours", ours), ("baseline", transformers_torch), ("fla", fla)):
+    for name, make in (("ours", ours), ("fla", fla), ("baseline", transformers_torch)):
         # the torch path takes up to seconds a step: one warm-up, and for KDA three timed steps
         reps, warmup = ((3 if kind == "kda" else 10), 1) if name == "baseline" else (10, 3)
         for backward, what in ((False, "fwd"), (True, "fwdbwd")):
@@ -176,7 +177,7 @@ def field(r: dict, key: str, name: str):
     return value.get(name) if isinstance(value, dict) else None
 
 
-def results_file(kind: str, r: dict, shape: str, device: str) -> dict:
+def results_file(kind: str, r: dict, shape: str, device: str, command: str) -> dict:
     """The JSON of one kind: shared/TARGETS.md's fields, then the details."""
     ours_ms, base_ms = field(r, "ours_fwdbwd", "ms"), field(r, "baseline_fwdbwd", "ms")
     prec = r.get("precision") if isinstance(r.get("precision"), dict) else {}
@@ -188,7 +189,7 @@ def results_file(kind: str, r: dict, shape: str, device: str) -> dict:
         "baseline_ms": base_ms, "ours_ms": ours_ms,
         "speedup": base_ms / ours_ms if ours_ms and base_ms else None,
         "max_rel_err": max((v["rel_rms"] for v in prec.values()), default=None),
-        "command": COMMAND, "date": datetime.date.today().isoformat(),
+        "command": f"{command}  {WHEELS}", "date": datetime.date.today().isoformat(),
         "fwd_gpu_ms": field(r, "ours_fwd_gpu", "total"), "fla_fwd_gpu_ms": field(r, "fla_fwd_gpu", "total"),
         "fwdbwd_gpu_ms": field(r, "ours_fwdbwd_gpu", "total"),
         "fla_fwdbwd_gpu_ms": field(r, "fla_fwdbwd_gpu", "total"),
@@ -231,6 +232,9 @@ def main(argv=None) -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--kinds", default="gdn,kda")
     args = parser.parse_args(argv)
+    command = " ".join(["python3 bench/bench_gated_delta.py --out $OUT"]
+                       + [f"--{name.replace('_', '-')} {value}" for name, value in vars(args).items()
+                          if name != "out" and value != parser.get_default(name)])
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name()
@@ -240,7 +244,7 @@ def main(argv=None) -> None:
         print(f"{kind}: {shape} on {device}", flush=True)
 
         def save(r, kind=kind):
-            results[kind] = results_file(kind, r, shape, device)
+            results[kind] = results_file(kind, r, shape, device, command)
             (out / f"{kind}.json").write_text(json.dumps(results[kind], indent=2))
 
         run_kind(kind, make_inputs(kind, args.seq_len, args.heads, args.dim), save)
