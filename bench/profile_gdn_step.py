@@ -1,17 +1,27 @@
-"""Two GDN forward+backward steps at the benchmark shape (B1 T8192 H32 K=V=128 bf16), for a profiler to attach to.
+"""Two GDN or KDA forward+backward steps at the benchmark shape (B1 T8192 H32 K=V=128 bf16), for a profiler to
+attach to.
 
     ncu --kernel-name regex:"scan_kernel|scan_bwd_kernel|state_grad_kernel|wy_grad_kernel" --launch-skip 4 \\
         --launch-count 4 --section WarpStateStats --section SchedulerStats --section Occupancy \\
         --section SpeedOfLight python3 bench/profile_gdn_step.py
+    ncu --kernel-name regex:"prep_blocked_kernel|prep_columns_kernel|diag_token_kernel" --launch-skip 3 \\
+        --launch-count 3 --section WarpStateStats --section SchedulerStats --section Occupancy \\
+        --section SpeedOfLight --section MemoryWorkloadAnalysis python3 bench/profile_gdn_step.py --kind kda
 
-What it found is in bench/NOTES.md.
+(KDA's forward runs diag_token, prep_blocked and prep_columns once a step: skip the first step's three.) What it
+found is in bench/NOTES.md.
 """
+import argparse
+
 import torch
 
 from bench.bench_gated_delta import make_inputs, ours, training_step
 
 if __name__ == "__main__":
-    step = training_step(ours("gdn"), make_inputs("gdn", 8192, 32, 128), True)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kind", choices=("gdn", "kda"), default="gdn")
+    kind = parser.parse_args().kind
+    step = training_step(ours(kind), make_inputs(kind, 8192, 32, 128), True)
     for _ in range(2):
         step()
     torch.cuda.synchronize()
