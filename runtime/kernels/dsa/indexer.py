@@ -71,7 +71,8 @@ def indexer_topk(q_BTHK, k_BTK, weights_BTH, scale, topk, block_size=QUERY_BLOCK
 
     q_BTHK [B, T, H, K], k_BTK [B, T, K], weights_BTH [B, T, H] -> idx_BTS [B, T, S] int32; each row is a
     set, in no particular order, -1 slots anywhere in it (the attention sums over the set; an unsorted top-k
-    took 3-15% less time than a sorted one on 4096-query blocks at T 32768 and 131072). Peak extra memory: one [B, block_size, T] fp32 block.
+    took 3-15% less time than a sorted one on 4096-query blocks at T 32768 and 131072). Peak extra memory: one
+    [B, block_size, T] fp32 block.
     """
     q_BTHK, k_BTK, weights_BTH = q_BTHK.contiguous(), k_BTK.contiguous(), weights_BTH.contiguous()
     B, T = k_BTK.shape[:2]
