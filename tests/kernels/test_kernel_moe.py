@@ -133,7 +133,9 @@ def test_sum_k_over_two_column_blocks():
 def test_schedule_covers_every_row_once(E, k, empty, block_m):
     idx, _ = _routing(E, k, empty, seed=7)
     sched = schedule.build_schedule(idx, E, block_m=block_m)
-    assert torch.equal(sched.ends_E.long(), torch.searchsorted(sched.expert_S, torch.arange(E), right=True))
+    assert torch.equal(sched.ends_E.long(), torch.searchsorted(sched.expert_S.long(), torch.arange(E), right=True))
+    # the narrow sort keys give the int64 ids' stable order
+    assert torch.equal(sched.pair_S, torch.sort(idx.reshape(-1), stable=True).indices)
     covered = torch.zeros(idx.numel(), dtype=torch.int64)
     for e, start in zip(sched.tile_expert.tolist(), sched.tile_start.tolist()):
         if e < E:
@@ -173,7 +175,7 @@ def test_sorted_rows_wgrad_per_expert_and_its_fallback():
     a, b = torch.randn(S, 8), torch.randn(S, 12)
     got = grouped_wgrad.sorted_rows_wgrad(a, b, sched)
     expected = torch.zeros(7, 8, 12, dtype=torch.float64).index_add_(
-        0, sched.expert_S, a.double()[:, :, None] * b.double()[:, None, :])
+        0, sched.expert_S.long(), a.double()[:, :, None] * b.double()[:, None, :])
     assert torch.equal(got[4], torch.zeros_like(got[4]))
     assert_close(got, expected, "swiglu_experts", torch.float32, "grad", "w_gu")
     # 6 fp32 per row: 24 bytes

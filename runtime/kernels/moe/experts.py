@@ -196,7 +196,7 @@ def _low_rank(a: Rows, left, right, scale: float, sched: Schedule, transposed: b
 
 def _segment_sum(rows_SN: torch.Tensor, sched: Schedule) -> torch.Tensor:
     out = torch.zeros(sched.num_experts, rows_SN.shape[1], dtype=torch.float32, device=rows_SN.device)
-    return out.index_add_(0, sched.expert_S, rows_SN)
+    return out.index_add_(0, sched.expert_S.long(), rows_SN)
 
 
 def _routed_sum(rows_TN: torch.Tensor, w_P: torch.Tensor, idx_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:

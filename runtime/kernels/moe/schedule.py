@@ -24,7 +24,7 @@ from runtime.kernels import buffers
 @dataclass(frozen=True)
 class Schedule:
     pair_S: torch.Tensor  # int64: index of the sorted row's pair in the flattened [T * k] routing
-    expert_S: torch.Tensor  # int64: the sorted row's expert
+    expert_S: torch.Tensor  # int16 (int32 past 32767 experts): the sorted row's expert
     ends_E: torch.Tensor  # int32: one past each expert's last sorted row
     tile_expert: torch.Tensor  # int32 [num_tiles]: expert of each row tile, E for unused tiles
     tile_start: torch.Tensor  # int32 [num_tiles]: first sorted row of each tile
@@ -95,7 +95,9 @@ def _row_tiles(expert_S: torch.Tensor, num_experts: int, block_m: int):
 
 
 def build_schedule(idx_Tk: torch.Tensor, num_experts: int, block_m: int) -> Schedule:
-    expert_S, pair_S = torch.sort(idx_Tk.reshape(-1), stable=True)
+    # the radix sort takes a pass per 8 key bits: int16 expert ids two, the router's int64 ids eight
+    key_dtype = torch.int16 if num_experts <= torch.iinfo(torch.int16).max else torch.int32
+    expert_S, pair_S = torch.sort(idx_Tk.reshape(-1).to(key_dtype), stable=True)
     ends_E, tile_expert, tile_start = _row_tiles(expert_S, num_experts, block_m)
     return Schedule(pair_S=pair_S, expert_S=expert_S, ends_E=ends_E, tile_expert=tile_expert,
                     tile_start=tile_start, block_m=block_m, num_experts=num_experts, top_k=idx_Tk.shape[1])
