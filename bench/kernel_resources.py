@@ -5,7 +5,8 @@ without a GPU: what decides occupancy and whether a tile layout spills, checked 
     resources(forward.scan_kernel, {"w_ptr": "*bf16", ..., "n": "i32"}, {"H": 32, "K": 128}, num_warps=8)
     -> {"registers": 255, "spill_bytes": 24, "stack_bytes": 8, "shared_bytes": 32768}
 
-Pointer arguments not named in `signature` default to "*bf16", other non-constexpr ones to "i32".
+Pointer arguments not named in `signature` default to "*bf16", other non-constexpr ones to "i32". Gluon kernels
+(`@gluon.jit`) compile the same way.
 Uses the ptxas that ships with triton (its newer build: the older one rejects triton 3.9's PTX).
 """
 from __future__ import annotations
@@ -33,9 +34,12 @@ def resources(kernel, signature: dict, constexprs: dict, num_warps: int = 4, num
             sig[name] = "constexpr"
         else:
             sig[name] = signature.get(name, "*bf16" if name.endswith("_ptr") else "i32")
-    src = ASTSource(fn=fn, signature=sig,
-                    constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
-                    attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in divisible_by_16})
+    source = ASTSource
+    if type(fn).__name__ == "GluonJITFunction":
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    src = source(fn=fn, signature=sig,
+                 constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()},
+                 attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in divisible_by_16})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")

@@ -14,7 +14,8 @@ columns), reduces over all the token's heads on tensor cores, (scale * ds)^T q +
 (scale * ds)^T q for the rope tail, and scatter-adds that [BS, BC] block of dkv rows into an fp32 buffer with
 atomics (several tokens select the same key row). Apart, each pass runs its products on warpgroup tiles: with
 dq accumulated in the scores pass, its [heads, 576] fp32 accumulator held that pass to 16 heads a program
-(bench/NOTES.md).
+(bench/NOTES.md). On Hopper, for bf16 shapes its tiles take, the forward and the dkv pass run as hopper.py's Gluon
+kernels (the same contracts); these Triton kernels run everywhere else, and under the CPU interpreter.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import triton
 import triton.language as tl
 
 from runtime.kernels import buffers
+from runtime.kernels.dsa import hopper
 from runtime.kernels.launch import fast
 
 LOG2E = 1.4426950408889634
@@ -267,6 +269,9 @@ def sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, scale, v_dim):
     S, R = idx_BTS.shape[-1], K - v_dim
     o_BTHV = buffers.empty(B, T, H, v_dim, dtype=q_BTHK.dtype, device=q_BTHK.device)
     lse_BTH = buffers.empty(B, T, H, dtype=torch.float32, device=q_BTHK.device)
+    if hopper.use_forward(q_BTHK, kv_BTK, v_dim):
+        hopper.sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale)
+        return o_BTHV, lse_BTH
     _launch(_fwd_kernel, B, T, H, v_dim, R, FWD_HEADS, FWD_KEYS,
             q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale * LOG2E, T, H, S, v_dim, R)
     return o_BTHV, lse_BTH
@@ -290,6 +295,7 @@ def sparse_attention_bwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, do_BTHV, scal
     dkv_tiles = _column_tiles(H, S, R, DKV_HEADS, DKV_KEYS, DKV_COLUMNS)
     dq_programs = triton.cdiv(H, dq_tiles["BH"]) * _num_column_blocks(V, R, dq_tiles)
     dkv_slot_blocks = triton.cdiv(S, dkv_tiles["BS"])
+    dkv_in_gluon = hopper.use_dkv(q_BTHK, do_BTHV, S)
     for tok0 in range(0, B * T, chunk):
         n = min(chunk, B * T - tok0)
         fast(_bwd_scores_kernel)[(n * triton.cdiv(H, score_tiles["BH"]),)](
@@ -298,6 +304,9 @@ def sparse_attention_bwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, do_BTHV, scal
         fast(_bwd_dq_kernel)[(n * dq_programs,)](
             kv_BTK, idx_BTS, ds_CHS, dq_BTHK, tok0, T, H, S, V, R, **dq_tiles,
             num_warps=DQ_WARPS, num_stages=DQ_STAGES)
+        if dkv_in_gluon:
+            hopper.dkv_pass(q_BTHK, idx_BTS, do_BTHV, p_CHS, ds_CHS, dkv32_BTK, tok0, n)
+            continue
         # the rope tail in its own launch of narrower blocks without the p^T dO product (a branch between the two
         # block shapes inside one kernel slowed the value blocks: 174 ms against 126 for full-width rope blocks)
         for rope, width, columns in ((False, V, dkv_tiles["BC"]), (True, R, dkv_tiles["BCR"])):

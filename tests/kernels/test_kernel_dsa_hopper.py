@@ -1,0 +1,102 @@
+"""The Gluon DSA kernels for Hopper (runtime/kernels/dsa/hopper.py): their tiles compile for sm_90a on any
+machine (Gluon has no CPU interpreter, so this is what CI can check of them: the installed triton accepts them,
+nothing spills, shared memory fits), the dispatch rules, and on a Hopper GPU their results against the fp64
+reference and against the Triton kernels they replace.
+
+Shape legend: B batch, T tokens, H heads, K = V + R key width, V value width, R rope width, S selected keys.
+"""
+import pytest
+import torch
+
+from reference_ops import dsa as ref
+from runtime.kernels import dsa as kernels
+from runtime.kernels.dsa import hopper
+from runtime.tolerances import assert_close
+from tests.dsa_problems import random_sparse_problem
+
+needs_gluon = pytest.mark.skipif(hopper.gluon is None, reason="this triton has no Gluon Hopper modules")
+on_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                               reason="the Gluon kernels run on Hopper (sm_90) only")
+
+POINTERS = ("q_ptr", "kv_ptr", "idx_ptr", "o_ptr", "lse_ptr", "do_ptr", "p_ptr", "ds_ptr", "dkv_ptr")
+# (H, V, R): the benchmark's MLA shape and a narrower one
+SHAPES = [(128, 512, 64), (64, 256, 32)]
+
+
+def compiled_resources(kernel, constexprs, num_warps):
+    from bench.kernel_resources import resources
+
+    names = kernel.arg_names
+    signature = {"idx_ptr": "*i32", "lse_ptr": "*fp32", "dkv_ptr": "*fp32", "scale_log2": "fp32"}
+    # the launch specializes contiguous bf16 rows' pointers and S (a multiple of 64 here) as multiples of 16
+    divisible = tuple(n for n in names if n in POINTERS or n == "S")
+    return resources(kernel, signature, constexprs, num_warps=num_warps, divisible_by_16=divisible)
+
+
+@needs_gluon
+@pytest.mark.parametrize("H,V,R", SHAPES)
+def test_gluon_kernels_compile_for_sm90a_without_spills(H, V, R):
+    assert hopper.forward_fits(H, V, R, torch.bfloat16) and hopper.dkv_fits(H, V, R, 2048, torch.bfloat16)
+    forward = compiled_resources(hopper._fwd_kernel, dict(V=V, R=R, BH=hopper.FWD_HEADS, BS=hopper.FWD_KEYS,
+                                                           STAGES=hopper.FWD_STAGES, num_warps=hopper.FWD_WARPS),
+                                 hopper.FWD_WARPS)
+    dkv = compiled_resources(hopper._bwd_dkv_kernel, dict(H=H, V=V, R=R, BS=hopper.DKV_SLOTS, BC=hopper.DKV_COLUMNS,
+                                                          num_warps=hopper.DKV_WARPS), hopper.DKV_WARPS)
+    for name, used in (("forward", forward), ("dkv", dkv)):
+        assert used["spill_bytes"] == 0 and used["stack_bytes"] == 0, (name, used)
+        assert 0 < used["shared_bytes"] <= hopper.SHARED_BYTES, (name, used)
+        assert used["registers"] <= 255, (name, used)
+
+
+def test_shapes_the_gluon_tiles_do_not_take_stay_on_triton():
+    bf16 = torch.bfloat16
+    assert hopper.forward_fits(128, 512, 64, bf16)
+    assert not hopper.forward_fits(128, 512, 64, torch.float32)  # bf16 MMAs only
+    assert not hopper.forward_fits(96, 512, 64, bf16)  # whole 64-head blocks
+    assert not hopper.forward_fits(128, 384, 64, bf16)  # power-of-two value width
+    assert not hopper.forward_fits(128, 512, 128, bf16)  # q and two gathered steps exceed shared memory
+    assert hopper.dkv_fits(128, 512, 64, 2048, bf16)
+    assert not hopper.dkv_fits(128, 512, 64, 2000, bf16)  # whole slot blocks
+    assert not hopper.dkv_fits(128, 512, 48, 2048, bf16)  # one power-of-two rope MMA
+    assert not hopper.dkv_fits(512, 512, 64, 2048, bf16)  # p, ds, q and dO of all heads exceed shared memory
+    q_BTHK, kv_BTK = torch.zeros(1, 4, 64, 576, dtype=bf16), torch.zeros(1, 4, 576, dtype=bf16)
+    assert not hopper.use_forward(q_BTHK, kv_BTK, 512)  # CPU tensors
+
+
+def sparse_problem(B, T, H, V, R, S, seed):
+    """bf16 CUDA inputs with 20% of the causal slots dropped to -1, and dO."""
+    q_BTHK, kv_BTK, idx_BTS = random_sparse_problem(B, T, H, V + R, S, torch.float32, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    idx_BTS = idx_BTS.masked_fill(torch.rand(idx_BTS.shape, generator=g) < 0.2, -1)
+    do_BTHV = torch.randn(B, T, H, V, generator=g)
+    return [t.cuda() for t in (q_BTHK.bfloat16(), kv_BTK.bfloat16(), idx_BTS, do_BTHV.bfloat16())]
+
+
+def run(q_BTHK, kv_BTK, idx_BTS, do_BTHV, V, fn, dtype):
+    q, kv = q_BTHK.to(dtype).requires_grad_(), kv_BTK.to(dtype).requires_grad_()
+    o_BTHV = fn(q, kv, idx_BTS, (q.shape[-1]) ** -0.5, V)
+    o_BTHV.backward(do_BTHV.to(dtype))
+    return o_BTHV, q.grad, kv.grad
+
+
+# S 128: both Gluon kernels; S 96: the forward masks a partial last step, the dkv pass stays on Triton
+@on_hopper
+@pytest.mark.parametrize("B,T,H,V,R,S", [(2, 300, 128, 512, 64, 128), (1, 200, 64, 256, 32, 96)])
+def test_gluon_kernels_match_reference_and_triton(B, T, H, V, R, S, monkeypatch):
+    problem = sparse_problem(B, T, H, V, R, S, seed=3)
+    expected = run(*problem, V, ref.sparse_attention, torch.float64)
+    used = []
+    for name in ("sparse_attention_fwd", "dkv_pass"):
+        monkeypatch.setattr(hopper, name, (lambda f, n: lambda *a: (used.append(n), f(*a))[1])(getattr(hopper, name), name))
+    actual = run(*problem, V, kernels.sparse_attention, torch.bfloat16)
+    assert used.count("sparse_attention_fwd") == 1
+    assert used.count("dkv_pass") == (1 if S % hopper.DKV_SLOTS == 0 else 0)
+    for label, a, e in zip(("o", "dq", "dkv"), actual, expected):
+        assert_close(a, e, "dsa_attention", torch.bfloat16, "out" if label == "o" else "grad", label)
+    # the Triton kernels on the same inputs: only rounding and the atomics' order differ
+    monkeypatch.setattr(hopper, "use_forward", lambda *a: False)
+    monkeypatch.setattr(hopper, "use_dkv", lambda *a: False)
+    triton_results = run(*problem, V, kernels.sparse_attention, torch.bfloat16)
+    for label, a, t in zip(("o", "dq", "dkv"), actual, triton_results):
+        rel_rms = ((a.float() - t.float()).square().sum() / t.float().square().sum()).sqrt().item()
+        assert rel_rms < 1e-3, (label, rel_rms)
