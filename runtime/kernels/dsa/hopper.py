@@ -6,10 +6,11 @@ BS keys (index slots) a step, BC value columns a block.
 
 Why Gluon: Triton picks the shared-memory staging and the instruction order itself; Gluon states them. The forward
 gathers each step's selected kv rows with cp.async into a two-stage ring while the warpgroup MMAs of the step
-before run from shared memory (the Triton kernel loads the gathered rows into registers first). The dkv pass keeps
+before run from shared memory (the Triton kernel loads the gathered rows into registers first), the gather's
+indices loaded a step earlier. The dkv pass keeps
 one token's p and ds of BS slots in shared memory across every column block, loads the next block's q and dO
 while this block's atomics go out, and so reads p and ds from L2 once rather than once per column block. On one
-H200 at T 32768, H 128, K 576 / V 512, S 2048 (bench/NOTES.md, ninth session): forward 55.1 ms against the Triton
+H200 at T 32768, H 128, K 576 / V 512, S 2048 (bench/NOTES.md, ninth session): forward 49.1 ms against the Triton
 kernel's 72.5, dkv pass 79.3 against 123.6; the results agree with the Triton kernels' to 1.2e-5 (o) and 4.9e-7
 (dkv) relative RMS.
 
@@ -35,7 +36,7 @@ except ImportError:  # a triton without Gluon's Hopper modules: attention.py kee
     gluon = None
 
 # Forward: one program per (token, FWD_HEADS heads), FWD_KEYS selected rows a step, FWD_STAGES of them in flight.
-# 64 keys x 2 stages: 55 ms at 32768 tokens; 32 x 3 took 79, and issuing the next step's scores before this step's
+# 64 keys x 2 stages: 49 ms at 32768 tokens; 32 x 3 took 79, and issuing the next step's scores before this step's
 # P V (FlashAttention-3's order) took 90 at 32 keys, the only width where it fits shared memory (bench/NOTES.md).
 FWD_HEADS, FWD_KEYS, FWD_STAGES, FWD_WARPS = 64, 64, 2, 8
 # The dkv pass: one program per (token, DKV_SLOTS index slots), DKV_COLUMNS columns a block, 4-wide atomics
@@ -96,13 +97,17 @@ if gluon is not None:
     _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
     @gluon.jit
-    def _gather_step(kv_ptr, idx_ptr, tok, T, S, s0, kv_v_smem, kv_r_smem,
-                     V: gl.constexpr, R: gl.constexpr, BS: gl.constexpr, LOAD: gl.constexpr):
-        """cp.async of the kv rows of index slots s0.. s0 + BS - 1 into one stage, as one commit group; -1 slots
-        (and slots past S) read row 0, finite data whose logits are masked to -inf."""
+    def _load_indices(idx_ptr, tok, S, s0, BS: gl.constexpr, LAYOUT: gl.constexpr):
+        """Index slots s0.. s0 + BS - 1 of one token, -1 past S."""
+        offs_s = s0 + gl.arange(0, BS, layout=LAYOUT)
+        return gl.load(idx_ptr + tok * S + offs_s, mask=offs_s < S, other=-1)
+
+    @gluon.jit
+    def _gather_step(kv_ptr, idx, tok, T, kv_v_smem, kv_r_smem, V: gl.constexpr, R: gl.constexpr,
+                     LOAD: gl.constexpr):
+        """cp.async of the kv rows of one step's indices into one stage, as one commit group; -1 slots read row 0,
+        finite data whose logits are masked to -inf."""
         K: gl.constexpr = V + R
-        offs_s = s0 + gl.arange(0, BS, layout=gl.SliceLayout(1, LOAD))
-        idx = gl.load(idx_ptr + tok * S + offs_s, mask=offs_s < S, other=-1)
         rows = ((tok // T) * T + gl.where(idx >= 0, idx, 0)).to(gl.int64)
         offs_v = gl.arange(0, V, layout=gl.SliceLayout(0, LOAD))
         offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LOAD))
@@ -143,9 +148,12 @@ if gluon is not None:
         q_v_smem.store(gl.load(q_ptr + q_rows[:, None] + gl.arange(0, V, layout=gl.SliceLayout(0, LOAD))[None, :]))
         q_r_smem.store(gl.load(q_ptr + q_rows[:, None] + V
                                + gl.arange(0, R, layout=gl.SliceLayout(0, LOAD))[None, :]))
-        for st in gl.static_range(STAGES - 1):
-            _gather_step(kv_ptr, idx_ptr, tok, T, S, st * BS, kv_v_ring.index(st), kv_r_ring.index(st),
-                         V, R, BS, LOAD)
+        # the indices of a gather are loaded a step before it: its addresses do not wait on a fresh load
+        IDX: gl.constexpr = gl.SliceLayout(1, LOAD)
+        for first in gl.static_range(STAGES - 1):
+            _gather_step(kv_ptr, _load_indices(idx_ptr, tok, S, first * BS, BS, IDX), tok, T,
+                         kv_v_ring.index(first), kv_r_ring.index(first), V, R, LOAD)
+        idx_ahead = _load_indices(idx_ptr, tok, S, (STAGES - 1) * BS, BS, IDX)
 
         m = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_MMA))
         l = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(1, S_MMA))
@@ -157,10 +165,13 @@ if gluon is not None:
             _barrier()
             ahead = j + STAGES - 1
             if ahead < num_steps:
-                _gather_step(kv_ptr, idx_ptr, tok, T, S, ahead * BS, kv_v_ring.index(ahead % STAGES),
-                             kv_r_ring.index(ahead % STAGES), V, R, BS, LOAD)
+                _gather_step(kv_ptr, idx_ahead, tok, T, kv_v_ring.index(ahead % STAGES),
+                             kv_r_ring.index(ahead % STAGES), V, R, LOAD)
             else:
                 async_copy.commit_group()  # an empty group keeps wait_group's count
+            idx_ahead = _load_indices(idx_ptr, tok, S, (ahead + 1) * BS, BS, IDX)
+            # the slot mask loads before the gather's wait, under it
+            valid = _load_indices(idx_ptr, tok, S, j * BS, BS, gl.SliceLayout(0, S_MMA)) >= 0
             async_copy.wait_group(STAGES - 1)
             # cp.async wrote through the generic proxy, the MMAs read through the async one: fence, then wait for
             # every thread's rows
@@ -172,8 +183,6 @@ if gluon is not None:
             s = warpgroup_mma(q_v_smem, kv_v.permute((1, 0)), s, use_acc=False, is_async=True)
             s = warpgroup_mma(q_r_smem, kv_r.permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            offs_s = j * BS + gl.arange(0, BS, layout=gl.SliceLayout(0, S_MMA))
-            valid = gl.load(idx_ptr + tok * S + offs_s, mask=offs_s < S, other=-1) >= 0
             logits = gl.where(valid[None, :], s * scale_log2, float("-inf"))
             m_new = gl.maximum(m, gl.max(logits, axis=1))
             # while no valid key has been seen m_new is -inf; shift by 0 to keep exp2 finite
