@@ -42,7 +42,9 @@ def resources(kernel, signature: dict, constexprs: dict, num_warps: int = 4, num
                  attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in divisible_by_16})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, num_stages=num_stages))
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    # triton 3.6 and later ship a second, newer ptxas; earlier releases one
+    ptxas = next(p for p in (os.path.join(bin_dir, name) for name in ("ptxas-blackwell", "ptxas")) if os.path.exists(p))
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "k.ptx")
         with open(ptx, "w") as f:

@@ -269,8 +269,8 @@ def sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, scale, v_dim):
     S, R = idx_BTS.shape[-1], K - v_dim
     o_BTHV = buffers.empty(B, T, H, v_dim, dtype=q_BTHK.dtype, device=q_BTHK.device)
     lse_BTH = buffers.empty(B, T, H, dtype=torch.float32, device=q_BTHK.device)
-    if hopper.use_forward(q_BTHK, kv_BTK, v_dim):
-        hopper.sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale)
+    if hopper.use_forward(q_BTHK, kv_BTK, v_dim) and hopper.sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV,
+                                                                                  lse_BTH, scale):
         return o_BTHV, lse_BTH
     _launch(_fwd_kernel, B, T, H, v_dim, R, FWD_HEADS, FWD_KEYS,
             q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale * LOG2E, T, H, S, v_dim, R)
@@ -304,8 +304,7 @@ def sparse_attention_bwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, do_BTHV, scal
         fast(_bwd_dq_kernel)[(n * dq_programs,)](
             kv_BTK, idx_BTS, ds_CHS, dq_BTHK, tok0, T, H, S, V, R, **dq_tiles,
             num_warps=DQ_WARPS, num_stages=DQ_STAGES)
-        if dkv_in_gluon:
-            hopper.dkv_pass(q_BTHK, idx_BTS, do_BTHV, p_CHS, ds_CHS, dkv32_BTK, tok0, n)
+        if dkv_in_gluon and hopper.dkv_pass(q_BTHK, idx_BTS, do_BTHV, p_CHS, ds_CHS, dkv32_BTK, tok0, n):
             continue
         # the rope tail in its own launch of narrower blocks without the p^T dO product (a branch between the two
         # block shapes inside one kernel slowed the value blocks: 174 ms against 126 for full-width rope blocks)

@@ -21,9 +21,11 @@ path everywhere else and under TRITON_INTERPRET=1.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import triton
+from triton.compiler.errors import CompilationError
 
 from runtime.kernels.launch import fast, interpreting
 
@@ -45,6 +47,8 @@ DKV_SLOTS, DKV_COLUMNS, DKV_WARPS = 64, 64, 4
 # Hopper's shared memory a block can hold
 SHARED_BYTES = 227 * 1024
 LOG2E = 1.4426950408889634
+# Gluon kernels that did not compile in this process: the Triton kernels run in their place
+_failed: set[str] = set()
 
 
 @functools.cache
@@ -295,19 +299,41 @@ if gluon is not None:
         _add_rows(dkv_ptr, acc_r, rows, valid, V, K, R, ADD)
 
 
-def sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale):
-    """attention.sparse_attention_fwd's kernel (use_forward must hold): writes o_BTHV and lse_BTH."""
+def _compiles(name: str, launch) -> bool:
+    """Runs launch() and returns True, or, where the Gluon kernel does not compile with the installed triton (Gluon
+    is experimental: its calls move between releases), warns once, remembers it and returns False, so that the
+    caller runs its Triton kernel: a moved API costs speed, not the run. Other errors propagate."""
+    if name in _failed:
+        return False
+    try:
+        launch()
+    except (CompilationError, RuntimeError) as error:
+        # MLIR pass failures surface as RuntimeError("PassManager::run failed"); CUDA errors must not be swallowed
+        if not isinstance(error, CompilationError) and "PassManager" not in str(error):
+            raise
+        _failed.add(name)
+        last_line = (str(error).strip().splitlines() or [""])[-1][:200]
+        warnings.warn(f"the Gluon DSA {name} kernel does not compile with triton {triton.__version__} "
+                      f"({type(error).__name__}: {last_line}); the Triton kernel runs instead", stacklevel=3)
+        return False
+    return True
+
+
+def sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale) -> bool:
+    """attention.sparse_attention_fwd's kernel (use_forward must hold): writes o_BTHV and lse_BTH, or returns False
+    where the kernel does not compile here (nothing written)."""
     B, T, H, K = q_BTHK.shape
     S, V = idx_BTS.shape[-1], o_BTHV.shape[-1]
-    fast(_fwd_kernel)[(B * T * (H // FWD_HEADS),)](
+    return _compiles("forward", lambda: fast(_fwd_kernel)[(B * T * (H // FWD_HEADS),)](
         q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale * LOG2E, T, H, S, V=V, R=K - V, BH=FWD_HEADS, BS=FWD_KEYS,
-        STAGES=FWD_STAGES, num_warps=FWD_WARPS)
+        STAGES=FWD_STAGES, num_warps=FWD_WARPS))
 
 
-def dkv_pass(q_BTHK, idx_BTS, do_BTHV, p_CHS, ds_CHS, dkv32_BTK, tok0, num_tokens):
-    """The dkv pass of the chunk of num_tokens tokens from tok0 (use_dkv must hold): adds into dkv32_BTK."""
+def dkv_pass(q_BTHK, idx_BTS, do_BTHV, p_CHS, ds_CHS, dkv32_BTK, tok0, num_tokens) -> bool:
+    """The dkv pass of the chunk of num_tokens tokens from tok0 (use_dkv must hold): adds into dkv32_BTK, or returns
+    False where the kernel does not compile here (nothing added)."""
     _, T, H, K = q_BTHK.shape
     S, V = idx_BTS.shape[-1], do_BTHV.shape[-1]
-    fast(_bwd_dkv_kernel)[(num_tokens * (S // DKV_SLOTS),)](
+    return _compiles("dkv", lambda: fast(_bwd_dkv_kernel)[(num_tokens * (S // DKV_SLOTS),)](
         q_BTHK, idx_BTS, do_BTHV, p_CHS, ds_CHS, dkv32_BTK, tok0, T, S, H=H, V=V, R=K - V, BS=DKV_SLOTS,
-        BC=DKV_COLUMNS, num_warps=DKV_WARPS)
+        BC=DKV_COLUMNS, num_warps=DKV_WARPS))
