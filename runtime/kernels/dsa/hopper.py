@@ -4,15 +4,17 @@ _fwd_kernel and _bwd_dkv_kernel, run in their place where `forward_fits` / `dkv_
 Shape legend: T tokens, H heads, K = V + R key width (V value, R rope), S selected keys; in-kernel tiles: BH heads,
 BS keys (index slots) a step, BC value columns a block.
 
-Why Gluon: Triton picks the shared-memory staging and the instruction order itself; Gluon states them. The forward
-gathers each step's selected kv rows with cp.async into a two-stage ring while the warpgroup MMAs of the step
-before run from shared memory (the Triton kernel loads the gathered rows into registers first), the gather's
-indices loaded a step earlier. The dkv pass keeps
-one token's p and ds of BS slots in shared memory across every column block, loads the next block's q and dO
-while this block's atomics go out, and so reads p and ds from L2 once rather than once per column block. On one
-H200 at T 32768, H 128, K 576 / V 512, S 2048 (bench/NOTES.md, ninth session): forward 49.1 ms against the Triton
-kernel's 72.5, dkv pass 79.3 against 123.6; the results agree with the Triton kernels' to 1.2e-5 (o) and 4.9e-7
-(dkv) relative RMS.
+Why Gluon: Triton picks the shared-memory staging and the instruction order itself; Gluon states them.
+- The forward gathers each step's selected kv rows with cp.async into a two-stage ring while the warpgroup MMAs of
+  the step before run from shared memory (the Triton kernel loads the gathered rows into registers first). A
+  gather's indices are loaded a step before it.
+- The dkv pass keeps one token's p and ds of BS slots in shared memory across every column block and loads the next
+  block's q and dO while this block's atomics go out: it reads p and ds from L2 once, not once per column block.
+
+On one H200 at T 32768, H 128, K 576 / V 512, S 2048 (bench/NOTES.md, ninth session): forward 49.1 ms against the
+Triton kernel's 72.5, dkv pass 79.3 against 123.6; the results agree with the Triton kernels' to 1.2e-5 (o) and
+4.9e-7 (dkv) relative RMS. The widths they take are the ones run on the H200 (value 256 and 512; rope 32 and 64 in
+the forward, 64 in the dkv pass) and those between.
 
 Gluon has no CPU interpreter: tests compile these kernels for sm_90a on any machine (registers, spills, shared
 memory) and check their results against the fp64 reference where a Hopper GPU is. The Triton kernels stay the
@@ -71,7 +73,7 @@ def forward_fits(H: int, V: int, R: int, dtype: torch.dtype) -> bool:
     shared memory."""
     shared = 2 * (FWD_HEADS + FWD_STAGES * FWD_KEYS) * (V + R)
     return (dtype == torch.bfloat16 and H % FWD_HEADS == 0 and _power_of_two(V) and _power_of_two(R)
-            and 64 <= V <= 512 and 16 <= R <= 256 and shared <= SHARED_BYTES)
+            and 128 <= V <= 512 and 32 <= R <= 256 and shared <= SHARED_BYTES)
 
 
 def dkv_fits(H: int, V: int, R: int, S: int, dtype: torch.dtype) -> bool:
@@ -80,7 +82,7 @@ def dkv_fits(H: int, V: int, R: int, S: int, dtype: torch.dtype) -> bool:
     ds, q, dO and q's rope block of all heads in shared memory."""
     shared = 2 * H * (2 * DKV_SLOTS + 2 * DKV_COLUMNS + R)
     return (dtype == torch.bfloat16 and H % 64 == 0 and S % DKV_SLOTS == 0 and V % DKV_COLUMNS == 0
-            and _power_of_two(R) and 16 <= R <= 256 and shared <= SHARED_BYTES)
+            and _power_of_two(R) and 64 <= R <= 256 and shared <= SHARED_BYTES)
 
 
 def use_forward(q_BTHK: torch.Tensor, kv_BTK: torch.Tensor, v_dim: int) -> bool:
