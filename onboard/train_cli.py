@@ -185,7 +185,7 @@ def _train(args) -> int:
 
     from runtime import balance
     from runtime.data import ChatTemplateError
-    from runtime.parallel.process import full_lora_state_dict, is_main, start
+    from runtime.parallel.process import finish, full_lora_state_dict, is_main, start
     from runtime.run_folder import save_adapter, write_run_json
     from runtime.train import TrainConfig, TrainingAborted, train
 
@@ -221,12 +221,12 @@ def _train(args) -> int:
         print(f"onboard: error: {err}", file=sys.stderr)
         return 1
     factors = full_lora_state_dict(model)
-    if not is_main():
-        return 0
-    # updated biases go beside the factors: export needs them to reproduce the run
-    save_adapter(out, factors, lora_config, balance.bias_state_dict(model) if cfg.correction_bias_rate else None)
-    print(f"trained {state['step']} steps into {out}; eval loss {state['eval_loss']:.4f}, "
-          f"best {state['best_eval_loss']:.4f} at step {state['best_step']}")
+    if is_main():
+        # updated biases go beside the factors: export needs them to reproduce the run
+        save_adapter(out, factors, lora_config, balance.bias_state_dict(model) if cfg.correction_bias_rate else None)
+        print(f"trained {state['step']} steps into {out}; eval loss {state['eval_loss']:.4f}, "
+              f"best {state['best_eval_loss']:.4f} at step {state['best_step']}")
+    finish()
     return 0
 
 

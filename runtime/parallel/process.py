@@ -22,8 +22,23 @@ def start() -> tuple[int, int, torch.device]:
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")
-    atexit.register(dist.destroy_process_group)
+    atexit.register(_destroy)
     return dist.get_rank(), world, device
+
+
+def finish() -> None:
+    """The end of a run that went well, on every rank: wait for all, then leave the group. A rank that tore its
+    group down while a peer was still finishing (rank 0 writing the adapter) was seen to abort in gloo's teardown
+    ("terminate called without an active exception", CI 2026-12-02); the barrier makes the ranks leave together."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _destroy() -> None:
+    # at exit after an error: no barrier, a peer may never reach it
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def is_main() -> bool:
