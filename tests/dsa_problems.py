@@ -20,6 +20,12 @@ def random_sparse_problem(B, T, H, K, S, dtype, seed=0):
     return q_BTHK, kv_BTK, idx_BTS
 
 
+def with_dropped_slots(idx_BTS, fraction, seed):
+    """Sets a random `fraction` of the index slots to -1 (on top of the causal padding)."""
+    g = torch.Generator().manual_seed(seed)
+    return idx_BTS.masked_fill(torch.rand(idx_BTS.shape, generator=g) < fraction, -1)
+
+
 def assert_same_selection(actual_BTS, expected_BTS, scores_BTT):
     """Top-k sets may differ only among keys of equal score (relu makes exact ties at zero):
     same number of valid keys per query, no repeats, and the same multiset of scores."""

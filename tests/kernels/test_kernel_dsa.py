@@ -12,15 +12,9 @@ from reference_ops import dsa as ref
 from runtime.kernels import dsa as kernels
 from runtime.kernels.dsa import attention, indexer
 from runtime.tolerances import assert_close
-from tests.dsa_problems import assert_same_selection, random_sparse_problem
+from tests.dsa_problems import assert_same_selection, random_sparse_problem, with_dropped_slots
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("nan_buffers")]
-
-
-def with_dropped_slots(idx_BTS, fraction, seed):
-    """Sets a random `fraction` of the index slots to -1 (on top of the causal padding)."""
-    g = torch.Generator().manual_seed(seed)
-    return idx_BTS.masked_fill(torch.rand(idx_BTS.shape, generator=g) < fraction, -1)
 
 
 def assert_matches_reference(B, T, H, V, R, S, drop, seed):
