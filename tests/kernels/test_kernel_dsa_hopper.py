@@ -46,7 +46,9 @@ def used(kernel, constexprs, num_warps):
 report = {}
 if hopper.forward_fits(H, V, R, hopper.torch.bfloat16):
     report["forward"] = used(hopper._fwd_kernel, dict(V=V, R=R, BH=hopper.FWD_HEADS, BS=hopper.FWD_KEYS,
-                                                      STAGES=hopper.FWD_STAGES, num_warps=hopper.FWD_WARPS),
+                                                      STAGES=hopper.FWD_STAGES, PRODUCER_WARPS=hopper.FWD_PRODUCER_WARPS,
+                                                      PRODUCER_REGS=hopper.FWD_PRODUCER_REGS,
+                                                      num_warps=hopper.FWD_WARPS),
                              hopper.FWD_WARPS)
 if hopper.dkv_fits(H, V, R, 2048, hopper.torch.bfloat16):
     report["dkv"] = used(hopper._bwd_dkv_kernel, dict(H=H, V=V, R=R, BS=hopper.DKV_SLOTS, BC=hopper.DKV_COLUMNS,

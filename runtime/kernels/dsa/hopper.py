@@ -5,16 +5,18 @@ Shape legend: T tokens, H heads, K = V + R key width (V value, R rope), S select
 BS keys (index slots) a step, BC value columns a block.
 
 Why Gluon: Triton picks the shared-memory staging and the instruction order itself; Gluon states them.
-- The forward gathers each step's selected kv rows with cp.async into a two-stage ring while the warpgroup MMAs of
-  the step before run from shared memory (the Triton kernel loads the gathered rows into registers first). A
-  gather's indices are loaded a step before it.
+- The forward's gathers run in a producer partition of their own (4 warps, few registers): cp.async of each step's
+  selected kv rows into a two-stage shared-memory ring, handed to the two consumer warpgroups through mbarriers.
+  Their warpgroup MMAs read the rows from shared memory (the Triton kernel loads the gathered rows into registers
+  first), and they no longer hold the gather's addresses (168 registers a thread against 228-255).
 - The dkv pass keeps one token's p and ds of BS slots in shared memory across every column block and loads the next
   block's q and dO while this block's atomics go out: it reads p and ds from L2 once, not once per column block.
 
-On one H200 at T 32768, H 128, K 576 / V 512, S 2048 (bench/NOTES.md, ninth session): forward 49.1 ms against the
-Triton kernel's 72.5, dkv pass 79.3 against 123.6; the results agree with the Triton kernels' to 1.2e-5 (o) and
-4.9e-7 (dkv) relative RMS. The widths they take are the ones run on the H200 (value 256 and 512; rope 32 and 64 in
-the forward, 64 in the dkv pass) and those between.
+On one H200 at T 32768, H 128, K 576 / V 512, S 2048 (bench/NOTES.md, ninth and tenth sessions): forward 47.7 ms
+against the Triton kernel's 72.5, dkv pass 79.3 against 123.6; the results agree with the Triton kernels' to 1.2e-5
+(o) and 4.9e-7 (dkv) relative RMS. The widths they take are the ones run on the H200 (value 256 and 512; rope 32
+and 64 in the forward, 64 in the dkv pass) and those between. Under triton 3.5 (another warp_specialize signature)
+the forward does not compile and the Triton kernel runs.
 
 Gluon has no CPU interpreter: tests compile these kernels for sm_90a on any machine (registers, spills, shared
 memory) and check their results against the fp64 reference where a Hopper GPU is. The Triton kernels stay the
@@ -35,14 +37,18 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, warpgroup_mma
-    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 except ImportError:  # a triton without Gluon's Hopper modules: attention.py keeps its Triton kernels
     gluon = None
 
 # Forward: one program per (token, FWD_HEADS heads), FWD_KEYS selected rows a step, FWD_STAGES of them in flight.
-# 64 keys x 2 stages: 49 ms at 32768 tokens; 32 x 3 took 79, and issuing the next step's scores before this step's
-# P V (FlashAttention-3's order) took 90 at 32 keys, the only width where it fits shared memory (bench/NOTES.md).
+# 64 keys x 2 stages: 47.7 ms at 32768 tokens; 32 x 3 took 79, and issuing the next step's scores before this
+# step's P V (FlashAttention-3's order) took 90 at 32 keys, the only width where it fits shared memory
+# (bench/NOTES.md).
 FWD_HEADS, FWD_KEYS, FWD_STAGES, FWD_WARPS = 64, 64, 2, 8
+# The forward's gather partition: 4 warps at 64 registers (47.7 ms at 32768 tokens against 49.7 with the consumers
+# gathering themselves; 2 warps at 88 registers 48.1, 4 at 48 48.1)
+FWD_PRODUCER_WARPS, FWD_PRODUCER_REGS = 4, 64
 # The dkv pass: one program per (token, DKV_SLOTS index slots), DKV_COLUMNS columns a block, 4-wide atomics
 # (79 ms at 32768 tokens; 64 x 128 columns 87-91, 128 slots x 128 at 8 warps 88).
 DKV_SLOTS, DKV_COLUMNS, DKV_WARPS = 64, 64, 4
@@ -109,85 +115,60 @@ if gluon is not None:
         return gl.load(idx_ptr + tok * S + offs_s, mask=offs_s < S, other=-1)
 
     @gluon.jit
-    def _gather_step(kv_ptr, idx, tok, T, kv_v_smem, kv_r_smem, V: gl.constexpr, R: gl.constexpr,
-                     LOAD: gl.constexpr):
-        """cp.async of the kv rows of one step's indices into one stage, as one commit group; -1 slots read row 0,
-        finite data whose logits are masked to -inf."""
-        K: gl.constexpr = V + R
-        rows = ((tok // T) * T + gl.where(idx >= 0, idx, 0)).to(gl.int64)
-        offs_v = gl.arange(0, V, layout=gl.SliceLayout(0, LOAD))
-        offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, LOAD))
-        _async_load(kv_v_smem, kv_ptr + rows[:, None] * K + offs_v[None, :])
-        _async_load(kv_r_smem, kv_ptr + rows[:, None] * K + V + offs_r[None, :])
-        async_copy.commit_group()
+    def _fwd_gather(kv_v_ring, kv_r_ring, full, empty, kv_ptr, idx_ptr, tok, T, S):
+        """The forward's producer partition: cp.async of each step's selected kv rows into the stage the consumers
+        released, arriving on full[stage] as its copies land; -1 slots read row 0, finite data whose logits are
+        masked to -inf."""
+        STAGES: gl.constexpr = kv_v_ring.shape[0]
+        BS: gl.constexpr = kv_v_ring.shape[1]
+        V: gl.constexpr = kv_v_ring.shape[2]
+        R: gl.constexpr = kv_r_ring.shape[2]
+        # V and R in pieces of CW columns: 16-byte vectors, CW / 8 threads along a row
+        CW: gl.constexpr = 64 if R >= 64 else R
+        LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CW // 8), CW // 8], [gl.num_warps(), 1], [1, 0])
+        offs_c = gl.arange(0, CW, layout=gl.SliceLayout(0, LOAD))
+        for j in range(gl.cdiv(S, BS)):
+            st = j % STAGES
+            # the consumers' arrival after their last products from this stage (step j - STAGES)
+            mbarrier.wait(empty.index(st), ((j // STAGES) - 1) & 1, pred=j >= STAGES)
+            idx = _load_indices(idx_ptr, tok, S, j * BS, BS, gl.SliceLayout(1, LOAD))
+            rows = ((tok // T) * T + gl.where(idx >= 0, idx, 0)).to(gl.int64) * (V + R)
+            for c in gl.static_range(V // CW):
+                _async_load(kv_v_ring.index(st).slice(c * CW, CW, dim=1), kv_ptr + rows[:, None] + c * CW + offs_c[None, :])
+            for c in gl.static_range(R // CW):
+                _async_load(kv_r_ring.index(st).slice(c * CW, CW, dim=1),
+                            kv_ptr + rows[:, None] + V + c * CW + offs_c[None, :])
+            # each producer thread arrives once its own copies have landed
+            async_copy.mbarrier_arrive(full.index(st), increment_count=False)
 
     @gluon.jit
-    def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, scale_log2, T, H, S,
-                    V: gl.constexpr, R: gl.constexpr, BH: gl.constexpr, BS: gl.constexpr,
-                    STAGES: gl.constexpr, num_warps: gl.constexpr):
-        """o and the base-2 lse of BH heads of one token (attention._fwd_kernel's math). Two warpgroups split the
-        BS keys of a step for S = q kv^T and the V value columns for O += P V; P goes to the MMA from registers."""
-        K: gl.constexpr = V + R
-        head_blocks = H // BH
-        pid = gl.program_id(0)
-        tok = (pid // head_blocks).to(gl.int64)
-        h0 = (pid % head_blocks) * BH
-
-        # 16-byte vectors along the columns of every global tile
-        LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    def _fwd_attend(q_v_smem, q_r_smem, kv_v_ring, kv_r_ring, full, empty, idx_ptr, o_ptr, lse_ptr, scale_log2, tok,
+                    h0, H, S):
+        """The forward's consumer partition, two warpgroups: they split a step's BS keys for S = q kv^T and the V
+        value columns for O += P V; P goes to the MMA from registers."""
+        BH: gl.constexpr = q_v_smem.shape[0]
+        STAGES: gl.constexpr = kv_v_ring.shape[0]
+        BS: gl.constexpr = kv_v_ring.shape[1]
+        V: gl.constexpr = kv_v_ring.shape[2]
         S_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                         instr_shape=[16, BS // 2, 16])
         O_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                         instr_shape=[16, V // 2, 16])
         P_DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_MMA, k_width=2)
-        q_v_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, V],
-                                             gl.NVMMASharedLayout.get_default_for([BH, V], gl.bfloat16))
-        q_r_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, R],
-                                             gl.NVMMASharedLayout.get_default_for([BH, R], gl.bfloat16))
-        kv_v_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BS, V],
-                                              gl.NVMMASharedLayout.get_default_for([BS, V], gl.bfloat16))
-        kv_r_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BS, R],
-                                              gl.NVMMASharedLayout.get_default_for([BS, R], gl.bfloat16))
-
-        offs_h = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, LOAD))
-        q_rows = (tok * H + offs_h).to(gl.int64) * K
-        q_v_smem.store(gl.load(q_ptr + q_rows[:, None] + gl.arange(0, V, layout=gl.SliceLayout(0, LOAD))[None, :]))
-        q_r_smem.store(gl.load(q_ptr + q_rows[:, None] + V
-                               + gl.arange(0, R, layout=gl.SliceLayout(0, LOAD))[None, :]))
-        # the indices of a gather are loaded a step before it: its addresses do not wait on a fresh load
-        IDX: gl.constexpr = gl.SliceLayout(1, LOAD)
-        for first in gl.static_range(STAGES - 1):
-            _gather_step(kv_ptr, _load_indices(idx_ptr, tok, S, first * BS, BS, IDX), tok, T,
-                         kv_v_ring.index(first), kv_r_ring.index(first), V, R, LOAD)
-        idx_ahead = _load_indices(idx_ptr, tok, S, (STAGES - 1) * BS, BS, IDX)
-
         m = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_MMA))
         l = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(1, S_MMA))
         o = gl.zeros([BH, V], gl.float32, layout=O_MMA)
-        num_steps = gl.cdiv(S, BS)
-        for j in range(num_steps):
-            # the step STAGES - 1 ahead goes into the stage the last step's products read: each warpgroup waited
-            # for its own products, the barrier waits for the other's
-            _barrier()
-            ahead = j + STAGES - 1
-            if ahead < num_steps:
-                _gather_step(kv_ptr, idx_ahead, tok, T, kv_v_ring.index(ahead % STAGES),
-                             kv_r_ring.index(ahead % STAGES), V, R, LOAD)
-            else:
-                async_copy.commit_group()  # an empty group keeps wait_group's count
-            idx_ahead = _load_indices(idx_ptr, tok, S, (ahead + 1) * BS, BS, IDX)
-            # the slot mask loads before the gather's wait, under it
+        for j in range(gl.cdiv(S, BS)):
+            st = j % STAGES
+            # the slot mask loads before the wait for the stage, under it
             valid = _load_indices(idx_ptr, tok, S, j * BS, BS, gl.SliceLayout(0, S_MMA)) >= 0
-            async_copy.wait_group(STAGES - 1)
-            # cp.async wrote through the generic proxy, the MMAs read through the async one: fence, then wait for
-            # every thread's rows
+            mbarrier.wait(full.index(st), (j // STAGES) & 1)
+            # cp.async wrote through the generic proxy, the MMAs read through the async one
             fence_async_shared()
-            _barrier()
-            kv_v = kv_v_ring.index(j % STAGES)
-            kv_r = kv_r_ring.index(j % STAGES)
+            kv_v = kv_v_ring.index(st)
             s = gl.zeros([BH, BS], gl.float32, layout=S_MMA)
             s = warpgroup_mma(q_v_smem, kv_v.permute((1, 0)), s, use_acc=False, is_async=True)
-            s = warpgroup_mma(q_r_smem, kv_r.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma(q_r_smem, kv_r_ring.index(st).permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             logits = gl.where(valid[None, :], s * scale_log2, float("-inf"))
             m_new = gl.maximum(m, gl.max(logits, axis=1))
@@ -200,6 +181,9 @@ if gluon is not None:
             o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_MMA))[:, None]
             o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_DOT), kv_v, o, is_async=True)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
+            # both warpgroups' products from this stage are done: one arrival hands it back to the producer
+            _barrier()
+            mbarrier.arrive(empty.index(st))
 
         has_keys = l > 0
         lse = gl.where(has_keys, m + gl.log2(gl.where(has_keys, l, 1.0)), float("inf"))
@@ -209,6 +193,45 @@ if gluon is not None:
         gl.store(o_ptr + (tok * H + offs_ho).to(gl.int64)[:, None] * V + offs_vo[None, :],
                  (o * inv_l[:, None]).to(gl.bfloat16))
         gl.store(lse_ptr + tok * H + h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, S_MMA)), lse)
+
+    @gluon.jit
+    def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, scale_log2, T, H, S,
+                    V: gl.constexpr, R: gl.constexpr, BH: gl.constexpr, BS: gl.constexpr, STAGES: gl.constexpr,
+                    PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """o and the base-2 lse of BH heads of one token (attention._fwd_kernel's math): q in shared memory, then a
+        producer partition gathers the selected kv rows into a ring of STAGES steps that the two consumer
+        warpgroups (num_warps) attend over, handing stages back and forth through mbarriers."""
+        K: gl.constexpr = V + R
+        head_blocks = H // BH
+        pid = gl.program_id(0)
+        tok = (pid // head_blocks).to(gl.int64)
+        h0 = (pid % head_blocks) * BH
+        q_v_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, V],
+                                             gl.NVMMASharedLayout.get_default_for([BH, V], gl.bfloat16))
+        q_r_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, R],
+                                             gl.NVMMASharedLayout.get_default_for([BH, R], gl.bfloat16))
+        kv_v_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BS, V],
+                                              gl.NVMMASharedLayout.get_default_for([BS, V], gl.bfloat16))
+        kv_r_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BS, R],
+                                              gl.NVMMASharedLayout.get_default_for([BS, R], gl.bfloat16))
+        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for st in gl.static_range(STAGES):
+            mbarrier.init(full.index(st), count=32 * PRODUCER_WARPS)
+            mbarrier.init(empty.index(st), count=1)
+        # 16-byte vectors along the columns of q's rows
+        LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        offs_h = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, LOAD))
+        q_rows = (tok * H + offs_h).to(gl.int64) * K
+        q_v_smem.store(gl.load(q_ptr + q_rows[:, None] + gl.arange(0, V, layout=gl.SliceLayout(0, LOAD))[None, :]))
+        q_r_smem.store(gl.load(q_ptr + q_rows[:, None] + V
+                               + gl.arange(0, R, layout=gl.SliceLayout(0, LOAD))[None, :]))
+        fence_async_shared()
+        _barrier()
+        gl.warp_specialize([(_fwd_attend, (q_v_smem, q_r_smem, kv_v_ring, kv_r_ring, full, empty, idx_ptr, o_ptr,
+                                           lse_ptr, scale_log2, tok, h0, H, S)),
+                            (_fwd_gather, (kv_v_ring, kv_r_ring, full, empty, kv_ptr, idx_ptr, tok, T, S))],
+                           [PRODUCER_WARPS], [PRODUCER_REGS])
 
     @gluon.jit
     def _load_tile(smem, ptr, row0, row_stride, col0, ROWS: gl.constexpr, COLS: gl.constexpr, LOAD: gl.constexpr):
@@ -328,7 +351,8 @@ def sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale) -> boo
     S, V = idx_BTS.shape[-1], o_BTHV.shape[-1]
     return _compiles("forward", lambda: fast(_fwd_kernel)[(B * T * (H // FWD_HEADS),)](
         q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale * LOG2E, T, H, S, V=V, R=K - V, BH=FWD_HEADS, BS=FWD_KEYS,
-        STAGES=FWD_STAGES, num_warps=FWD_WARPS))
+        STAGES=FWD_STAGES, PRODUCER_WARPS=FWD_PRODUCER_WARPS, PRODUCER_REGS=FWD_PRODUCER_REGS,
+        num_warps=FWD_WARPS))
 
 
 def dkv_pass(q_BTHK, idx_BTS, do_BTHV, p_CHS, ds_CHS, dkv32_BTK, tok0, num_tokens) -> bool:
