@@ -8,7 +8,8 @@ Shape legend: T tokens, D model width, E experts, F expert width, k top-k, r LoR
 
 Timings (bench/timing.py: CUDA events, median): forward, and forward+backward w.r.t. the input and
 every weight (full fine-tune); then frozen base weights (input grad only, and LoRA r16 on the experts); the
-fwd+bwd steps also in GPU time (`*_gpu`: the profiler's kernel time, which the trainer's CUDA-graph step sees).
+fwd+bwd steps also in GPU time (`*_gpu`: the profiler's kernel time, which the trainer's CUDA-graph step sees;
+the median of five profiles).
 Correctness at the real shape: the bf16 kernels vs the torch fallback run in fp64 with the same
 routing fed to both; the fused router vs the fp64 reference on the same logits; the shared expert vs
 its torch form in fp64; routing flips against transformers' bf16 router are counted separately.
@@ -20,6 +21,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -128,10 +130,11 @@ def timings(block, x, dy):
     return res
 
 
-def gpu_ms(step) -> float:
+def gpu_ms(step, rounds: int = 5) -> float:
     """The step's GPU time (every kernel, no host time or launch gaps): eager wall time at these sizes moves
-    with the host's speed, for transformers' block most (bench/NOTES.md)."""
-    return sum(kernel_ms(step).values())
+    with the host's speed, for transformers' block most (bench/NOTES.md). The median of `rounds` profiles of
+    three steps each: one profile of our step moved by up to 2% between runs."""
+    return statistics.median(sum(kernel_ms(step).values()) for _ in range(rounds))
 
 
 def frozen_timings(block, x, dy):
