@@ -134,7 +134,8 @@ if gluon is not None:
             idx = _load_indices(idx_ptr, tok, S, j * BS, BS, gl.SliceLayout(1, LOAD))
             rows = ((tok // T) * T + gl.where(idx >= 0, idx, 0)).to(gl.int64) * (V + R)
             for c in gl.static_range(V // CW):
-                _async_load(kv_v_ring.index(st).slice(c * CW, CW, dim=1), kv_ptr + rows[:, None] + c * CW + offs_c[None, :])
+                _async_load(kv_v_ring.index(st).slice(c * CW, CW, dim=1),
+                            kv_ptr + rows[:, None] + c * CW + offs_c[None, :])
             for c in gl.static_range(R // CW):
                 _async_load(kv_r_ring.index(st).slice(c * CW, CW, dim=1),
                             kv_ptr + rows[:, None] + V + c * CW + offs_c[None, :])
