@@ -39,17 +39,17 @@ pointers = ("q_ptr", "kv_ptr", "idx_ptr", "o_ptr", "lse_ptr", "do_ptr", "p_ptr",
 types = {"idx_ptr": "*i32", "lse_ptr": "*fp32", "dkv_ptr": "*fp32", "scale_log2": "fp32"}
 
 def used(kernel, constexprs, num_warps):
-    # the launch specializes contiguous bf16 rows' pointers and S (a multiple of 64 here) as multiples of 16
-    divisible = tuple(n for n in kernel.arg_names if n in pointers or n == "S")
+    # the launch specializes contiguous bf16 rows' pointers, S (a multiple of 64 here) and the forward's zero as
+    # multiples of 16
+    divisible = tuple(n for n in kernel.arg_names if n in pointers or n in ("S", "zero"))
     return resources(kernel, types, constexprs, num_warps=num_warps, divisible_by_16=divisible)
 
 report = {}
 if hopper.forward_fits(H, V, R, hopper.torch.bfloat16):
     report["forward"] = used(hopper._fwd_kernel, dict(V=V, R=R, BH=hopper.FWD_HEADS, BS=hopper.FWD_KEYS,
-                                                      STAGES=hopper.FWD_STAGES, PRODUCER_WARPS=hopper.FWD_PRODUCER_WARPS,
-                                                      PRODUCER_REGS=hopper.FWD_PRODUCER_REGS,
-                                                      num_warps=hopper.FWD_WARPS),
-                             hopper.FWD_WARPS)
+                                                      WG1_REGS=hopper.FWD_WG1_REGS,
+                                                      PRODUCER_WARPS=hopper.FWD_PRODUCER_WARPS,
+                                                      PRODUCER_REGS=hopper.FWD_PRODUCER_REGS, num_warps=4), 4)
 if hopper.dkv_fits(H, V, R, 2048, hopper.torch.bfloat16):
     report["dkv"] = used(hopper._bwd_dkv_kernel, dict(H=H, V=V, R=R, BS=hopper.DKV_SLOTS, BC=hopper.DKV_COLUMNS,
                                                       num_warps=hopper.DKV_WARPS), hopper.DKV_WARPS)

@@ -52,6 +52,16 @@ def test_storage_follows_the_input_dtype():
     assert function.Storage.of(torch.bfloat16).dtype == torch.bfloat16
 
 
+def test_scan_stages_follow_the_gpus_shared_memory(monkeypatch):
+    """Three stages where a block takes SCAN_STAGES_SHARED_BYTES (Hopper: 227 KB), two on an A100 (164 KB)."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(function, "_shared_bytes_per_block", lambda index: 227 * 1024)
+    assert function.scan_stages(cuda) == function.SCAN_STAGES == 3
+    monkeypatch.setattr(function, "_shared_bytes_per_block", lambda index: 164 * 1024)
+    assert function.scan_stages(cuda) == 2
+    assert function.scan_stages(torch.device("cpu")) == function.SCAN_STAGES
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_forward_without_grad(kind):
     """Under no_grad prep keeps nothing for a backward (GDN stores no Tinv); the output is still the reference's."""

@@ -2,21 +2,23 @@
 _fwd_kernel and _bwd_dkv_kernel, run in their place where `forward_fits` / `dkv_fits` say the shapes allow.
 
 Shape legend: T tokens, H heads, K = V + R key width (V value, R rope), S selected keys; in-kernel tiles: BH heads,
-BS keys (index slots) a step, BC value columns a block.
+BS keys (index slots) a block, BC value columns a block.
 
 Why Gluon: Triton picks the shared-memory staging and the instruction order itself; Gluon states them.
-- The forward's gathers run in a producer partition of their own (4 warps, few registers): cp.async of each step's
-  selected kv rows into a two-stage shared-memory ring, handed to the two consumer warpgroups through mbarriers.
-  Their warpgroup MMAs read the rows from shared memory (the Triton kernel loads the gathered rows into registers
-  first), and they no longer hold the gather's addresses (168 registers a thread against 228-255).
+- The forward runs FlashMLA's Hopper schedule (deepseek-ai/FlashMLA, its sparse prefill; re-derived, no code taken):
+  two 64-key blocks an iteration, one per consumer warpgroup, each warpgroup holding half of O's value columns, so
+  that each block's S is one warpgroup's and the two exchange only their row max and P. A producer partition
+  gathers q and the selected kv rows with cp.async; each slot's rows sit in two halves with their own mbarriers, so
+  that a half is refilled as soon as its last reader is done, and warpgroup 0 issues the next pair's first scores
+  under its last P V.
 - The dkv pass keeps one token's p and ds of BS slots in shared memory across every column block and loads the next
   block's q and dO while this block's atomics go out: it reads p and ds from L2 once, not once per column block.
 
-On one H200 at T 32768, H 128, K 576 / V 512, S 2048 (bench/NOTES.md, ninth and tenth sessions): forward 47.7 ms
-against the Triton kernel's 72.5, dkv pass 79.3 against 123.6; the results agree with the Triton kernels' to 1.2e-5
-(o) and 4.9e-7 (dkv) relative RMS. The widths they take are the ones run on the H200 (value 256 and 512; rope 32
-and 64 in the forward, 64 in the dkv pass) and those between. Under triton 3.5 (another warp_specialize signature)
-the forward does not compile and the Triton kernel runs.
+On one H200 at T 32768, H 128, K 576 / V 512, S 2048 (bench/NOTES.md): forward 39.2-40.9 ms (442-462 TFLOP/s)
+against the Triton kernel's 72.5, dkv pass 79.3 against 123.6; o agrees with the Triton kernel's to 5.2e-4 relative
+RMS (the two warpgroups sum P V in another order), dkv to 4.9e-7. The widths they take are the ones run on the H200
+(value 256 and 512; rope 32 and 64 in the forward, 64 in the dkv pass) and those between. Under triton 3.5 (another
+warp_specialize signature) the forward does not compile and the Triton kernel runs.
 
 Gluon has no CPU interpreter: tests compile these kernels for sm_90a on any machine (registers, spills, shared
 memory) and check their results against the fp64 reference where a Hopper GPU is. The Triton kernels stay the
@@ -41,14 +43,14 @@ try:
 except ImportError:  # a triton without Gluon's Hopper modules: attention.py keeps its Triton kernels
     gluon = None
 
-# Forward: one program per (token, FWD_HEADS heads), FWD_KEYS selected rows a step, FWD_STAGES of them in flight.
-# 64 keys x 2 stages: 47.7 ms at 32768 tokens; 32 x 3 took 79, and issuing the next step's scores before this
-# step's P V (FlashAttention-3's order) took 90 at 32 keys, the only width where it fits shared memory
-# (bench/NOTES.md).
-FWD_HEADS, FWD_KEYS, FWD_STAGES, FWD_WARPS = 64, 64, 2, 8
-# The forward's gather partition: 4 warps at 64 registers (47.7 ms at 32768 tokens against 49.7 with the consumers
-# gathering themselves; 2 warps at 88 registers 48.1, 4 at 48 48.1)
-FWD_PRODUCER_WARPS, FWD_PRODUCER_REGS = 4, 64
+# Forward: one program per (token, FWD_HEADS heads), two blocks of FWD_KEYS selected rows (a pair) an iteration, one
+# block per consumer warpgroup, FlashMLA's schedule: 39.2-40.9 ms at 32768 tokens against 47.7 with each block's
+# keys and value columns split between the warpgroups (bench/NOTES.md).
+FWD_HEADS, FWD_KEYS = 64, 64
+# warpgroup 1's registers and the gather partition's warps and registers; warpgroup 0 takes the rest (256 at these).
+# Nothing spills at 216; 224 and 232 spill 52 and 116 bytes in warpgroup 0 and time the same within noise; 2
+# producer warps at 56 registers took 41.2 ms against 40.0
+FWD_WG1_REGS, FWD_PRODUCER_WARPS, FWD_PRODUCER_REGS = 216, 4, 40
 # The dkv pass: one program per (token, DKV_SLOTS index slots), DKV_COLUMNS columns a block, 4-wide atomics
 # (79 ms at 32768 tokens; 64 x 128 columns 87-91, 128 slots x 128 at 8 warps 88).
 DKV_SLOTS, DKV_COLUMNS, DKV_WARPS = 64, 64, 4
@@ -75,9 +77,10 @@ def _power_of_two(n: int) -> bool:
 
 def forward_fits(H: int, V: int, R: int, dtype: torch.dtype) -> bool:
     """Whether the Gluon forward's tiles take these shapes: bf16, whole 64-head blocks, power-of-two widths that one
-    warpgroup MMA each spans (two warpgroups split V, so V / 2 <= 256), and q plus FWD_STAGES gathered steps in
-    shared memory."""
-    shared = 2 * (FWD_HEADS + FWD_STAGES * FWD_KEYS) * (V + R)
+    warpgroup MMA each spans (each warpgroup holds half of V, so V / 2 <= 256), and q, the two slots of a pair and
+    the exchanged P blocks in shared memory (P_A lives in slot 0's rope rows where R is a block's width)."""
+    p_blocks = 1 if R == FWD_KEYS else 2
+    shared = 2 * ((FWD_HEADS + 2 * FWD_KEYS) * (V + R) + p_blocks * FWD_HEADS * FWD_KEYS) + 4 * 4 * FWD_HEADS
     return (dtype == torch.bfloat16 and H % FWD_HEADS == 0 and _power_of_two(V) and _power_of_two(R)
             and 128 <= V <= 512 and 32 <= R <= 256 and shared <= SHARED_BYTES)
 
@@ -114,125 +117,295 @@ if gluon is not None:
         offs_s = s0 + gl.arange(0, BS, layout=LAYOUT)
         return gl.load(idx_ptr + tok * S + offs_s, mask=offs_s < S, other=-1)
 
+    # The forward's mbarriers: the four kv halves' full (the producer's copies landed) and free (their last reader
+    # is done) pairs, then the consumers' hand-offs: row maxes, P, and each warpgroup's final row sums; q landed.
+    FULL_L0, FULL_L1, FULL_R0, FULL_R1 = gl.constexpr(0), gl.constexpr(1), gl.constexpr(2), gl.constexpr(3)
+    FREE_L0, FREE_L1, FREE_R0, FREE_R1 = gl.constexpr(4), gl.constexpr(5), gl.constexpr(6), gl.constexpr(7)
+    MAX0, MAX1, P0_READY, P1_READY, P1_FREE = (gl.constexpr(8), gl.constexpr(9), gl.constexpr(10), gl.constexpr(11),
+                                              gl.constexpr(12))
+    SUM0, SUM1, Q_FULL, NUM_FWD_BARRIERS = gl.constexpr(13), gl.constexpr(14), gl.constexpr(15), gl.constexpr(16)
+
     @gluon.jit
-    def _fwd_gather(kv_v_ring, kv_r_ring, full, empty, kv_ptr, idx_ptr, tok, T, S):
-        """The forward's producer partition: cp.async of each step's selected kv rows into the stage the consumers
-        released, arriving on full[stage] as its copies land; -1 slots read row 0, finite data whose logits are
-        masked to -inf."""
-        STAGES: gl.constexpr = kv_v_ring.shape[0]
-        BS: gl.constexpr = kv_v_ring.shape[1]
-        V: gl.constexpr = kv_v_ring.shape[2]
-        R: gl.constexpr = kv_r_ring.shape[2]
-        # V and R in pieces of CW columns: 16-byte vectors, CW / 8 threads along a row
+    def _wait(bars, which: gl.constexpr, phase, pred=True):
+        mbarrier.wait(bars.index(which), phase & 1, pred=pred)
+
+    @gluon.jit
+    def _signal(bars, which: gl.constexpr):
+        # every thread of the partition is past its reads or writes before the one arrival
+        _barrier()
+        mbarrier.arrive(bars.index(which))
+
+    @gluon.jit
+    def _shift(m):
+        # while no valid key has been seen the row max is -inf: shift by 0 to keep exp2 finite
+        return gl.where(m == float("-inf"), 0.0, m)
+
+    @gluon.jit
+    def _kv_rows(idx_ptr, tok, T, S, s0, K: gl.constexpr, BS: gl.constexpr, LAYOUT: gl.constexpr):
+        """Element offsets of the kv rows that index slots s0.. s0 + BS - 1 select; -1 slots read row 0, finite data
+        whose logits the consumers mask to -inf."""
+        idx = _load_indices(idx_ptr, tok, S, s0, BS, LAYOUT)
+        return ((tok // T) * T + gl.where(idx >= 0, idx, 0)).to(gl.int64) * K
+
+    @gluon.jit
+    def _gather(kv_ptr, rows, dst, col0, CW: gl.constexpr, LOAD: gl.constexpr):
+        """cp.async of columns col0.. of the kv rows at element offsets `rows` into dst, CW columns a copy."""
+        offs_c = gl.arange(0, CW, layout=gl.SliceLayout(0, LOAD))
+        for c in gl.static_range(dst.shape[1] // CW):
+            _async_load(dst.slice(c * CW, CW, dim=1), kv_ptr + rows[:, None] + col0 + c * CW + offs_c[None, :])
+
+    @gluon.jit
+    def _fwd_producer(q_l, q_r, q_p, kv_l, kv_r, kv_p, p_a, p_b, s_m0, s_m1, s_l0, s_l1, bars, q_ptr, kv_ptr,
+                      idx_ptr, o_ptr, lse_ptr, scale_log2, tok, h0, T, H, S, zero):
+        """The forward's producer partition: q's rows, then for each pair of key blocks (A in slot 0, B in slot 1),
+        cp.async of each half of their selected kv rows as soon as its last reader has freed it, in the order they
+        free: A's left half, B's right, A's right, B's left. Each producer thread arrives on the half's full barrier
+        once its copies have landed."""
+        BS: gl.constexpr = kv_l.shape[1]
+        HALF: gl.constexpr = kv_l.shape[2]
+        R: gl.constexpr = kv_p.shape[2]
+        # 16-byte vectors, pieces of CW columns that divide both the value halves and the rope
         CW: gl.constexpr = 64 if R >= 64 else R
         LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (CW // 8), CW // 8], [gl.num_warps(), 1], [1, 0])
-        offs_c = gl.arange(0, CW, layout=gl.SliceLayout(0, LOAD))
-        for j in range(gl.cdiv(S, BS)):
-            st = j % STAGES
-            # the consumers' arrival after their last products from this stage (step j - STAGES)
-            mbarrier.wait(empty.index(st), ((j // STAGES) - 1) & 1, pred=j >= STAGES)
-            idx = _load_indices(idx_ptr, tok, S, j * BS, BS, gl.SliceLayout(1, LOAD))
-            rows = ((tok // T) * T + gl.where(idx >= 0, idx, 0)).to(gl.int64) * (V + R)
-            for c in gl.static_range(V // CW):
-                _async_load(kv_v_ring.index(st).slice(c * CW, CW, dim=1),
-                            kv_ptr + rows[:, None] + c * CW + offs_c[None, :])
-            for c in gl.static_range(R // CW):
-                _async_load(kv_r_ring.index(st).slice(c * CW, CW, dim=1),
-                            kv_ptr + rows[:, None] + V + c * CW + offs_c[None, :])
-            # each producer thread arrives once its own copies have landed
-            async_copy.mbarrier_arrive(full.index(st), increment_count=False)
+        K: gl.constexpr = 2 * HALF + R
+        # q by cp.async too, so that its latency and the first pair's overlap
+        q_rows = (tok * H + h0 + gl.arange(0, q_l.shape[1], layout=gl.SliceLayout(1, LOAD))).to(gl.int64) * K
+        _gather(q_ptr, q_rows, q_l.index(0), 0, CW, LOAD)
+        _gather(q_ptr, q_rows, q_r.index(0), HALF, CW, LOAD)
+        _gather(q_ptr, q_rows, q_p.index(0), 2 * HALF, CW, LOAD)
+        async_copy.mbarrier_arrive(bars.index(Q_FULL), increment_count=False)
+        for i in range(gl.cdiv(S, 2 * BS)):
+            rows_a = _kv_rows(idx_ptr, tok, T, S, 2 * i * BS, K, BS, gl.SliceLayout(1, LOAD))
+            rows_b = _kv_rows(idx_ptr, tok, T, S, (2 * i + 1) * BS, K, BS, gl.SliceLayout(1, LOAD))
+            _wait(bars, FREE_L0, i - 1, pred=i > 0)
+            _gather(kv_ptr, rows_a, kv_l.index(0), 0, CW, LOAD)
+            async_copy.mbarrier_arrive(bars.index(FULL_L0), increment_count=False)
+            _wait(bars, FREE_R1, i - 1, pred=i > 0)
+            _gather(kv_ptr, rows_b, kv_r.index(1), HALF, CW, LOAD)
+            _gather(kv_ptr, rows_b, kv_p.index(1), 2 * HALF, CW, LOAD)
+            async_copy.mbarrier_arrive(bars.index(FULL_R1), increment_count=False)
+            _wait(bars, FREE_R0, i - 1, pred=i > 0)
+            _gather(kv_ptr, rows_a, kv_r.index(0), HALF, CW, LOAD)
+            _gather(kv_ptr, rows_a, kv_p.index(0), 2 * HALF, CW, LOAD)
+            async_copy.mbarrier_arrive(bars.index(FULL_R0), increment_count=False)
+            _wait(bars, FREE_L1, i - 1, pred=i > 0)
+            _gather(kv_ptr, rows_b, kv_l.index(1), 0, CW, LOAD)
+            async_copy.mbarrier_arrive(bars.index(FULL_L1), increment_count=False)
 
     @gluon.jit
-    def _fwd_attend(q_v_smem, q_r_smem, kv_v_ring, kv_r_ring, full, empty, idx_ptr, o_ptr, lse_ptr, scale_log2, tok,
-                    h0, H, S):
-        """The forward's consumer partition, two warpgroups: they split a step's BS keys for S = q kv^T and the V
-        value columns for O += P V; P goes to the MMA from registers."""
-        BH: gl.constexpr = q_v_smem.shape[0]
-        STAGES: gl.constexpr = kv_v_ring.shape[0]
-        BS: gl.constexpr = kv_v_ring.shape[1]
-        V: gl.constexpr = kv_v_ring.shape[2]
-        S_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                        instr_shape=[16, BS // 2, 16])
-        O_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                        instr_shape=[16, V // 2, 16])
+    def _scores_left(q_l, kv_l, s, use_acc: gl.constexpr):
+        return warpgroup_mma(q_l, kv_l.permute((1, 0)), s, use_acc=use_acc, is_async=True)
+
+    @gluon.jit
+    def _scores_right(q_r, q_p, kv_r, kv_p, s, use_acc: gl.constexpr):
+        s = warpgroup_mma(q_r, kv_r.permute((1, 0)), s, use_acc=use_acc, is_async=True)
+        return warpgroup_mma(q_p, kv_p.permute((1, 0)), s, is_async=True)
+
+    @gluon.jit
+    def _store_o(o, l, o_ptr, tok, h0, H, col0, V: gl.constexpr, O_MMA: gl.constexpr):
+        """o / l of this warpgroup's value columns col0.. of BH heads; rows without keys stay 0."""
+        BH: gl.constexpr = o.shape[0]
+        inv_l = gl.convert_layout(1.0 / gl.where(l > 0, l, 1.0), gl.SliceLayout(1, O_MMA))
+        offs_h = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, O_MMA))
+        offs_v = col0 + gl.arange(0, o.shape[1], layout=gl.SliceLayout(0, O_MMA))
+        gl.store(o_ptr + (tok * H + offs_h).to(gl.int64)[:, None] * V + offs_v[None, :],
+                 (o * inv_l[:, None]).to(gl.bfloat16))
+
+    @gluon.jit
+    def _fwd_warpgroup0(q_l, q_r, q_p, kv_l, kv_r, kv_p, p_a, p_b, s_m0, s_m1, s_l0, s_l1, bars, q_ptr, kv_ptr,
+                        idx_ptr, o_ptr, lse_ptr, scale_log2, tok, h0, T, H, S, zero):
+        """Block A of each pair and the left value half of O: S_A (its left batch first: this warpgroup frees A's
+        left half itself), the softmax of A, P_A V_A[:, left] from registers; after warpgroup 1's row max, P_A
+        rescaled into p_a for warpgroup 1, then P_B V_B[:, left] with P_B from shared memory, the next pair's left
+        S batch issued under it."""
+        BH: gl.constexpr = q_l.shape[1]
+        BS: gl.constexpr = kv_l.shape[1]
+        HALF: gl.constexpr = kv_l.shape[2]
+        S_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
+        O_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF, 16])
         P_DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_MMA, k_width=2)
-        m = gl.full([BH], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_MMA))
-        l = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(1, S_MMA))
-        o = gl.zeros([BH, V], gl.float32, layout=O_MMA)
-        for j in range(gl.cdiv(S, BS)):
-            st = j % STAGES
-            # the slot mask loads before the wait for the stage, under it
-            valid = _load_indices(idx_ptr, tok, S, j * BS, BS, gl.SliceLayout(0, S_MMA)) >= 0
-            mbarrier.wait(full.index(st), (j // STAGES) & 1)
-            # cp.async wrote through the generic proxy, the MMAs read through the async one
+        ROW: gl.constexpr = gl.SliceLayout(1, S_MMA)
+        pairs = gl.cdiv(S, 2 * BS)
+        m = gl.full([BH], float("-inf"), gl.float32, layout=ROW)
+        l = gl.zeros([BH], gl.float32, layout=ROW)
+        o = gl.zeros([BH, HALF], gl.float32, layout=O_MMA)
+        s = gl.zeros([BH, BS], gl.float32, layout=S_MMA)
+        _wait(bars, Q_FULL, 0)
+        _wait(bars, FULL_L0, 0)
+        # cp.async wrote through the generic proxy, the MMAs read through the async one
+        fence_async_shared()
+        s = _scores_left(q_l.index(0), kv_l.index(0), s, False)
+        _wait(bars, FULL_R0, 0)
+        fence_async_shared()
+        s = _scores_right(q_r.index(0), q_p.index(0), kv_r.index(0), kv_p.index(0), s, True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        for i in range(pairs):
+            # shared-memory views indexed by a runtime 0: with constant views the compiler hoists every MMA
+            # descriptor of the loop out of it and spills them
+            z = i * zero
+            valid = _load_indices(idx_ptr, tok, S, 2 * i * BS, BS, gl.SliceLayout(0, S_MMA)) >= 0
+            logits = gl.where(valid[None, :], s * scale_log2, float("-inf"))
+            m_a = gl.maximum(m, gl.max(logits, axis=1))
+            p = gl.exp2(logits - _shift(m_a)[:, None])
+            alpha = gl.exp2(m - _shift(m_a))
+            l = l * alpha + gl.sum(p, axis=1)
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_MMA))[:, None]
+            s_m0.store(m_a)
+            _signal(bars, MAX0)
+            p16 = p.to(gl.bfloat16)
+            o = warpgroup_mma(gl.convert_layout(p16, P_DOT), kv_l.index(z), o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
+            _signal(bars, FREE_L0)
+            # warpgroup 1's max over A and B: this pair's max
+            _wait(bars, MAX1, i)
+            m_new = s_m1.load(ROW)
+            c = gl.exp2(m_a - _shift(m_new))
+            # P_A stays bf16 as the product above took it, rescaled in fp32 and rounded again for warpgroup 1
+            p16 = (p16.to(gl.float32) * c[:, None]).to(gl.bfloat16)
+            l = l * c
+            o = o * gl.convert_layout(c, gl.SliceLayout(1, O_MMA))[:, None]
+            m = m_new
+            p_a.index(z).store(p16)
             fence_async_shared()
-            kv_v = kv_v_ring.index(st)
-            s = gl.zeros([BH, BS], gl.float32, layout=S_MMA)
-            s = warpgroup_mma(q_v_smem, kv_v.permute((1, 0)), s, use_acc=False, is_async=True)
-            s = warpgroup_mma(q_r_smem, kv_r_ring.index(st).permute((1, 0)), s, is_async=True)
+            _signal(bars, P0_READY)
+            _wait(bars, P1_READY, i)
+            _wait(bars, FULL_L1, i)
+            fence_async_shared()
+            o_pending = warpgroup_mma(p_b.index(z), kv_l.index(z + 1), o, is_async=True)
+            if i + 1 < pairs:
+                # the next pair's left batch goes out under this last product
+                _wait(bars, FULL_L0, i + 1)
+                fence_async_shared()
+                s = _scores_left(q_l.index(z), kv_l.index(z), s, False)
+                o = warpgroup_mma_wait(num_outstanding=1, deps=(o_pending, ))
+                _signal(bars, FREE_L1)
+                _signal(bars, P1_FREE)
+                _wait(bars, FULL_R0, i + 1)
+                fence_async_shared()
+                s = _scores_right(q_r.index(z), q_p.index(z), kv_r.index(z), kv_p.index(z), s, True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            else:
+                o = warpgroup_mma_wait(num_outstanding=0, deps=(o_pending, ))
+                _signal(bars, FREE_L1)
+                _signal(bars, P1_FREE)
+        s_l0.store(l)
+        _signal(bars, SUM0)
+        _wait(bars, SUM1, 0)
+        l = l + s_l1.load(ROW)
+        _store_o(o, l, o_ptr, tok, h0, H, 0, 2 * HALF, O_MMA)
+        lse = gl.where(l > 0, m + gl.log2(gl.where(l > 0, l, 1.0)), float("inf"))
+        gl.store(lse_ptr + tok * H + h0 + gl.arange(0, BH, layout=ROW), lse)
+
+    @gluon.jit
+    def _fwd_warpgroup1(q_l, q_r, q_p, kv_l, kv_r, kv_p, p_a, p_b, s_m0, s_m1, s_l0, s_l1, bars, q_ptr, kv_ptr,
+                        idx_ptr, o_ptr, lse_ptr, scale_log2, tok, h0, T, H, S, zero):
+        """Block B of each pair and the right value half of O: S_B (its right batch first: this warpgroup frees
+        B's right half itself), the softmax of B against warpgroup 0's max over A, P_B V_B[:, right] from
+        registers and P_B into p_b for warpgroup 0, then P_A V_A[:, right] with P_A from p_a."""
+        BH: gl.constexpr = q_l.shape[1]
+        BS: gl.constexpr = kv_l.shape[1]
+        HALF: gl.constexpr = kv_l.shape[2]
+        S_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BS, 16])
+        O_MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF, 16])
+        P_DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_MMA, k_width=2)
+        ROW: gl.constexpr = gl.SliceLayout(1, S_MMA)
+        m = gl.full([BH], float("-inf"), gl.float32, layout=ROW)
+        l = gl.zeros([BH], gl.float32, layout=ROW)
+        o = gl.zeros([BH, HALF], gl.float32, layout=O_MMA)
+        _wait(bars, Q_FULL, 0)
+        for i in range(gl.cdiv(S, 2 * BS)):
+            z = i * zero
+            valid = _load_indices(idx_ptr, tok, S, (2 * i + 1) * BS, BS, gl.SliceLayout(0, S_MMA)) >= 0
+            _wait(bars, FULL_R1, i)
+            fence_async_shared()
+            s = _scores_right(q_r.index(z), q_p.index(z), kv_r.index(z + 1), kv_p.index(z + 1),
+                              gl.zeros([BH, BS], gl.float32, layout=S_MMA), False)
+            _wait(bars, FULL_L1, i)
+            fence_async_shared()
+            s = _scores_left(q_l.index(z), kv_l.index(z + 1), s, True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             logits = gl.where(valid[None, :], s * scale_log2, float("-inf"))
-            m_new = gl.maximum(m, gl.max(logits, axis=1))
-            # while no valid key has been seen m_new is -inf; shift by 0 to keep exp2 finite
-            shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(logits - shift[:, None])
-            alpha = gl.exp2(m - shift)
+            _wait(bars, MAX0, i)
+            m_new = gl.maximum(s_m0.load(ROW), gl.max(logits, axis=1))
+            p = gl.exp2(logits - _shift(m_new)[:, None])
+            alpha = gl.exp2(m - _shift(m_new))
             l = l * alpha + gl.sum(p, axis=1)
-            m = m_new
             o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_MMA))[:, None]
-            o = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_DOT), kv_v, o, is_async=True)
+            m = m_new
+            s_m1.store(m_new)
+            _signal(bars, MAX1)
+            p16 = p.to(gl.bfloat16)
+            p_dot = gl.convert_layout(p16, P_DOT)
+            o = warpgroup_mma(p_dot, kv_r.index(z + 1), o, is_async=True)
+            # warpgroup 0 has read the last pair's P_B
+            _wait(bars, P1_FREE, i - 1, pred=i > 0)
+            p_b.index(z).store(p16)
+            fence_async_shared()
+            _wait(bars, P0_READY, i)
+            _wait(bars, FULL_R0, i)
+            fence_async_shared()
+            o = warpgroup_mma(p_a.index(z), kv_r.index(z), o, is_async=True)
+            _signal(bars, P1_READY)
+            # P_B's registers feed the first of the two products in flight: kept alive until it is done
+            o, p_dot = warpgroup_mma_wait(num_outstanding=1, deps=(o, p_dot))
+            _signal(bars, FREE_R1)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
-            # both warpgroups' products from this stage are done: one arrival hands it back to the producer
-            _barrier()
-            mbarrier.arrive(empty.index(st))
-
-        has_keys = l > 0
-        lse = gl.where(has_keys, m + gl.log2(gl.where(has_keys, l, 1.0)), float("inf"))
-        inv_l = gl.convert_layout(1.0 / gl.where(has_keys, l, 1.0), gl.SliceLayout(1, O_MMA))
-        offs_ho = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, O_MMA))
-        offs_vo = gl.arange(0, V, layout=gl.SliceLayout(0, O_MMA))
-        gl.store(o_ptr + (tok * H + offs_ho).to(gl.int64)[:, None] * V + offs_vo[None, :],
-                 (o * inv_l[:, None]).to(gl.bfloat16))
-        gl.store(lse_ptr + tok * H + h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, S_MMA)), lse)
+            _signal(bars, FREE_R0)
+        s_l1.store(l)
+        _signal(bars, SUM1)
+        _wait(bars, SUM0, 0)
+        l = l + s_l0.load(ROW)
+        _store_o(o, l, o_ptr, tok, h0, H, HALF, 2 * HALF, O_MMA)
 
     @gluon.jit
-    def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, scale_log2, T, H, S,
-                    V: gl.constexpr, R: gl.constexpr, BH: gl.constexpr, BS: gl.constexpr, STAGES: gl.constexpr,
+    def _fwd_kernel(q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, scale_log2, T, H, S, zero,
+                    V: gl.constexpr, R: gl.constexpr, BH: gl.constexpr, BS: gl.constexpr, WG1_REGS: gl.constexpr,
                     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr):
-        """o and the base-2 lse of BH heads of one token (attention._fwd_kernel's math): q in shared memory, then a
-        producer partition gathers the selected kv rows into a ring of STAGES steps that the two consumer
-        warpgroups (num_warps) attend over, handing stages back and forth through mbarriers."""
-        K: gl.constexpr = V + R
+        """o and the base-2 lse of BH heads of one token (attention._fwd_kernel's math), two blocks of BS selected
+        keys (a pair) an iteration, in three partitions: warpgroup 0 (this one, num_warps 4) takes block A and
+        value columns 0.. V / 2 - 1, warpgroup 1 block B and the other half, the producer gathers q and the kv
+        rows. Each slot's kv rows sit in two halves with their own barriers, L (the left value columns) and R (the
+        right value columns and the rope), so that the producer refills a half as soon as its last reader is done.
+        `zero` is 0."""
+        HALF: gl.constexpr = V // 2
         head_blocks = H // BH
         pid = gl.program_id(0)
         tok = (pid // head_blocks).to(gl.int64)
         h0 = (pid % head_blocks) * BH
-        q_v_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, V],
-                                             gl.NVMMASharedLayout.get_default_for([BH, V], gl.bfloat16))
-        q_r_smem = gl.allocate_shared_memory(gl.bfloat16, [BH, R],
-                                             gl.NVMMASharedLayout.get_default_for([BH, R], gl.bfloat16))
-        kv_v_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BS, V],
-                                              gl.NVMMASharedLayout.get_default_for([BS, V], gl.bfloat16))
-        kv_r_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BS, R],
-                                              gl.NVMMASharedLayout.get_default_for([BS, R], gl.bfloat16))
-        full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for st in gl.static_range(STAGES):
-            mbarrier.init(full.index(st), count=32 * PRODUCER_WARPS)
-            mbarrier.init(empty.index(st), count=1)
-        # 16-byte vectors along the columns of q's rows
-        LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        offs_h = h0 + gl.arange(0, BH, layout=gl.SliceLayout(1, LOAD))
-        q_rows = (tok * H + offs_h).to(gl.int64) * K
-        q_v_smem.store(gl.load(q_ptr + q_rows[:, None] + gl.arange(0, V, layout=gl.SliceLayout(0, LOAD))[None, :]))
-        q_r_smem.store(gl.load(q_ptr + q_rows[:, None] + V
-                               + gl.arange(0, R, layout=gl.SliceLayout(0, LOAD))[None, :]))
+        HALF_L: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, HALF], gl.bfloat16)
+        ROPE_L: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, R], gl.bfloat16)
+        P_L: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, BS], gl.bfloat16)
+        VEC_L: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        # q and each slot's halves carry a leading index so that the consumers index every view at run time
+        q_l = gl.allocate_shared_memory(gl.bfloat16, [1, BH, HALF], HALF_L)
+        q_r = gl.allocate_shared_memory(gl.bfloat16, [1, BH, HALF], HALF_L)
+        q_p = gl.allocate_shared_memory(gl.bfloat16, [1, BH, R], ROPE_L)
+        kv_l = gl.allocate_shared_memory(gl.bfloat16, [2, BS, HALF], HALF_L)
+        kv_r = gl.allocate_shared_memory(gl.bfloat16, [2, BS, HALF], HALF_L)
+        kv_p = gl.allocate_shared_memory(gl.bfloat16, [2, BS, R], ROPE_L)
+        p_b = gl.allocate_shared_memory(gl.bfloat16, [1, BH, BS], P_L)
+        if R == BS:
+            # P_A goes into slot 0's rope rows, free once S_A (their other reader) is done: 8 KB the widest q and
+            # two slots leave no room for
+            p_a = kv_p
+        else:
+            p_a = gl.allocate_shared_memory(gl.bfloat16, [1, BH, BS], P_L)
+        s_m0 = gl.allocate_shared_memory(gl.float32, [BH], VEC_L)
+        s_m1 = gl.allocate_shared_memory(gl.float32, [BH], VEC_L)
+        s_l0 = gl.allocate_shared_memory(gl.float32, [BH], VEC_L)
+        s_l1 = gl.allocate_shared_memory(gl.float32, [BH], VEC_L)
+        bars = gl.allocate_shared_memory(gl.int64, [NUM_FWD_BARRIERS, 1], mbarrier.MBarrierLayout())
+        for b in gl.static_range(NUM_FWD_BARRIERS):
+            # the full barriers and q's take one arrival per producer thread
+            mbarrier.init(bars.index(b), count=32 * PRODUCER_WARPS if b < 4 or b == Q_FULL else 1)
         fence_async_shared()
         _barrier()
-        gl.warp_specialize([(_fwd_attend, (q_v_smem, q_r_smem, kv_v_ring, kv_r_ring, full, empty, idx_ptr, o_ptr,
-                                           lse_ptr, scale_log2, tok, h0, H, S)),
-                            (_fwd_gather, (kv_v_ring, kv_r_ring, full, empty, kv_ptr, idx_ptr, tok, T, S))],
-                           [PRODUCER_WARPS], [PRODUCER_REGS])
+        args = (q_l, q_r, q_p, kv_l, kv_r, kv_p, p_a, p_b, s_m0, s_m1, s_l0, s_l1, bars, q_ptr, kv_ptr, idx_ptr,
+                o_ptr, lse_ptr, scale_log2, tok, h0, T, H, S, zero)
+        gl.warp_specialize([(_fwd_warpgroup0, args), (_fwd_warpgroup1, args), (_fwd_producer, args)],
+                           [4, PRODUCER_WARPS], [WG1_REGS, PRODUCER_REGS])
 
     @gluon.jit
     def _load_tile(smem, ptr, row0, row_stride, col0, ROWS: gl.constexpr, COLS: gl.constexpr, LOAD: gl.constexpr):
@@ -350,10 +523,10 @@ def sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale) -> boo
     where the kernel does not compile here (nothing written)."""
     B, T, H, K = q_BTHK.shape
     S, V = idx_BTS.shape[-1], o_BTHV.shape[-1]
+    # `zero` (0) indexes the consumers' shared-memory views at run time (see _fwd_warpgroup0)
     return _compiles("forward", lambda: fast(_fwd_kernel)[(B * T * (H // FWD_HEADS),)](
-        q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale * LOG2E, T, H, S, V=V, R=K - V, BH=FWD_HEADS, BS=FWD_KEYS,
-        STAGES=FWD_STAGES, PRODUCER_WARPS=FWD_PRODUCER_WARPS, PRODUCER_REGS=FWD_PRODUCER_REGS,
-        num_warps=FWD_WARPS))
+        q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale * LOG2E, T, H, S, 0, V=V, R=K - V, BH=FWD_HEADS, BS=FWD_KEYS,
+        WG1_REGS=FWD_WG1_REGS, PRODUCER_WARPS=FWD_PRODUCER_WARPS, PRODUCER_REGS=FWD_PRODUCER_REGS, num_warps=4))
 
 
 def dkv_pass(q_BTHK, idx_BTS, do_BTHV, p_CHS, ds_CHS, dkv32_BTK, tok0, num_tokens) -> bool:

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from runtime.kernels.gated_delta.common import decay_weighted, l2norm_bwd, mm, row_of, row_scales, store_diag
 from runtime.kernels.gated_delta.forward import (
-    add_cols, chunk_tokens, load_chunk_decay, load_cols, rows_at, scan_start, state_offsets, store_cols,
+    add_cols, chunk_tokens, load_chunk_log_decay, load_cols, rows_at, scan_start, state_offsets, store_cols,
 )
 
 
@@ -50,8 +50,8 @@ def scan_bwd_kernel(do_ptr, p_ptr, kbar_ptr, qg_ptr, w_ptr, glast_ptr, dht_ptr, 
                  mask=valid)
         qg = tl.load(rows_at(qg_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
         w = tl.load(rows_at(w_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
-        decay = load_chunk_decay(glast_ptr, chunk, head, H, K, PER_CHANNEL)
-        dh = decay * dh + mm(tl.trans(qg), do, DOTS) - mm(tl.trans(w), dv_new, DOTS)
+        gl = load_chunk_log_decay(glast_ptr, chunk, head, H, K, PER_CHANNEL)
+        dh = tl.exp(gl) * dh + mm(tl.trans(qg), do, DOTS) - mm(tl.trans(w), dv_new, DOTS)
     if dh0_ptr is not None:
         tl.store(dh0_ptr + seq_offs, dh)
 

@@ -62,12 +62,9 @@ def add_cols(ptr, x, start, valid_R, head, col0, H: tl.constexpr, D: tl.constexp
 def raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
               S: tl.constexpr, BD: tl.constexpr, PER_CHANNEL: tl.constexpr, GRAM_PREC: tl.constexpr,
               PREC: tl.constexpr):
-    """(k k^T, q k^T, the S x S diagonal blocks of k k^T as [C / S, S, S], |k|^2, |q|^2) of the raw (not
-    normalized) rows, summed over [C, BD] column blocks. Per channel the Gram products carry the decay
-    and leave their diagonal blocks 0 (diagonal.py's kernel sums those exactly; the third is then 0);
-    the scalar decay multiplies it in afterwards."""
-    NS: tl.constexpr = C // S
-    kk_BSS = tl.zeros([NS, S, S], tl.float32)
+    """(k k^T, q k^T, |k|^2, |q|^2) of the raw (not normalized) rows, summed over [C, BD] column blocks. Per
+    channel the Gram products carry the decay and leave their diagonal blocks 0 (diagonal.py's kernel sums
+    those exactly); the scalar decay multiplies it in afterwards."""
     kk = tl.zeros([C, C], tl.float32)
     qk = tl.zeros([C, C], tl.float32)
     k_sq = tl.zeros([C], tl.float32)
@@ -86,10 +83,7 @@ def raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H: tl.constexpr, K: tl.co
         else:
             kk += mm(k_blk, tl.trans(k_blk), GRAM_PREC)
             qk += mm(q_blk, tl.trans(k_blk), GRAM_PREC)
-            # the diagonal blocks again as a batch: the doubling inverse wants them apart from kk
-            k_BSD = tl.reshape(k_blk, [NS, S, BD])
-            kk_BSS += mm(k_BSD, tl.permute(k_BSD, (0, 2, 1)), GRAM_PREC)
-    return kk, qk, kk_BSS, k_sq, q_sq
+    return kk, qk, k_sq, q_sq
 
 
 @triton.jit
@@ -107,8 +101,8 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
     chunk, head = tl.program_id(0), tl.program_id(1)
     start, tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
     rows = tl.arange(0, C)
-    kk, qk, kk_BSS, k_sq, q_sq = raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H, K, C, S, BD, PER_CHANNEL,
-                                           GRAM_PREC, PREC)
+    kk, qk, k_sq, q_sq = raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H, K, C, S, BD, PER_CHANNEL, GRAM_PREC,
+                                   PREC)
     k_inv = 1.0 / tl.sqrt(k_sq + 1e-6) if L2NORM else tl.full([C], 1.0, tl.float32)
     q_inv = (1.0 / tl.sqrt(q_sq + 1e-6) if L2NORM else tl.full([C], 1.0, tl.float32)) * scale
     beta = tl.load(beta_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32)
@@ -127,13 +121,9 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
         p_mat = p_mat * decay
         gl = tl.sum(tl.where(rows == C - 1, gc, 0.0), 0)
         tl.store(glast_ptr + chunk.to(tl.int64) * H + head, gl)
-        g_BS = tl.reshape(gc, [NS, S])
-        row_scale = tl.reshape(beta * k_inv, [NS, S])
-        col_scale = tl.reshape(k_inv, [NS, S])
-        ii = tl.arange(0, S)
-        diag_decay = tl.exp(tl.where((ii[:, None] > ii[None, :])[None, :, :], g_BS[:, :, None] - g_BS[:, None, :],
-                                     float("-inf")))
-        l_BSS = row_scale[:, :, None] * kk_BSS * col_scale[:, None, :] * diag_decay
+        blk = tl.arange(0, NS)
+        same = blk[:, None, None, None] == blk[None, None, :, None]
+        l_BSS = tl.sum(tl.where(same, tl.reshape(l_mat, [NS, S, NS, S]), 0.0), 2)
     store_cols(p_ptr, p_mat, start, valid, head, 0, H, C, C, C)
     # the doubling's partial products cancel where keys repeat: they want fp32 accuracy
     tinv = merge_block_inverse(l_mat, block_diagonal(diag_block_inverse(l_BSS, S, "tf32x3"), C, S), C, S, PREC)
@@ -211,13 +201,15 @@ def state_offsets(index, head, row0, col0, H: tl.constexpr, K: tl.constexpr, V: 
 
 
 @triton.jit
-def load_chunk_decay(glast_ptr, chunk, head, H: tl.constexpr, K: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """exp(gc_last) of a chunk, shaped to scale a [K, BV] state: [K, 1] per channel, else [1, 1]."""
+def load_chunk_log_decay(glast_ptr, chunk, head, H: tl.constexpr, K: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """gc_last of a chunk, shaped so that its exp scales a [K, BV] state: [K, 1] per channel, else a scalar (a
+    [1, 1] tile is loaded once per element of the state that each thread holds). The callers take the exp where
+    they use it: the warps then wait on the load there, not where it is issued."""
     if PER_CHANNEL:
-        decay = tl.exp(tl.load(glast_ptr + (chunk.to(tl.int64) * H + head) * K + tl.arange(0, K)))[:, None]
+        gl = tl.load(glast_ptr + (chunk.to(tl.int64) * H + head) * K + tl.arange(0, K))[:, None]
     else:
-        decay = tl.exp(tl.load(glast_ptr + chunk.to(tl.int64) * H + head + tl.zeros([1, 1], tl.int32)))
-    return decay
+        gl = tl.load(glast_ptr + chunk.to(tl.int64) * H + head)
+    return gl
 
 
 @triton.jit
@@ -246,6 +238,8 @@ def scan_kernel(w_ptr, u_ptr, kbar_ptr, glast_ptr, h0_ptr, qg_ptr, p_ptr, cu_ptr
     head, bos, eos, first_chunk, col0, seq_offs, h = scan_start(cu_ptr, chunk_offsets_ptr, h0_ptr, H, K, V, BV)
     for c in range(tl.cdiv(eos - bos, C)):
         chunk = first_chunk + c
+        # issued first: its latency then passes under the state's store and w h instead of before the update
+        gl = load_chunk_log_decay(glast_ptr, chunk, head, H, K, PER_CHANNEL)
         h_stored = h.to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + state_offsets(chunk, head, 0, col0, H, K, V, K, BV), h_stored)
         row0 = bos + c * C
@@ -256,8 +250,7 @@ def scan_kernel(w_ptr, u_ptr, kbar_ptr, glast_ptr, h0_ptr, qg_ptr, p_ptr, cu_ptr
         v_stored = v_new.to(vnew_ptr.dtype.element_ty)
         tl.store(rows_at(vnew_ptr, row0, head, H, V, col0, C, BV), v_stored, mask=valid)
         kbar = tl.load(rows_at(kbar_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
-        decay = load_chunk_decay(glast_ptr, chunk, head, H, K, PER_CHANNEL)
-        h = decay * h + mm(tl.trans(kbar), v_new, PREC)
+        h = tl.exp(gl) * h + mm(tl.trans(kbar), v_new, PREC)
         # after the state update, which then waits on neither o's products nor its store (the warps still
         # issue them before the next chunk's w h); the pipeliner prefetches qg and P with w, u and kbar
         qg = tl.load(rows_at(qg_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)

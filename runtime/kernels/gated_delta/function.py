@@ -35,8 +35,11 @@ PREP_WARPS = 4
 PREP_COLUMN_BLOCK = 64
 # value block of both scans: a smaller block runs more programs (V / block per sequence and head)
 SCAN_VALUE_BLOCK = 32
-# the scans prefetch the next chunk's tiles during a step: they are latency-bound, one program per SM
-SCAN_STAGES = 2
+# the scans prefetch chunks' tiles: they are latency-bound, one program per SM. At 2 stages the loads are issued at
+# the end of the step before the one that waits on them, so their latency stays in every step; at 3 one chunk's
+# loads stay in flight through a whole step: 200 KB of shared memory at K = V = 128 (2 stages: 139 KB), which a
+# Hopper block takes (227 KB) and an A100's (164 KB) does not
+SCAN_STAGES, SCAN_STAGES_SHARED_BYTES = 3, 200 * 1024
 # one warpgroup matches the forward scan's M=64 products; the backward scan carries more tiles per step
 FORWARD_SCAN_WARPS = 4
 BACKWARD_SCAN_WARPS = 8
@@ -55,6 +58,20 @@ GRAD_WARPS = 4
 GRAD_STAGES = 1
 # gram_grad_kernel at 4 warps fits two programs per SM
 GRAM_GRAD_WARPS = 4
+
+
+def scan_stages(device: torch.device) -> int:
+    """The scans' pipeline depth: SCAN_STAGES where the GPU's shared memory per block takes them, else 2."""
+    if device.type != "cuda":
+        return SCAN_STAGES
+    return SCAN_STAGES if _shared_bytes_per_block(device.index or 0) >= SCAN_STAGES_SHARED_BYTES else 2
+
+
+@functools.cache
+def _shared_bytes_per_block(device_index: int) -> int:
+    props = torch.cuda.get_device_properties(device_index)
+    # ROCm's properties lack the opt-in figure
+    return getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
 
 
 @dataclass(frozen=True)
@@ -181,7 +198,8 @@ def _scan(prep, h0, layout, per_channel, out_dtype, storage):
     fast(forward.scan_kernel)[(layout.num_seqs, num_heads, value_dim // block)](
         prep["w"], prep["u"], prep["kbar"], prep["glast"], h0, prep["qg"], prep["p"],
         layout.cu_seqlens, layout.chunk_offsets, h, v_new, final, o, H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE,
-        BV=block, PER_CHANNEL=per_channel, PREC=storage.dots, num_warps=FORWARD_SCAN_WARPS, num_stages=SCAN_STAGES)
+        BV=block, PER_CHANNEL=per_channel, PREC=storage.dots, num_warps=FORWARD_SCAN_WARPS,
+        num_stages=scan_stages(device))
     return h, v_new, final, o
 
 
@@ -199,7 +217,7 @@ def _scan_bwd(prep, do, dht, layout, per_channel, want_dh0, storage):
     fast(backward.scan_bwd_kernel)[(layout.num_seqs, num_heads, value_dim // block)](
         do, prep["p"], prep["kbar"], prep["qg"], prep["w"], prep["glast"], dht, layout.cu_seqlens, layout.chunk_offsets,
         dh, dv_new, dh0, H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE, BV=block, PER_CHANNEL=per_channel,
-        DOTS=storage.dots, num_warps=BACKWARD_SCAN_WARPS, num_stages=SCAN_STAGES)
+        DOTS=storage.dots, num_warps=BACKWARD_SCAN_WARPS, num_stages=scan_stages(device))
     return dh, dv_new, dh0
 
 
