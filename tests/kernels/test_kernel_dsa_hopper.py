@@ -49,7 +49,7 @@ if hopper.forward_fits(H, V, R, hopper.torch.bfloat16):
     report["forward"] = used(hopper._fwd_kernel, dict(V=V, R=R, BH=hopper.FWD_HEADS, BS=hopper.FWD_KEYS,
                                                       WG1_REGS=hopper.FWD_WG1_REGS,
                                                       PRODUCER_WARPS=hopper.FWD_PRODUCER_WARPS,
-                                                      PRODUCER_REGS=hopper.FWD_PRODUCER_REGS, num_warps=4), 4)
+                                                      PRODUCER_REGS=hopper.forward_producer_regs(V), num_warps=4), 4)
 if hopper.dkv_fits(H, V, R, 2048, hopper.torch.bfloat16):
     report["dkv"] = used(hopper._bwd_dkv_kernel, dict(H=H, V=V, R=R, BS=hopper.DKV_SLOTS, BC=hopper.DKV_COLUMNS,
                                                       num_warps=hopper.DKV_WARPS), hopper.DKV_WARPS)

@@ -47,10 +47,10 @@ except ImportError:  # a triton without Gluon's Hopper modules: attention.py kee
 # block per consumer warpgroup, FlashMLA's schedule: 39.2-40.9 ms at 32768 tokens against 47.7 with each block's
 # keys and value columns split between the warpgroups (bench/NOTES.md).
 FWD_HEADS, FWD_KEYS = 64, 64
-# warpgroup 1's registers and the gather partition's warps and registers; warpgroup 0 takes the rest (256 at these).
-# Nothing spills at 216; 224 and 232 spill 52 and 116 bytes in warpgroup 0 and time the same within noise; 2
-# producer warps at 56 registers took 41.2 ms against 40.0
-FWD_WG1_REGS, FWD_PRODUCER_WARPS, FWD_PRODUCER_REGS = 216, 4, 40
+# warpgroup 1's registers and the gather partition's warps; warpgroup 0 takes what the producer leaves (see
+# forward_producer_regs). Nothing spills at 216 (triton 3.6-3.9); 224 and 232 spill 52 and 116 bytes in warpgroup 0
+# at V 512 and time the same within noise; 2 producer warps at 56 registers took 41.2 ms against 40.0
+FWD_WG1_REGS, FWD_PRODUCER_WARPS = 216, 4
 # The dkv pass: one program per (token, DKV_SLOTS index slots), DKV_COLUMNS columns a block, 4-wide atomics
 # (79 ms at 32768 tokens; 64 x 128 columns 87-91, 128 slots x 128 at 8 warps 88).
 DKV_SLOTS, DKV_COLUMNS, DKV_WARPS = 64, 64, 4
@@ -73,6 +73,13 @@ def _on_hopper(*tensors: torch.Tensor) -> bool:
 
 def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
+
+
+def forward_producer_regs(V: int) -> int:
+    """The forward's gather partition's registers a thread. At V 512 each consumer's O accumulator is 128 of its
+    registers and warpgroup 0 needs 256, which leaves the producer 40; narrower accumulators leave it 48 (at 40
+    triton 3.9 spills 20 bytes of the producer's at V 256)."""
+    return 40 if V > 256 else 48
 
 
 def forward_fits(H: int, V: int, R: int, dtype: torch.dtype) -> bool:
@@ -526,7 +533,8 @@ def sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale) -> boo
     # `zero` (0) indexes the consumers' shared-memory views at run time (see _fwd_warpgroup0)
     return _compiles("forward", lambda: fast(_fwd_kernel)[(B * T * (H // FWD_HEADS),)](
         q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale * LOG2E, T, H, S, 0, V=V, R=K - V, BH=FWD_HEADS, BS=FWD_KEYS,
-        WG1_REGS=FWD_WG1_REGS, PRODUCER_WARPS=FWD_PRODUCER_WARPS, PRODUCER_REGS=FWD_PRODUCER_REGS, num_warps=4))
+        WG1_REGS=FWD_WG1_REGS, PRODUCER_WARPS=FWD_PRODUCER_WARPS, PRODUCER_REGS=forward_producer_regs(V),
+        num_warps=4))
 
 
 def dkv_pass(q_BTHK, idx_BTS, do_BTHV, p_CHS, ds_CHS, dkv32_BTK, tok0, num_tokens) -> bool:
