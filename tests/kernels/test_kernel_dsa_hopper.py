@@ -79,7 +79,7 @@ def test_shapes_the_gluon_tiles_do_not_take_stay_on_triton():
     assert not hopper.forward_fits(128, 512, 64, torch.float32)  # bf16 MMAs only
     assert not hopper.forward_fits(96, 512, 64, bf16)  # whole 64-head blocks
     assert not hopper.forward_fits(128, 384, 64, bf16)  # power-of-two value width
-    assert not hopper.forward_fits(128, 512, 128, bf16)  # q and two gathered steps exceed shared memory
+    assert not hopper.forward_fits(128, 512, 128, bf16)  # q and a pair's two slots exceed shared memory
     assert not hopper.forward_fits(128, 64, 64, bf16) and not hopper.forward_fits(128, 512, 16, bf16)  # not run yet
     assert hopper.forward_fits(64, 256, 32, bf16) and not hopper.dkv_fits(64, 256, 32, 2048, bf16)
     assert hopper.dkv_fits(128, 512, 64, 2048, bf16)
