@@ -57,14 +57,23 @@ def scan_bwd_kernel(do_ptr, p_ptr, kbar_ptr, qg_ptr, w_ptr, glast_ptr, dht_ptr, 
 
 
 @triton.jit
-def gc_block(g_ptr, tok_C, valid_C, start, head, col0, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
-             BK: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """In-chunk cumulative log decay of key columns col0 .. col0 + BK: [C, BK] per channel, else [C, 1]."""
+def load_log_decay(g_ptr, tok_C, valid_C, start, head, col0, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                   BK: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """The chunk's log decay of key columns col0 .. col0 + BK in its stored dtype: [C, BK] per channel, else [C]."""
     if PER_CHANNEL:
-        gc = tl.cumsum(load_cols(g_ptr, start, valid_C, head, col0, H, K, C, BK), 0)
+        g = tl.load(rows_at(g_ptr, start, head, H, K, col0, C, BK), mask=valid_C[:, None], other=0.0)
     else:
-        g = tl.load(g_ptr + tok_C.to(tl.int64) * H + head, mask=valid_C, other=0.0).to(tl.float32)
-        gc = tl.cumsum(g, 0)[:, None]
+        g = tl.load(g_ptr + tok_C.to(tl.int64) * H + head, mask=valid_C, other=0.0)
+    return g
+
+
+@triton.jit
+def in_chunk_decay(g, PER_CHANNEL: tl.constexpr):
+    """In-chunk cumulative log decay of load_log_decay's g: [C, BK] per channel, else [C, 1]."""
+    if PER_CHANNEL:
+        gc = tl.cumsum(g.to(tl.float32), 0)
+    else:
+        gc = tl.cumsum(g.to(tl.float32), 0)[:, None]
     return gc
 
 
@@ -103,12 +112,16 @@ def state_grad_kernel(q_ptr, k_ptr, g_ptr, h_ptr, dh_ptr, vnew_ptr, dvnew_ptr, d
         dw -= mm(dv_new, tl.trans(h), DOTS)
         dp += mm(do, tl.trans(v_new), DOTS)
         dlam += tl.sum(h.to(tl.float32) * dh.to(tl.float32), 1)
+    # every load the tail needs is issued at once, in the stored dtype: one round of memory latency
+    q_raw = tl.load(rows_at(q_ptr, start, head, H, K, col0, C, BK), mask=valid[:, None], other=0.0)
+    k_raw = tl.load(rows_at(k_ptr, start, head, H, K, col0, C, BK), mask=valid[:, None], other=0.0)
+    q_scale = row_scales(norms_ptr, 1, scale, tok * H + head, valid, L2NORM)
+    k_scale = row_scales(norms_ptr, 0, 1.0, tok * H + head, valid, L2NORM)
+    g = load_log_decay(g_ptr, tok, valid, start, head, col0, H, K, C, BK, PER_CHANNEL)
     store_cols(dw_ptr, dw, start, valid, head, col0, H, K, C, BK)
-    q = load_cols(q_ptr, start, valid, head, col0, H, K, C, BK) * row_scales(
-        norms_ptr, 1, scale, tok * H + head, valid, L2NORM)[:, None]
-    k = load_cols(k_ptr, start, valid, head, col0, H, K, C, BK) * row_scales(
-        norms_ptr, 0, 1.0, tok * H + head, valid, L2NORM)[:, None]
-    gc = gc_block(g_ptr, tok, valid, start, head, col0, H, K, C, BK, PER_CHANNEL)
+    q = q_raw.to(tl.float32) * q_scale[:, None]
+    k = k_raw.to(tl.float32) * k_scale[:, None]
+    gc = in_chunk_decay(g, PER_CHANNEL)
     rows = tl.arange(0, C)
     dp = tl.where(rows[:, None] >= rows[None, :], dp, 0.0)
     if PER_CHANNEL:
@@ -161,7 +174,7 @@ def wy_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, dvnew_ptr, dw
     # the scalar decay's [C, 1] gc serves every key block: loaded and summed once, off the loops' chains
     gc_rows = tl.zeros([C, 1], tl.float32)
     if not PER_CHANNEL:
-        gc_rows = gc_block(g_ptr, tok, valid, start, head, 0, H, K, C, 1, False)
+        gc_rows = in_chunk_decay(load_log_decay(g_ptr, tok, valid, start, head, 0, H, K, C, 1, False), False)
         # dq reads nothing this kernel writes: first, its loads beside Tinv's instead of a round in the tail
         q_inv = row_scales(norms_ptr, 1, scale, tok * H + head, valid, L2NORM) / scale
         finish_rows(q_ptr, part_dq_ptr, final_dq_ptr, q_inv, scale, start, valid, head, H, K, C, L2NORM)
@@ -176,11 +189,12 @@ def wy_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, dvnew_ptr, dw
         store_cols(dv_ptr, beta[:, None] * dbv, start, valid, head, vb * BV, H, V, C, BV)
         db += tl.sum(dbv * v, 1)
     for kb in range(NK):
+        # the step's loads first: one round of memory latency
         k = load_cols(k_ptr, start, valid, head, kb * BK, H, K, C, BK) * k_inv[:, None]
+        dw = load_cols(dw_ptr, start, valid, head, kb * BK, H, K, C, BK)
         gc = load_cols(gcs_ptr, start, valid, head, kb * BK, H, K, C, BK) if PER_CHANNEL else gc_rows
         eg = tl.exp(gc)
         kt = k * eg
-        dw = load_cols(dw_ptr, start, valid, head, kb * BK, H, K, C, BK)
         dtinv += mm(dw, tl.trans(beta[:, None] * kt), GRAD_DOTS)
         tdw = mm(tl.trans(tinv), dw, GRAD_DOTS)
         db += tl.sum(tdw * kt, 1)
