@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("small_chunks_nan
 
 
 def test_kda_cu_seqlens_three_heads():
-    """Three packed sequences, one state each; H=3: TOKEN_DIAG_HEADS 4 falls to one head per program."""
+    """Three packed sequences, one state each; H=3: the diagonal kernels' 8 and 4 heads a program fall to one."""
     check("kda", make_inputs("kda", H=3, num_states=3), cu_seqlens=torch.tensor(CU_SEQLENS))
 
 

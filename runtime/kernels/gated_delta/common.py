@@ -3,20 +3,13 @@
 Shape legend: C chunk size, S sub-chunk size (C = NS * S), K key dim, X 1 (GDN) or K (KDA).
 gc_CX is the in-chunk cumulative log decay: non-increasing down the rows, so exp(gc_i - gc_j) <= 1
 for i >= j. Per-channel decays never form exp(-gc) alone (it overflows for strong decays): products
-across sub-chunks are split around a reference row between i and j, and pairs inside one sub-chunk
-are summed exactly, element by element (diagonal.py).
+across sub-chunks are split at the rows bounding the pair's sub-chunks (decayed_grams), and pairs inside one
+sub-chunk are summed exactly, element by element (diagonal.py).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def l2norm_rows(x, eps, USE: tl.constexpr):
-    """x / sqrt(sum(x^2) + eps) per row; identity when USE is off."""
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, 1) + eps) if USE else tl.full([x.shape[0]], 1.0, tl.float32)
-    return x * inv[:, None]
 
 
 @triton.jit
@@ -27,18 +20,32 @@ def row_of(x, r, C: tl.constexpr):
 
 
 @triton.jit
-def decayed_gram(a_CK, c_CK, gc_CK, C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr):
-    """Per-channel decay: M_CC[i, j] = sum_d a_id c_jd exp(gc_id - gc_jd) for j in an earlier sub-chunk than i,
-    else 0 (the S x S diagonal blocks are diagonal.py's)."""
-    rows = tl.arange(0, C)
-    m_CC = tl.zeros([C, C], tl.float32)
-    sub = rows // S
-    for s in tl.static_range(1, C // S):
-        ref_K = row_of(gc_CK, s * S, C)
-        a_s = a_CK * tl.exp(tl.where(sub[:, None] == s, gc_CK - ref_K[None, :], float("-inf")))
-        c_s = c_CK * tl.exp(tl.where(rows[:, None] < s * S, ref_K[None, :] - gc_CK, float("-inf")))
-        m_CC += tl.dot(a_s, tl.trans(c_s), input_precision=PREC)
-    return m_CC
+def decayed_grams(k_CK, q_CK, gc_CK, C: tl.constexpr, S: tl.constexpr, PREC: tl.constexpr):
+    """Per-channel decay over the columns of the tiles, gc_CK in log2 units: (k k^T, q k^T) as row blocks
+    [C / S, S, C], M[i, j] = sum_d x_id k_jd 2^(gc_id - gc_jd) for j in an earlier sub-chunk than i, else 0 (the
+    S x S diagonal blocks are diagonal.py's).
+    The decay between sub-chunks s > t splits at the first row of s (f) and the last row of t (l):
+    2^(gc_i - f_s) 2^(f_s - l_t) 2^(l_t - gc_j), every exponent <= 0 as gc does not increase down the rows; no
+    factor overflows, and one that underflows bounds a product that does too. The row factors take one exp a tile
+    element; the middle factor [NS, NS, K] weighs every earlier key once per target sub-chunk, and one batched
+    product per target sub-chunk gives its rows against all keys."""
+    NS: tl.constexpr = C // S
+    K: tl.constexpr = k_CK.shape[1]
+    gc3 = tl.reshape(gc_CK, [NS, S, K])
+    row = tl.arange(0, S)[None, :, None]
+    first = tl.sum(tl.where(row == 0, gc3, 0.0), 1)
+    last = tl.sum(tl.where(row == S - 1, gc3, 0.0), 1)
+    to_first = tl.exp2(gc3 - first[:, None, :])
+    sub = tl.arange(0, NS)
+    # [target sub-chunk, key sub-chunk, K]; later or same key sub-chunks are masked before the exp (positive there)
+    middle = tl.exp2(tl.where(sub[None, :, None] < sub[:, None, None], first[:, None, :] - last[None, :, :],
+                              float("-inf")))
+    k_last = tl.reshape(k_CK, [NS, S, K]) * tl.exp2(last[:, None, :] - gc3)
+    keys = tl.reshape(middle[:, :, None, :] * k_last[None, :, :, :], [NS, C, K])
+    keys_t = tl.permute(keys, (0, 2, 1))
+    kk = tl.dot(tl.reshape(k_CK, [NS, S, K]) * to_first, keys_t, input_precision=PREC)
+    qk = tl.dot(tl.reshape(q_CK, [NS, S, K]) * to_first, keys_t, input_precision=PREC)
+    return kk, qk
 
 
 @triton.jit

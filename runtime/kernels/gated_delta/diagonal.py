@@ -2,8 +2,8 @@
 share of the gradients.
 
 Inside a sub-chunk the decay between two tokens is summed exactly, channel by channel (products across
-sub-chunks go through a reference row instead, common.decayed_gram). One program per (token, BH heads) on
-[BH, K] tiles, contiguous in the packed layout with one warp per head, walks the <= S other rows of its
+sub-chunks are split at the rows bounding their sub-chunks instead, common.decayed_grams). One program per (token, BH heads) on
+[BH, K] tiles, contiguous in the packed layout, walks the <= S other rows of its
 sub-chunk straight from memory, summing the decay between the two tokens on the way (no cumsum, no row
 extraction from register tiles). `diag_token_kernel` stores the blocks as rows [T, H, S] (row t holds its
 entries against the S tokens of its own sub-chunk); `diag_grad_token_kernel` takes token t's share as a
@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime.kernels.gated_delta.common import l2norm_bwd, l2norm_rows, row_scales
+from runtime.kernels.gated_delta.common import l2norm_bwd, row_scales
 from runtime.kernels.gated_delta.forward import chunk_tokens, load_cols, store_cols
 
 
@@ -56,33 +56,32 @@ def store_head_rows(ptr, x_BD, tok, heads_B, H: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def diag_token_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_ptr, ldiag_ptr, pdiag_ptr,
-                      scale, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
-                      BH: tl.constexpr, L2NORM: tl.constexpr):
-    """Per (token i, BH heads), per-channel decay: row i of the diagonal blocks of L (beta_i sum_d k_id k_jd
-    exp(gc_id - gc_jd), j < i) and P (q_i in place of beta_i k_i, j <= i) as [T, H, S] rows, zero past i."""
+def diag_token_kernel(q_ptr, k_ptr, g_ptr, chunk_start_ptr, chunk_end_ptr, ldiag_ptr, pdiag_ptr, H: tl.constexpr,
+                      K: tl.constexpr, C: tl.constexpr, S: tl.constexpr, BH: tl.constexpr):
+    """Per (token i, BH heads), per-channel decay, on the raw inputs: row i of the diagonal blocks of the decayed
+    Gram products k k^T (sum_d k_id k_jd exp(gc_id - gc_jd), j < i) and q k^T (q_i in place of k_i, j <= i) as
+    [T, H, S] rows, zero past i. The kernel is issue-bound, so each pair costs as few instructions as it can:
+    prep_blocked_kernel applies the l2norm, beta and the scale (as to its own Gram products; here they took a norm
+    of k_j, a reduction over K, for every pair), the decay is summed in log2 units (exp2 flushes to zero below
+    2^-126 where exp takes a denormal path), and each pair's entries are stored as they come."""
     tok, sub_start, sub_end, chunk_end = token_position(chunk_start_ptr, chunk_end_ptr, C, S)
     if tok < chunk_end:
         heads = tl.program_id(1) * BH + tl.arange(0, BH)
-        q_i = l2norm_rows(head_rows(q_ptr, tok, heads, H, K), 1e-6, L2NORM)
-        k_i = l2norm_rows(head_rows(k_ptr, tok, heads, H, K), 1e-6, L2NORM)
-        bk_i = tl.load(beta_ptr + tok.to(tl.int64) * H + heads).to(tl.float32)[:, None] * k_i
-        q_i = q_i * scale
-        cols = tl.arange(0, S)
-        l_BS = tl.zeros([BH, S], tl.float32)
-        p_BS = tl.zeros([BH, S], tl.float32)
-        # gc_i - gc_j = g_{j+1} + ... + g_i (<= 0): summed while walking j from i down to the sub-chunk start
+        q_i = head_rows(q_ptr, tok, heads, H, K)
+        k_i = head_rows(k_ptr, tok, heads, H, K)
+        row_offs = (tok.to(tl.int64) * H + heads) * S - sub_start
+        later = sub_start + tl.arange(0, S)[None, :] > tok
+        tl.store(ldiag_ptr + row_offs[:, None] + sub_start + tl.arange(0, S)[None, :], 0.0, mask=later)
+        tl.store(pdiag_ptr + row_offs[:, None] + sub_start + tl.arange(0, S)[None, :], 0.0, mask=later)
+        # (gc_i - gc_j) log2(e) = (g_{j+1} + ... + g_i) log2(e) (<= 0): summed while walking j from i down to the
+        # sub-chunk start
         decay = tl.zeros([BH, K], tl.float32)
         for back in range(tok - sub_start + 1):
             j = tok - back
-            k_j = l2norm_rows(head_rows(k_ptr, j, heads, H, K), 1e-6, L2NORM)
-            kj_e = k_j * tl.exp(decay)
-            at_j = cols[None, :] == j - sub_start
-            l_BS = tl.where(at_j & (back > 0), tl.sum(bk_i * kj_e, 1)[:, None], l_BS)
-            p_BS = tl.where(at_j, tl.sum(q_i * kj_e, 1)[:, None], p_BS)
-            decay += head_rows(g_ptr, j, heads, H, K)
-        store_head_rows(ldiag_ptr, l_BS, tok, heads, H, S)
-        store_head_rows(pdiag_ptr, p_BS, tok, heads, H, S)
+            kj_e = head_rows(k_ptr, j, heads, H, K) * tl.exp2(decay)
+            tl.store(ldiag_ptr + row_offs + j, tl.where(back > 0, tl.sum(k_i * kj_e, 1), 0.0))
+            tl.store(pdiag_ptr + row_offs + j, tl.sum(q_i * kj_e, 1))
+            decay += head_rows(g_ptr, j, heads, H, K) * 1.4426950408889634
 
 
 @triton.jit

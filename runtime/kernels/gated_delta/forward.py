@@ -4,7 +4,7 @@
 live: l2norm, decay cumsum, the UT inverse Tinv, w, u, P, qg, kbar; for KDA it stops at P and Tinv and
 `prep_columns_kernel` makes the column outputs from the stored Tinv), then `scan_kernel` (one program per
 sequence, head and V block walks the chunks: the states, v_new and o). KDA's exact diagonal blocks of L and
-P come from diagonal.py before prep. See runtime/ops/gated_delta.py for the algebra. Tokens are packed
+P's Gram products come from diagonal.py before prep. See runtime/ops/gated_delta.py for the algebra. Tokens are packed
 [T, H, *] (batch folded into T, sequences given by cu_seqlens).
 
 Shape legend: T packed tokens, H heads, K key dim, V value dim, C chunk size, S sub-chunk size,
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from runtime.kernels.gated_delta.common import (
-    block_diagonal, decayed_gram, diag_block_inverse, load_diag, merge_block_inverse, mm, row_of, row_scales,
+    block_diagonal, decayed_grams, diag_block_inverse, load_diag, merge_block_inverse, mm, row_of, row_scales,
 )
 
 
@@ -59,12 +59,10 @@ def add_cols(ptr, x, start, valid_R, head, col0, H: tl.constexpr, D: tl.constexp
 
 
 @triton.jit
-def raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
-              S: tl.constexpr, BD: tl.constexpr, PER_CHANNEL: tl.constexpr, GRAM_PREC: tl.constexpr,
-              PREC: tl.constexpr):
-    """(k k^T, q k^T, |k|^2, |q|^2) of the raw (not normalized) rows, summed over [C, BD] column blocks. Per
-    channel the Gram products carry the decay and leave their diagonal blocks 0 (diagonal.py's kernel sums
-    those exactly); the scalar decay multiplies it in afterwards."""
+def raw_grams(q_ptr, k_ptr, start, valid, head, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BD: tl.constexpr,
+              GRAM_PREC: tl.constexpr):
+    """(k k^T, q k^T, |k|^2, |q|^2) of the raw (not normalized) rows, summed over [C, BD] column blocks; the
+    scalar decay multiplies it in afterwards."""
     kk = tl.zeros([C, C], tl.float32)
     qk = tl.zeros([C, C], tl.float32)
     k_sq = tl.zeros([C], tl.float32)
@@ -75,15 +73,32 @@ def raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H: tl.constexpr, K: tl.co
         q_blk = tl.load(rows_at(q_ptr, start, head, H, K, col0, C, BD), mask=valid[:, None], other=0.0)
         k_sq += tl.sum(k_blk.to(tl.float32) * k_blk.to(tl.float32), 1)
         q_sq += tl.sum(q_blk.to(tl.float32) * q_blk.to(tl.float32), 1)
-        if PER_CHANNEL:
-            # the cumsum runs down each column: a column block's is the chunk's
-            gc_blk = tl.cumsum(load_cols(g_ptr, start, valid, head, col0, H, K, C, BD), 0)
-            kk += decayed_gram(k_blk.to(tl.float32), k_blk.to(tl.float32), gc_blk, C, S, PREC)
-            qk += decayed_gram(q_blk.to(tl.float32), k_blk.to(tl.float32), gc_blk, C, S, PREC)
-        else:
-            kk += mm(k_blk, tl.trans(k_blk), GRAM_PREC)
-            qk += mm(q_blk, tl.trans(k_blk), GRAM_PREC)
+        kk += mm(k_blk, tl.trans(k_blk), GRAM_PREC)
+        qk += mm(q_blk, tl.trans(k_blk), GRAM_PREC)
     return kk, qk, k_sq, q_sq
+
+
+@triton.jit
+def raw_decayed_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr,
+                      S: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
+    """raw_grams with the per-channel decay between sub-chunks (common.decayed_grams), whose diagonal blocks stay
+    0: diagonal.py's kernel sums those exactly. A loop, not unrolled: the column blocks are narrow (registers)."""
+    NS: tl.constexpr = C // S
+    kk = tl.zeros([NS, S, C], tl.float32)
+    qk = tl.zeros([NS, S, C], tl.float32)
+    k_sq = tl.zeros([C], tl.float32)
+    q_sq = tl.zeros([C], tl.float32)
+    for col0 in range(0, K, BD):
+        k_blk = load_cols(k_ptr, start, valid, head, col0, H, K, C, BD)
+        q_blk = load_cols(q_ptr, start, valid, head, col0, H, K, C, BD)
+        k_sq += tl.sum(k_blk * k_blk, 1)
+        q_sq += tl.sum(q_blk * q_blk, 1)
+        # the cumsum runs down each column: a column block's is the chunk's; log2 units for exp2
+        gc_blk = tl.cumsum(load_cols(g_ptr, start, valid, head, col0, H, K, C, BD), 0) * 1.4426950408889634
+        kk_blk, qk_blk = decayed_grams(k_blk, q_blk, gc_blk, C, S, PREC)
+        kk += kk_blk
+        qk += qk_blk
+    return tl.reshape(kk, [C, C]), tl.reshape(qk, [C, C]), k_sq, q_sq
 
 
 @triton.jit
@@ -101,8 +116,10 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
     chunk, head = tl.program_id(0), tl.program_id(1)
     start, tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
     rows = tl.arange(0, C)
-    kk, qk, k_sq, q_sq = raw_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H, K, C, S, BD, PER_CHANNEL, GRAM_PREC,
-                                   PREC)
+    if PER_CHANNEL:
+        kk, qk, k_sq, q_sq = raw_decayed_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H, K, C, S, BD, PREC)
+    else:
+        kk, qk, k_sq, q_sq = raw_grams(q_ptr, k_ptr, start, valid, head, H, K, C, BD, GRAM_PREC)
     k_inv = 1.0 / tl.sqrt(k_sq + 1e-6) if L2NORM else tl.full([C], 1.0, tl.float32)
     q_inv = (1.0 / tl.sqrt(q_sq + 1e-6) if L2NORM else tl.full([C], 1.0, tl.float32)) * scale
     beta = tl.load(beta_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32)
@@ -111,8 +128,11 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
     # L's diagonal blocks apart, [C / S, S, S]: the merge below reads only l_mat's other blocks
     NS: tl.constexpr = C // S
     if PER_CHANNEL:
-        l_BSS = tl.reshape(load_cols(ldiag_ptr, start, valid, head, 0, H, S, C, S), [NS, S, S])
-        p_mat += load_diag(pdiag_ptr, tok, valid, head, H, C, S)
+        # diagonal.py's blocks are products of the raw rows too: the same scales make them L's and P's (column c
+        # of block b belongs to token b S + c)
+        l_BSS = tl.reshape(load_cols(ldiag_ptr, start, valid, head, 0, H, S, C, S) * (beta * k_inv)[:, None],
+                           [NS, S, S]) * tl.reshape(k_inv, [NS, 1, S])
+        p_mat += q_inv[:, None] * load_diag(pdiag_ptr, tok, valid, head, H, C, S) * k_inv[None, :]
         gc = tl.zeros([C], tl.float32)
     else:
         gc = tl.cumsum(tl.load(g_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32), 0)

@@ -29,6 +29,9 @@ SUB_CHUNK = 16
 DOT_PRECISION = "tf32"
 # prep_blocked_kernel's column block: no [C, K] fp32 tile stays live across the chunk's matrices
 PREP_BLOCK = 64
+# KDA's: its keys weighed per target sub-chunk ([C / S, C, BD] fp32, common.decayed_grams) fit registers at 16
+# columns (sm_90a: 168 registers, no spill, three programs an SM)
+DECAYED_GRAM_BLOCK = 16
 # 4 warps spill but fit two prep programs per SM: faster than one 8-warp program (bench/NOTES.md)
 PREP_WARPS = 4
 # KDA's prep_columns_kernel: 64 columns per program read Tinv half as often as 32
@@ -43,8 +46,12 @@ SCAN_STAGES, SCAN_STAGES_SHARED_BYTES = 3, 200 * 1024
 # one warpgroup matches the forward scan's M=64 products; the backward scan carries more tiles per step
 FORWARD_SCAN_WARPS = 4
 BACKWARD_SCAN_WARPS = 8
-# heads per program of the token-parallel diagonal kernels, one warp each (the reductions over K stay in a warp)
+# heads per program of the token-parallel diagonal gradient kernel, one warp each (the reductions over K stay in a
+# warp)
 TOKEN_DIAG_HEADS = 4
+# the forward's diagonal kernel is issue-bound: 8 heads on 2 warps hold 16 channels a thread, whose pairs share
+# their reductions over K and the loop's overhead (sm_90a: 52 instructions a head and pair, 88 at a warp a head)
+DIAG_TOKEN_HEADS, DIAG_TOKEN_HEADS_PER_WARP = 8, 4
 # dg_finish_kernel's channel block: a cumsum over whole [C, K] rows holds too many registers
 DG_FINISH_BLOCK = 32
 # key blocks of the gradient kernels: state_grad's four [C, BK] fp32 accumulators fit registers at 32; wy_grad's
@@ -124,23 +131,24 @@ def _batched_layout(batch: int, num_tokens: int, chunk_size: int, device: torch.
     return ChunkLayout(cu_seqlens, chunk_size, batch * -(-num_tokens // chunk_size))
 
 
-def _token_diag_heads(num_heads: int) -> int:
-    """TOKEN_DIAG_HEADS, or the largest power of two below it dividing H."""
-    heads = TOKEN_DIAG_HEADS
+def _token_diag_heads(num_heads: int, most: int = TOKEN_DIAG_HEADS) -> int:
+    """most, or the largest power of two below it dividing H."""
+    heads = most
     while num_heads % heads:
         heads //= 2
     return heads
 
 
-def _token_diagonals(q, k, g, beta, layout, scale, l2norm):
-    """KDA: the exact diagonal blocks of L and P as rows [T, H, S] fp32 (diagonal.diag_token_kernel)."""
+def _token_diagonals(q, k, g, layout):
+    """KDA: the exact diagonal blocks of the decayed Gram products k k^T and q k^T of the raw inputs, as rows
+    [T, H, S] fp32 (diagonal.diag_token_kernel)."""
     num_tokens, num_heads, key_dim = q.shape
     ldiag, pdiag = (buffers.empty(num_tokens, num_heads, SUB_CHUNK, dtype=torch.float32, device=q.device)
                     for _ in range(2))
-    heads = _token_diag_heads(num_heads)
+    heads = _token_diag_heads(num_heads, DIAG_TOKEN_HEADS)
     fast(diagonal.diag_token_kernel)[(layout.num_chunks * CHUNK_SIZE, num_heads // heads)](
-        q, k, g, beta, layout.chunk_start, layout.chunk_end, ldiag, pdiag, scale,
-        H=num_heads, K=key_dim, C=CHUNK_SIZE, S=SUB_CHUNK, BH=heads, L2NORM=l2norm, num_warps=heads)
+        q, k, g, layout.chunk_start, layout.chunk_end, ldiag, pdiag, H=num_heads, K=key_dim, C=CHUNK_SIZE,
+        S=SUB_CHUNK, BH=heads, num_warps=max(1, heads // DIAG_TOKEN_HEADS_PER_WARP))
     return ldiag, pdiag
 
 
@@ -168,13 +176,14 @@ def _prep_launches(q, k, v, g, beta, layout, scale, per_channel, l2norm, out):
     """forward.prep_blocked_kernel writing the buffers of out: whole for GDN; for KDA after its diagonal blocks
     and only to P, Tinv and the inverse norms, prep_columns_kernel making the rest."""
     num_heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[-1]
-    diags = _token_diagonals(q, k, g, beta, layout, scale, l2norm) if per_channel else (None, None)
+    diags = _token_diagonals(q, k, g, layout) if per_channel else (None, None)
+    block = DECAYED_GRAM_BLOCK if per_channel else PREP_BLOCK
     # bf16 operands are exact for bf16 inputs
     gram = _bf16_dots() if q.dtype == torch.bfloat16 else DOT_PRECISION
     fast(forward.prep_blocked_kernel)[(layout.num_chunks, num_heads)](
         q, k, v, g, beta, layout.chunk_start, layout.chunk_end,
         out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], out["norms"], *diags,
-        scale, H=num_heads, K=key_dim, V=value_dim, BD=min(PREP_BLOCK, key_dim, value_dim), PER_CHANNEL=per_channel,
+        scale, H=num_heads, K=key_dim, V=value_dim, BD=min(block, key_dim, value_dim), PER_CHANNEL=per_channel,
         L2NORM=l2norm, GRAM_PREC=gram, num_warps=PREP_WARPS, C=CHUNK_SIZE, S=SUB_CHUNK, PREC=DOT_PRECISION)
     if per_channel:
         columns = min(PREP_COLUMN_BLOCK, key_dim, value_dim)
