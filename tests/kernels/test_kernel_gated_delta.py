@@ -38,6 +38,15 @@ def test_kernel_two_scan_value_blocks(kind, monkeypatch):
     check(kind, make_inputs(kind, num_states=3), cu_seqlens=torch.tensor(CU_SEQLENS))
 
 
+@pytest.mark.parametrize("decay", [1.0, 6.0], ids=["decay1", "decay6"])
+def test_kda_four_sub_chunks(decay, monkeypatch):
+    """The GPU's chunk of 64 in four sub-chunks of 16, T=100 (a full chunk, then one whose last sub-chunk is
+    partial): the per-channel decay between sub-chunks that are not neighbours spans the ones between
+    (common.decayed_grams), which chunk 32 in two sub-chunks never has."""
+    monkeypatch.setattr(function, "CHUNK_SIZE", 64)
+    check("kda", make_inputs("kda", T=100, decay=decay))
+
+
 @pytest.mark.parametrize("K,V", [(32, 16), (16, 32)], ids=["K32-V16", "K16-V32"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_kernel_prep_column_blocks(kind, K, V):

@@ -70,10 +70,9 @@ def load_log_decay(g_ptr, tok_C, valid_C, start, head, col0, H: tl.constexpr, K:
 @triton.jit
 def in_chunk_decay(g, PER_CHANNEL: tl.constexpr):
     """In-chunk cumulative log decay of load_log_decay's g: [C, BK] per channel, else [C, 1]."""
-    if PER_CHANNEL:
-        gc = tl.cumsum(g.to(tl.float32), 0)
-    else:
-        gc = tl.cumsum(g.to(tl.float32), 0)[:, None]
+    gc = tl.cumsum(g.to(tl.float32), 0)
+    if not PER_CHANNEL:
+        gc = gc[:, None]
     return gc
 
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# exp(x) = 2^(x LOG2E): the decays are summed in log2 units where exp2 takes them
+LOG2E = tl.constexpr(1.4426950408889634)
+
 
 @triton.jit
 def row_of(x, r, C: tl.constexpr):

@@ -2,8 +2,8 @@
 share of the gradients.
 
 Inside a sub-chunk the decay between two tokens is summed exactly, channel by channel (products across
-sub-chunks are split at the rows bounding their sub-chunks instead, common.decayed_grams). One program per (token, BH heads) on
-[BH, K] tiles, contiguous in the packed layout, walks the <= S other rows of its
+sub-chunks are split at the rows bounding their sub-chunks instead, common.decayed_grams). One program per
+(token, BH heads) on [BH, K] tiles, contiguous in the packed layout, walks the <= S other rows of its
 sub-chunk straight from memory, summing the decay between the two tokens on the way (no cumsum, no row
 extraction from register tiles). `diag_token_kernel` stores the blocks as rows [T, H, S] (row t holds its
 entries against the S tokens of its own sub-chunk); `diag_grad_token_kernel` takes token t's share as a
@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from runtime.kernels.gated_delta.common import l2norm_bwd, row_scales
+from runtime.kernels.gated_delta.common import LOG2E, l2norm_bwd, row_scales
 from runtime.kernels.gated_delta.forward import chunk_tokens, load_cols, store_cols
 
 
@@ -73,7 +73,7 @@ def diag_token_kernel(q_ptr, k_ptr, g_ptr, chunk_start_ptr, chunk_end_ptr, ldiag
         later = sub_start + tl.arange(0, S)[None, :] > tok
         tl.store(ldiag_ptr + row_offs[:, None] + sub_start + tl.arange(0, S)[None, :], 0.0, mask=later)
         tl.store(pdiag_ptr + row_offs[:, None] + sub_start + tl.arange(0, S)[None, :], 0.0, mask=later)
-        # (gc_i - gc_j) log2(e) = (g_{j+1} + ... + g_i) log2(e) (<= 0): summed while walking j from i down to the
+        # (gc_i - gc_j) LOG2E = (g_{j+1} + ... + g_i) LOG2E (<= 0): summed while walking j from i down to the
         # sub-chunk start
         decay = tl.zeros([BH, K], tl.float32)
         for back in range(tok - sub_start + 1):
@@ -81,7 +81,7 @@ def diag_token_kernel(q_ptr, k_ptr, g_ptr, chunk_start_ptr, chunk_end_ptr, ldiag
             kj_e = head_rows(k_ptr, j, heads, H, K) * tl.exp2(decay)
             tl.store(ldiag_ptr + row_offs + j, tl.where(back > 0, tl.sum(k_i * kj_e, 1), 0.0))
             tl.store(pdiag_ptr + row_offs + j, tl.sum(q_i * kj_e, 1))
-            decay += head_rows(g_ptr, j, heads, H, K) * 1.4426950408889634
+            decay += head_rows(g_ptr, j, heads, H, K) * LOG2E
 
 
 @triton.jit

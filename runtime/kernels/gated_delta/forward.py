@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from runtime.kernels.gated_delta.common import (
-    block_diagonal, decayed_grams, diag_block_inverse, load_diag, merge_block_inverse, mm, row_of, row_scales,
+    LOG2E, block_diagonal, decayed_grams, diag_block_inverse, load_diag, merge_block_inverse, mm, row_of, row_scales,
 )
 
 
@@ -94,7 +94,7 @@ def raw_decayed_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H: tl.constexpr, 
         k_sq += tl.sum(k_blk * k_blk, 1)
         q_sq += tl.sum(q_blk * q_blk, 1)
         # the cumsum runs down each column: a column block's is the chunk's; log2 units for exp2
-        gc_blk = tl.cumsum(load_cols(g_ptr, start, valid, head, col0, H, K, C, BD), 0) * 1.4426950408889634
+        gc_blk = tl.cumsum(load_cols(g_ptr, start, valid, head, col0, H, K, C, BD), 0) * LOG2E
         kk_blk, qk_blk = decayed_grams(k_blk, q_blk, gc_blk, C, S, PREC)
         kk += kk_blk
         qk += qk_blk
