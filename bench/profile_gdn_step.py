@@ -4,11 +4,11 @@ attach to.
     ncu --kernel-name regex:"scan_kernel|scan_bwd_kernel|state_grad_kernel|wy_grad_kernel" --launch-skip 4 \\
         --launch-count 4 --section WarpStateStats --section SchedulerStats --section Occupancy \\
         --section SpeedOfLight python3 bench/profile_gdn_step.py
-    ncu --kernel-name regex:"prep_blocked_kernel|prep_columns_kernel|diag_token_kernel" --launch-skip 3 \\
-        --launch-count 3 --section WarpStateStats --section SchedulerStats --section Occupancy \\
+    ncu --kernel-name regex:"prep_blocked_kernel|diag_token_kernel" --launch-skip 2 \\
+        --launch-count 2 --section WarpStateStats --section SchedulerStats --section Occupancy \\
         --section SpeedOfLight --section MemoryWorkloadAnalysis python3 bench/profile_gdn_step.py --kind kda
 
-(KDA's forward runs diag_token, prep_blocked and prep_columns once a step: skip the first step's three.) What it
+(KDA's forward runs diag_token and prep_blocked once a step: skip the first step's two.) What it
 found is in bench/NOTES.md.
 """
 import argparse

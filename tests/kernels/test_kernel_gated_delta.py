@@ -50,8 +50,8 @@ def test_kda_four_sub_chunks(decay, monkeypatch):
 @pytest.mark.parametrize("K,V", [(32, 16), (16, 32)], ids=["K32-V16", "K16-V32"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_kernel_prep_column_blocks(kind, K, V):
-    """prep over two column blocks of K or of V (min(PREP_BLOCK, K, V) wide; KDA's second prep launch the
-    same), three packed sequences."""
+    """prep over two column blocks of K or of V (min(PREP_BLOCK, K, V) wide; KDA's column outputs
+    min(PREP_COLUMN_BLOCK, K, V)), three packed sequences."""
     check(kind, make_inputs(kind, K=K, V=V, num_states=3), cu_seqlens=torch.tensor(CU_SEQLENS))
 
 

@@ -1,14 +1,14 @@
 """Forward Triton kernels of the chunked gated delta rule (GDN scalar decay / KDA per-channel decay).
 
 `prep_blocked_kernel` (every chunk in parallel, on [C, BD] column blocks so that no [C, K] fp32 tile stays
-live: l2norm, decay cumsum, the UT inverse Tinv, w, u, P, qg, kbar; for KDA it stops at P and Tinv and
-`prep_columns_kernel` makes the column outputs from the stored Tinv), then `scan_kernel` (one program per
-sequence, head and V block walks the chunks: the states, v_new and o). KDA's exact diagonal blocks of L and
-P's Gram products come from diagonal.py before prep. See runtime/ops/gated_delta.py for the algebra. Tokens are packed
-[T, H, *] (batch folded into T, sequences given by cu_seqlens).
+live: l2norm, decay cumsum, the UT inverse Tinv, then w, u, P, qg, kbar from Tinv in registers), then
+`scan_kernel` (one program per sequence, head and V block walks the chunks: the states, v_new and o). KDA's exact
+diagonal blocks of L and P's Gram products come from diagonal.py before prep. See runtime/ops/gated_delta.py for the
+algebra. Tokens are packed [T, H, *] (batch folded into T, sequences given by cu_seqlens).
 
 Shape legend: T packed tokens, H heads, K key dim, V value dim, C chunk size, S sub-chunk size,
-BD column block, BV value block, X 1 (GDN) or K (KDA), NC chunks over all sequences, NS = C / S.
+BD column block of the Gram products, BC of the column outputs, BV value block, X 1 (GDN) or K (KDA), NC chunks over
+all sequences, NS = C / S.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from runtime.kernels.gated_delta.common import (
-    LOG2E, block_diagonal, decayed_grams, diag_block_inverse, load_diag, merge_block_inverse, mm, row_of, row_scales,
+    LOG2E, block_diagonal, decayed_grams, diag_block_inverse, load_diag, merge_block_inverse, mm, row_of,
 )
 
 
@@ -105,14 +105,14 @@ def raw_decayed_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H: tl.constexpr, 
 def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_ptr,
                         qg_ptr, kbar_ptr, w_ptr, u_ptr, p_ptr, glast_ptr, tinv_ptr, inv_ptr, ldiag_ptr, pdiag_ptr,
                         scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
-                        BD: tl.constexpr, PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr, GRAM_PREC: tl.constexpr,
-                        PREC: tl.constexpr):
+                        BD: tl.constexpr, BC: tl.constexpr, PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
+                        GRAM_PREC: tl.constexpr, PREC: tl.constexpr):
     """Per (chunk, head): qg = q exp(gc), kbar = k exp(gc_last - gc), w, u, P, gc_last [, Tinv] in their buffers'
-    dtypes, on [C, BD] column blocks. The Gram products take the raw inputs (bf16 operands are exact for bf16
-    inputs) and the l2norm scales them afterwards: gram(k_hat)_ij = (k_i . k_j) / (|k_i| |k_j|). The inverses
-    of Tinv's diagonal blocks come from doubling; per channel, L's and P's diagonal blocks from diagonal.py.
-    Per channel it stops at P and Tinv (stored): prep_columns_kernel makes the rest. Tinv and the rows' inverse
-    norms [T, H, 2] at inv_ptr (k's, then q's times the scale) are stored unless their pointer is None."""
+    dtypes; the Gram products on [C, BD] column blocks, the column outputs on [C, BC] ones. The Gram products take
+    the raw inputs (bf16 operands are exact for bf16 inputs) and the l2norm scales them afterwards:
+    gram(k_hat)_ij = (k_i . k_j) / (|k_i| |k_j|). The inverses of Tinv's diagonal blocks come from doubling; per
+    channel, L's and P's diagonal blocks from diagonal.py. Tinv [T, H, C] and the rows' inverse norms [T, H, 2]
+    at inv_ptr (k's, then q's times the scale) are stored for the backward unless their pointer is None."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     start, tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
     rows = tl.arange(0, C)
@@ -133,7 +133,6 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
         l_BSS = tl.reshape(load_cols(ldiag_ptr, start, valid, head, 0, H, S, C, S) * (beta * k_inv)[:, None],
                            [NS, S, S]) * tl.reshape(k_inv, [NS, 1, S])
         p_mat += q_inv[:, None] * load_diag(pdiag_ptr, tok, valid, head, H, C, S) * k_inv[None, :]
-        gc = tl.zeros([C], tl.float32)
     else:
         gc = tl.cumsum(tl.load(g_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32), 0)
         decay = tl.exp(tl.where(rows[:, None] >= rows[None, :], gc[:, None] - gc[None, :], float("-inf")))
@@ -154,38 +153,23 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
         inv_offs = (tok.to(tl.int64) * H + head) * 2
         tl.store(inv_ptr + inv_offs, k_inv, mask=valid)
         tl.store(inv_ptr + inv_offs + 1, q_inv, mask=valid)
-    if not PER_CHANNEL:
-        for col0 in tl.static_range(0, K, BD):
-            key_columns(q_ptr, k_ptr, kbar_ptr, w_ptr, qg_ptr, tinv, beta, k_inv, q_inv, gc[:, None], gl, start, valid,
-                        head, col0, H, K, C, BD, PREC)
-        for col0 in tl.static_range(0, V, BD):
-            value_columns(v_ptr, u_ptr, tinv, beta, start, valid, head, col0, H, V, BD, PREC)
-
-
-@triton.jit
-def prep_columns_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_ptr, tinv_ptr, inv_ptr,
-                        qg_ptr, kbar_ptr, w_ptr, u_ptr, glast_ptr, H: tl.constexpr, K: tl.constexpr,
-                        V: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
-    """Per (chunk, head, column block), per-channel decay, after prep_blocked_kernel: kbar, w, qg and gc_last of
-    key columns, or u of value columns, from the stored Tinv. Apart, the
-    Gram-and-inverse kernel holds no column tiles and this one no Gram products: fewer registers each, and
-    (K + V) / BD programs per chunk and head share the column work."""
-    chunk, head, blk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # the column outputs from Tinv in registers, in [C, BC] blocks. Per channel each key block's cumsum is taken
+    # again from g (an L2 read): the Gram loop's [C, K] gc held across the inverse would cost K / 2 registers a
+    # thread at 4 warps. The chunk's bounds are read again too: the column blocks' addresses and row masks are then
+    # made after the inverse, not kept live across it
     start, tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
-    # padded rows read 0; Tinv is lower triangular, so the valid rows never reach them
-    tinv = load_cols(tinv_ptr, start, valid, head, 0, H, C, C, C)
-    beta = tl.load(beta_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32)
-    if blk < K // BD:
-        # k's and q's inverse norms (q's with the scale) as prep_blocked_kernel stored them
-        k_inv = row_scales(inv_ptr, 0, 1.0, tok * H + head, valid, True)
-        q_inv = row_scales(inv_ptr, 1, 1.0, tok * H + head, valid, True)
-        gc_blk = tl.cumsum(load_cols(g_ptr, start, valid, head, blk * BD, H, K, C, BD), 0)
-        gl_blk = row_of(gc_blk, C - 1, C)
-        tl.store(glast_ptr + (chunk.to(tl.int64) * H + head) * K + blk * BD + tl.arange(0, BD), gl_blk)
-        key_columns(q_ptr, k_ptr, kbar_ptr, w_ptr, qg_ptr, tinv, beta, k_inv, q_inv, gc_blk, gl_blk[None, :], start,
-                    valid, head, blk * BD, H, K, C, BD, PREC)
-    else:
-        value_columns(v_ptr, u_ptr, tinv, beta, start, valid, head, (blk - K // BD) * BD, H, V, BD, PREC)
+    for col0 in tl.static_range(0, K, BC):
+        if PER_CHANNEL:
+            gc_blk = tl.cumsum(load_cols(g_ptr, start, valid, head, col0, H, K, C, BC), 0)
+            gl_blk = row_of(gc_blk, C - 1, C)
+            tl.store(glast_ptr + (chunk.to(tl.int64) * H + head) * K + col0 + tl.arange(0, BC), gl_blk)
+            key_columns(q_ptr, k_ptr, kbar_ptr, w_ptr, qg_ptr, tinv, beta, k_inv, q_inv, gc_blk, gl_blk[None, :],
+                        start, valid, head, col0, H, K, C, BC, PREC)
+        else:
+            key_columns(q_ptr, k_ptr, kbar_ptr, w_ptr, qg_ptr, tinv, beta, k_inv, q_inv, gc[:, None], gl, start, valid,
+                        head, col0, H, K, C, BC, PREC)
+    for col0 in tl.static_range(0, V, BC):
+        value_columns(v_ptr, u_ptr, tinv, beta, start, valid, head, col0, H, V, BC, PREC)
 
 
 @triton.jit

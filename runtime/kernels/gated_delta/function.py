@@ -4,7 +4,7 @@ Batch is folded into time: [B, T, H, *] becomes [B*T, H, *] with B sequences giv
 so one set of kernels serves the batched and the packed (varlen) case.
 GDN (scalar decay) launches prep_blocked, scan (o included), then scan_bwd, state_grad and wy_grad (which
 also finishes dq, dk and dg). KDA (per-channel decay) first computes the exact diagonal blocks of its
-decayed Gram matrices token-parallel (diag_token), splits prep in two launches, and in the backward adds
+decayed Gram matrices token-parallel (diag_token) before prep, and in the backward adds
 gram_grad (the off-diagonal decayed Gram backward), diag_grad_token and dg_finish: the per-channel decay
 makes those products too heavy to share a kernel with the rest. The forward keeps its chunk tiles, Tinv
 and states for the backward whenever grad is enabled; intermediates are stored as Storage says.
@@ -34,8 +34,12 @@ PREP_BLOCK = 64
 DECAYED_GRAM_BLOCK = 16
 # 4 warps spill but fit two prep programs per SM: faster than one 8-warp program (bench/NOTES.md)
 PREP_WARPS = 4
-# KDA's prep_columns_kernel: 64 columns per program read Tinv half as often as 32
-PREP_COLUMN_BLOCK = 64
+# KDA's column outputs in prep_blocked_kernel, after Tinv: 32 columns a block take 18 dependent load rounds where
+# 16 take 30; 64 spill 124 bytes under the cap below (sm_90a, triton 3.6)
+PREP_COLUMN_BLOCK = 32
+# KDA's prep_blocked_kernel capped to keep three 4-warp programs an SM (168 x 128 threads x 3 of 65536): uncapped, the
+# column outputs' tiles take it to 178 (two programs); capped, 8 bytes spill once, across the inverse
+PREP_PER_CHANNEL_REGISTERS = 168
 # value block of both scans: a smaller block runs more programs (V / block per sequence and head)
 SCAN_VALUE_BLOCK = 32
 # the scans prefetch chunks' tiles: they are latency-bound, one program per SM. At 2 stages the loads are issued at
@@ -154,8 +158,7 @@ def _token_diagonals(q, k, g, layout):
 
 def _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, for_backward, storage):
     """Chunk-local quantities as a dict: qg, kbar, w, P in storage.dtype; u, gc_last fp32; Tinv [T, H, C] and the
-    rows' inverse norms [T, H, 2] fp32 where a backward (with the qk l2norm for the norms) or KDA's second prep
-    launch reads them, else None."""
+    rows' inverse norms [T, H, 2] fp32 where a backward (with the qk l2norm for the norms) reads them, else None."""
     num_tokens, num_heads, key_dim = q.shape
     f32 = dict(dtype=torch.float32, device=q.device)
     tiles = dict(dtype=storage.dtype, device=q.device)
@@ -163,34 +166,28 @@ def _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, for_backward, st
     out["u"] = buffers.empty(*v.shape, **f32)
     out["p"] = buffers.empty(num_tokens, num_heads, CHUNK_SIZE, **tiles)
     out["glast"] = buffers.empty(layout.num_chunks, num_heads, key_dim if per_channel else 1, **f32)
-    # KDA's second prep launch reads Tinv and the norms whether or not a backward follows; the backward kernels read
-    # the norms instead of summing q^2 and k^2 over K again
-    keep_tinv, keep_norms = for_backward or per_channel, (for_backward and l2norm) or per_channel
-    out["tinv"] = buffers.empty(num_tokens, num_heads, CHUNK_SIZE, **f32) if keep_tinv else None
-    out["norms"] = buffers.empty(num_tokens, num_heads, 2, **f32) if keep_norms else None
+    # the backward kernels read the norms instead of summing q^2 and k^2 over K again
+    out["tinv"] = buffers.empty(num_tokens, num_heads, CHUNK_SIZE, **f32) if for_backward else None
+    out["norms"] = buffers.empty(num_tokens, num_heads, 2, **f32) if for_backward and l2norm else None
     _prep_launches(q, k, v, g, beta, layout, scale, per_channel, l2norm, out)
     return out
 
 
 def _prep_launches(q, k, v, g, beta, layout, scale, per_channel, l2norm, out):
-    """forward.prep_blocked_kernel writing the buffers of out: whole for GDN; for KDA after its diagonal blocks
-    and only to P, Tinv and the inverse norms, prep_columns_kernel making the rest."""
+    """forward.prep_blocked_kernel writing the buffers of out, for KDA after its diagonal blocks."""
     num_heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[-1]
     diags = _token_diagonals(q, k, g, layout) if per_channel else (None, None)
     block = DECAYED_GRAM_BLOCK if per_channel else PREP_BLOCK
+    columns = PREP_COLUMN_BLOCK if per_channel else PREP_BLOCK
     # bf16 operands are exact for bf16 inputs
     gram = _bf16_dots() if q.dtype == torch.bfloat16 else DOT_PRECISION
     fast(forward.prep_blocked_kernel)[(layout.num_chunks, num_heads)](
         q, k, v, g, beta, layout.chunk_start, layout.chunk_end,
         out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], out["norms"], *diags,
-        scale, H=num_heads, K=key_dim, V=value_dim, BD=min(block, key_dim, value_dim), PER_CHANNEL=per_channel,
-        L2NORM=l2norm, GRAM_PREC=gram, num_warps=PREP_WARPS, C=CHUNK_SIZE, S=SUB_CHUNK, PREC=DOT_PRECISION)
-    if per_channel:
-        columns = min(PREP_COLUMN_BLOCK, key_dim, value_dim)
-        fast(forward.prep_columns_kernel)[(layout.num_chunks, num_heads, key_dim // columns + value_dim // columns)](
-            q, k, v, g, beta, layout.chunk_start, layout.chunk_end, out["tinv"], out["norms"], out["qg"],
-            out["kbar"], out["w"], out["u"], out["glast"], H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE,
-            BD=columns, PREC=DOT_PRECISION, num_warps=4 if columns <= 32 else 8)
+        scale, H=num_heads, K=key_dim, V=value_dim, BD=min(block, key_dim, value_dim),
+        BC=min(columns, key_dim, value_dim), PER_CHANNEL=per_channel, L2NORM=l2norm, GRAM_PREC=gram,
+        num_warps=PREP_WARPS, maxnreg=PREP_PER_CHANNEL_REGISTERS if per_channel else None, C=CHUNK_SIZE, S=SUB_CHUNK,
+        PREC=DOT_PRECISION)
 
 
 def _scan(prep, h0, layout, per_channel, out_dtype, storage):
