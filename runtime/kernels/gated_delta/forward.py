@@ -238,21 +238,25 @@ def scan_kernel(w_ptr, u_ptr, kbar_ptr, glast_ptr, h0_ptr, qg_ptr, p_ptr, cu_ptr
     v_new = u - w h and h <- exp(gc_last) h + kbar^T v_new. State in fp32 registers; the products
     take their operands in PREC (see common.mm: "bf16" rounds h and v_new as their stored copies are).
     Also o = qg h + P v_new of the chunk, on h and v_new rounded as their stored copies are; the final state
-    fp32 at ht_ptr, starting from h0 unless h0_ptr is None."""
+    fp32 at ht_ptr, starting from h0 unless h0_ptr is None. h and v_new are not stored where h_ptr and vnew_ptr
+    are None (no backward)."""
     head, bos, eos, first_chunk, col0, seq_offs, h = scan_start(cu_ptr, chunk_offsets_ptr, h0_ptr, H, K, V, BV)
     for c in range(tl.cdiv(eos - bos, C)):
         chunk = first_chunk + c
         # issued first: its latency then passes under the state's store and w h instead of before the update
         gl = load_chunk_log_decay(glast_ptr, chunk, head, H, K, PER_CHANNEL)
-        h_stored = h.to(h_ptr.dtype.element_ty)
-        tl.store(h_ptr + state_offsets(chunk, head, 0, col0, H, K, V, K, BV), h_stored)
+        # h, v_new and w share the storage dtype: o takes the same rounding whether or not they are stored
+        h_stored = h.to(w_ptr.dtype.element_ty)
+        if h_ptr is not None:
+            tl.store(h_ptr + state_offsets(chunk, head, 0, col0, H, K, V, K, BV), h_stored)
         row0 = bos + c * C
         valid = (row0 + tl.arange(0, C) < eos)[:, None]
         w = tl.load(rows_at(w_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
         u = tl.load(rows_at(u_ptr, row0, head, H, V, col0, C, BV), mask=valid, other=0.0)
         v_new = u.to(tl.float32) - mm(w, h, PREC)
-        v_stored = v_new.to(vnew_ptr.dtype.element_ty)
-        tl.store(rows_at(vnew_ptr, row0, head, H, V, col0, C, BV), v_stored, mask=valid)
+        v_stored = v_new.to(w_ptr.dtype.element_ty)
+        if vnew_ptr is not None:
+            tl.store(rows_at(vnew_ptr, row0, head, H, V, col0, C, BV), v_stored, mask=valid)
         kbar = tl.load(rows_at(kbar_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
         h = tl.exp(gl) * h + mm(tl.trans(kbar), v_new, PREC)
         # after the state update, which then waits on neither o's products nor its store (the warps still

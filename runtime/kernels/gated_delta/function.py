@@ -190,14 +190,16 @@ def _prep_launches(q, k, v, g, beta, layout, scale, per_channel, l2norm, out):
         PREC=DOT_PRECISION)
 
 
-def _scan(prep, h0, layout, per_channel, out_dtype, storage):
+def _scan(prep, h0, layout, per_channel, out_dtype, storage, for_backward):
     """(h entering every chunk [NC, H, K, V], v_new [T, H, V], final state [N, H, K, V] fp32, o [T, H, V] in
-    out_dtype)."""
+    out_dtype); h and v_new are None without a backward, which alone reads them."""
     num_tokens, num_heads, key_dim = prep["w"].shape
     value_dim = prep["u"].shape[-1]
     device = prep["w"].device
-    h = buffers.empty(layout.num_chunks, num_heads, key_dim, value_dim, dtype=storage.dtype, device=device)
-    v_new = buffers.empty(num_tokens, num_heads, value_dim, dtype=storage.dtype, device=device)
+    h = v_new = None
+    if for_backward:
+        h = buffers.empty(layout.num_chunks, num_heads, key_dim, value_dim, dtype=storage.dtype, device=device)
+        v_new = buffers.empty(num_tokens, num_heads, value_dim, dtype=storage.dtype, device=device)
     final = buffers.empty(layout.num_seqs, num_heads, key_dim, value_dim, dtype=torch.float32, device=device)
     o = buffers.empty(num_tokens, num_heads, value_dim, dtype=out_dtype, device=device)
     block = min(SCAN_VALUE_BLOCK, value_dim)
@@ -303,7 +305,7 @@ class ChunkDeltaRule(torch.autograd.Function):
         per_channel = g.dim() == 3
         storage = Storage.of(q.dtype)
         prep = _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, for_backward, storage)
-        h, v_new, final, o = _scan(prep, h0, layout, per_channel, q.dtype, storage)
+        h, v_new, final, o = _scan(prep, h0, layout, per_channel, q.dtype, storage, for_backward)
         ctx.save_for_backward(q, k, v, g, beta, h0)
         # an unused output's gradient comes as None, not as zeros autograd would fill: no dfinal to read
         ctx.set_materialize_grads(False)
