@@ -73,12 +73,15 @@ def test_scan_stages_follow_the_gpus_shared_memory(monkeypatch):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_forward_without_grad(kind):
-    """Under no_grad prep keeps nothing for a backward (GDN stores no Tinv); the output is still the reference's."""
+    """Under no_grad prep keeps nothing for a backward (GDN stores no Tinv) and the scan no states: the output is
+    still the reference's, and exactly the one a forward with grad gives."""
     op, ref, kernel = ops()[kind]
     x = make_inputs(kind)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
     with torch.no_grad():
         o, state = kernel(*args, initial_state_BHKV=x["h0"])
+    o_grad, state_grad = kernel(*[a.detach().requires_grad_() for a in args], initial_state_BHKV=x["h0"])
+    assert torch.equal(o, o_grad.detach()) and torch.equal(state, state_grad.detach())
     o_ref, state_ref = ref(*[a.double() for a in args], initial_state_BHKV=x["h0"].double())
     assert_close(o, o_ref, op, torch.float32, name="o")
     assert_close(state, state_ref, op, torch.float32, name="final_state")
