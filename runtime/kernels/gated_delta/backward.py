@@ -21,19 +21,22 @@ import triton.language as tl
 
 from runtime.kernels.gated_delta.common import decay_weighted, l2norm_bwd, mm, row_of, row_scales, store_diag
 from runtime.kernels.gated_delta.forward import (
-    add_cols, chunk_tokens, load_chunk_log_decay, load_cols, rows_at, scan_start, state_offsets, store_cols,
+    add_cols, chunk_tokens, load_chunk_log_decay, load_cols, load_row_scale, rows_at, scan_start, state_offsets,
+    store_cols,
 )
 
 
 @triton.jit
-def scan_bwd_kernel(do_ptr, p_ptr, kbar_ptr, qg_ptr, w_ptr, glast_ptr, dht_ptr, cu_ptr, chunk_offsets_ptr,
-                    dh_ptr, dvnew_ptr, dh0_ptr,
+def scan_bwd_kernel(do_ptr, p_ptr, kbar_ptr, qg_ptr, w_ptr, glast_ptr, row_scales_ptr, dht_ptr, cu_ptr,
+                    chunk_offsets_ptr, dh_ptr, dvnew_ptr, dh0_ptr,
                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
                     PER_CHANNEL: tl.constexpr, DOTS: tl.constexpr):
     """Per (sequence, head, V block), last chunk first: store dh (gradient of the state leaving the chunk),
     dv_new = P^T do + kbar dh, then dh <- e^gc_last dh + qg^T do - w^T dv_new. dh in fp32 registers; the
     products take their operands as common.mm's DOTS says ("bf16" rounds dh and dv_new as their stored
-    copies are) and the tiles load in their stored dtype. dht_ptr and dh0_ptr may be None (no dht, no dh0)."""
+    copies are) and the tiles load in their stored dtype. dht_ptr and dh0_ptr may be None (no dht, no dh0). With
+    row_scales_ptr (the scalar decay) kbar_ptr and qg_ptr hold k and q, and their factors by row (scan_kernel's)
+    scale k dh and do in qg^T do."""
     head, bos, eos, first_chunk, col0, seq_offs, dh = scan_start(cu_ptr, chunk_offsets_ptr, dht_ptr, H, K, V, BV)
     num_chunks = tl.cdiv(eos - bos, C)
     for i in range(num_chunks):
@@ -41,16 +44,25 @@ def scan_bwd_kernel(do_ptr, p_ptr, kbar_ptr, qg_ptr, w_ptr, glast_ptr, dht_ptr, 
         chunk = first_chunk + c
         row0 = bos + c * C
         valid = (row0 + tl.arange(0, C) < eos)[:, None]
+        if row_scales_ptr is not None:
+            # issued first: their latency passes under the store of dh
+            k_scale = load_row_scale(row_scales_ptr, row0, head, valid, 0, H, C)
+            q_scale = load_row_scale(row_scales_ptr, row0, head, valid, 1, H, C)
         tl.store(dh_ptr + state_offsets(chunk, head, 0, col0, H, K, V, K, BV), dh.to(dh_ptr.dtype.element_ty))
         do = tl.load(rows_at(do_ptr, row0, head, H, V, col0, C, BV), mask=valid, other=0.0)
         p = tl.load(rows_at(p_ptr, row0, head, H, C, 0, C, C), mask=valid, other=0.0)
         kbar = tl.load(rows_at(kbar_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
-        dv_new = mm(tl.trans(p), do, DOTS) + mm(kbar, dh, DOTS)
+        dv_state = mm(kbar, dh, DOTS)
+        if row_scales_ptr is not None:
+            dv_state *= k_scale
+        dv_new = mm(tl.trans(p), do, DOTS) + dv_state
         tl.store(rows_at(dvnew_ptr, row0, head, H, V, col0, C, BV), dv_new.to(dvnew_ptr.dtype.element_ty),
                  mask=valid)
         qg = tl.load(rows_at(qg_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
         w = tl.load(rows_at(w_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
         gl = load_chunk_log_decay(glast_ptr, chunk, head, H, K, PER_CHANNEL)
+        if row_scales_ptr is not None:
+            do = do * q_scale
         dh = tl.exp(gl) * dh + mm(tl.trans(qg), do, DOTS) - mm(tl.trans(w), dv_new, DOTS)
     if dh0_ptr is not None:
         tl.store(dh0_ptr + seq_offs, dh)

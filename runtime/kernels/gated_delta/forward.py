@@ -104,11 +104,13 @@ def raw_decayed_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H: tl.constexpr, 
 @triton.jit
 def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_ptr,
                         qg_ptr, kbar_ptr, w_ptr, u_ptr, p_ptr, glast_ptr, tinv_ptr, inv_ptr, ldiag_ptr, pdiag_ptr,
-                        scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, S: tl.constexpr,
-                        BD: tl.constexpr, BC: tl.constexpr, PER_CHANNEL: tl.constexpr, L2NORM: tl.constexpr,
-                        GRAM_PREC: tl.constexpr, PREC: tl.constexpr):
+                        row_scales_ptr, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                        S: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                        L2NORM: tl.constexpr, GRAM_PREC: tl.constexpr, PREC: tl.constexpr):
     """Per (chunk, head): qg = q exp(gc), kbar = k exp(gc_last - gc), w, u, P, gc_last [, Tinv] in their buffers'
-    dtypes; the Gram products on [C, BD] column blocks, the column outputs on [C, BC] ones. The Gram products take
+    dtypes; the Gram products on [C, BD] column blocks, the column outputs on [C, BC] ones. For the scalar decay
+    qg and kbar are q and k with one factor a row: their factors [T, H, 2] (kbar's, then qg's) go to
+    row_scales_ptr instead, and the scans apply them. The Gram products take
     the raw inputs (bf16 operands are exact for bf16 inputs) and the l2norm scales them afterwards:
     gram(k_hat)_ij = (k_i . k_j) / (|k_i| |k_j|). The inverses of Tinv's diagonal blocks come from doubling; per
     channel, L's and P's diagonal blocks from diagonal.py. Tinv [T, H, C] and the rows' inverse norms [T, H, 2]
@@ -140,6 +142,9 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
         p_mat = p_mat * decay
         gl = tl.sum(tl.where(rows == C - 1, gc, 0.0), 0)
         tl.store(glast_ptr + chunk.to(tl.int64) * H + head, gl)
+        scales_offs = (tok.to(tl.int64) * H + head) * 2
+        tl.store(row_scales_ptr + scales_offs, k_inv * tl.exp(gl - gc), mask=valid)
+        tl.store(row_scales_ptr + scales_offs + 1, q_inv * tl.exp(gc), mask=valid)
         blk = tl.arange(0, NS)
         same = blk[:, None, None, None] == blk[None, None, :, None]
         l_BSS = tl.sum(tl.where(same, tl.reshape(l_mat, [NS, S, NS, S]), 0.0), 2)
@@ -166,7 +171,7 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
             key_columns(q_ptr, k_ptr, kbar_ptr, w_ptr, qg_ptr, tinv, beta, k_inv, q_inv, gc_blk, gl_blk[None, :],
                         start, valid, head, col0, H, K, C, BC, PREC)
         else:
-            key_columns(q_ptr, k_ptr, kbar_ptr, w_ptr, qg_ptr, tinv, beta, k_inv, q_inv, gc[:, None], gl, start, valid,
+            key_columns(q_ptr, k_ptr, None, w_ptr, None, tinv, beta, k_inv, q_inv, gc[:, None], gl, start, valid,
                         head, col0, H, K, C, BC, PREC)
     for col0 in tl.static_range(0, V, BC):
         value_columns(v_ptr, u_ptr, tinv, beta, start, valid, head, col0, H, V, BC, PREC)
@@ -176,14 +181,17 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
 def key_columns(q_ptr, k_ptr, kbar_ptr, w_ptr, qg_ptr, tinv, beta, k_inv, q_inv, gc_CX, gl, start, valid, head, col0,
                 H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
     """The key-side outputs kbar, w, qg of columns col0 .. col0 + BD, given the cumulative decay gc_CX of those
-    columns and gc_last (gl: [1, BD] per channel, a scalar for the scalar decay)."""
+    columns and gc_last (gl: [1, BD] per channel, a scalar for the scalar decay); w alone where kbar_ptr and qg_ptr
+    are None."""
     e_g = tl.exp(gc_CX)
     k_hat = load_cols(k_ptr, start, valid, head, col0, H, K, C, BD) * k_inv[:, None]
-    store_cols(kbar_ptr, k_hat * tl.exp(gl - gc_CX), start, valid, head, col0, H, K, C, BD)
+    if kbar_ptr is not None:
+        store_cols(kbar_ptr, k_hat * tl.exp(gl - gc_CX), start, valid, head, col0, H, K, C, BD)
     w_blk = tl.dot(tinv, beta[:, None] * k_hat * e_g, input_precision=PREC)
     store_cols(w_ptr, w_blk, start, valid, head, col0, H, K, C, BD)
-    q_blk = load_cols(q_ptr, start, valid, head, col0, H, K, C, BD)
-    store_cols(qg_ptr, q_blk * q_inv[:, None] * e_g, start, valid, head, col0, H, K, C, BD)
+    if qg_ptr is not None:
+        q_blk = load_cols(q_ptr, start, valid, head, col0, H, K, C, BD)
+        store_cols(qg_ptr, q_blk * q_inv[:, None] * e_g, start, valid, head, col0, H, K, C, BD)
 
 
 @triton.jit
@@ -217,6 +225,14 @@ def load_chunk_log_decay(glast_ptr, chunk, head, H: tl.constexpr, K: tl.constexp
 
 
 @triton.jit
+def load_row_scale(row_scales_ptr, row0, head, valid, slot: tl.constexpr, H: tl.constexpr, C: tl.constexpr):
+    """[C, 1] fp32: factor `slot` of prep's row scales [T, H, 2] for the chunk's rows row0 .. row0 + C (valid:
+    [C, 1])."""
+    rows = row0 + tl.arange(0, C)[:, None]
+    return tl.load(row_scales_ptr + (rows.to(tl.int64) * H + head) * 2 + slot, mask=valid, other=0.0)
+
+
+@triton.jit
 def scan_start(cu_ptr, chunk_offsets_ptr, s0_ptr, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BV: tl.constexpr):
     """(head, first token, end, first chunk, first value column, offsets of the [K, BV] block of a state
@@ -230,8 +246,8 @@ def scan_start(cu_ptr, chunk_offsets_ptr, s0_ptr, H: tl.constexpr, K: tl.constex
 
 
 @triton.jit
-def scan_kernel(w_ptr, u_ptr, kbar_ptr, glast_ptr, h0_ptr, qg_ptr, p_ptr, cu_ptr, chunk_offsets_ptr,
-                h_ptr, vnew_ptr, ht_ptr, o_ptr,
+def scan_kernel(w_ptr, u_ptr, kbar_ptr, glast_ptr, h0_ptr, qg_ptr, p_ptr, row_scales_ptr, cu_ptr,
+                chunk_offsets_ptr, h_ptr, vnew_ptr, ht_ptr, o_ptr,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr,
                 PER_CHANNEL: tl.constexpr, PREC: tl.constexpr):
     """Per (sequence, head, V block), chunk by chunk: store the entering state h, then
@@ -239,18 +255,22 @@ def scan_kernel(w_ptr, u_ptr, kbar_ptr, glast_ptr, h0_ptr, qg_ptr, p_ptr, cu_ptr
     take their operands in PREC (see common.mm: "bf16" rounds h and v_new as their stored copies are).
     Also o = qg h + P v_new of the chunk, on h and v_new rounded as their stored copies are; the final state
     fp32 at ht_ptr, starting from h0 unless h0_ptr is None. h and v_new are not stored where h_ptr and vnew_ptr
-    are None (no backward)."""
+    are None (no backward). With row_scales_ptr (the scalar decay) kbar_ptr and qg_ptr hold k and q, and their
+    factors by row scale v_new in the state's product and q h in o's."""
     head, bos, eos, first_chunk, col0, seq_offs, h = scan_start(cu_ptr, chunk_offsets_ptr, h0_ptr, H, K, V, BV)
     for c in range(tl.cdiv(eos - bos, C)):
         chunk = first_chunk + c
-        # issued first: its latency then passes under the state's store and w h instead of before the update
+        row0 = bos + c * C
+        valid = (row0 + tl.arange(0, C) < eos)[:, None]
+        # issued first: their latency then passes under the state's store and w h instead of before the update
         gl = load_chunk_log_decay(glast_ptr, chunk, head, H, K, PER_CHANNEL)
+        if row_scales_ptr is not None:
+            k_scale = load_row_scale(row_scales_ptr, row0, head, valid, 0, H, C)
+            q_scale = load_row_scale(row_scales_ptr, row0, head, valid, 1, H, C)
         # h, v_new and w share the storage dtype: o takes the same rounding whether or not they are stored
         h_stored = h.to(w_ptr.dtype.element_ty)
         if h_ptr is not None:
             tl.store(h_ptr + state_offsets(chunk, head, 0, col0, H, K, V, K, BV), h_stored)
-        row0 = bos + c * C
-        valid = (row0 + tl.arange(0, C) < eos)[:, None]
         w = tl.load(rows_at(w_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
         u = tl.load(rows_at(u_ptr, row0, head, H, V, col0, C, BV), mask=valid, other=0.0)
         v_new = u.to(tl.float32) - mm(w, h, PREC)
@@ -258,11 +278,17 @@ def scan_kernel(w_ptr, u_ptr, kbar_ptr, glast_ptr, h0_ptr, qg_ptr, p_ptr, cu_ptr
         if vnew_ptr is not None:
             tl.store(rows_at(vnew_ptr, row0, head, H, V, col0, C, BV), v_stored, mask=valid)
         kbar = tl.load(rows_at(kbar_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
-        h = tl.exp(gl) * h + mm(tl.trans(kbar), v_new, PREC)
+        if row_scales_ptr is not None:
+            h = tl.exp(gl) * h + mm(tl.trans(kbar), v_new * k_scale, PREC)
+        else:
+            h = tl.exp(gl) * h + mm(tl.trans(kbar), v_new, PREC)
         # after the state update, which then waits on neither o's products nor its store (the warps still
         # issue them before the next chunk's w h); the pipeliner prefetches qg and P with w, u and kbar
         qg = tl.load(rows_at(qg_ptr, row0, head, H, K, 0, C, K), mask=valid, other=0.0)
         p = tl.load(rows_at(p_ptr, row0, head, H, C, 0, C, C), mask=valid, other=0.0)
-        o = mm(qg, h_stored, PREC) + mm(p, v_stored, PREC)
+        o_state = mm(qg, h_stored, PREC)
+        if row_scales_ptr is not None:
+            o_state *= q_scale
+        o = o_state + mm(p, v_stored, PREC)
         tl.store(rows_at(o_ptr, row0, head, H, V, col0, C, BV), o.to(o_ptr.dtype.element_ty), mask=valid)
     tl.store(ht_ptr + seq_offs, h)

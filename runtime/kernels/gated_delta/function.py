@@ -157,12 +157,18 @@ def _token_diagonals(q, k, g, layout):
 
 
 def _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, for_backward, storage):
-    """Chunk-local quantities as a dict: qg, kbar, w, P in storage.dtype; u, gc_last fp32; Tinv [T, H, C] and the
-    rows' inverse norms [T, H, 2] fp32 where a backward (with the qk l2norm for the norms) reads them, else None."""
+    """Chunk-local quantities as a dict: w, P in storage.dtype; u, gc_last fp32; per channel qg, kbar in
+    storage.dtype, for the scalar decay their factors by row ("row_scales" [T, H, 2] fp32: see _scan_keys); Tinv
+    [T, H, C] and the rows' inverse norms [T, H, 2] fp32 where a backward (with the qk l2norm for the norms) reads
+    them, else None."""
     num_tokens, num_heads, key_dim = q.shape
     f32 = dict(dtype=torch.float32, device=q.device)
     tiles = dict(dtype=storage.dtype, device=q.device)
-    out = {name: buffers.empty(num_tokens, num_heads, key_dim, **tiles) for name in ("qg", "kbar", "w")}
+    out = {"w": buffers.empty(num_tokens, num_heads, key_dim, **tiles), "qg": None, "kbar": None, "row_scales": None}
+    if per_channel:
+        out["qg"], out["kbar"] = (buffers.empty(num_tokens, num_heads, key_dim, **tiles) for _ in range(2))
+    else:
+        out["row_scales"] = buffers.empty(num_tokens, num_heads, 2, **f32)
     out["u"] = buffers.empty(*v.shape, **f32)
     out["p"] = buffers.empty(num_tokens, num_heads, CHUNK_SIZE, **tiles)
     out["glast"] = buffers.empty(layout.num_chunks, num_heads, key_dim if per_channel else 1, **f32)
@@ -184,13 +190,22 @@ def _prep_launches(q, k, v, g, beta, layout, scale, per_channel, l2norm, out):
     fast(forward.prep_blocked_kernel)[(layout.num_chunks, num_heads)](
         q, k, v, g, beta, layout.chunk_start, layout.chunk_end,
         out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], out["norms"], *diags,
-        scale, H=num_heads, K=key_dim, V=value_dim, BD=min(block, key_dim, value_dim),
+        out["row_scales"], scale, H=num_heads, K=key_dim, V=value_dim, BD=min(block, key_dim, value_dim),
         BC=min(columns, key_dim, value_dim), PER_CHANNEL=per_channel, L2NORM=l2norm, GRAM_PREC=gram,
         num_warps=PREP_WARPS, maxnreg=PREP_PER_CHANNEL_REGISTERS if per_channel else None, C=CHUNK_SIZE, S=SUB_CHUNK,
         PREC=DOT_PRECISION)
 
 
-def _scan(prep, h0, layout, per_channel, out_dtype, storage, for_backward):
+def _scan_keys(prep, q, k):
+    """(qg or q, kbar or k, the row scales or None) as the scans read them. The scalar decay's qg and kbar are q
+    and k (l2-normed, scaled, decayed) with one factor a row: prep stores the factors, not the tiles, and the scans
+    apply them to the other operand of each product, reading q and k as they came."""
+    if prep["row_scales"] is None:
+        return prep["qg"], prep["kbar"], None
+    return q, k, prep["row_scales"]
+
+
+def _scan(prep, q, k, h0, layout, per_channel, out_dtype, storage, for_backward):
     """(h entering every chunk [NC, H, K, V], v_new [T, H, V], final state [N, H, K, V] fp32, o [T, H, V] in
     out_dtype); h and v_new are None without a backward, which alone reads them."""
     num_tokens, num_heads, key_dim = prep["w"].shape
@@ -203,15 +218,15 @@ def _scan(prep, h0, layout, per_channel, out_dtype, storage, for_backward):
     final = buffers.empty(layout.num_seqs, num_heads, key_dim, value_dim, dtype=torch.float32, device=device)
     o = buffers.empty(num_tokens, num_heads, value_dim, dtype=out_dtype, device=device)
     block = min(SCAN_VALUE_BLOCK, value_dim)
+    qg, kbar, row_scales = _scan_keys(prep, q, k)
     fast(forward.scan_kernel)[(layout.num_seqs, num_heads, value_dim // block)](
-        prep["w"], prep["u"], prep["kbar"], prep["glast"], h0, prep["qg"], prep["p"],
-        layout.cu_seqlens, layout.chunk_offsets, h, v_new, final, o, H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE,
-        BV=block, PER_CHANNEL=per_channel, PREC=storage.dots, num_warps=FORWARD_SCAN_WARPS,
-        num_stages=scan_stages(device))
+        prep["w"], prep["u"], kbar, prep["glast"], h0, qg, prep["p"], row_scales, layout.cu_seqlens,
+        layout.chunk_offsets, h, v_new, final, o, H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE, BV=block,
+        PER_CHANNEL=per_channel, PREC=storage.dots, num_warps=FORWARD_SCAN_WARPS, num_stages=scan_stages(device))
     return h, v_new, final, o
 
 
-def _scan_bwd(prep, do, dht, layout, per_channel, want_dh0, storage):
+def _scan_bwd(prep, q, k, do, dht, layout, per_channel, want_dh0, storage):
     """(dh leaving every chunk [NC, H, K, V], dv_new [T, H, V], dh0 [N, H, K, V] fp32 or None); dht may be None."""
     num_tokens, num_heads, key_dim = prep["w"].shape
     value_dim = do.shape[-1]
@@ -222,8 +237,9 @@ def _scan_bwd(prep, do, dht, layout, per_channel, want_dh0, storage):
     if want_dh0:
         dh0 = buffers.empty(layout.num_seqs, num_heads, key_dim, value_dim, dtype=torch.float32, device=device)
     block = min(SCAN_VALUE_BLOCK, value_dim)
+    qg, kbar, row_scales = _scan_keys(prep, q, k)
     fast(backward.scan_bwd_kernel)[(layout.num_seqs, num_heads, value_dim // block)](
-        do, prep["p"], prep["kbar"], prep["qg"], prep["w"], prep["glast"], dht, layout.cu_seqlens, layout.chunk_offsets,
+        do, prep["p"], kbar, qg, prep["w"], prep["glast"], row_scales, dht, layout.cu_seqlens, layout.chunk_offsets,
         dh, dv_new, dh0, H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE, BV=block, PER_CHANNEL=per_channel,
         DOTS=storage.dots, num_warps=BACKWARD_SCAN_WARPS, num_stages=scan_stages(device))
     return dh, dv_new, dh0
@@ -305,7 +321,7 @@ class ChunkDeltaRule(torch.autograd.Function):
         per_channel = g.dim() == 3
         storage = Storage.of(q.dtype)
         prep = _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, for_backward, storage)
-        h, v_new, final, o = _scan(prep, h0, layout, per_channel, q.dtype, storage, for_backward)
+        h, v_new, final, o = _scan(prep, q, k, h0, layout, per_channel, q.dtype, storage, for_backward)
         ctx.save_for_backward(q, k, v, g, beta, h0)
         # an unused output's gradient comes as None, not as zeros autograd would fill: no dfinal to read
         ctx.set_materialize_grads(False)
@@ -323,7 +339,7 @@ class ChunkDeltaRule(torch.autograd.Function):
         dfinal = None if dfinal is None else dfinal.contiguous()
         prep, h, v_new = ctx.kept
         ctx.kept = None
-        dh, dv_new, dh0 = _scan_bwd(prep, do, dfinal, layout, per_channel, h0 is not None, storage)
+        dh, dv_new, dh0 = _scan_bwd(prep, q, k, do, dfinal, layout, per_channel, h0 is not None, storage)
         dq, dk, dv, dg, dbeta = _input_grads(
             q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale, per_channel, l2norm, storage)
         return dq, dk, dv, dg, dbeta, dh0, None, None, None, None
