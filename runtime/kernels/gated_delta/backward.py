@@ -21,7 +21,7 @@ import triton.language as tl
 
 from runtime.kernels.gated_delta.common import decay_weighted, l2norm_bwd, mm, row_of, row_scales, store_diag
 from runtime.kernels.gated_delta.forward import (
-    add_cols, chunk_tokens, load_chunk_log_decay, load_cols, load_row_scale, rows_at, scan_start, state_offsets,
+    add_cols, chunk_tokens, load_chunk_log_decay, load_cols, load_row_scales, rows_at, scan_start, state_offsets,
     store_cols,
 )
 
@@ -39,15 +39,17 @@ def scan_bwd_kernel(do_ptr, p_ptr, kbar_ptr, qg_ptr, w_ptr, glast_ptr, row_scale
     scale k dh and do in qg^T do."""
     head, bos, eos, first_chunk, col0, seq_offs, dh = scan_start(cu_ptr, chunk_offsets_ptr, dht_ptr, H, K, V, BV)
     num_chunks = tl.cdiv(eos - bos, C)
+    if row_scales_ptr is not None:
+        # a step ahead, as scan_kernel's
+        k_next, q_next = load_row_scales(row_scales_ptr, bos + (num_chunks - 1) * C, bos, eos, head, H, C)
     for i in range(num_chunks):
         c = num_chunks - 1 - i
         chunk = first_chunk + c
         row0 = bos + c * C
         valid = (row0 + tl.arange(0, C) < eos)[:, None]
         if row_scales_ptr is not None:
-            # issued first: their latency passes under the store of dh
-            k_scale = load_row_scale(row_scales_ptr, row0, head, valid, 0, H, C)
-            q_scale = load_row_scale(row_scales_ptr, row0, head, valid, 1, H, C)
+            k_scale, q_scale = k_next, q_next
+            k_next, q_next = load_row_scales(row_scales_ptr, row0 - C, bos, eos, head, H, C)
         tl.store(dh_ptr + state_offsets(chunk, head, 0, col0, H, K, V, K, BV), dh.to(dh_ptr.dtype.element_ty))
         do = tl.load(rows_at(do_ptr, row0, head, H, V, col0, C, BV), mask=valid, other=0.0)
         p = tl.load(rows_at(p_ptr, row0, head, H, C, 0, C, C), mask=valid, other=0.0)

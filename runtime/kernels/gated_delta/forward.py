@@ -225,11 +225,14 @@ def load_chunk_log_decay(glast_ptr, chunk, head, H: tl.constexpr, K: tl.constexp
 
 
 @triton.jit
-def load_row_scale(row_scales_ptr, row0, head, valid, slot: tl.constexpr, H: tl.constexpr, C: tl.constexpr):
-    """[C, 1] fp32: factor `slot` of prep's row scales [T, H, 2] for the chunk's rows row0 .. row0 + C (valid:
-    [C, 1])."""
+def load_row_scales(row_scales_ptr, row0, bos, eos, head, H: tl.constexpr, C: tl.constexpr):
+    """(kbar's, qg's) factors [C, 1] fp32 of rows row0 .. row0 + C from prep's row scales [T, H, 2]; rows outside
+    the sequence bos .. eos read 0."""
     rows = row0 + tl.arange(0, C)[:, None]
-    return tl.load(row_scales_ptr + (rows.to(tl.int64) * H + head) * 2 + slot, mask=valid, other=0.0)
+    offs = (rows.to(tl.int64) * H + head) * 2
+    inside = (rows >= bos) & (rows < eos)
+    return (tl.load(row_scales_ptr + offs, mask=inside, other=0.0),
+            tl.load(row_scales_ptr + offs + 1, mask=inside, other=0.0))
 
 
 @triton.jit
@@ -258,15 +261,19 @@ def scan_kernel(w_ptr, u_ptr, kbar_ptr, glast_ptr, h0_ptr, qg_ptr, p_ptr, row_sc
     are None (no backward). With row_scales_ptr (the scalar decay) kbar_ptr and qg_ptr hold k and q, and their
     factors by row scale v_new in the state's product and q h in o's."""
     head, bos, eos, first_chunk, col0, seq_offs, h = scan_start(cu_ptr, chunk_offsets_ptr, h0_ptr, H, K, V, BV)
+    if row_scales_ptr is not None:
+        # each step loads the next chunk's factors, a whole step before their use: loaded in the step that uses
+        # them, their latency stays in every step (the pipeliner does not prefetch them)
+        k_next, q_next = load_row_scales(row_scales_ptr, bos, bos, eos, head, H, C)
     for c in range(tl.cdiv(eos - bos, C)):
         chunk = first_chunk + c
         row0 = bos + c * C
         valid = (row0 + tl.arange(0, C) < eos)[:, None]
-        # issued first: their latency then passes under the state's store and w h instead of before the update
+        # issued first: its latency then passes under the state's store and w h instead of before the update
         gl = load_chunk_log_decay(glast_ptr, chunk, head, H, K, PER_CHANNEL)
         if row_scales_ptr is not None:
-            k_scale = load_row_scale(row_scales_ptr, row0, head, valid, 0, H, C)
-            q_scale = load_row_scale(row_scales_ptr, row0, head, valid, 1, H, C)
+            k_scale, q_scale = k_next, q_next
+            k_next, q_next = load_row_scales(row_scales_ptr, row0 + C, bos, eos, head, H, C)
         # h, v_new and w share the storage dtype: o takes the same rounding whether or not they are stored
         h_stored = h.to(w_ptr.dtype.element_ty)
         if h_ptr is not None:

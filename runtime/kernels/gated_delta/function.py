@@ -37,9 +37,10 @@ PREP_WARPS = 4
 # KDA's column outputs in prep_blocked_kernel, after Tinv: 32 columns a block take 18 dependent load rounds where
 # 16 take 30; 64 spill 124 bytes under the cap below (sm_90a, triton 3.6)
 PREP_COLUMN_BLOCK = 32
-# KDA's prep_blocked_kernel capped to keep three 4-warp programs an SM (168 x 128 threads x 3 of 65536): uncapped, the
-# column outputs' tiles take it to 178 (two programs); capped, 8 bytes spill once, across the inverse
-PREP_PER_CHANNEL_REGISTERS = 168
+# prep_blocked_kernel capped to keep three 4-warp programs an SM (168 x 128 threads x 3 of 65536): uncapped, KDA's
+# column outputs' tiles take it to 178 and GDN's Gram products to 184 (two programs); capped, KDA spills 8 bytes
+# once, across the inverse (sm_90a, triton 3.6)
+PREP_REGISTERS = 168
 # value block of both scans: a smaller block runs more programs (V / block per sequence and head)
 SCAN_VALUE_BLOCK = 32
 # the scans prefetch chunks' tiles: they are latency-bound, one program per SM. At 2 stages the loads are issued at
@@ -192,7 +193,7 @@ def _prep_launches(q, k, v, g, beta, layout, scale, per_channel, l2norm, out):
         out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], out["norms"], *diags,
         out["row_scales"], scale, H=num_heads, K=key_dim, V=value_dim, BD=min(block, key_dim, value_dim),
         BC=min(columns, key_dim, value_dim), PER_CHANNEL=per_channel, L2NORM=l2norm, GRAM_PREC=gram,
-        num_warps=PREP_WARPS, maxnreg=PREP_PER_CHANNEL_REGISTERS if per_channel else None, C=CHUNK_SIZE, S=SUB_CHUNK,
+        num_warps=PREP_WARPS, maxnreg=PREP_REGISTERS, C=CHUNK_SIZE, S=SUB_CHUNK,
         PREC=DOT_PRECISION)
 
 
