@@ -1,7 +1,8 @@
 """Forward Triton kernels of the chunked gated delta rule (GDN scalar decay / KDA per-channel decay).
 
 `prep_blocked_kernel` (every chunk in parallel, on [C, BD] column blocks so that no [C, K] fp32 tile stays
-live: l2norm, decay cumsum, the UT inverse Tinv, then w, u, P, qg, kbar from Tinv in registers), then
+live: l2norm, decay cumsum, the UT inverse Tinv, then w, u, P, qg, kbar from Tinv in registers; for the scalar
+decay qg's and kbar's factors by row instead of the tiles), then
 `scan_kernel` (one program per sequence, head and V block walks the chunks: the states, v_new and o). KDA's exact
 diagonal blocks of L and P's Gram products come from diagonal.py before prep. See runtime/ops/gated_delta.py for the
 algebra. Tokens are packed [T, H, *] (batch folded into T, sequences given by cu_seqlens).
@@ -110,11 +111,11 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
     """Per (chunk, head): qg = q exp(gc), kbar = k exp(gc_last - gc), w, u, P, gc_last [, Tinv] in their buffers'
     dtypes; the Gram products on [C, BD] column blocks, the column outputs on [C, BC] ones. For the scalar decay
     qg and kbar are q and k with one factor a row: their factors [T, H, 2] (kbar's, then qg's) go to
-    row_scales_ptr instead, and the scans apply them. The Gram products take
-    the raw inputs (bf16 operands are exact for bf16 inputs) and the l2norm scales them afterwards:
-    gram(k_hat)_ij = (k_i . k_j) / (|k_i| |k_j|). The inverses of Tinv's diagonal blocks come from doubling; per
-    channel, L's and P's diagonal blocks from diagonal.py. Tinv [T, H, C] and the rows' inverse norms [T, H, 2]
-    at inv_ptr (k's, then q's times the scale) are stored for the backward unless their pointer is None."""
+    row_scales_ptr instead, and the scans apply them. The Gram products take the raw inputs (bf16 operands are
+    exact for bf16 inputs) and the l2norm scales them afterwards: gram(k_hat)_ij = (k_i . k_j) / (|k_i| |k_j|).
+    The inverses of Tinv's diagonal blocks come from doubling; per channel, L's and P's diagonal blocks from
+    diagonal.py. Tinv [T, H, C] and the rows' inverse norms [T, H, 2] at inv_ptr (k's, then q's times the scale)
+    are stored for the backward unless their pointer is None."""
     chunk, head = tl.program_id(0), tl.program_id(1)
     start, tok, valid = chunk_tokens(chunk_start_ptr, chunk_end_ptr, chunk, C)
     rows = tl.arange(0, C)

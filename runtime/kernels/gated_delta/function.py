@@ -32,7 +32,7 @@ PREP_BLOCK = 64
 # KDA's: its keys weighed per target sub-chunk ([C / S, C, BD] fp32, common.decayed_grams) fit registers at 16
 # columns (sm_90a: 168 registers, no spill, three programs an SM)
 DECAYED_GRAM_BLOCK = 16
-# 4 warps spill but fit two prep programs per SM: faster than one 8-warp program (bench/NOTES.md)
+# 4-warp prep programs, three an SM under PREP_REGISTERS: faster than one 8-warp program (bench/NOTES.md)
 PREP_WARPS = 4
 # KDA's column outputs in prep_blocked_kernel, after Tinv: 32 columns a block take 18 dependent load rounds where
 # 16 take 30; 64 spill 124 bytes under the cap below (sm_90a, triton 3.6)
