@@ -107,12 +107,14 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
                         qg_ptr, kbar_ptr, w_ptr, u_ptr, p_ptr, glast_ptr, tinv_ptr, inv_ptr, ldiag_ptr, pdiag_ptr,
                         row_scales_ptr, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                         S: tl.constexpr, BD: tl.constexpr, BC: tl.constexpr, PER_CHANNEL: tl.constexpr,
-                        L2NORM: tl.constexpr, GRAM_PREC: tl.constexpr, PREC: tl.constexpr):
+                        L2NORM: tl.constexpr, TILE_PREC: tl.constexpr, PREC: tl.constexpr):
     """Per (chunk, head): qg = q exp(gc), kbar = k exp(gc_last - gc), w, u, P, gc_last [, Tinv] in their buffers'
     dtypes; the Gram products on [C, BD] column blocks, the column outputs on [C, BC] ones. For the scalar decay
     qg and kbar are q and k with one factor a row: their factors [T, H, 2] (kbar's, then qg's) go to
-    row_scales_ptr instead, and the scans apply them. The Gram products take the raw inputs (bf16 operands are
-    exact for bf16 inputs) and the l2norm scales them afterwards: gram(k_hat)_ij = (k_i . k_j) / (|k_i| |k_j|).
+    row_scales_ptr instead, and the scans apply them. The Gram products take the raw inputs and the l2norm scales
+    them afterwards: gram(k_hat)_ij = (k_i . k_j) / (|k_i| |k_j|). Those raw products and the column outputs' (w, u:
+    Tinv times a column block) take TILE_PREC (common.mm's; bf16 operands for bf16 inputs: exact for the raw
+    Grams, and for w and u Tinv rounded as a stored tile); the decayed Grams and the inverse take PREC.
     The inverses of Tinv's diagonal blocks come from doubling; per channel, L's and P's diagonal blocks from
     diagonal.py. Tinv [T, H, C] and the rows' inverse norms [T, H, 2] at inv_ptr (k's, then q's times the scale)
     are stored for the backward unless their pointer is None."""
@@ -122,7 +124,7 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
     if PER_CHANNEL:
         kk, qk, k_sq, q_sq = raw_decayed_grams(q_ptr, k_ptr, g_ptr, start, valid, head, H, K, C, S, BD, PREC)
     else:
-        kk, qk, k_sq, q_sq = raw_grams(q_ptr, k_ptr, start, valid, head, H, K, C, BD, GRAM_PREC)
+        kk, qk, k_sq, q_sq = raw_grams(q_ptr, k_ptr, start, valid, head, H, K, C, BD, TILE_PREC)
     k_inv = 1.0 / tl.sqrt(k_sq + 1e-6) if L2NORM else tl.full([C], 1.0, tl.float32)
     q_inv = (1.0 / tl.sqrt(q_sq + 1e-6) if L2NORM else tl.full([C], 1.0, tl.float32)) * scale
     beta = tl.load(beta_ptr + tok.to(tl.int64) * H + head, mask=valid, other=0.0).to(tl.float32)
@@ -170,12 +172,12 @@ def prep_blocked_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, chunk_start_ptr, c
             gl_blk = row_of(gc_blk, C - 1, C)
             tl.store(glast_ptr + (chunk.to(tl.int64) * H + head) * K + col0 + tl.arange(0, BC), gl_blk)
             key_columns(q_ptr, k_ptr, kbar_ptr, w_ptr, qg_ptr, tinv, beta, k_inv, q_inv, gc_blk, gl_blk[None, :],
-                        start, valid, head, col0, H, K, C, BC, PREC)
+                        start, valid, head, col0, H, K, C, BC, TILE_PREC)
         else:
             key_columns(q_ptr, k_ptr, None, w_ptr, None, tinv, beta, k_inv, q_inv, gc[:, None], gl, start, valid,
-                        head, col0, H, K, C, BC, PREC)
+                        head, col0, H, K, C, BC, TILE_PREC)
     for col0 in tl.static_range(0, V, BC):
-        value_columns(v_ptr, u_ptr, tinv, beta, start, valid, head, col0, H, V, BC, PREC)
+        value_columns(v_ptr, u_ptr, tinv, beta, start, valid, head, col0, H, V, BC, TILE_PREC)
 
 
 @triton.jit
@@ -188,7 +190,7 @@ def key_columns(q_ptr, k_ptr, kbar_ptr, w_ptr, qg_ptr, tinv, beta, k_inv, q_inv,
     k_hat = load_cols(k_ptr, start, valid, head, col0, H, K, C, BD) * k_inv[:, None]
     if kbar_ptr is not None:
         store_cols(kbar_ptr, k_hat * tl.exp(gl - gc_CX), start, valid, head, col0, H, K, C, BD)
-    w_blk = tl.dot(tinv, beta[:, None] * k_hat * e_g, input_precision=PREC)
+    w_blk = mm(tinv, beta[:, None] * k_hat * e_g, PREC)
     store_cols(w_ptr, w_blk, start, valid, head, col0, H, K, C, BD)
     if qg_ptr is not None:
         q_blk = load_cols(q_ptr, start, valid, head, col0, H, K, C, BD)
@@ -201,7 +203,7 @@ def value_columns(v_ptr, u_ptr, tinv, beta, start, valid, head, col0, H: tl.cons
     """u = Tinv (beta v) of columns col0 .. col0 + BD."""
     C: tl.constexpr = tinv.shape[0]
     v_blk = load_cols(v_ptr, start, valid, head, col0, H, V, C, BD)
-    u_blk = tl.dot(tinv, beta[:, None] * v_blk, input_precision=PREC)
+    u_blk = mm(tinv, beta[:, None] * v_blk, PREC)
     store_cols(u_ptr, u_blk, start, valid, head, col0, H, V, C, BD)
 
 

@@ -32,15 +32,14 @@ PREP_BLOCK = 64
 # KDA's: its keys weighed per target sub-chunk ([C / S, C, BD] fp32, common.decayed_grams) fit registers at 16
 # columns (sm_90a: 168 registers, no spill, three programs an SM)
 DECAYED_GRAM_BLOCK = 16
-# 4-warp prep programs, three an SM under PREP_REGISTERS: faster than one 8-warp program (bench/NOTES.md)
+# 4-warp prep programs: faster than one 8-warp program (bench/NOTES.md)
 PREP_WARPS = 4
-# KDA's column outputs in prep_blocked_kernel, after Tinv: 32 columns a block take 18 dependent load rounds where
-# 16 take 30; 64 spill 124 bytes under the cap below (sm_90a, triton 3.6)
-PREP_COLUMN_BLOCK = 32
-# prep_blocked_kernel capped to keep three 4-warp programs an SM (168 x 128 threads x 3 of 65536): uncapped, KDA's
-# column outputs' tiles take it to 178 and GDN's Gram products to 184 (two programs); capped, KDA spills 8 bytes
-# once, across the inverse (sm_90a, triton 3.6)
-PREP_REGISTERS = 168
+# KDA's column outputs in prep_blocked_kernel, after Tinv: 64 columns a block take fewer dependent load rounds than
+# 32 or 16 (sm_90a, triton 3.6: 52 bytes spilled under the cap below)
+PREP_COLUMN_BLOCK = 64
+# prep_blocked_kernel's register cap by kind (per_channel): three 4-warp KDA programs an SM (168 x 128 threads x 3 of
+# 65536; uncapped its column tiles take it to two), four GDN programs (128; ~110 bytes spilled, faster than three)
+PREP_REGISTERS = {True: 168, False: 128}
 # value block of both scans: a smaller block runs more programs (V / block per sequence and head)
 SCAN_VALUE_BLOCK = 32
 # the scans prefetch chunks' tiles: they are latency-bound, one program per SM. At 2 stages the loads are issued at
@@ -186,14 +185,15 @@ def _prep_launches(q, k, v, g, beta, layout, scale, per_channel, l2norm, out):
     diags = _token_diagonals(q, k, g, layout) if per_channel else (None, None)
     block = DECAYED_GRAM_BLOCK if per_channel else PREP_BLOCK
     columns = PREP_COLUMN_BLOCK if per_channel else PREP_BLOCK
-    # bf16 operands are exact for bf16 inputs
-    gram = _bf16_dots() if q.dtype == torch.bfloat16 else DOT_PRECISION
+    # bf16 operands: exact for the raw Gram products of bf16 inputs; w's and u's (Tinv times a column block) round
+    # Tinv as a stored tile would be, and move half the operand bytes through shared memory (bench/NOTES.md)
+    tiles = _bf16_dots() if q.dtype == torch.bfloat16 else DOT_PRECISION
     fast(forward.prep_blocked_kernel)[(layout.num_chunks, num_heads)](
         q, k, v, g, beta, layout.chunk_start, layout.chunk_end,
         out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], out["norms"], *diags,
         out["row_scales"], scale, H=num_heads, K=key_dim, V=value_dim, BD=min(block, key_dim, value_dim),
-        BC=min(columns, key_dim, value_dim), PER_CHANNEL=per_channel, L2NORM=l2norm, GRAM_PREC=gram,
-        num_warps=PREP_WARPS, maxnreg=PREP_REGISTERS, C=CHUNK_SIZE, S=SUB_CHUNK,
+        BC=min(columns, key_dim, value_dim), PER_CHANNEL=per_channel, L2NORM=l2norm, TILE_PREC=tiles,
+        num_warps=PREP_WARPS, maxnreg=PREP_REGISTERS[per_channel], C=CHUNK_SIZE, S=SUB_CHUNK,
         PREC=DOT_PRECISION)
 
 
