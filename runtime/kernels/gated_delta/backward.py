@@ -6,7 +6,8 @@ V block, chunks in reverse: dh leaving each chunk, dv_new = P^T do + kbar dh), t
 dw = -dv_new h^T, dgc and dgc_last shares) and `wy_grad_kernel` (per chunk and head: dv, dbeta, dTinv -> dL
 and their share of dk and dgc; GDN's also finishes dq, dk through the l2norm and dg). KDA's per-channel
 decayed Gram backward runs apart in `gram_grad_kernel` (per sub-chunk and head, off-diagonal blocks), then
-diagonal.py's kernels. Partials go through HBM in fp32: cheaper than the spills of one kernel holding them all.
+diagonal.py's kernels. Partials go through HBM (dq and dk in the storage dtype, the rest fp32): cheaper than the
+spills of one kernel holding them all.
 
 Chunk algebra (runtime/ops/gated_delta.py): L = beta * gram(k, k), Tinv = (I + L)^-1, w = Tinv (beta k e^gc),
 u = Tinv (beta v), v_new = u - w h, o = q e^gc h + P v_new, h_next = e^gc_last h + kbar^T v_new.
@@ -288,8 +289,8 @@ def gram_grad_kernel(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr,
     As a row (a = beta k or q): da_i = e^(gc_i - r) sum_{j < bS} dM_ij k_j e^(r - gc_j), r the gc of row bS;
     as a column: dc_j = sum over later sub-chunks c (reference r_c, the gc of row cS) of
     e^(r_c - gc_j) sum_i dM_ij a_i e^(gc_i - r_c). Every exponent is <= 0, so no factor overflows for any
-    decay; [S, S] x [S, K] tf32 products (PREC) over whole-K tiles loaded from L2. With L2NORM q's and k's
-    inverse norms come from prep's [T, H, 2] (norms_ptr)."""
+    decay; [S, S] x [S, K] products (common.mm's PREC: bf16 operands for bf16 inputs) over whole-K tiles loaded
+    from L2. With L2NORM q's and k's inverse norms come from prep's [T, H, 2] (norms_ptr)."""
     NS: tl.constexpr = C // S
     chunk, b, head = tl.program_id(0) // NS, tl.program_id(0) % NS, tl.program_id(1)
     chunk_start, chunk_end = tl.load(chunk_start_ptr + chunk), tl.load(chunk_end_ptr + chunk)
@@ -326,8 +327,8 @@ def gram_rows_grad(k_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr, chunk_start, start
         row0 = chunk_start + jb * S
         k_j = sub_chunk_rows(k_ptr, norms_ptr, 0, 1.0, row0, every, head, H, K, S, L2NORM)
         kc = k_j * tl.exp(ref_K[None, :] - load_cols(gcs_ptr, row0, every, head, 0, H, K, S, K))
-        acc_l += tl.dot(load_cols(dl_ptr, start, valid_S, head, jb * S, H, C, S, S), kc, input_precision=PREC)
-        acc_p += tl.dot(load_cols(dp_ptr, start, valid_S, head, jb * S, H, C, S, S), kc, input_precision=PREC)
+        acc_l += mm(load_cols(dl_ptr, start, valid_S, head, jb * S, H, C, S, S), kc, PREC)
+        acc_p += mm(load_cols(dp_ptr, start, valid_S, head, jb * S, H, C, S, S), kc, PREC)
     # rows past the chunk's end read gc 0: their factor is held at 0 instead of e^-ref
     fa = tl.where(valid_S[:, None], tl.exp(gc_SK - ref_K[None, :]), 0.0)
     return acc_l * fa, acc_p * fa
@@ -350,8 +351,8 @@ def gram_cols_grad(q_ptr, k_ptr, beta_ptr, gcs_ptr, dl_ptr, dp_ptr, norms_ptr, c
         beta_i = tl.load(beta_ptr + (row0 + tl.arange(0, S)).to(tl.int64) * H + head, mask=valid_i, other=0.0)
         dl_t = tl.trans(load_cols(dl_ptr, row0, valid_i, head, b * S, H, C, S, S))
         dp_t = tl.trans(load_cols(dp_ptr, row0, valid_i, head, b * S, H, C, S, S))
-        part = tl.dot(dl_t, beta_i.to(tl.float32)[:, None] * k_i * fa, input_precision=PREC)
-        part += tl.dot(dp_t, q_i * fa, input_precision=PREC)
+        part = mm(dl_t, beta_i.to(tl.float32)[:, None] * k_i * fa, PREC)
+        part += mm(dp_t, q_i * fa, PREC)
         dc += part * tl.exp(ref_K[None, :] - gc_SK)
     return dc
 
