@@ -103,32 +103,38 @@ def diag_grad_token_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, norms_ptr, chunk_start
         dl_row = head_rows(dldiag_ptr, tok, heads, H, S)
         dp_row = head_rows(dpdiag_ptr, tok, heads, H, S)
         cols = tl.arange(0, S)
-        # as the row: da_l = sum_{s<t} dL_ts k_s e_ts, da_p = sum_{s<=t} dP_ts k_s e_ts
+        # token s's rows sit (s - t) H rows from t's: offsets from t's, so that a step costs one add per address
+        rows_B = tok.to(tl.int64) * H + heads
+        offs_BK = rows_B[:, None] * K + tl.arange(0, K)[None, :]
+        # as the row: da_l = sum_{s<t} dL_ts k_s e_ts, da_p = sum_{s<=t} dP_ts k_s e_ts. The kernel is issue-bound:
+        # k_s's inverse norm goes onto the [BH] coefficients instead of its [BH, K] row, and the decay is summed in
+        # log2 units for exp2 (as diag_token_kernel does)
         da_l = tl.zeros([BH, K], tl.float32)
         da_p = tl.zeros([BH, K], tl.float32)
         decay = tl.zeros([BH, K], tl.float32)
         for back in range(pos + 1):
-            s = tok - back
-            k_s = unit_rows(k_ptr, norms_ptr, 0, 1.0, s, heads, H, K, L2NORM)[0]
-            ks_e = k_s * tl.exp(decay)
+            k_inv_s = row_scales(norms_ptr, 0, 1.0, rows_B - back * H, heads < H, L2NORM)
+            ks_e = tl.load(k_ptr + offs_BK - back * H * K).to(tl.float32) * tl.exp2(decay)
             at_s = cols[None, :] == pos - back
-            da_l += tl.sum(tl.where(at_s & (back > 0), dl_row, 0.0), 1)[:, None] * ks_e
-            da_p += tl.sum(tl.where(at_s, dp_row, 0.0), 1)[:, None] * ks_e
-            decay += head_rows(g_ptr, s, heads, H, K)
-        # as the column: dc = sum_{s>=t} (dL_st beta_s k_s + dP_st q_s) e_st, gc_s - gc_t = g_{t+1} + ... + g_s
+            da_l += (tl.sum(tl.where(at_s & (back > 0), dl_row, 0.0), 1) * k_inv_s)[:, None] * ks_e
+            da_p += (tl.sum(tl.where(at_s, dp_row, 0.0), 1) * k_inv_s)[:, None] * ks_e
+            decay += tl.load(g_ptr + offs_BK - back * H * K).to(tl.float32) * LOG2E
+        # as the column: dc = sum_{s>=t} (dL_st beta_s k_s + dP_st q_s) e_st, gc_s - gc_t = g_{t+1} + ... + g_s;
+        # the row scales of q_s and k_s on the coefficients as above
         dc = tl.zeros([BH, K], tl.float32)
         decay = tl.zeros([BH, K], tl.float32)
         for ahead in range(sub_end - tok):
-            s = tok + ahead
+            rows_s = rows_B + ahead * H
+            offs_s = offs_BK + ahead * H * K
             if ahead > 0:
-                decay += head_rows(g_ptr, s, heads, H, K)
-            q_s = unit_rows(q_ptr, norms_ptr, 1, scale, s, heads, H, K, L2NORM)[0]
-            k_s = unit_rows(k_ptr, norms_ptr, 0, 1.0, s, heads, H, K, L2NORM)[0]
-            beta_s = tl.load(beta_ptr + s.to(tl.int64) * H + heads).to(tl.float32)
-            row_s = (s.to(tl.int64) * H + heads) * S + pos
-            dl_st = tl.where(ahead > 0, tl.load(dldiag_ptr + row_s), 0.0)
-            dp_st = tl.load(dpdiag_ptr + row_s)
-            dc += ((dl_st * beta_s)[:, None] * k_s + dp_st[:, None] * q_s) * tl.exp(decay)
+                decay += tl.load(g_ptr + offs_s).to(tl.float32) * LOG2E
+            q_inv_s = row_scales(norms_ptr, 1, scale, rows_s, heads < H, L2NORM)
+            k_inv_s = row_scales(norms_ptr, 0, 1.0, rows_s, heads < H, L2NORM)
+            beta_s = tl.load(beta_ptr + rows_s).to(tl.float32)
+            dl_st = tl.where(ahead > 0, tl.load(dldiag_ptr + rows_s * S + pos), 0.0)
+            dp_st = tl.load(dpdiag_ptr + rows_s * S + pos)
+            dc += ((dl_st * beta_s * k_inv_s)[:, None] * tl.load(k_ptr + offs_s).to(tl.float32)
+                   + (dp_st * q_inv_s)[:, None] * tl.load(q_ptr + offs_s).to(tl.float32)) * tl.exp2(decay)
         dq = head_rows(part_dq_ptr, tok, heads, H, K) + da_p
         dk = head_rows(part_dk_ptr, tok, heads, H, K) + beta_t[:, None] * da_l + dc
         dgc = head_rows(part_dgc_ptr, tok, heads, H, K) + beta_t[:, None] * k_t * da_l + q_t * da_p - k_t * dc
