@@ -69,6 +69,11 @@ GRAD_WARPS = 4
 GRAD_STAGES = 1
 # gram_grad_kernel at 4 warps fits two programs per SM
 GRAM_GRAD_WARPS = 4
+# register caps of KDA's state_grad_kernel and gram_grad_kernel: three 4-warp programs an SM at 168 (168 x 128
+# threads x 3 of 65536) where uncapped they take 230 and 233 and run two; sm_90a, triton 3.6: 44 and 132 bytes
+# spilled, faster than two programs without. GDN's state_grad takes 166 uncapped and keeps them
+STATE_GRAD_REGISTERS = {True: 168, False: None}
+GRAM_GRAD_REGISTERS = 168
 
 
 def scan_stages(device: torch.device) -> int:
@@ -263,7 +268,8 @@ def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale
     fast(backward.state_grad_kernel)[(layout.num_chunks * num_key_blocks, num_heads)](
         q, k, g, h, dh, v_new, dv_new, do, *bounds, norms, s["dq"], s["dk"], s["dw"], s["dgc"], s["dgl"],
         s["dpdiag"], s["dpfull"], s["gcs"], scale, V=value_dim, S=SUB_CHUNK, PER_CHANNEL=per_channel,
-        PREC=DOT_PRECISION, DOTS=storage.dots, **state_blocks, **dims, num_warps=GRAD_WARPS, num_stages=GRAD_STAGES)
+        PREC=DOT_PRECISION, DOTS=storage.dots, **state_blocks, **dims, num_warps=GRAD_WARPS, num_stages=GRAD_STAGES,
+        maxnreg=STATE_GRAD_REGISTERS[per_channel])
     fast(backward.wy_grad_kernel)[(layout.num_chunks, num_heads)](
         q, k, v, g, beta, prep["tinv"], dv_new, s["dw"], norms, *bounds, dv, s["dk"], s["dgc"],
         s["db"] if per_channel else dbeta, s["dldiag"], s["dlfull"], s["gcs"], s["dq"], s["dgl"], dq, dk, dg, scale,
@@ -282,7 +288,7 @@ def _diagonal_grads(q, k, g, beta, norms, s, layout, scale, dq, dk, dg, dbeta, d
     fast(backward.gram_grad_kernel)[(layout.num_chunks * (CHUNK_SIZE // SUB_CHUNK), num_heads)](
         q, k, beta, s["gcs"], s["dlfull"], s["dpfull"], norms, *bounds, s["dq"], s["dk"], s["dgc"], s["db"],
         scale, S=SUB_CHUNK, PREC=_bf16_dots() if q.dtype == torch.bfloat16 else DOT_PRECISION, **dims,
-        num_warps=GRAM_GRAD_WARPS)
+        num_warps=GRAM_GRAD_WARPS, maxnreg=GRAM_GRAD_REGISTERS)
     heads = _token_diag_heads(num_heads)
     fast(diagonal.diag_grad_token_kernel)[(layout.num_chunks * CHUNK_SIZE, num_heads // heads)](
         q, k, g, beta, norms, *bounds, s["dldiag"], s["dpdiag"], s["dq"], s["dk"], s["dgc"], s["db"], dq, dk,
