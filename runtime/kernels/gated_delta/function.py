@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.kernels import buffers
-from runtime.kernels.gated_delta import backward, diagonal, forward
+from runtime.kernels.gated_delta import backward, diagonal, forward, hopper
 from runtime.kernels.launch import fast, interpreting
 
 CHUNK_SIZE = 64
@@ -258,18 +258,13 @@ def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale
     value_dim = v.shape[-1]
     dq, dk, dv, dg, dbeta = [buffers.empty(*t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v, g, beta)]
     blocks = dict(BK=min(KEY_BLOCK, key_dim), BV=min(VALUE_BLOCK, value_dim))
-    state_blocks = dict(blocks, BK=min(STATE_GRAD_KEY_BLOCK, key_dim))
     # state_grad_kernel's key blocks: the slots of dgc and dgl it writes
-    num_key_blocks = key_dim // state_blocks["BK"]
+    num_key_blocks = key_dim // min(STATE_GRAD_KEY_BLOCK, key_dim)
     s = _grad_scratch(q, layout, per_channel, num_key_blocks, storage)
     dims = dict(H=num_heads, K=key_dim, C=CHUNK_SIZE, L2NORM=l2norm)
     bounds = (layout.chunk_start, layout.chunk_end)
     norms = prep["norms"]
-    fast(backward.state_grad_kernel)[(layout.num_chunks * num_key_blocks, num_heads)](
-        q, k, g, h, dh, v_new, dv_new, do, *bounds, norms, s["dq"], s["dk"], s["dw"], s["dgc"], s["dgl"],
-        s["dpdiag"], s["dpfull"], s["gcs"], scale, V=value_dim, S=SUB_CHUNK, PER_CHANNEL=per_channel,
-        PREC=DOT_PRECISION, DOTS=storage.dots, **state_blocks, **dims, num_warps=GRAD_WARPS, num_stages=GRAD_STAGES,
-        maxnreg=STATE_GRAD_REGISTERS[per_channel])
+    _state_grad(q, k, g, h, dh, v_new, dv_new, do, layout, scale, per_channel, l2norm, norms, s, storage)
     fast(backward.wy_grad_kernel)[(layout.num_chunks, num_heads)](
         q, k, v, g, beta, prep["tinv"], dv_new, s["dw"], norms, *bounds, dv, s["dk"], s["dgc"],
         s["db"] if per_channel else dbeta, s["dldiag"], s["dlfull"], s["gcs"], s["dq"], s["dgl"], dq, dk, dg, scale,
@@ -278,6 +273,23 @@ def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale
     if per_channel:
         _diagonal_grads(q, k, g, beta, norms, s, layout, scale, dq, dk, dg, dbeta, dims)
     return dq, dk, dv, dg, dbeta
+
+
+def _state_grad(q, k, g, h, dh, v_new, dv_new, do, layout, scale, per_channel, l2norm, norms, s, storage):
+    """backward.state_grad_kernel into the scratch s (_grad_scratch's), or on Hopper its Gluon twin
+    (hopper.state_grad) where the shapes fit and it compiles."""
+    num_heads, key_dim, value_dim = q.shape[1], q.shape[2], v_new.shape[-1]
+    key_block = min(STATE_GRAD_KEY_BLOCK, key_dim)
+    bounds = (layout.chunk_start, layout.chunk_end)
+    scratch = (s["dq"], s["dk"], s["dw"], s["dgc"], s["dgl"])
+    if (hopper.use_state_grad(q, h, CHUNK_SIZE, key_block, per_channel)
+            and hopper.state_grad(q, k, g, h, dh, v_new, dv_new, do, *bounds, norms, *scratch, scale, l2norm)):
+        return
+    fast(backward.state_grad_kernel)[(layout.num_chunks * (key_dim // key_block), num_heads)](
+        q, k, g, h, dh, v_new, dv_new, do, *bounds, norms, *scratch, s["dpdiag"], s["dpfull"], s["gcs"], scale,
+        H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE, S=SUB_CHUNK, BK=key_block, BV=min(VALUE_BLOCK, value_dim),
+        PER_CHANNEL=per_channel, L2NORM=l2norm, PREC=DOT_PRECISION, DOTS=storage.dots, num_warps=GRAD_WARPS,
+        num_stages=GRAD_STAGES, maxnreg=STATE_GRAD_REGISTERS[per_channel])
 
 
 def _diagonal_grads(q, k, g, beta, norms, s, layout, scale, dq, dk, dg, dbeta, dims):

@@ -1,0 +1,442 @@
+"""GDN's state_grad_kernel (backward.py, scalar decay) in Gluon for Hopper (sm_90): the same inputs, the same outputs
+into the same buffers, run in its place where `use_state_grad` says the shapes allow.
+
+Why Gluon: the Triton kernel (a program per chunk, key block of 32 and head; 168 registers, three 4-warp programs an
+SM) is latency-bound: each program waits on its own loads, then computes, and no program an SM keeps enough bytes in
+flight (ncu: no eligible warp 67% of cycles, ~1.1 TB/s). Here one persistent program an SM of two warpgroups walks
+the work items (chunk, head, key half), each warpgroup every other item of the program in a stage of shared memory
+of its own (96 KB): it TMA-loads its next item's tiles into it in three parts, each as soon as this item's last
+reader of it is done (do, v_new, dh after the first products, dv_new and h after dw's, q and k after dgc), so that
+one warpgroup's loads stay in flight while it finishes its tail and while the other warpgroup computes. No producer
+partition: with a stage per warpgroup it would issue the same loads at the same points, and its warps would take
+registers the consumers need (they hold ~240 a thread; a producer's warpgroup leaves them 240 at most, where ptxas
+spills).
+
+Work item (chunk, head, key half of KH = 64 keys), its tiles in one stage, all bf16:
+  do, v_new, dv_new [C, V] (rows of the chunk; both halves of a chunk and head read them, neighbouring programs at
+  the same time, so the second from L2), h, dh [KH, V] (the key half of the states), q, k [C, KH] (the raw inputs).
+Products (warpgroup MMAs, fp32 accumulators [C, KH]): dqg = do h^T, dkbar = v_new dh^T, dP = do v_new^T, then the
+tail: dq = dqg e^gc + dme k, dk = dkbar e^(gc_last - gc) + dme^T q, then dw = -dv_new h^T (its accumulator once the
+tail's products are done: fewer registers live at once), dgc = q dq - k dk, dgc_last; dlam = sum over V of h dh from
+shared memory while the first products run.
+The tail's two products (dme k, dme^T q) take tf32 operands in the Triton kernel (PREC); tf32 operands would have
+to sit in shared memory in fp32 and K-major, where there is no room beside the stages. Here the rows' scales (the
+l2norm's and `scale`) are folded into dme, so that q and k enter exactly as stored (bf16), and dme goes in as two bf16
+parts hi + lo (~16 bits, finer than tf32's 11): two products each instead of one, small ones ([C, C] x [C, KH]).
+A single bf16 dme would add ~2e-3 relative RMS to the partial dq and dk (a CPU model of this kernel against the
+Triton kernel: 1.4e-3 and 2.7e-3; with hi + lo 7e-5 and 9e-5). The other products take bf16 operands as the Triton
+kernel's (DOTS "bf16").
+
+Rows past a chunk's end: TMA reads them (the next chunk's tokens, or zeros past T); the tail zeroes dP's and dk's
+rows there (what the Triton kernel gets from its masked loads) and the stores skip them.
+
+Gluon has no CPU interpreter: tests compile the kernel for sm_90a on any machine, check a torch model of its
+algorithm against the Triton kernel, and compare the kernel itself with the Triton kernel where a Hopper GPU is; the
+Triton kernel stays the path everywhere else.
+
+Shape legend: T tokens, H heads, K key dim, V value dim, C chunk size, NC chunks, NK key blocks of the Triton kernel
+(its dgc and dgl slots), KH = 64 keys an item (a key half).
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+import triton
+from triton.compiler.errors import CompilationError
+
+from runtime.kernels.launch import interpreting
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # a triton without Gluon's Hopper modules: function.py keeps the Triton kernel
+    gluon = None
+
+# the shapes the tiles are written for
+CHUNK, KEY_DIM, VALUE_DIM, KEYS_PER_ITEM = 64, 128, 128, 64
+# the worker warpgroup's registers a thread, as the other's (256 x 256 threads: the register file); below, ptxas
+# spills in the loop (triton 3.6)
+WORKER_REGS = 256
+SHARED_BYTES = 227 * 1024
+_failed: set[str] = set()
+
+
+@functools.cache
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def state_grad_fits(K: int, V: int, C: int, key_block: int, dtype: torch.dtype, per_channel: bool) -> bool:
+    """Whether the kernel's tiles take these shapes: GDN (scalar decay), bf16 storage, K = V = 128, C = 64, and the
+    Triton kernel's key blocks (the slots of dgc and dgl) the halves of an item's 64 keys."""
+    return (not per_channel and dtype == torch.bfloat16 and K == KEY_DIM and V == VALUE_DIM and C == CHUNK
+            and 2 * key_block == KEYS_PER_ITEM)
+
+
+def use_state_grad(q_THK: torch.Tensor, h: torch.Tensor, C: int, key_block: int, per_channel: bool) -> bool:
+    """A Hopper GPU runs the tensors, this triton has Gluon, and state_grad_fits."""
+    return (gluon is not None and not interpreting() and q_THK.is_cuda
+            and _is_hopper(q_THK.device.index or 0) and q_THK.dtype == h.dtype
+            and state_grad_fits(q_THK.shape[-1], h.shape[-1], C, key_block, h.dtype, per_channel))
+
+
+if gluon is not None:
+    # triton 3.6 calls these tma.async_copy_global_to_shared and thread_barrier, 3.7 and later async_load and barrier
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _item(item, H):
+        """(chunk, head, key half) of a work item: the two halves of one chunk and head are neighbours, so that
+        neighbouring programs run them together and the second reads do, v_new and dv_new from L2."""
+        return item // (2 * H), (item // 2) % H, item % 2
+
+    @gluon.jit
+    def _load_products(tiles, stage, bar, item, start, H):
+        """TMA of the tiles that only the first products read (do, v_new, dh's key half) of an item (its chunk's first
+        token `start`) into stage `stage`, its full barrier expecting all the item's bytes (_load_dw's, _load_keys')."""
+        (do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc, do_s, vnew_s, dvnew_s, h_s, dh_s, q_s, k_s,
+         dmet_s, full) = tiles
+        C: gl.constexpr = do_s.shape[1]
+        V: gl.constexpr = do_s.shape[2]
+        KH: gl.constexpr = q_s.shape[2]
+        chunk, head, half = _item(item, H)
+        mbarrier.expect(bar, 2 * (3 * C * V + 2 * KH * V + 2 * C * KH))
+        _tma_load(do_desc, [start, head * V], bar, do_s.index(stage))
+        _tma_load(vnew_desc, [start, head * V], bar, vnew_s.index(stage))
+        _tma_load(dh_desc, [(chunk * H + head) * (2 * KH) + half * KH, 0], bar, dh_s.index(stage))
+
+    @gluon.jit
+    def _load_dw(tiles, stage, bar, item, start, H):
+        """TMA of an item's dv_new and h's key half (dw's operands; h is dqg's too) into stage `stage`."""
+        (do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc, do_s, vnew_s, dvnew_s, h_s, dh_s, q_s, k_s,
+         dmet_s, full) = tiles
+        V: gl.constexpr = do_s.shape[2]
+        KH: gl.constexpr = q_s.shape[2]
+        chunk, head, half = _item(item, H)
+        _tma_load(dvnew_desc, [start, head * V], bar, dvnew_s.index(stage))
+        _tma_load(h_desc, [(chunk * H + head) * (2 * KH) + half * KH, 0], bar, h_s.index(stage))
+
+    @gluon.jit
+    def _load_keys(tiles, stage, bar, item, start, H):
+        """TMA of an item's q and k key half into stage `stage` (its full barrier already expects them)."""
+        (do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc, do_s, vnew_s, dvnew_s, h_s, dh_s, q_s, k_s,
+         dmet_s, full) = tiles
+        KH: gl.constexpr = q_s.shape[2]
+        chunk, head, half = _item(item, H)
+        key_col = head * (2 * KH) + half * KH
+        _tma_load(q_desc, [start, key_col], bar, q_s.index(stage))
+        _tma_load(k_desc, [start, key_col], bar, k_s.index(stage))
+
+    @gluon.jit
+    def _released():
+        """Every thread of the warpgroup is past its reads of the stage, ordered before the TMA's writes (the async
+        proxy) into it."""
+        _barrier()
+        fence_async_shared()
+
+    @gluon.jit
+    def _row_dots(a_s, b_s):
+        """sum over columns of a * b for two [R, V] bf16 tiles in shared memory, fp32, summed again over the first and
+        the second half of the rows (two scalars), 32 columns at a time: few registers beside the accumulators of
+        the products in flight."""
+        R: gl.constexpr = a_s.shape[0]
+        LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        acc = gl.zeros([R], gl.float32, layout=gl.SliceLayout(1, LOAD))
+        for c in gl.static_range(a_s.shape[1] // 32):
+            a = a_s.slice(c * 32, 32, dim=1).load(LOAD).to(gl.float32)
+            b = b_s.slice(c * 32, 32, dim=1).load(LOAD).to(gl.float32)
+            acc += gl.sum(a * b, axis=1)
+        return _half_sums(acc, R // 2, gl.SliceLayout(1, LOAD))
+
+    @gluon.jit
+    def _products(do, vnew, h, dh, MMA: gl.constexpr):
+        """(dqg, dkbar, dP, dlam) of one stage: the three MMAs in flight while dlam = sum over V of h dh is summed
+        from shared memory, over each key block of the Triton kernel (dgc_last's slots are sums over them)."""
+        C: gl.constexpr = do.shape[0]
+        KH: gl.constexpr = h.shape[0]
+        zero = gl.zeros([C, KH], gl.float32, layout=MMA)
+        dqg = warpgroup_mma(do, h.permute((1, 0)), zero, use_acc=False, is_async=True)
+        dkbar = warpgroup_mma(vnew, dh.permute((1, 0)), zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do, vnew.permute((1, 0)), zero, use_acc=False, is_async=True)
+        dlam = _row_dots(h, dh)
+        dqg, dkbar, dp = warpgroup_mma_wait(num_outstanding=0, deps=(dqg, dkbar, dp))
+        return dqg, dkbar, dp, dlam
+
+    @gluon.jit
+    def _store_rows(ptr, x, start, count, head, col0, H, D: gl.constexpr, MMA: gl.constexpr):
+        """x [C, KH] into columns col0.. of rows start.. start + count - 1 of a packed [T, H, D] tensor, in its dtype.
+        A pointer a row plus the columns: in-tile offsets alone would not change from item to item, and the compiler
+        would hoist them out of the loop into registers."""
+        rows = gl.arange(0, x.shape[0], layout=gl.SliceLayout(1, MMA))
+        cols = gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, MMA))
+        row_ptrs = ptr + ((start + rows).to(gl.int64) * H + head) * D + col0
+        gl.store(row_ptrs[:, None] + cols[None, :], x.to(ptr.dtype.element_ty), mask=(rows < count)[:, None])
+
+    @gluon.jit
+    def _row_inputs(g_ptr, norms_ptr, start, count, head, H, scale, C: gl.constexpr, L2NORM: gl.constexpr,
+                    ROW: gl.constexpr):
+        """(gc in-chunk cumulative log decay, q's and k's row scales) of a chunk's rows, fp32 [C] in layout ROW; 0
+        decay past the chunk's end, as the Triton kernel's masked loads give. The scan runs in a blocked layout (not
+        one of an MMA's slices, which triton's scan does not take)."""
+        rows = gl.arange(0, C, layout=ROW)
+        valid = rows < count
+        tok = (start + rows).to(gl.int64) * H + head
+        SCAN: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        scan_rows = gl.arange(0, C, layout=SCAN)
+        g = gl.load(g_ptr + (start + scan_rows).to(gl.int64) * H + head, mask=scan_rows < count, other=0.0)
+        gc = gl.convert_layout(gl.associative_scan(g.to(gl.float32), 0, _add), ROW)
+        if L2NORM:
+            k_scale = gl.load(norms_ptr + tok * 2, mask=valid, other=0.0)
+            q_scale = gl.load(norms_ptr + tok * 2 + 1, mask=valid, other=0.0)
+        else:
+            k_scale = gl.full([C], 1.0, gl.float32, layout=ROW)
+            q_scale = gl.full([C], 1.0, gl.float32, layout=ROW) * scale
+        return gc, q_scale, k_scale
+
+    @gluon.jit
+    def _decayed_dp(dp, gc, start, count, MMA: gl.constexpr):
+        """dme = dP_ij e^(gc_i - gc_j) on the causal pattern of the chunk's rows, 0 elsewhere and past its end. The
+        pattern compares token indices, not in-chunk ones: a mask that did not change from item to item would be
+        hoisted out of the loop into registers."""
+        C: gl.constexpr = dp.shape[0]
+        rows = start + gl.arange(0, C, layout=gl.SliceLayout(1, MMA))
+        cols = start + gl.arange(0, C, layout=gl.SliceLayout(0, MMA))
+        keep = (rows[:, None] >= cols[None, :]) & (rows < start + count)[:, None]
+        gc_col = gl.convert_layout(gc, gl.SliceLayout(0, MMA))
+        return gl.where(keep, dp * gl.exp(gl.where(keep, gc[:, None] - gc_col[None, :], 0.0)), 0.0)
+
+    @gluon.jit
+    def _half_sums(x, SLOT: gl.constexpr, LAYOUT: gl.constexpr):
+        """(sum of x's first SLOT entries, of the next SLOT) of a vector of 2 SLOT in LAYOUT."""
+        cols = gl.arange(0, 2 * SLOT, layout=LAYOUT)
+        return gl.sum(gl.where(cols < SLOT, x, 0.0), 0), gl.sum(gl.where(cols >= SLOT, x, 0.0), 0)
+
+    @gluon.jit
+    def _column_halves(x, MMA: gl.constexpr):
+        """(sums over the first and the second half of the columns of x) by row: within a quad of threads."""
+        cols = gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, MMA))
+        first = gl.sum(gl.where((cols < x.shape[1] // 2)[None, :], x, 0.0), 1)
+        return first, gl.sum(gl.where((cols >= x.shape[1] // 2)[None, :], x, 0.0), 1)
+
+    @gluon.jit
+    def _block_sums(x, MMA: gl.constexpr):
+        """The sums of x [R, KH] over each half of its columns (two scalars): the rows reduced last, as two scalars
+        across the warps."""
+        first, second = _column_halves(x, MMA)
+        return gl.sum(first, 0), gl.sum(second, 0)
+
+    @gluon.jit
+    def _store_dgc(dgc_ptr, dgc, start, count, head, half, H, NK: gl.constexpr, MMA: gl.constexpr):
+        """dgc's row sums over each of the item's two key blocks of the Triton kernel, into their slots of
+        [T, H, NK + 1]."""
+        rows = gl.arange(0, dgc.shape[0], layout=gl.SliceLayout(1, MMA))
+        first, second = _column_halves(dgc, MMA)
+        at = dgc_ptr + ((start + rows).to(gl.int64) * H + head) * (NK + 1) + half * 2
+        gl.store(at, first, mask=rows < count)
+        gl.store(at + 1, second, mask=rows < count)
+
+    @gluon.jit
+    def _scaled(x_s, scale_R, MMA: gl.constexpr):
+        """x [R, KH] from shared memory in fp32, row r times scale_R[r]."""
+        return x_s.load(MMA).to(gl.float32) * scale_R[:, None]
+
+    @gluon.jit
+    def _split_bf16(x):
+        """(hi, lo) bf16 with hi + lo = x to ~16 bits: two bf16 products carry x as finely as tf32 would."""
+        hi = x.to(gl.bfloat16)
+        return hi, (x - hi.to(gl.float32)).to(gl.bfloat16)
+
+    @gluon.jit
+    def _tail(dqg, dkbar, dp, dlam, q_s, k_s, dvnew_s, h_s, dmet_hi, dmet_lo, gc, q_scale, k_scale, start, count,
+              MMA: gl.constexpr):
+        """(dq, dk, dw without its sign, dgc_last's key-block sums) of an item from its products
+        (backward.state_grad_kernel's tail), then dw's product; q_s and k_s hold the raw q and k, dmet_hi and
+        dmet_lo take the two bf16 parts of dme's transpose for dk's products."""
+        ROW: gl.constexpr = gl.SliceLayout(1, MMA)
+        COL: gl.constexpr = gl.SliceLayout(0, MMA)
+        C: gl.constexpr = dp.shape[0]
+        rows = gl.arange(0, C, layout=ROW)
+        last = gl.sum(gl.where(rows == C - 1, gc, 0.0), 0)
+        dq = dqg * gl.exp(gc)[:, None]
+        dk = gl.where((rows < count)[:, None], dkbar * gl.exp(last - gc)[:, None], 0.0)
+        # q and k are read from shared memory where used, not held across the products
+        first, second = _block_sums(_scaled(k_s, k_scale, MMA) * dk, MMA)
+        dgl = (first + gl.exp(last) * dlam[0], second + gl.exp(last) * dlam[1])
+        dme = _decayed_dp(dp, gc, start, count, MMA)
+        # the rows' scales go into dme: q and k enter the products as stored; dme k with k's scale by column of dme
+        DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        dme_k_hi, dme_k_lo = _split_bf16(dme * gl.convert_layout(k_scale, COL)[None, :])
+        dme_k_hi = gl.convert_layout(dme_k_hi, DOT)
+        dme_k_lo = gl.convert_layout(dme_k_lo, DOT)
+        dq = warpgroup_mma(dme_k_hi, k_s, dq, is_async=True)
+        dq = warpgroup_mma(dme_k_lo, k_s, dq, is_async=True)
+        dme_q_hi, dme_q_lo = _split_bf16(dme * q_scale[:, None])
+        dmet_hi.store(dme_q_hi)
+        dmet_lo.store(dme_q_lo)
+        fence_async_shared()
+        _barrier()
+        dk = warpgroup_mma(dmet_hi.permute((1, 0)), q_s, dk, is_async=True)
+        dk = warpgroup_mma(dmet_lo.permute((1, 0)), q_s, dk, is_async=True)
+        dq, dk, dme_k_hi, dme_k_lo = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dk, dme_k_hi, dme_k_lo))
+        # dw's accumulator after dme's halves are free
+        dw = warpgroup_mma(dvnew_s, h_s.permute((1, 0)), gl.zeros([C, C], gl.float32, layout=MMA), use_acc=False)
+        return dq, dk, dw, dgl
+
+    @gluon.jit
+    def _consumer(tiles, rest, L2NORM: gl.constexpr, NK: gl.constexpr, FIRST: gl.constexpr, STEP: gl.constexpr):
+        """Items p + FIRST P, p + (FIRST + STEP) P, .. (p the program, P programs) in stage FIRST: products, tail,
+        stores. The next item's tiles go out as soon as this one's last reader is done with them: do, v_new and dh after
+        the first products, dv_new and h after dw's, q and k after dgc; this item's row inputs and the next one's first token are loaded before the wait on the
+        stage, under the TMA's latency."""
+        (do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc, do_s, vnew_s, dvnew_s, h_s, dh_s, q_s, k_s,
+         dmet_s, full) = tiles
+        (g_ptr, norms_ptr, chunk_start_ptr, chunk_end_ptr, dq_ptr, dk_ptr, dw_ptr, dgc_ptr, dgl_ptr, scale, num_items,
+         H, zero) = rest
+        C: gl.constexpr = do_s.shape[1]
+        KH: gl.constexpr = q_s.shape[2]
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KH, 16])
+        bar = full.index(FIRST)
+        stride = STEP * gl.num_programs(0)
+        first = gl.program_id(0) + FIRST * gl.num_programs(0)
+        if first < num_items:
+            first_start = gl.load(chunk_start_ptr + _item(first, H)[0])
+            _load_products(tiles, FIRST, bar, first, first_start, H)
+            _load_dw(tiles, FIRST, bar, first, first_start, H)
+            _load_keys(tiles, FIRST, bar, first, first_start, H)
+        phase = 0
+        for item in range(first, num_items, stride):
+            # the stage's index changing with the item as far as the compiler knows (`zero` is 0): with a constant
+            # one it hoists every MMA descriptor out of the loop and spills them
+            s = FIRST + item * zero
+            chunk, head, half = _item(item, H)
+            start = gl.load(chunk_start_ptr + chunk)
+            count = gl.load(chunk_end_ptr + chunk) - start
+            more = item + stride < num_items
+            next_start = gl.load(chunk_start_ptr + _item(item + stride, H)[0], mask=more, other=0)
+            gc, q_scale, k_scale = _row_inputs(g_ptr, norms_ptr, start, count, head, H, scale, C, L2NORM,
+                                               gl.SliceLayout(1, MMA))
+            mbarrier.wait(bar, phase)
+            phase ^= 1
+            dqg, dkbar, dp, dlam = _products(do_s.index(s), vnew_s.index(s), h_s.index(s), dh_s.index(s), MMA)
+            _released()
+            if more:
+                _load_products(tiles, s, bar, item + stride, next_start, H)
+            dq, dk, dw, dgl = _tail(dqg, dkbar, dp, dlam, q_s.index(s), k_s.index(s), dvnew_s.index(s), h_s.index(s),
+                                    dmet_s.index(2 * s), dmet_s.index(2 * s + 1), gc, q_scale, k_scale, start,
+                                    count, MMA)
+            _released()
+            if more:
+                _load_dw(tiles, s, bar, item + stride, next_start, H)
+            col0 = half * KH
+            # dw out first: its registers are free before q and k come in for dgc
+            _store_rows(dw_ptr, -dw, start, count, head, col0, H, 2 * KH, MMA)
+            dgc = _scaled(q_s.index(s), q_scale, MMA) * dq - _scaled(k_s.index(s), k_scale, MMA) * dk
+            _released()
+            if more:
+                _load_keys(tiles, s, bar, item + stride, next_start, H)
+            _store_rows(dq_ptr, dq, start, count, head, col0, H, 2 * KH, MMA)
+            _store_rows(dk_ptr, dk, start, count, head, col0, H, 2 * KH, MMA)
+            _store_dgc(dgc_ptr, dgc, start, count, head, half, H, NK, MMA)
+            at = dgl_ptr + (chunk.to(gl.int64) * H + head) * NK + half * 2
+            gl.store(at, dgl[0])
+            gl.store(at + 1, dgl[1])
+
+    @gluon.jit
+    def state_grad_kernel(do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc, g_ptr, norms_ptr,
+                          chunk_start_ptr, chunk_end_ptr, dq_ptr, dk_ptr, dw_ptr, dgc_ptr, dgl_ptr, scale, num_items,
+                          H, zero, L2NORM: gl.constexpr, NK: gl.constexpr, WORKER_REGS: gl.constexpr,
+                          num_warps: gl.constexpr):
+        """backward.state_grad_kernel's outputs (scalar decay) for num_items = NC * H * 2 items (chunk, head, key
+        half), a persistent program an SM of two warpgroups (this one, num_warps 4, and a worker), each walking every
+        other item of the program in a stage of its own: dq, dk, dw (stored, bf16 [T, H, K]), dgc's row sums in slots
+        of [T, H, NK + 1] and dgc_last's sums in slots of [NC, H, NK] (fp32, NK = K / 32 as the Triton kernel's key
+        blocks). The descriptors view do, v_new, dv_new as [T, H V], q, k as [T, H K] and h, dh as [NC H K, V];
+        `zero` is 0."""
+        C: gl.constexpr = do_desc.block_type.shape[0]
+        V: gl.constexpr = do_desc.block_type.shape[1]
+        KH: gl.constexpr = q_desc.block_type.shape[1]
+        do_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, V], do_desc.layout)
+        vnew_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, V], vnew_desc.layout)
+        dvnew_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, V], dvnew_desc.layout)
+        h_s = gl.allocate_shared_memory(gl.bfloat16, [2, KH, V], h_desc.layout)
+        dh_s = gl.allocate_shared_memory(gl.bfloat16, [2, KH, V], dh_desc.layout)
+        q_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, KH], q_desc.layout)
+        k_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, KH], k_desc.layout)
+        dmet_s = gl.allocate_shared_memory(gl.bfloat16, [4, C, C], q_desc.layout)
+        full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(2):
+            mbarrier.init(full.index(s), count=1)
+        fence_async_shared()
+        _barrier()
+        tiles = (do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc, do_s, vnew_s, dvnew_s, h_s, dh_s,
+                 q_s, k_s, dmet_s, full)
+        rest = (g_ptr, norms_ptr, chunk_start_ptr, chunk_end_ptr, dq_ptr, dk_ptr, dw_ptr, dgc_ptr, dgl_ptr, scale,
+                num_items, H, zero)
+        gl.warp_specialize([(_consumer, (tiles, rest, L2NORM, NK, 0, 2)), (_consumer, (tiles, rest, L2NORM, NK, 1, 2))],
+                           [4], [WORKER_REGS])
+
+
+def _rows_desc(x_THD: torch.Tensor, cols: int) -> "TensorDescriptor":
+    """[C, cols] blocks of a packed [T, H, D] tensor viewed as [T, H D]."""
+    T, H, D = x_THD.shape
+    layout = gl.NVMMASharedLayout.get_default_for([CHUNK, cols], gl.bfloat16)
+    return TensorDescriptor(x_THD, [T, H * D], [H * D, 1], [CHUNK, cols], layout)
+
+
+def _state_desc(s_NHKV: torch.Tensor) -> "TensorDescriptor":
+    """[KH, V] blocks (a key half of one state) of [NC, H, K, V] states viewed as [NC H K, V]."""
+    V = s_NHKV.shape[-1]
+    layout = gl.NVMMASharedLayout.get_default_for([KEYS_PER_ITEM, V], gl.bfloat16)
+    return TensorDescriptor(s_NHKV, [s_NHKV.numel() // V, V], [V, 1], [KEYS_PER_ITEM, V], layout)
+
+
+def _compiles(name: str, launch) -> bool:
+    """Runs launch() and returns True, or, where the Gluon kernel does not compile with the installed triton (Gluon
+    is experimental: its calls move between releases), warns once, remembers it and returns False, so that the
+    caller runs the Triton kernel. Other errors propagate."""
+    if name in _failed:
+        return False
+    try:
+        launch()
+    except (CompilationError, RuntimeError) as error:
+        # MLIR pass failures surface as RuntimeError("PassManager::run failed"); CUDA errors must not be swallowed
+        if not isinstance(error, CompilationError) and "PassManager" not in str(error):
+            raise
+        _failed.add(name)
+        last_line = (str(error).strip().splitlines() or [""])[-1][:200]
+        warnings.warn(f"the Gluon GDN {name} kernel does not compile with triton {triton.__version__} "
+                      f"({type(error).__name__}: {last_line}); the Triton kernel runs instead", stacklevel=3)
+        return False
+    return True
+
+
+def state_grad(q, k, g, h, dh, v_new, dv_new, do, chunk_start, chunk_end, norms, dq, dk, dw, dgc, dgl, scale,
+               l2norm: bool) -> bool:
+    """backward.state_grad_kernel's outputs for GDN (use_state_grad must hold): q, k [T, H, K], v_new, dv_new, do
+    [T, H, V], h, dh [NC, H, K, V], all bf16; g [T, H]; norms [T, H, 2] fp32 or None (no l2norm); writes dq, dk, dw
+    [T, H, K] bf16, dgc [T, H, NK + 1] and dgl [NC, H, NK] fp32 (NK = K / 32), or returns False where the kernel
+    does not compile here (nothing written). Launched through kernel[grid], not launch.fast: host descriptors are
+    not keys fast() can hash."""
+    num_chunks, H, K, V = h.shape
+    num_items = num_chunks * H * (K // KEYS_PER_ITEM)
+    grid = (min(num_items, _num_sms(q.device.index or 0)),)
+    descs = [_rows_desc(t, V) for t in (do, v_new, dv_new)] + [_state_desc(t) for t in (h, dh)]
+    descs += [_rows_desc(t, KEYS_PER_ITEM) for t in (q, k)]
+    return _compiles("state_grad", lambda: state_grad_kernel[grid](
+        *descs, g, norms, chunk_start, chunk_end, dq, dk, dw, dgc, dgl, scale, num_items, H, 0, L2NORM=l2norm,
+        NK=dgl.shape[-1], WORKER_REGS=WORKER_REGS, num_warps=4))

@@ -1,0 +1,191 @@
+"""The Gluon state_grad for Hopper (runtime/kernels/gated_delta/hopper.py): it compiles for sm_90a on any machine
+(Gluon has no CPU interpreter: the installed triton accepts it, registers, spills, shared memory), the dispatch
+rules, a torch model of its algorithm (its work items, the tiles TMA reads past a chunk's end, the folded scales,
+dme's two bf16 parts, the slots) against the Triton kernel, and on a Hopper GPU its outputs against the Triton
+kernel's on the same inputs and the whole GDN op with it against the fp64 reference.
+
+Shape legend: T tokens, H heads, K key dim, V value dim, C chunk size, KH keys an item, NC chunks.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.kernels.gated_delta import hopper
+from runtime.tolerances import assert_close
+from tests.kernels.gated_delta_cases import check, make_inputs
+from tests.kernels.gated_delta_state_grad import (
+    OUTPUTS, differences, state_grad_outputs, state_grad_problem,
+)
+
+needs_gluon = pytest.mark.skipif(hopper.gluon is None, reason="this triton has no Gluon Hopper modules")
+on_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                               reason="the Gluon kernel runs on Hopper (sm_90) only")
+REPO = Path(__file__).resolve().parents[2]
+# under triton 3.6 ptxas keeps 2 words of the second warpgroup's arguments in local memory from the kernel's entry to
+# that warpgroup's start: once a program, outside the item loop (triton 3.9: none)
+ENTRY_SPILL_BYTES = 8
+# Compiles the kernel for sm_90a and prints its registers, spills and shared memory. In a process of its own: under
+# TRITON_INTERPRET=1 (set for the tests where no GPU is) triton.language's jit functions, gl.sum among them, are
+# interpreter objects that a compiled kernel cannot call.
+COMPILE = """
+import json, sys
+from bench.kernel_resources import resources
+from runtime.kernels.gated_delta import hopper
+gl = hopper.gl
+l2norm = json.loads(sys.argv[1])
+
+def desc(rows, cols):
+    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+    return f"tensordesc<bf16[{rows}, {cols}],{layout!r}>"
+
+C, KH, V = hopper.CHUNK, hopper.KEYS_PER_ITEM, hopper.VALUE_DIM
+types = {name: desc(C, V) for name in ("do_desc", "vnew_desc", "dvnew_desc", "h_desc", "dh_desc")}
+types.update({name: desc(C, KH) for name in ("q_desc", "k_desc")})
+types.update(g_ptr="*bf16", norms_ptr="*fp32", chunk_start_ptr="*i32", chunk_end_ptr="*i32", dgc_ptr="*fp32",
+             dgl_ptr="*fp32", scale="fp32")
+constexprs = dict(L2NORM=l2norm, NK=hopper.KEY_DIM // (KH // 2), WORKER_REGS=hopper.WORKER_REGS, num_warps=4)
+if not l2norm:
+    constexprs["norms_ptr"] = None
+# the launch specializes the contiguous bf16 rows' pointers and `zero` (0) as multiples of 16
+print(json.dumps(resources(hopper.state_grad_kernel, types, constexprs, num_warps=4,
+                           divisible_by_16=("dq_ptr", "dk_ptr", "dw_ptr", "zero"))))
+"""
+
+
+@needs_gluon
+@pytest.mark.parametrize("l2norm", [True, False], ids=["l2norm", "no-l2norm"])
+def test_gluon_state_grad_compiles_for_sm90a(l2norm):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(REPO)]))
+    done = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(l2norm)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode and "CompilationError" in done.stderr:
+        pytest.skip(f"the Gluon kernel does not compile with triton {hopper.triton.__version__} (another Gluon API): "
+                    + done.stderr.strip().splitlines()[-1][:200])
+    assert done.returncode == 0, done.stderr[-3000:]
+    used = json.loads(done.stdout.strip().splitlines()[-1])
+    # the stack frame holds those words
+    assert used["spill_bytes"] <= ENTRY_SPILL_BYTES and used["stack_bytes"] <= ENTRY_SPILL_BYTES, used
+    assert 0 < used["shared_bytes"] <= hopper.SHARED_BYTES, used
+    assert used["registers"] <= 255, used
+
+
+def test_shapes_the_gluon_tiles_do_not_take_stay_on_triton():
+    bf16 = torch.bfloat16
+    assert hopper.state_grad_fits(128, 128, 64, 32, bf16, False)
+    assert not hopper.state_grad_fits(128, 128, 64, 32, bf16, True)  # KDA's per-channel decay
+    assert not hopper.state_grad_fits(128, 128, 64, 32, torch.float32, False)  # bf16 storage only
+    assert not hopper.state_grad_fits(64, 128, 64, 32, bf16, False)  # K = V = 128
+    assert not hopper.state_grad_fits(128, 256, 64, 32, bf16, False)
+    assert not hopper.state_grad_fits(128, 128, 32, 32, bf16, False)  # chunk 64
+    assert not hopper.state_grad_fits(128, 128, 64, 64, bf16, False)  # the Triton kernel's slots: key blocks of 32
+    q_THK, h = torch.zeros(64, 2, 128, dtype=bf16), torch.zeros(1, 2, 128, 128, dtype=bf16)
+    assert not hopper.use_state_grad(q_THK, h, 64, 32, False)  # CPU tensors
+
+
+def tma_rows(x_THD, start, head, col0, rows, cols):
+    """A TMA box of rows start.. start + rows - 1 of a packed [T, H, D] tensor, one head, in fp32: zeros past T."""
+    box = torch.zeros(rows, cols)
+    n = max(0, min(rows, x_THD.shape[0] - start))
+    box[:n] = x_THD[start:start + n, head, col0:col0 + cols].float()
+    return box
+
+
+def split_bf16(x):
+    hi = x.to(torch.bfloat16).float()
+    return hi + (x - hi).to(torch.bfloat16).float()
+
+
+def model_item(p, chunk, head, half, C=64, KH=64):
+    """One work item of hopper.state_grad_kernel in torch, step by step as the kernel takes it: (dq, dk, dw, dgc,
+    dgl) of its chunk's C rows (rows past the chunk's end included), fp32; dgc and dgl summed by key block."""
+    start = int(p["layout"].chunk_start[chunk])
+    count = int(p["layout"].chunk_end[chunk]) - start
+    do, vn, dvn = (tma_rows(p[n], start, head, 0, C, p[n].shape[-1]) for n in ("do", "v_new", "dv_new"))
+    h, dh = (p[n][chunk, head, half * KH:(half + 1) * KH].float() for n in ("h", "dh"))
+    q, k = (tma_rows(p[n], start, head, half * KH, C, KH) for n in ("q", "k"))
+    rows = torch.arange(C)
+    valid = rows < count
+    tok = (start + rows).clamp_max(p["q"].shape[0] - 1)
+    gc = torch.where(valid, p["g"][tok, head].float(), 0.0).cumsum(0)
+    if p["l2norm"]:
+        k_scale, q_scale = (torch.where(valid, p["norms"][tok, head, slot], 0.0) for slot in (0, 1))
+    else:
+        k_scale, q_scale = torch.ones(C), torch.full((C,), p["scale"])
+    last = gc[-1]
+    dq = (do @ h.T) * gc.exp()[:, None]
+    dk = torch.where(valid[:, None], (vn @ dh.T) * (last - gc).exp()[:, None], 0.0)
+    dgl = (k * k_scale[:, None] * dk).sum(0) + last.exp() * (h * dh).sum(1)
+    causal = (rows[:, None] >= rows[None, :]) & valid[:, None]
+    dme = torch.where(causal, (do @ vn.T) * torch.where(causal, gc[:, None] - gc[None, :], 0.0).exp(), 0.0)
+    dq = dq + split_bf16(dme * k_scale[None, :]) @ k
+    dk = dk + split_bf16(dme * q_scale[:, None]).T @ q
+    dgc = q * q_scale[:, None] * dq - k * k_scale[:, None] * dk
+    blocks = lambda x: x.unflatten(-1, (2, KH // 2)).sum(-1)  # noqa: E731
+    return dq, dk, -(dvn @ h.T), blocks(dgc), blocks(dgl)
+
+
+def model_state_grad(p, KH=64):
+    """OUTPUTS of the model over every item, in the kernel's storage dtypes."""
+    NC, H, K, _ = p["h"].shape
+    T = p["q"].shape[0]
+    out = {name: torch.zeros(T, H, K) for name in ("dq", "dk", "dw")}
+    out["dgc"], out["dgl"] = torch.zeros(T, H, K // (KH // 2)), torch.zeros(NC, H, K // (KH // 2))
+    for chunk in range(NC):
+        start, end = int(p["layout"].chunk_start[chunk]), int(p["layout"].chunk_end[chunk])
+        for head in range(H):
+            for half in range(K // KH):
+                dq, dk, dw, dgc, dgl = model_item(p, chunk, head, half)
+                for name, x in (("dq", dq), ("dk", dk), ("dw", dw)):
+                    out[name][start:end, head, half * KH:(half + 1) * KH] = x[:end - start]
+                out["dgc"][start:end, head, 2 * half:2 * half + 2] = dgc[:end - start]
+                out["dgl"][chunk, head, 2 * half:2 * half + 2] = dgl
+    return {name: x.to(torch.bfloat16) if name in ("dq", "dk", "dw") else x for name, x in out.items()}
+
+
+# relative RMS of the model against the Triton kernel: dq, dk and dw differ by their bf16 rounding (the interpreter's
+# fp32 -> bf16 truncates: ~4e-3 there), dgc and dgl (fp32) by the order of sums and dme's parts (observed 1.7e-6 and
+# 8.7e-8 on the CPU; with one bf16 part 1.2e-3)
+MODEL_REL_RMS = {"dq": 1e-2, "dk": 1e-2, "dw": 1e-2, "dgc": 1e-4, "dgl": 1e-4}
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("lengths,l2norm", [([65, 30, 100], True), ([64, 7], False)], ids=["varlen", "no-l2norm"])
+def test_model_of_the_gluon_algorithm_matches_triton(lengths, l2norm):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    problem = state_grad_problem(lengths, 2, l2norm, device=device)
+    expected = state_grad_outputs(problem, gluon=False)
+    cpu = {n: x.cpu() if torch.is_tensor(x) else x for n, x in problem.items()}
+    cpu["layout"] = problem["layout"]
+    actual = model_state_grad(cpu)
+    for name, (max_abs, rel_rms, finite) in differences(actual, {n: expected[n].cpu() for n in OUTPUTS}).items():
+        assert finite and rel_rms < MODEL_REL_RMS[name], (name, max_abs, rel_rms)
+
+
+# the benchmark's shape (one sequence of 8192 tokens, 32 heads) and three odd-length sequences (partial chunks)
+@on_hopper
+@pytest.mark.parametrize("lengths,H,l2norm", [([8192], 32, True), ([100, 37, 300], 4, True), ([65, 191], 2, False)],
+                         ids=["T8192-H32", "varlen-odd", "varlen-no-l2norm"])
+def test_gluon_state_grad_matches_triton(lengths, H, l2norm):
+    problem = state_grad_problem(lengths, H, l2norm)
+    # else the Triton kernel would run twice
+    assert hopper.use_state_grad(problem["q"], problem["h"], 64, 32, False)
+    expected = state_grad_outputs(problem, gluon=False)
+    actual = state_grad_outputs(problem, gluon=True)
+    # it ran: a launcher that fell back to Triton would leave its name here
+    assert not hopper._failed
+    for name, e in expected.items():
+        assert_close(actual[name], e, "gated_delta_rule", torch.bfloat16, "grad", name)
+
+
+@on_hopper
+def test_gdn_with_gluon_state_grad_matches_reference():
+    x = make_inputs("gdn", T=200, H=2, K=128, V=128, num_states=2, seed=3)
+    check("gdn", {n: t.cuda() for n, t in x.items()}, dtype=torch.bfloat16,
+          cu_seqlens=torch.tensor([0, 77, 200], device="cuda"))
+    assert not hopper._failed
