@@ -110,7 +110,7 @@ if gluon is not None:
         """TMA of the tiles that only the first products read (do, v_new, dh's key half) of an item (its chunk's first
         token `start`) into stage `stage`, its full barrier expecting all the item's bytes (_load_dw's, _load_keys')."""
         (do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc, do_s, vnew_s, dvnew_s, h_s, dh_s, q_s, k_s,
-         dmet_s, full) = tiles
+         full) = tiles
         C: gl.constexpr = do_s.shape[1]
         V: gl.constexpr = do_s.shape[2]
         KH: gl.constexpr = q_s.shape[2]
@@ -124,7 +124,7 @@ if gluon is not None:
     def _load_dw(tiles, stage, bar, item, start, H):
         """TMA of an item's dv_new and h's key half (dw's operands; h is dqg's too) into stage `stage`."""
         (do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc, do_s, vnew_s, dvnew_s, h_s, dh_s, q_s, k_s,
-         dmet_s, full) = tiles
+         full) = tiles
         V: gl.constexpr = do_s.shape[2]
         KH: gl.constexpr = q_s.shape[2]
         chunk, head, half = _item(item, H)
@@ -135,7 +135,7 @@ if gluon is not None:
     def _load_keys(tiles, stage, bar, item, start, H):
         """TMA of an item's q and k key half into stage `stage` (its full barrier already expects them)."""
         (do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc, do_s, vnew_s, dvnew_s, h_s, dh_s, q_s, k_s,
-         dmet_s, full) = tiles
+         full) = tiles
         KH: gl.constexpr = q_s.shape[2]
         chunk, head, half = _item(item, H)
         key_col = head * (2 * KH) + half * KH
@@ -150,18 +150,23 @@ if gluon is not None:
         fence_async_shared()
 
     @gluon.jit
-    def _row_dots(a_s, b_s):
-        """sum over columns of a * b for two [R, V] bf16 tiles in shared memory, fp32, summed again over the first and
-        the second half of the rows (two scalars), 32 columns at a time: few registers beside the accumulators of
-        the products in flight."""
+    def _row_dot_vector(a_s, b_s, LOAD: gl.constexpr):
+        """sum over columns of a * b for two [R, V] bf16 tiles in shared memory, fp32 [R] in LOAD's row slice, 32
+        columns at a time: few registers beside the accumulators of the products in flight."""
         R: gl.constexpr = a_s.shape[0]
-        LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
         acc = gl.zeros([R], gl.float32, layout=gl.SliceLayout(1, LOAD))
         for c in gl.static_range(a_s.shape[1] // 32):
             a = a_s.slice(c * 32, 32, dim=1).load(LOAD).to(gl.float32)
             b = b_s.slice(c * 32, 32, dim=1).load(LOAD).to(gl.float32)
             acc += gl.sum(a * b, axis=1)
-        return _half_sums(acc, R // 2, gl.SliceLayout(1, LOAD))
+        return acc
+
+    @gluon.jit
+    def _row_dots(a_s, b_s):
+        """_row_dot_vector summed again over the first and the second half of the rows (two scalars)."""
+        R: gl.constexpr = a_s.shape[0]
+        LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        return _half_sums(_row_dot_vector(a_s, b_s, LOAD), R // 2, gl.SliceLayout(1, LOAD))
 
     @gluon.jit
     def _products(do, vnew, h, dh, MMA: gl.constexpr):
@@ -178,12 +183,12 @@ if gluon is not None:
         return dqg, dkbar, dp, dlam
 
     @gluon.jit
-    def _store_rows(ptr, x, start, count, head, col0, H, D: gl.constexpr, MMA: gl.constexpr):
-        """x [C, KH] into columns col0.. of rows start.. start + count - 1 of a packed [T, H, D] tensor, in its dtype.
-        A pointer a row plus the columns: in-tile offsets alone would not change from item to item, and the compiler
-        would hoist them out of the loop into registers."""
-        rows = gl.arange(0, x.shape[0], layout=gl.SliceLayout(1, MMA))
-        cols = gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, MMA))
+    def _store_rows(ptr, x, start, count, head, col0, H, D: gl.constexpr, LAYOUT: gl.constexpr):
+        """x [C, cols] in LAYOUT into columns col0.. of rows start.. start + count - 1 of a packed [T, H, D] tensor,
+        in its dtype. A pointer a row plus the columns: in-tile offsets alone would not change from item to item, and
+        the compiler would hoist them out of the loop into registers."""
+        rows = gl.arange(0, x.shape[0], layout=gl.SliceLayout(1, LAYOUT))
+        cols = gl.arange(0, x.shape[1], layout=gl.SliceLayout(0, LAYOUT))
         row_ptrs = ptr + ((start + rows).to(gl.int64) * H + head) * D + col0
         gl.store(row_ptrs[:, None] + cols[None, :], x.to(ptr.dtype.element_ty), mask=(rows < count)[:, None])
 
@@ -200,13 +205,20 @@ if gluon is not None:
         scan_rows = gl.arange(0, C, layout=SCAN)
         g = gl.load(g_ptr + (start + scan_rows).to(gl.int64) * H + head, mask=scan_rows < count, other=0.0)
         gc = gl.convert_layout(gl.associative_scan(g.to(gl.float32), 0, _add), ROW)
+        q_scale, k_scale = _row_scales(norms_ptr, tok, valid, scale, C, L2NORM, ROW)
+        return gc, q_scale, k_scale
+
+    @gluon.jit
+    def _row_scales(norms_ptr, tok, valid, scale, C: gl.constexpr, L2NORM: gl.constexpr, ROW: gl.constexpr):
+        """(q's, k's row scales) fp32 [C] in layout ROW of rows tok (token * H + head): the inverse norms prep stored
+        [T, H, 2] (q's times `scale`), or `scale` and 1 without the l2norm; 0 where not valid."""
         if L2NORM:
             k_scale = gl.load(norms_ptr + tok * 2, mask=valid, other=0.0)
             q_scale = gl.load(norms_ptr + tok * 2 + 1, mask=valid, other=0.0)
         else:
             k_scale = gl.full([C], 1.0, gl.float32, layout=ROW)
             q_scale = gl.full([C], 1.0, gl.float32, layout=ROW) * scale
-        return gc, q_scale, k_scale
+        return q_scale, k_scale
 
     @gluon.jit
     def _decayed_dp(dp, gc, start, count, MMA: gl.constexpr):
@@ -298,19 +310,10 @@ if gluon is not None:
         return dq, dk, dw, dgl
 
     @gluon.jit
-    def _consumer(tiles, rest, L2NORM: gl.constexpr, NK: gl.constexpr, FIRST: gl.constexpr, STEP: gl.constexpr):
-        """Items p + FIRST P, p + (FIRST + STEP) P, .. (p the program, P programs) in stage FIRST: products, tail,
-        stores. The next item's tiles go out as soon as this one's last reader is done with them: do, v_new and dh after
-        the first products, dv_new and h after dw's, q and k after dgc; this item's row inputs and the next one's first token are loaded before the wait on the
-        stage, under the TMA's latency."""
-        (do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc, do_s, vnew_s, dvnew_s, h_s, dh_s, q_s, k_s,
-         dmet_s, full) = tiles
-        (g_ptr, norms_ptr, chunk_start_ptr, chunk_end_ptr, dq_ptr, dk_ptr, dw_ptr, dgc_ptr, dgl_ptr, scale, num_items,
-         H, zero) = rest
-        C: gl.constexpr = do_s.shape[1]
-        KH: gl.constexpr = q_s.shape[2]
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KH, 16])
-        bar = full.index(FIRST)
+    def _first_loads(tiles, chunk_start_ptr, num_items, H, FIRST: gl.constexpr, STEP: gl.constexpr):
+        """(stage FIRST's full barrier, the item stride, the first item) of a consumer, its first item's tiles
+        loading."""
+        bar = tiles[-1].index(FIRST)
         stride = STEP * gl.num_programs(0)
         first = gl.program_id(0) + FIRST * gl.num_programs(0)
         if first < num_items:
@@ -318,6 +321,23 @@ if gluon is not None:
             _load_products(tiles, FIRST, bar, first, first_start, H)
             _load_dw(tiles, FIRST, bar, first, first_start, H)
             _load_keys(tiles, FIRST, bar, first, first_start, H)
+        return bar, stride, first
+
+    @gluon.jit
+    def _consumer(tiles, dmet_s, rest, L2NORM: gl.constexpr, NK: gl.constexpr, FIRST: gl.constexpr,
+                  STEP: gl.constexpr):
+        """Items p + FIRST P, p + (FIRST + STEP) P, .. (p the program, P programs) in stage FIRST: products, tail,
+        stores. The next item's tiles go out as soon as this one's last reader is done with them: do, v_new and dh after
+        the first products, dv_new and h after dw's, q and k after dgc; this item's row inputs and the next one's first token are loaded before the wait on the
+        stage, under the TMA's latency."""
+        (do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc, do_s, vnew_s, dvnew_s, h_s, dh_s, q_s, k_s,
+         full) = tiles
+        (g_ptr, norms_ptr, chunk_start_ptr, chunk_end_ptr, dq_ptr, dk_ptr, dw_ptr, dgc_ptr, dgl_ptr, scale, num_items,
+         H, zero) = rest
+        C: gl.constexpr = do_s.shape[1]
+        KH: gl.constexpr = q_s.shape[2]
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KH, 16])
+        bar, stride, first = _first_loads(tiles, chunk_start_ptr, num_items, H, FIRST, STEP)
         phase = 0
         for item in range(first, num_items, stride):
             # the stage's index changing with the item as far as the compiler knows (`zero` is 0): with a constant
@@ -368,6 +388,21 @@ if gluon is not None:
         blocks). The descriptors view do, v_new, dv_new as [T, H V], q, k as [T, H K] and h, dh as [NC H K, V];
         `zero` is 0."""
         C: gl.constexpr = do_desc.block_type.shape[0]
+        descs = (do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc)
+        stages = _allocate_stages(descs)
+        dmet_s = gl.allocate_shared_memory(gl.bfloat16, [4, C, C], q_desc.layout)
+        tiles = descs + stages + (_full_barriers(),)
+        rest = (g_ptr, norms_ptr, chunk_start_ptr, chunk_end_ptr, dq_ptr, dk_ptr, dw_ptr, dgc_ptr, dgl_ptr, scale,
+                num_items, H, zero)
+        gl.warp_specialize([(_consumer, (tiles, dmet_s, rest, L2NORM, NK, 0, 2)),
+                            (_consumer, (tiles, dmet_s, rest, L2NORM, NK, 1, 2))], [4], [WORKER_REGS])
+
+    @gluon.jit
+    def _allocate_stages(descs):
+        """The two stages of the tiles the descriptors (do, v_new, dv_new, h, dh, q, k) load, bf16: [2, C, V] for
+        the rows, [2, KH, V] for the states, [2, C, KH] for the keys."""
+        (do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc) = descs
+        C: gl.constexpr = do_desc.block_type.shape[0]
         V: gl.constexpr = do_desc.block_type.shape[1]
         KH: gl.constexpr = q_desc.block_type.shape[1]
         do_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, V], do_desc.layout)
@@ -377,18 +412,17 @@ if gluon is not None:
         dh_s = gl.allocate_shared_memory(gl.bfloat16, [2, KH, V], dh_desc.layout)
         q_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, KH], q_desc.layout)
         k_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, KH], k_desc.layout)
-        dmet_s = gl.allocate_shared_memory(gl.bfloat16, [4, C, C], q_desc.layout)
+        return do_s, vnew_s, dvnew_s, h_s, dh_s, q_s, k_s
+
+    @gluon.jit
+    def _full_barriers():
+        """The stages' full barriers [2, 1], initialized, visible to the TMA (the async proxy) and to every warp."""
         full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(2):
             mbarrier.init(full.index(s), count=1)
         fence_async_shared()
         _barrier()
-        tiles = (do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc, do_s, vnew_s, dvnew_s, h_s, dh_s,
-                 q_s, k_s, dmet_s, full)
-        rest = (g_ptr, norms_ptr, chunk_start_ptr, chunk_end_ptr, dq_ptr, dk_ptr, dw_ptr, dgc_ptr, dgl_ptr, scale,
-                num_items, H, zero)
-        gl.warp_specialize([(_consumer, (tiles, rest, L2NORM, NK, 0, 2)), (_consumer, (tiles, rest, L2NORM, NK, 1, 2))],
-                           [4], [WORKER_REGS])
+        return full
 
 
 def _rows_desc(x_THD: torch.Tensor, cols: int) -> "TensorDescriptor":
