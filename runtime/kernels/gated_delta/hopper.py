@@ -424,6 +424,157 @@ if gluon is not None:
         _barrier()
         return full
 
+    @gluon.jit
+    def _channel_decay(g_ptr, gcs_ptr, start, count, head, col0, H, K: gl.constexpr, C: gl.constexpr,
+                       KH: gl.constexpr, MMA: gl.constexpr):
+        """(gc [C, KH] in MMA, its last row gc_last [KH] in MMA's column slice) fp32 of the item's keys col0..: the
+        in-chunk cumulative sum down the rows of the per-channel log decay g [T, H, K], 0 past the chunk's end as the
+        Triton kernel's masked loads give (gc_last is the chunk's last row's); gc goes into gcs [T, H, K] from the
+        scan's layout. The scan runs along a warp's lanes (rows), each thread holding 16 neighbouring columns of two
+        rows: one 32-byte load a row, no shared memory in the scan."""
+        SCAN: gl.constexpr = gl.BlockedLayout([1, KH // gl.num_warps()], [32, 1], [1, gl.num_warps()], [1, 0])
+        rows = gl.arange(0, C, layout=gl.SliceLayout(1, SCAN))
+        cols = gl.arange(0, KH, layout=gl.SliceLayout(0, SCAN))
+        at = g_ptr + ((start + rows).to(gl.int64) * H + head) * K + col0
+        g = gl.load(at[:, None] + cols[None, :], mask=(rows < count)[:, None], other=0.0)
+        gc = gl.associative_scan(g.to(gl.float32), 0, _add)
+        _store_rows(gcs_ptr, gc, start, count, head, col0, H, K, SCAN)
+        last = gl.sum(gl.where((rows == C - 1)[:, None], gc, 0.0), 0)
+        return gl.convert_layout(gc, MMA), gl.convert_layout(last, gl.SliceLayout(0, MMA))
+
+    # triton 3.6 calls it _reinterpret, 3.7 and later reinterpret
+    if hasattr(gl.shared_memory_descriptor, "reinterpret"):
+        @gluon.jit
+        def _row_halves(x_s):
+            """The [N, R, D] tiles x_s as [2 N, R / 2, D]: tile i's first and second half of the rows at 2 i, 2 i + 1
+            (the same bytes: R / 2 rows are whole periods of the NVMMA swizzle)."""
+            return x_s.reinterpret(x_s.dtype, [2 * x_s.shape[0], x_s.shape[1] // 2, x_s.shape[2]], x_s.layout)
+    else:
+        @gluon.jit
+        def _row_halves(x_s):
+            """The [N, R, D] tiles x_s as [2 N, R / 2, D]: tile i's first and second half of the rows at 2 i, 2 i + 1
+            (the same bytes: R / 2 rows are whole periods of the NVMMA swizzle)."""
+            return x_s._reinterpret(x_s.dtype, [2 * x_s.shape[0], x_s.shape[1] // 2, x_s.shape[2]], x_s.layout)
+
+    @gluon.jit
+    def _channel_products(do, vnew, vnew_half, h, dh, MMA: gl.constexpr, DP: gl.constexpr):
+        """(dqg, dkbar [C, KH], dP's columns of the item's half of v_new's rows vnew_half [C, C / 2] in DP, dlam [KH]
+        in MMA's column slice) of one stage: the three MMAs in flight while dlam = sum over V of h dh is summed from
+        shared memory. The two key halves of a chunk and head compute a half of dP's columns each: the same work in
+        both, whatever halves a program's items fall on."""
+        C: gl.constexpr = do.shape[0]
+        KH: gl.constexpr = h.shape[0]
+        zero = gl.zeros([C, KH], gl.float32, layout=MMA)
+        dqg = warpgroup_mma(do, h.permute((1, 0)), zero, use_acc=False, is_async=True)
+        dkbar = warpgroup_mma(vnew, dh.permute((1, 0)), zero, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do, vnew_half.permute((1, 0)), gl.zeros([C, C // 2], gl.float32, layout=DP),
+                           use_acc=False, is_async=True)
+        dlam = _row_dot_vector(h, dh, gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))
+        dqg, dkbar, dp = warpgroup_mma_wait(num_outstanding=0, deps=(dqg, dkbar, dp))
+        return dqg, dkbar, dp, gl.convert_layout(dlam, gl.SliceLayout(0, MMA))
+
+    @gluon.jit
+    def _store_dp(dpdiag_ptr, dpfull_ptr, dp, start, count, head, col0, H, S: gl.constexpr, DP: gl.constexpr):
+        """dP's columns col0.. [C, C / 2] of the chunk on the causal pattern (0 above the diagonal) into dpfull rows
+        [T, H, C] and their part of the S x S diagonal blocks into dpdiag rows [T, H, S], fp32, the chunk's rows
+        only. The pattern compares token indices: a mask that did not change from item to item would be hoisted out
+        of the loop into registers."""
+        C: gl.constexpr = dp.shape[0]
+        rows = gl.arange(0, C, layout=gl.SliceLayout(1, DP))
+        cols = col0 + gl.arange(0, dp.shape[1], layout=gl.SliceLayout(0, DP))
+        dp = gl.where((start + rows)[:, None] >= (start + cols)[None, :], dp, 0.0)
+        _store_rows(dpfull_ptr, dp, start, count, head, col0, H, C, DP)
+        diag = ((rows // S)[:, None] == (cols // S)[None, :]) & (rows < count)[:, None]
+        at = dpdiag_ptr + ((start + rows).to(gl.int64) * H + head) * S
+        gl.store(at[:, None] + (cols % S)[None, :], dp, mask=diag)
+
+    @gluon.jit
+    def _channel_tail(dqg, dkbar, dlam, gc, gc_last, k_s, dvnew_s, h_s, k_scale, count, MMA: gl.constexpr):
+        """(dq, dk, dw without its sign, dgl [KH]) of a per-channel item (backward.state_grad_kernel's tail, no
+        decayed Gram products: gram_grad_kernel's): dq = dqg e^gc, dk = dkbar e^(gc_last - gc), 0 past the chunk's
+        end (TMA read the next chunk's rows there), dgl = sum over rows of k dk + e^gc_last dlam; then dw's
+        product."""
+        C: gl.constexpr = dqg.shape[0]
+        rows = gl.arange(0, C, layout=gl.SliceLayout(1, MMA))
+        dq = dqg * gl.exp(gc)
+        dk = gl.where((rows < count)[:, None], dkbar * gl.exp(gc_last[None, :] - gc), 0.0)
+        dgl = gl.sum(_scaled(k_s, k_scale, MMA) * dk, 0) + gl.exp(gc_last) * dlam
+        dw = warpgroup_mma(dvnew_s, h_s.permute((1, 0)), gl.zeros(dqg.shape, gl.float32, layout=MMA), use_acc=False)
+        return dq, dk, dw, dgl
+
+    @gluon.jit
+    def _channel_consumer(tiles, rest, L2NORM: gl.constexpr, S: gl.constexpr, FIRST: gl.constexpr,
+                          STEP: gl.constexpr):
+        """_consumer's walk for the per-channel decay: items p + FIRST P, p + (FIRST + STEP) P, .. in stage FIRST,
+        the next item's tiles loading in the same three parts after their last readers; the decay's scan and the
+        row scales before the wait on the stage, under the TMA's latency."""
+        (do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc, do_s, vnew_s, dvnew_s, h_s, dh_s, q_s, k_s,
+         full) = tiles
+        (g_ptr, norms_ptr, chunk_start_ptr, chunk_end_ptr, dq_ptr, dk_ptr, dw_ptr, dgc_ptr, dgl_ptr, dpdiag_ptr,
+         dpfull_ptr, gcs_ptr, scale, num_items, H, zero) = rest
+        C: gl.constexpr = do_s.shape[1]
+        KH: gl.constexpr = q_s.shape[2]
+        K: gl.constexpr = 2 * KH
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KH, 16])
+        DP: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C // 2, 16])
+        ROW: gl.constexpr = gl.SliceLayout(1, MMA)
+        bar, stride, first = _first_loads(tiles, chunk_start_ptr, num_items, H, FIRST, STEP)
+        vnew_halves = _row_halves(vnew_s)
+        phase = 0
+        for item in range(first, num_items, stride):
+            # a stage index the compiler cannot fold (`zero` is 0): see _consumer
+            s = FIRST + item * zero
+            chunk, head, half = _item(item, H)
+            start = gl.load(chunk_start_ptr + chunk)
+            count = gl.load(chunk_end_ptr + chunk) - start
+            more = item + stride < num_items
+            next_start = gl.load(chunk_start_ptr + _item(item + stride, H)[0], mask=more, other=0)
+            col0 = half * KH
+            rows = gl.arange(0, C, layout=ROW)
+            q_scale, k_scale = _row_scales(norms_ptr, (start + rows).to(gl.int64) * H + head, rows < count, scale, C,
+                                           L2NORM, ROW)
+            gc, gc_last = _channel_decay(g_ptr, gcs_ptr, start, count, head, col0, H, K, C, KH, MMA)
+            mbarrier.wait(bar, phase)
+            phase ^= 1
+            dqg, dkbar, dp, dlam = _channel_products(do_s.index(s), vnew_s.index(s), vnew_halves.index(2 * s + half),
+                                                     h_s.index(s), dh_s.index(s), MMA, DP)
+            _released()
+            if more:
+                _load_products(tiles, s, bar, item + stride, next_start, H)
+            _store_dp(dpdiag_ptr, dpfull_ptr, dp, start, count, head, half * (C // 2), H, S, DP)
+            dq, dk, dw, dgl = _channel_tail(dqg, dkbar, dlam, gc, gc_last, k_s.index(s), dvnew_s.index(s),
+                                            h_s.index(s), k_scale, count, MMA)
+            _released()
+            if more:
+                _load_dw(tiles, s, bar, item + stride, next_start, H)
+            # dw out first: its registers are free before q and k come in for dgc
+            _store_rows(dw_ptr, -dw, start, count, head, col0, H, K, MMA)
+            dgc = _scaled(q_s.index(s), q_scale, MMA) * dq - _scaled(k_s.index(s), k_scale, MMA) * dk
+            _released()
+            if more:
+                _load_keys(tiles, s, bar, item + stride, next_start, H)
+            _store_rows(dq_ptr, dq, start, count, head, col0, H, K, MMA)
+            _store_rows(dk_ptr, dk, start, count, head, col0, H, K, MMA)
+            _store_rows(dgc_ptr, dgc, start, count, head, col0, H, K, MMA)
+            cols = gl.arange(0, KH, layout=gl.SliceLayout(0, MMA))
+            gl.store(dgl_ptr + (chunk.to(gl.int64) * H + head) * K + col0 + cols, dgl)
+
+    @gluon.jit
+    def channel_state_grad_kernel(do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc, g_ptr, norms_ptr,
+                                  chunk_start_ptr, chunk_end_ptr, dq_ptr, dk_ptr, dw_ptr, dgc_ptr, dgl_ptr,
+                                  dpdiag_ptr, dpfull_ptr, gcs_ptr, scale, num_items, H, zero, L2NORM: gl.constexpr,
+                                  S: gl.constexpr, WORKER_REGS: gl.constexpr, num_warps: gl.constexpr):
+        """backward.state_grad_kernel's outputs for the per-channel decay (KDA) over the same items and stages as
+        state_grad_kernel: dq, dk, dw (bf16 [T, H, K]), dgc and gc (fp32 [T, H, K] into dgc and gcs), dgc_last
+        (fp32 [NC, H, K]), dP on the causal pattern (fp32 rows [T, H, C] into dpfull, its S x S diagonal blocks rows
+        [T, H, S] into dpdiag); g is the log decay [T, H, K], the descriptors as state_grad_kernel's."""
+        descs = (do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc)
+        tiles = descs + _allocate_stages(descs) + (_full_barriers(),)
+        rest = (g_ptr, norms_ptr, chunk_start_ptr, chunk_end_ptr, dq_ptr, dk_ptr, dw_ptr, dgc_ptr, dgl_ptr, dpdiag_ptr,
+                dpfull_ptr, gcs_ptr, scale, num_items, H, zero)
+        gl.warp_specialize([(_channel_consumer, (tiles, rest, L2NORM, S, 0, 2)),
+                            (_channel_consumer, (tiles, rest, L2NORM, S, 1, 2))], [4], [WORKER_REGS])
+
 
 def _rows_desc(x_THD: torch.Tensor, cols: int) -> "TensorDescriptor":
     """[C, cols] blocks of a packed [T, H, D] tensor viewed as [T, H D]."""
