@@ -49,8 +49,8 @@ def outputs_and_grads(fn, x, dtype, **kw):
     leaves = {n: t.to(dtype).detach().requires_grad_() for n, t in x.items()}
     o, s = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], initial_state_BHKV=leaves["h0"], **kw)
     gen = torch.Generator().manual_seed(7)
-    loss = (o * torch.randn(o.shape, generator=gen).to(o.dtype)).sum()
-    loss = loss + (s * torch.randn(s.shape, generator=gen).to(s.dtype)).sum()
+    loss = (o * torch.randn(o.shape, generator=gen).to(o.device, o.dtype)).sum()
+    loss = loss + (s * torch.randn(s.shape, generator=gen).to(s.device, s.dtype)).sum()
     loss.backward()
     return [o, s] + [leaves[n].grad for n in ("q", "k", "v", "g", "beta", "h0")]
 

@@ -1,8 +1,9 @@
-"""GDN's state_grad step alone: its inputs at a given shape (from the forward and backward scans of random bf16
-inputs) and its outputs from the Triton kernel or the Gluon one (runtime/kernels/gated_delta/hopper.py) in
-NaN-filled scratch, for test_kernel_gated_delta_hopper.py and device probes (a helper module, not a test file).
+"""The state_grad step alone, GDN's or KDA's: its inputs at a given shape (from the forward and backward scans of
+random bf16 inputs) and its outputs from the Triton kernel or the Gluon one (runtime/kernels/gated_delta/hopper.py)
+in NaN-filled scratch, for test_kernel_gated_delta_hopper.py and device probes (a helper module, not a test file).
 
-Shape legend: T packed tokens, H heads, K key dim, V value dim, N sequences, NC chunks, NK state_grad's key blocks.
+Shape legend: T packed tokens, H heads, K key dim, V value dim, N sequences, NC chunks, NK state_grad's key blocks,
+C chunk size, S sub-chunk size.
 """
 from __future__ import annotations
 
@@ -14,14 +15,17 @@ from runtime.kernels import buffers
 from runtime.kernels.gated_delta import function, hopper
 from tests.kernels.gated_delta_cases import make_inputs
 
-# what state_grad writes: dq, dk, dw [T, H, K] bf16, dgc [T, H, NK + 1] (its NK slots) and dgl [NC, H, NK] fp32
-OUTPUTS = ("dq", "dk", "dw", "dgc", "dgl")
+# what state_grad writes by kind: dq, dk, dw [T, H, K] bf16; GDN dgc [T, H, NK + 1] (its NK slots) and dgl
+# [NC, H, NK] fp32; KDA dgc, gcs [T, H, K], dgl [NC, H, K], dpfull [T, H, C], dpdiag [T, H, S] fp32
+OUTPUTS = {"gdn": ("dq", "dk", "dw", "dgc", "dgl"), "kda": ("dq", "dk", "dw", "dgc", "dgl", "dpdiag", "dpfull", "gcs")}
 
 
 def state_grad_problem(lengths: list[int], H: int, l2norm: bool = True, K: int = 128, V: int = 128, seed: int = 0,
-                       device: str = "cuda") -> dict:
-    """state_grad's inputs for N packed sequences of the given lengths: the arguments of function._state_grad."""
-    x = make_inputs("gdn", T=sum(lengths), H=H, K=K, V=V, num_states=len(lengths), seed=seed)
+                       device: str = "cuda", kind: str = "gdn") -> dict:
+    """state_grad's inputs for N packed sequences of the given lengths: the arguments of function._state_grad; kind
+    "gdn" (g [T, H]) or "kda" (per-channel g [T, H, K])."""
+    per_channel = kind == "kda"
+    x = make_inputs(kind, T=sum(lengths), H=H, K=K, V=V, num_states=len(lengths), seed=seed)
     if not l2norm:
         # unit rows on average: the delta rule's state stays bounded (beta |k|^2 < 2) without the l2norm
         x["q"], x["k"] = x["q"] * K**-0.5, x["k"] * K**-0.5
@@ -31,12 +35,12 @@ def state_grad_problem(lengths: list[int], H: int, l2norm: bool = True, K: int =
     layout = function.ChunkLayout(cu_seqlens, function.CHUNK_SIZE)
     storage = function.Storage.of(torch.bfloat16)
     scale = K**-0.5
-    prep = function._prep(q, k, v, g, beta, layout, scale, False, l2norm, True, storage)
-    h, v_new, _, _ = function._scan(prep, q, k, h0, layout, False, torch.bfloat16, storage, True)
+    prep = function._prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, True, storage)
+    h, v_new, _, _ = function._scan(prep, q, k, h0, layout, per_channel, torch.bfloat16, storage, True)
     do = torch.randn(v.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device, torch.bfloat16)
-    dh, dv_new, _ = function._scan_bwd(prep, q, k, do, None, layout, False, False, storage)
+    dh, dv_new, _ = function._scan_bwd(prep, q, k, do, None, layout, per_channel, False, storage)
     return dict(q=q, k=k, g=g, h=h, dh=dh, v_new=v_new, dv_new=dv_new, do=do, layout=layout, scale=scale,
-                per_channel=False, l2norm=l2norm, norms=prep["norms"], storage=storage)
+                per_channel=per_channel, l2norm=l2norm, norms=prep["norms"], storage=storage, kind=kind)
 
 
 @contextlib.contextmanager
@@ -58,7 +62,8 @@ def state_grad_scratch(problem: dict, nan: bool = True) -> dict:
     saved = buffers.empty
     buffers.empty = buffers.nan_empty if nan else saved
     try:
-        return function._grad_scratch(problem["q"], problem["layout"], False, key_blocks, problem["storage"])
+        return function._grad_scratch(problem["q"], problem["layout"], problem["per_channel"], key_blocks,
+                                      problem["storage"])
     finally:
         buffers.empty = saved
 
@@ -72,11 +77,13 @@ def run_state_grad(problem: dict, scratch: dict, gluon: bool) -> None:
 
 
 def state_grad_outputs(problem: dict, gluon: bool) -> dict:
-    """OUTPUTS as written into fresh NaN-filled scratch (dgc without its last slot, which state_grad leaves)."""
+    """The problem kind's OUTPUTS as written into fresh NaN-filled scratch (GDN's dgc without its last slot, which
+    state_grad leaves)."""
     scratch = state_grad_scratch(problem)
     run_state_grad(problem, scratch, gluon)
-    out = {name: scratch[name] for name in OUTPUTS}
-    out["dgc"] = out["dgc"][..., :-1]
+    out = {name: scratch[name] for name in OUTPUTS[problem["kind"]]}
+    if not problem["per_channel"]:
+        out["dgc"] = out["dgc"][..., :-1]
     return out
 
 

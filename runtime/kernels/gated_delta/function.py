@@ -276,17 +276,18 @@ def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale
 
 
 def _state_grad(q, k, g, h, dh, v_new, dv_new, do, layout, scale, per_channel, l2norm, norms, s, storage):
-    """backward.state_grad_kernel into the scratch s (_grad_scratch's), or on Hopper its Gluon twin
-    (hopper.state_grad) where the shapes fit and it compiles."""
+    """backward.state_grad_kernel into the scratch s (_grad_scratch's), or on Hopper its Gluon twin (GDN's or
+    KDA's, hopper.state_grad) where the shapes fit and it compiles."""
     num_heads, key_dim, value_dim = q.shape[1], q.shape[2], v_new.shape[-1]
     key_block = min(STATE_GRAD_KEY_BLOCK, key_dim)
     bounds = (layout.chunk_start, layout.chunk_end)
-    scratch = (s["dq"], s["dk"], s["dw"], s["dgc"], s["dgl"])
+    scratch = (s["dq"], s["dk"], s["dw"], s["dgc"], s["dgl"], s["dpdiag"], s["dpfull"], s["gcs"])
     if (hopper.use_state_grad(q, h, CHUNK_SIZE, key_block, per_channel)
-            and hopper.state_grad(q, k, g, h, dh, v_new, dv_new, do, *bounds, norms, *scratch, scale, l2norm)):
+            and hopper.state_grad(q, k, g, h, dh, v_new, dv_new, do, *bounds, norms, *scratch, scale, l2norm,
+                                  per_channel)):
         return
     fast(backward.state_grad_kernel)[(layout.num_chunks * (key_dim // key_block), num_heads)](
-        q, k, g, h, dh, v_new, dv_new, do, *bounds, norms, *scratch, s["dpdiag"], s["dpfull"], s["gcs"], scale,
+        q, k, g, h, dh, v_new, dv_new, do, *bounds, norms, *scratch, scale,
         H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE, S=SUB_CHUNK, BK=key_block, BV=min(VALUE_BLOCK, value_dim),
         PER_CHANNEL=per_channel, L2NORM=l2norm, PREC=DOT_PRECISION, DOTS=storage.dots, num_warps=GRAD_WARPS,
         num_stages=GRAD_STAGES, maxnreg=STATE_GRAD_REGISTERS[per_channel])

@@ -1,5 +1,6 @@
-"""GDN's state_grad_kernel (backward.py, scalar decay) in Gluon for Hopper (sm_90): the same inputs, the same outputs
-into the same buffers, run in its place where `use_state_grad` says the shapes allow.
+"""backward.state_grad_kernel in Gluon for Hopper (sm_90), GDN's (scalar decay, state_grad_kernel) and KDA's
+(per-channel decay, channel_state_grad_kernel): the same inputs, the same outputs into the same buffers, run in its
+place where `use_state_grad` says the shapes allow.
 
 Why Gluon: the Triton kernel (a program per chunk, key block of 32 and head; 168 registers, three 4-warp programs an
 SM) is latency-bound: each program waits on its own loads, then computes, and no program an SM keeps enough bytes in
@@ -26,6 +27,16 @@ parts hi + lo (~16 bits, finer than tf32's 11): two products each instead of one
 A single bf16 dme would add ~2e-3 relative RMS to the partial dq and dk (a CPU model of this kernel against the
 Triton kernel: 1.4e-3 and 2.7e-3; with hi + lo 7e-5 and 9e-5). The other products take bf16 operands as the Triton
 kernel's (DOTS "bf16").
+
+KDA's kernel walks the same items in the same stages with the same three-part loads; its tail has no dme products
+(gram_grad_kernel takes the decayed Gram backward), so no dme tiles in shared memory. Its decay g [C, KH] is loaded
+with gl.load and scanned down the rows (a warp's lanes) before the wait on the stage, gc stored from there; dq =
+dqg e^gc, dk = dkbar e^(gc_last - gc), dgc = q dq - k dk and dgc_last = sum over rows of k dk + e^gc_last dlam
+are per key. dP (do v_new^T, masked causal, fp32) goes to gram_grad_kernel (dpfull, its S x S diagonal blocks
+dpdiag): each key half of a chunk and head computes and stores half of its columns (a [C, C / 2] product on its
+half of v_new's rows), so that both halves do the same work; computing it in one half only would give programs
+whose items all fall on that half (an even number of programs and two warpgroups: item parity fixed per program)
+all of it.
 
 Rows past a chunk's end: TMA reads them (the next chunk's tokens, or zeros past T); the tail zeroes dP's and dk's
 rows there (what the Triton kernel gets from its masked loads) and the stores skip them.
@@ -77,10 +88,11 @@ def _num_sms(device_index: int) -> int:
 
 
 def state_grad_fits(K: int, V: int, C: int, key_block: int, dtype: torch.dtype, per_channel: bool) -> bool:
-    """Whether the kernel's tiles take these shapes: GDN (scalar decay), bf16 storage, K = V = 128, C = 64, and the
-    Triton kernel's key blocks (the slots of dgc and dgl) the halves of an item's 64 keys."""
-    return (not per_channel and dtype == torch.bfloat16 and K == KEY_DIM and V == VALUE_DIM and C == CHUNK
-            and 2 * key_block == KEYS_PER_ITEM)
+    """Whether the kernels' tiles take these shapes: bf16 storage, K = V = 128, C = 64, and for GDN the Triton
+    kernel's key blocks (the slots of dgc and dgl) the halves of an item's 64 keys (KDA's dgc and dgl are per key,
+    no slots)."""
+    return (dtype == torch.bfloat16 and K == KEY_DIM and V == VALUE_DIM and C == CHUNK
+            and (per_channel or 2 * key_block == KEYS_PER_ITEM))
 
 
 def use_state_grad(q_THK: torch.Tensor, h: torch.Tensor, C: int, key_block: int, per_channel: bool) -> bool:
@@ -604,24 +616,29 @@ def _compiles(name: str, launch) -> bool:
             raise
         _failed.add(name)
         last_line = (str(error).strip().splitlines() or [""])[-1][:200]
-        warnings.warn(f"the Gluon GDN {name} kernel does not compile with triton {triton.__version__} "
+        warnings.warn(f"the Gluon {name} kernel does not compile with triton {triton.__version__} "
                       f"({type(error).__name__}: {last_line}); the Triton kernel runs instead", stacklevel=3)
         return False
     return True
 
 
-def state_grad(q, k, g, h, dh, v_new, dv_new, do, chunk_start, chunk_end, norms, dq, dk, dw, dgc, dgl, scale,
-               l2norm: bool) -> bool:
-    """backward.state_grad_kernel's outputs for GDN (use_state_grad must hold): q, k [T, H, K], v_new, dv_new, do
-    [T, H, V], h, dh [NC, H, K, V], all bf16; g [T, H]; norms [T, H, 2] fp32 or None (no l2norm); writes dq, dk, dw
-    [T, H, K] bf16, dgc [T, H, NK + 1] and dgl [NC, H, NK] fp32 (NK = K / 32), or returns False where the kernel
-    does not compile here (nothing written). Launched through kernel[grid], not launch.fast: host descriptors are
-    not keys fast() can hash."""
+def state_grad(q, k, g, h, dh, v_new, dv_new, do, chunk_start, chunk_end, norms, dq, dk, dw, dgc, dgl, dpdiag, dpfull,
+               gcs, scale, l2norm: bool, per_channel: bool) -> bool:
+    """backward.state_grad_kernel's outputs (use_state_grad must hold): q, k [T, H, K], v_new, dv_new, do [T, H, V],
+    h, dh [NC, H, K, V], all bf16; norms [T, H, 2] fp32 or None (no l2norm); writes dq, dk, dw [T, H, K] bf16, and
+    GDN (g [T, H]): dgc [T, H, NK + 1] and dgl [NC, H, NK] fp32 (NK = K / 32); KDA (per_channel, g [T, H, K]): dgc,
+    gcs [T, H, K], dgl [NC, H, K], dpfull [T, H, C], dpdiag [T, H, S] fp32 (GDN's are None). Returns False where
+    the kernel does not compile here (nothing written). Launched through kernel[grid], not launch.fast: host
+    descriptors are not keys fast() can hash."""
     num_chunks, H, K, V = h.shape
     num_items = num_chunks * H * (K // KEYS_PER_ITEM)
     grid = (min(num_items, _num_sms(q.device.index or 0)),)
     descs = [_rows_desc(t, V) for t in (do, v_new, dv_new)] + [_state_desc(t) for t in (h, dh)]
     descs += [_rows_desc(t, KEYS_PER_ITEM) for t in (q, k)]
-    return _compiles("state_grad", lambda: state_grad_kernel[grid](
+    if per_channel:
+        return _compiles("KDA state_grad", lambda: channel_state_grad_kernel[grid](
+            *descs, g, norms, chunk_start, chunk_end, dq, dk, dw, dgc, dgl, dpdiag, dpfull, gcs, scale, num_items, H,
+            0, L2NORM=l2norm, S=dpdiag.shape[-1], WORKER_REGS=WORKER_REGS, num_warps=4))
+    return _compiles("GDN state_grad", lambda: state_grad_kernel[grid](
         *descs, g, norms, chunk_start, chunk_end, dq, dk, dw, dgc, dgl, scale, num_items, H, 0, L2NORM=l2norm,
         NK=dgl.shape[-1], WORKER_REGS=WORKER_REGS, num_warps=4))
