@@ -454,35 +454,27 @@ if gluon is not None:
         last = gl.sum(gl.where((rows == C - 1)[:, None], gc, 0.0), 0)
         return gl.convert_layout(gc, MMA), gl.convert_layout(last, gl.SliceLayout(0, MMA))
 
-    # triton 3.6 calls it _reinterpret, 3.7 and later reinterpret
-    if hasattr(gl.shared_memory_descriptor, "reinterpret"):
-        @gluon.jit
-        def _row_halves(x_s):
-            """The [N, R, D] tiles x_s as [2 N, R / 2, D]: tile i's first and second half of the rows at 2 i, 2 i + 1
-            (the same bytes: R / 2 rows are whole periods of the NVMMA swizzle)."""
-            return x_s.reinterpret(x_s.dtype, [2 * x_s.shape[0], x_s.shape[1] // 2, x_s.shape[2]], x_s.layout)
-    else:
-        @gluon.jit
-        def _row_halves(x_s):
-            """The [N, R, D] tiles x_s as [2 N, R / 2, D]: tile i's first and second half of the rows at 2 i, 2 i + 1
-            (the same bytes: R / 2 rows are whole periods of the NVMMA swizzle)."""
-            return x_s._reinterpret(x_s.dtype, [2 * x_s.shape[0], x_s.shape[1] // 2, x_s.shape[2]], x_s.layout)
-
     @gluon.jit
-    def _channel_products(do, vnew, vnew_half, h, dh, MMA: gl.constexpr, DP: gl.constexpr):
-        """(dqg, dkbar [C, KH], dP's columns of the item's half of v_new's rows vnew_half [C, C / 2] in DP, dlam [KH]
-        in MMA's column slice) of one stage: the three MMAs in flight while dlam = sum over V of h dh is summed from
-        shared memory. The two key halves of a chunk and head compute a half of dP's columns each: the same work in
-        both, whatever halves a program's items fall on."""
+    def _channel_products(do, vnew, h, dh, half, MMA: gl.constexpr, DP: gl.constexpr):
+        """(dqg, dkbar [C, KH], dP's columns of key half `half` [C, C / 2] in DP, dlam [KH] in MMA's column slice) of
+        one stage: dqg's and dkbar's MMAs in flight while dlam = sum over V of h dh is summed from shared memory, then
+        dP's on the half's rows of v_new. The two key halves of a chunk and head compute a half of dP's columns each:
+        the same work in both, whatever halves a program's items fall on. The rows are picked by a branch, not by a
+        view at a run-time offset: a tile's 64-column blocks are its outermost in shared memory (the NVMMA swizzle),
+        so its half of the rows is not one contiguous block."""
         C: gl.constexpr = do.shape[0]
         KH: gl.constexpr = h.shape[0]
         zero = gl.zeros([C, KH], gl.float32, layout=MMA)
         dqg = warpgroup_mma(do, h.permute((1, 0)), zero, use_acc=False, is_async=True)
         dkbar = warpgroup_mma(vnew, dh.permute((1, 0)), zero, use_acc=False, is_async=True)
-        dp = warpgroup_mma(do, vnew_half.permute((1, 0)), gl.zeros([C, C // 2], gl.float32, layout=DP),
-                           use_acc=False, is_async=True)
         dlam = _row_dot_vector(h, dh, gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0]))
-        dqg, dkbar, dp = warpgroup_mma_wait(num_outstanding=0, deps=(dqg, dkbar, dp))
+        dp = gl.zeros([C, C // 2], gl.float32, layout=DP)
+        # each synchronous: waits for dqg's and dkbar's too
+        if half == 0:
+            dp = warpgroup_mma(do, vnew.slice(0, C // 2).permute((1, 0)), dp, use_acc=False)
+        else:
+            dp = warpgroup_mma(do, vnew.slice(C // 2, C // 2).permute((1, 0)), dp, use_acc=False)
+        dqg, dkbar = warpgroup_mma_wait(num_outstanding=0, deps=(dqg, dkbar))
         return dqg, dkbar, dp, gl.convert_layout(dlam, gl.SliceLayout(0, MMA))
 
     @gluon.jit
@@ -531,7 +523,6 @@ if gluon is not None:
         DP: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C // 2, 16])
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)
         bar, stride, first = _first_loads(tiles, chunk_start_ptr, num_items, H, FIRST, STEP)
-        vnew_halves = _row_halves(vnew_s)
         phase = 0
         for item in range(first, num_items, stride):
             # a stage index the compiler cannot fold (`zero` is 0): see _consumer
@@ -548,8 +539,8 @@ if gluon is not None:
             gc, gc_last = _channel_decay(g_ptr, gcs_ptr, start, count, head, col0, H, K, C, KH, MMA)
             mbarrier.wait(bar, phase)
             phase ^= 1
-            dqg, dkbar, dp, dlam = _channel_products(do_s.index(s), vnew_s.index(s), vnew_halves.index(2 * s + half),
-                                                     h_s.index(s), dh_s.index(s), MMA, DP)
+            dqg, dkbar, dp, dlam = _channel_products(do_s.index(s), vnew_s.index(s), h_s.index(s), dh_s.index(s), half,
+                                                     MMA, DP)
             _released()
             if more:
                 _load_products(tiles, s, bar, item + stride, next_start, H)
