@@ -26,13 +26,10 @@ path everywhere else and under TRITON_INTERPRET=1.
 """
 from __future__ import annotations
 
-import functools
-import warnings
 
 import torch
-import triton
-from triton.compiler.errors import CompilationError
 
+from runtime.kernels.gluon_fallback import compiles, is_hopper
 from runtime.kernels.launch import fast, interpreting
 
 try:
@@ -57,18 +54,11 @@ DKV_SLOTS, DKV_COLUMNS, DKV_WARPS = 64, 64, 4
 # Hopper's shared memory a block can hold
 SHARED_BYTES = 227 * 1024
 LOG2E = 1.4426950408889634
-# Gluon kernels that did not compile in this process: the Triton kernels run in their place
-_failed: set[str] = set()
-
-
-@functools.cache
-def _is_hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
 def _on_hopper(*tensors: torch.Tensor) -> bool:
     return (gluon is not None and not interpreting() and all(t.is_cuda for t in tensors)
-            and _is_hopper(tensors[0].device.index or 0))
+            and is_hopper(tensors[0].device.index or 0))
 
 
 def _power_of_two(n: int) -> bool:
@@ -505,33 +495,13 @@ if gluon is not None:
         _add_rows(dkv_ptr, acc_r, rows, valid, V, K, R, ADD)
 
 
-def _compiles(name: str, launch) -> bool:
-    """Runs launch() and returns True, or, where the Gluon kernel does not compile with the installed triton (Gluon
-    is experimental: its calls move between releases), warns once, remembers it and returns False, so that the
-    caller runs its Triton kernel: a moved API costs speed, not the run. Other errors propagate."""
-    if name in _failed:
-        return False
-    try:
-        launch()
-    except (CompilationError, RuntimeError) as error:
-        # MLIR pass failures surface as RuntimeError("PassManager::run failed"); CUDA errors must not be swallowed
-        if not isinstance(error, CompilationError) and "PassManager" not in str(error):
-            raise
-        _failed.add(name)
-        last_line = (str(error).strip().splitlines() or [""])[-1][:200]
-        warnings.warn(f"the Gluon DSA {name} kernel does not compile with triton {triton.__version__} "
-                      f"({type(error).__name__}: {last_line}); the Triton kernel runs instead", stacklevel=3)
-        return False
-    return True
-
-
 def sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale) -> bool:
     """attention.sparse_attention_fwd's kernel (use_forward must hold): writes o_BTHV and lse_BTH, or returns False
     where the kernel does not compile here (nothing written)."""
     B, T, H, K = q_BTHK.shape
     S, V = idx_BTS.shape[-1], o_BTHV.shape[-1]
     # `zero` (0) indexes the consumers' shared-memory views at run time (see _fwd_warpgroup0)
-    return _compiles("forward", lambda: fast(_fwd_kernel)[(B * T * (H // FWD_HEADS),)](
+    return compiles("DSA forward", lambda: fast(_fwd_kernel)[(B * T * (H // FWD_HEADS),)](
         q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, scale * LOG2E, T, H, S, 0, V=V, R=K - V, BH=FWD_HEADS, BS=FWD_KEYS,
         WG1_REGS=FWD_WG1_REGS, PRODUCER_WARPS=FWD_PRODUCER_WARPS, PRODUCER_REGS=forward_producer_regs(V),
         num_warps=4))
@@ -542,6 +512,6 @@ def dkv_pass(q_BTHK, idx_BTS, do_BTHV, p_CHS, ds_CHS, dkv32_BTK, tok0, num_token
     False where the kernel does not compile here (nothing added)."""
     _, T, H, K = q_BTHK.shape
     S, V = idx_BTS.shape[-1], do_BTHV.shape[-1]
-    return _compiles("dkv", lambda: fast(_bwd_dkv_kernel)[(num_tokens * (S // DKV_SLOTS),)](
+    return compiles("DSA dkv", lambda: fast(_bwd_dkv_kernel)[(num_tokens * (S // DKV_SLOTS),)](
         q_BTHK, idx_BTS, do_BTHV, p_CHS, ds_CHS, dkv32_BTK, tok0, T, S, H=H, V=V, R=K - V, BS=DKV_SLOTS,
         BC=DKV_COLUMNS, num_warps=DKV_WARPS))

@@ -51,12 +51,10 @@ Shape legend: T tokens, H heads, K key dim, V value dim, C chunk size, NC chunks
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
-import triton
-from triton.compiler.errors import CompilationError
 
+from runtime.kernels.gluon_fallback import compiles, is_hopper
 from runtime.kernels.launch import interpreting
 
 try:
@@ -74,12 +72,6 @@ CHUNK, KEY_DIM, VALUE_DIM, KEYS_PER_ITEM = 64, 128, 128, 64
 # spills in the loop (triton 3.6)
 WORKER_REGS = 256
 SHARED_BYTES = 227 * 1024
-_failed: set[str] = set()
-
-
-@functools.cache
-def _is_hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
 @functools.cache
@@ -98,7 +90,7 @@ def state_grad_fits(K: int, V: int, C: int, key_block: int, dtype: torch.dtype, 
 def use_state_grad(q_THK: torch.Tensor, h: torch.Tensor, C: int, key_block: int, per_channel: bool) -> bool:
     """A Hopper GPU runs the tensors, this triton has Gluon, and state_grad_fits."""
     return (gluon is not None and not interpreting() and q_THK.is_cuda
-            and _is_hopper(q_THK.device.index or 0) and q_THK.dtype == h.dtype
+            and is_hopper(q_THK.device.index or 0) and q_THK.dtype == h.dtype
             and state_grad_fits(q_THK.shape[-1], h.shape[-1], C, key_block, h.dtype, per_channel))
 
 
@@ -116,6 +108,17 @@ if gluon is not None:
         """(chunk, head, key half) of a work item: the two halves of one chunk and head are neighbours, so that
         neighbouring programs run them together and the second reads do, v_new and dv_new from L2."""
         return item // (2 * H), (item // 2) % H, item % 2
+
+    @gluon.jit
+    def _item_rows(item, stride, num_items, chunk_start_ptr, chunk_end_ptr, H):
+        """(chunk, head, key half, the chunk's first token, its token count, whether the warpgroup has a next item,
+        that item's first token or 0) of a work item."""
+        chunk, head, half = _item(item, H)
+        start = gl.load(chunk_start_ptr + chunk)
+        count = gl.load(chunk_end_ptr + chunk) - start
+        more = item + stride < num_items
+        next_start = gl.load(chunk_start_ptr + _item(item + stride, H)[0], mask=more, other=0)
+        return chunk, head, half, start, count, more, next_start
 
     @gluon.jit
     def _load_products(tiles, stage, bar, item, start, H):
@@ -355,11 +358,8 @@ if gluon is not None:
             # the stage's index changing with the item as far as the compiler knows (`zero` is 0): with a constant
             # one it hoists every MMA descriptor out of the loop and spills them
             s = FIRST + item * zero
-            chunk, head, half = _item(item, H)
-            start = gl.load(chunk_start_ptr + chunk)
-            count = gl.load(chunk_end_ptr + chunk) - start
-            more = item + stride < num_items
-            next_start = gl.load(chunk_start_ptr + _item(item + stride, H)[0], mask=more, other=0)
+            chunk, head, half, start, count, more, next_start = _item_rows(item, stride, num_items, chunk_start_ptr,
+                                                                           chunk_end_ptr, H)
             gc, q_scale, k_scale = _row_inputs(g_ptr, norms_ptr, start, count, head, H, scale, C, L2NORM,
                                                gl.SliceLayout(1, MMA))
             mbarrier.wait(bar, phase)
@@ -527,11 +527,8 @@ if gluon is not None:
         for item in range(first, num_items, stride):
             # a stage index the compiler cannot fold (`zero` is 0): see _consumer
             s = FIRST + item * zero
-            chunk, head, half = _item(item, H)
-            start = gl.load(chunk_start_ptr + chunk)
-            count = gl.load(chunk_end_ptr + chunk) - start
-            more = item + stride < num_items
-            next_start = gl.load(chunk_start_ptr + _item(item + stride, H)[0], mask=more, other=0)
+            chunk, head, half, start, count, more, next_start = _item_rows(item, stride, num_items, chunk_start_ptr,
+                                                                           chunk_end_ptr, H)
             col0 = half * KH
             rows = gl.arange(0, C, layout=ROW)
             q_scale, k_scale = _row_scales(norms_ptr, (start + rows).to(gl.int64) * H + head, rows < count, scale, C,
@@ -593,26 +590,6 @@ def _state_desc(s_NHKV: torch.Tensor) -> "TensorDescriptor":
     return TensorDescriptor(s_NHKV, [s_NHKV.numel() // V, V], [V, 1], [KEYS_PER_ITEM, V], layout)
 
 
-def _compiles(name: str, launch) -> bool:
-    """Runs launch() and returns True, or, where the Gluon kernel does not compile with the installed triton (Gluon
-    is experimental: its calls move between releases), warns once, remembers it and returns False, so that the
-    caller runs the Triton kernel. Other errors propagate."""
-    if name in _failed:
-        return False
-    try:
-        launch()
-    except (CompilationError, RuntimeError) as error:
-        # MLIR pass failures surface as RuntimeError("PassManager::run failed"); CUDA errors must not be swallowed
-        if not isinstance(error, CompilationError) and "PassManager" not in str(error):
-            raise
-        _failed.add(name)
-        last_line = (str(error).strip().splitlines() or [""])[-1][:200]
-        warnings.warn(f"the Gluon {name} kernel does not compile with triton {triton.__version__} "
-                      f"({type(error).__name__}: {last_line}); the Triton kernel runs instead", stacklevel=3)
-        return False
-    return True
-
-
 def state_grad(q, k, g, h, dh, v_new, dv_new, do, chunk_start, chunk_end, norms, dq, dk, dw, dgc, dgl, dpdiag, dpfull,
                gcs, scale, l2norm: bool, per_channel: bool) -> bool:
     """backward.state_grad_kernel's outputs (use_state_grad must hold): q, k [T, H, K], v_new, dv_new, do [T, H, V],
@@ -627,9 +604,9 @@ def state_grad(q, k, g, h, dh, v_new, dv_new, do, chunk_start, chunk_end, norms,
     descs = [_rows_desc(t, V) for t in (do, v_new, dv_new)] + [_state_desc(t) for t in (h, dh)]
     descs += [_rows_desc(t, KEYS_PER_ITEM) for t in (q, k)]
     if per_channel:
-        return _compiles("KDA state_grad", lambda: channel_state_grad_kernel[grid](
+        return compiles("KDA state_grad", lambda: channel_state_grad_kernel[grid](
             *descs, g, norms, chunk_start, chunk_end, dq, dk, dw, dgc, dgl, dpdiag, dpfull, gcs, scale, num_items, H,
             0, L2NORM=l2norm, S=dpdiag.shape[-1], WORKER_REGS=WORKER_REGS, num_warps=4))
-    return _compiles("GDN state_grad", lambda: state_grad_kernel[grid](
+    return compiles("GDN state_grad", lambda: state_grad_kernel[grid](
         *descs, g, norms, chunk_start, chunk_end, dq, dk, dw, dgc, dgl, scale, num_items, H, 0, L2NORM=l2norm,
         NK=dgl.shape[-1], WORKER_REGS=WORKER_REGS, num_warps=4))

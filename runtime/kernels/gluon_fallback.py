@@ -1,0 +1,38 @@
+"""What the Gluon kernels for Hopper (dsa/hopper.py, gated_delta/hopper.py) share: whether a device is Hopper, and
+the fallback to their Triton twins where a Gluon kernel does not compile with the installed triton (Gluon is
+experimental: its calls move between releases, so a moved API costs speed, not the run)."""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+import triton
+from triton.compiler.errors import CompilationError
+
+# the Gluon kernels that did not compile in this process: the Triton kernels run in their place
+FAILED: set[str] = set()
+
+
+@functools.cache
+def is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def compiles(name: str, launch) -> bool:
+    """Runs launch() and returns True, or, where the Gluon kernel `name` does not compile, warns once, remembers it in
+    FAILED and returns False, so that the caller runs its Triton kernel. Other errors propagate."""
+    if name in FAILED:
+        return False
+    try:
+        launch()
+    except (CompilationError, RuntimeError) as error:
+        # MLIR pass failures surface as RuntimeError("PassManager::run failed"); CUDA errors must not be swallowed
+        if not isinstance(error, CompilationError) and "PassManager" not in str(error):
+            raise
+        FAILED.add(name)
+        last_line = (str(error).strip().splitlines() or [""])[-1][:200]
+        warnings.warn(f"the Gluon {name} kernel does not compile with triton {triton.__version__} "
+                      f"({type(error).__name__}: {last_line}); the Triton kernel runs instead", stacklevel=3)
+        return False
+    return True
