@@ -30,7 +30,7 @@ kernel's (DOTS "bf16").
 
 KDA's kernel walks the same items in the same stages with the same three-part loads; its tail has no dme products
 (gram_grad_kernel takes the decayed Gram backward), so no dme tiles in shared memory. Its decay g [C, KH] is loaded
-with gl.load and scanned down the rows (a warp's lanes) before the wait on the stage, gc stored from there; dq =
+with gl.load and scanned down the rows (a warp's lanes) before the wait on the stage, gc stored from MMA's layout; dq =
 dqg e^gc, dk = dkbar e^(gc_last - gc), dgc = q dq - k dk and dgc_last = sum over rows of k dk + e^gc_last dlam
 are per key. dP (do v_new^T, masked causal, fp32) goes to gram_grad_kernel (dpfull, its S x S diagonal blocks
 dpdiag): each key half of a chunk and head computes and stores half of its columns (a [C, C / 2] product on its
@@ -208,6 +208,24 @@ if gluon is not None:
         gl.store(row_ptrs[:, None] + cols[None, :], x.to(ptr.dtype.element_ty), mask=(rows < count)[:, None])
 
     @gluon.jit
+    def _store_rows_through(ptr, x, buf, start, count, head, col0, H, D: gl.constexpr):
+        """_store_rows of x [C, KH] (an accumulator) through the bf16 tile buf in shared memory: from the
+        accumulator's layout a warp's store writes 8 rows x 16 bytes (half of each 32-byte sector), read back a row's
+        8 bf16 a thread, a warp's writes 4 whole rows of 128 bytes. The caller orders buf's earlier readers before."""
+        buf.store(x.to(buf.dtype))
+        _barrier()
+        ROWS: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        _store_rows(ptr, buf.load(ROWS), start, count, head, col0, H, D, ROWS)
+
+    @gluon.jit
+    def _store_rows_converted(ptr, x, start, count, head, col0, H, D: gl.constexpr):
+        """_store_rows of x [C, KH] (an accumulator) into a bf16 tensor by way of convert_layout's shared scratch
+        (its [C, KH] bf16 fits in the per-channel kernel's shared memory, not in GDN's: there _store_rows_through),
+        for the same 128-byte rows a warp's store."""
+        ROWS: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        _store_rows(ptr, gl.convert_layout(x.to(ptr.dtype.element_ty), ROWS), start, count, head, col0, H, D, ROWS)
+
+    @gluon.jit
     def _row_inputs(g_ptr, norms_ptr, start, count, head, H, scale, C: gl.constexpr, L2NORM: gl.constexpr,
                     ROW: gl.constexpr):
         """(gc in-chunk cumulative log decay, q's and k's row scales) of a chunk's rows, fp32 [C] in layout ROW; 0
@@ -375,14 +393,18 @@ if gluon is not None:
             if more:
                 _load_dw(tiles, s, bar, item + stride, next_start, H)
             col0 = half * KH
-            # dw out first: its registers are free before q and k come in for dgc
+            # dw out first: its registers are free before q and k come in for dgc. From the accumulator's layout:
+            # through a shared tile here ptxas spills in the loop without the l2norm (triton 3.6)
             _store_rows(dw_ptr, -dw, start, count, head, col0, H, 2 * KH, MMA)
             dgc = _scaled(q_s.index(s), q_scale, MMA) * dq - _scaled(k_s.index(s), k_scale, MMA) * dk
             _released()
             if more:
                 _load_keys(tiles, s, bar, item + stride, next_start, H)
-            _store_rows(dq_ptr, dq, start, count, head, col0, H, 2 * KH, MMA)
-            _store_rows(dk_ptr, dk, start, count, head, col0, H, 2 * KH, MMA)
+            # dq and dk through dme's two tiles, free after the tail's products (the next item's tail writes them
+            # after its stage's barriers)
+            dmet_hi, dmet_lo = dmet_s.index(2 * s), dmet_s.index(2 * s + 1)
+            _store_rows_through(dq_ptr, dq, dmet_lo, start, count, head, col0, H, 2 * KH)
+            _store_rows_through(dk_ptr, dk, dmet_hi, start, count, head, col0, H, 2 * KH)
             _store_dgc(dgc_ptr, dgc, start, count, head, half, H, NK, MMA)
             at = dgl_ptr + (chunk.to(gl.int64) * H + head) * NK + half * 2
             gl.store(at, dgl[0])
@@ -441,8 +463,8 @@ if gluon is not None:
                        KH: gl.constexpr, MMA: gl.constexpr):
         """(gc [C, KH] in MMA, its last row gc_last [KH] in MMA's column slice) fp32 of the item's keys col0..: the
         in-chunk cumulative sum down the rows of the per-channel log decay g [T, H, K], 0 past the chunk's end as the
-        Triton kernel's masked loads give (gc_last is the chunk's last row's); gc goes into gcs [T, H, K] from the
-        scan's layout. The scan runs along a warp's lanes (rows), each thread holding 16 neighbouring columns of two
+        Triton kernel's masked loads give (gc_last is the chunk's last row's); gc goes into gcs [T, H, K] from MMA's
+        layout. The scan runs along a warp's lanes (rows), each thread holding 16 neighbouring columns of two
         rows: one 32-byte load a row, no shared memory in the scan."""
         SCAN: gl.constexpr = gl.BlockedLayout([1, KH // gl.num_warps()], [32, 1], [1, gl.num_warps()], [1, 0])
         rows = gl.arange(0, C, layout=gl.SliceLayout(1, SCAN))
@@ -450,9 +472,11 @@ if gluon is not None:
         at = g_ptr + ((start + rows).to(gl.int64) * H + head) * K + col0
         g = gl.load(at[:, None] + cols[None, :], mask=(rows < count)[:, None], other=0.0)
         gc = gl.associative_scan(g.to(gl.float32), 0, _add)
-        _store_rows(gcs_ptr, gc, start, count, head, col0, H, K, SCAN)
         last = gl.sum(gl.where((rows == C - 1)[:, None], gc, 0.0), 0)
-        return gl.convert_layout(gc, MMA), gl.convert_layout(last, gl.SliceLayout(0, MMA))
+        gc_mma = gl.convert_layout(gc, MMA)
+        # stored from MMA, a row's 32-byte sector a quad of threads (the scan's layout writes half sectors)
+        _store_rows(gcs_ptr, gc_mma, start, count, head, col0, H, K, MMA)
+        return gc_mma, gl.convert_layout(last, gl.SliceLayout(0, MMA))
 
     @gluon.jit
     def _channel_products(do, vnew, h, dh, half, MMA: gl.constexpr, DP: gl.constexpr):
@@ -548,13 +572,13 @@ if gluon is not None:
             if more:
                 _load_dw(tiles, s, bar, item + stride, next_start, H)
             # dw out first: its registers are free before q and k come in for dgc
-            _store_rows(dw_ptr, -dw, start, count, head, col0, H, K, MMA)
+            _store_rows_converted(dw_ptr, -dw, start, count, head, col0, H, K)
             dgc = _scaled(q_s.index(s), q_scale, MMA) * dq - _scaled(k_s.index(s), k_scale, MMA) * dk
             _released()
             if more:
                 _load_keys(tiles, s, bar, item + stride, next_start, H)
-            _store_rows(dq_ptr, dq, start, count, head, col0, H, K, MMA)
-            _store_rows(dk_ptr, dk, start, count, head, col0, H, K, MMA)
+            _store_rows_converted(dq_ptr, dq, start, count, head, col0, H, K)
+            _store_rows_converted(dk_ptr, dk, start, count, head, col0, H, K)
             _store_rows(dgc_ptr, dgc, start, count, head, col0, H, K, MMA)
             cols = gl.arange(0, KH, layout=gl.SliceLayout(0, MMA))
             gl.store(dgl_ptr + (chunk.to(gl.int64) * H + head) * K + col0 + cols, dgl)
