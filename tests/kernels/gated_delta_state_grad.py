@@ -39,8 +39,10 @@ def state_grad_problem(lengths: list[int], H: int, l2norm: bool = True, K: int =
     h, v_new, _, _ = function._scan(prep, q, k, h0, layout, per_channel, torch.bfloat16, storage, True)
     do = torch.randn(v.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device, torch.bfloat16)
     dh, dv_new, _ = function._scan_bwd(prep, q, k, do, None, layout, per_channel, False, storage)
+    # v, beta and Tinv for wy_grad, the next step (gated_delta_wy_grad.py)
     return dict(q=q, k=k, g=g, h=h, dh=dh, v_new=v_new, dv_new=dv_new, do=do, layout=layout, scale=scale,
-                per_channel=per_channel, l2norm=l2norm, norms=prep["norms"], storage=storage, kind=kind)
+                per_channel=per_channel, l2norm=l2norm, norms=prep["norms"], storage=storage, kind=kind, v=v,
+                beta=beta, tinv=prep["tinv"])
 
 
 @contextlib.contextmanager

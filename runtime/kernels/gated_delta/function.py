@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.kernels import buffers
-from runtime.kernels.gated_delta import backward, diagonal, forward, hopper
+from runtime.kernels.gated_delta import backward, diagonal, forward, hopper, hopper_wy
 from runtime.kernels.launch import fast, interpreting
 
 CHUNK_SIZE = 64
@@ -255,21 +255,13 @@ def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale
     """(dq, dk, dv, dg, dbeta) in the inputs' dtypes, by the backward launches of the module docstring. With the
     qk l2norm every kernel reads the inverse norms prep stored."""
     num_tokens, num_heads, key_dim = q.shape
-    value_dim = v.shape[-1]
     dq, dk, dv, dg, dbeta = [buffers.empty(*t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v, g, beta)]
-    blocks = dict(BK=min(KEY_BLOCK, key_dim), BV=min(VALUE_BLOCK, value_dim))
-    # state_grad_kernel's key blocks: the slots of dgc and dgl it writes
-    num_key_blocks = key_dim // min(STATE_GRAD_KEY_BLOCK, key_dim)
-    s = _grad_scratch(q, layout, per_channel, num_key_blocks, storage)
+    s = _grad_scratch(q, layout, per_channel, _state_grad_key_blocks(key_dim), storage)
     dims = dict(H=num_heads, K=key_dim, C=CHUNK_SIZE, L2NORM=l2norm)
-    bounds = (layout.chunk_start, layout.chunk_end)
     norms = prep["norms"]
     _state_grad(q, k, g, h, dh, v_new, dv_new, do, layout, scale, per_channel, l2norm, norms, s, storage)
-    fast(backward.wy_grad_kernel)[(layout.num_chunks, num_heads)](
-        q, k, v, g, beta, prep["tinv"], dv_new, s["dw"], norms, *bounds, dv, s["dk"], s["dgc"],
-        s["db"] if per_channel else dbeta, s["dldiag"], s["dlfull"], s["gcs"], s["dq"], s["dgl"], dq, dk, dg, scale,
-        V=value_dim, S=SUB_CHUNK, PER_CHANNEL=per_channel, PREC=DOT_PRECISION, GRAD_DOTS=storage.dots,
-        SLOT=num_key_blocks, **blocks, **dims, num_warps=GRAD_WARPS, num_stages=GRAD_STAGES)
+    _wy_grad(q, k, v, g, beta, prep["tinv"], dv_new, layout, scale, per_channel, l2norm, norms, s, storage,
+             (dq, dk, dv, dg, dbeta))
     if per_channel:
         _diagonal_grads(q, k, g, beta, norms, s, layout, scale, dq, dk, dg, dbeta, dims)
     return dq, dk, dv, dg, dbeta
@@ -291,6 +283,30 @@ def _state_grad(q, k, g, h, dh, v_new, dv_new, do, layout, scale, per_channel, l
         H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE, S=SUB_CHUNK, BK=key_block, BV=min(VALUE_BLOCK, value_dim),
         PER_CHANNEL=per_channel, L2NORM=l2norm, PREC=DOT_PRECISION, DOTS=storage.dots, num_warps=GRAD_WARPS,
         num_stages=GRAD_STAGES, maxnreg=STATE_GRAD_REGISTERS[per_channel])
+
+
+def _state_grad_key_blocks(key_dim: int) -> int:
+    """state_grad_kernel's key blocks: the slots of GDN's dgc and dgl it writes and wy_grad reads."""
+    return key_dim // min(STATE_GRAD_KEY_BLOCK, key_dim)
+
+
+def _wy_grad(q, k, v, g, beta, tinv, dv_new, layout, scale, per_channel, l2norm, norms, s, storage, grads):
+    """backward.wy_grad_kernel from the scratch s (_grad_scratch's, after _state_grad) into grads (dq, dk, dv, dg,
+    dbeta: _input_grads' buffers; KDA's dq, dk, dg, dbeta are written later, by _diagonal_grads), or on Hopper its
+    Gluon twin for GDN (hopper_wy.wy_grad) where the shapes fit and it compiles."""
+    dq, dk, dv, dg, dbeta = grads
+    num_heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[-1]
+    bounds = (layout.chunk_start, layout.chunk_end)
+    if (hopper_wy.use_wy_grad(q, v, dv_new, CHUNK_SIZE, per_channel)
+            and hopper_wy.wy_grad(q, k, v, g, beta, tinv, dv_new, s["dw"], s["dq"], s["dk"], s["dgc"], s["dgl"], norms,
+                                  *bounds, dv, dq, dk, dbeta, dg, scale, l2norm)):
+        return
+    fast(backward.wy_grad_kernel)[(layout.num_chunks, num_heads)](
+        q, k, v, g, beta, tinv, dv_new, s["dw"], norms, *bounds, dv, s["dk"], s["dgc"],
+        s["db"] if per_channel else dbeta, s["dldiag"], s["dlfull"], s["gcs"], s["dq"], s["dgl"], dq, dk, dg, scale,
+        H=num_heads, K=key_dim, V=value_dim, C=CHUNK_SIZE, S=SUB_CHUNK, BK=min(KEY_BLOCK, key_dim),
+        BV=min(VALUE_BLOCK, value_dim), PER_CHANNEL=per_channel, L2NORM=l2norm, PREC=DOT_PRECISION,
+        GRAD_DOTS=storage.dots, SLOT=_state_grad_key_blocks(key_dim), num_warps=GRAD_WARPS, num_stages=GRAD_STAGES)
 
 
 def _diagonal_grads(q, k, g, beta, norms, s, layout, scale, dq, dk, dg, dbeta, dims):
