@@ -94,9 +94,9 @@ def _shared_bytes_per_block(device_index: int) -> int:
 class Storage:
     """How intermediates are stored, a function of the input dtype: bf16 halves the bytes the scans and the
     gradient kernels read; fp32 inputs keep fp32 intermediates (bf16 storage would hold an fp32 run to bf16
-    precision). u, gc_last, Tinv, the norms, the final state and the gradient scratch stay fp32 either way."""
+    precision). u, gc_last, the norms, the final state and the gradient scratch stay fp32 either way."""
 
-    # qg, kbar, w, P, v_new, dv_new, dw and the per-chunk states h, dh
+    # qg, kbar, w, P, Tinv, v_new, dv_new, dw and the per-chunk states h, dh
     dtype: torch.dtype
     # common.mm's PREC for the products on those tiles: bf16 operands round them as they are stored
     dots: str
@@ -164,8 +164,8 @@ def _token_diagonals(q, k, g, layout):
 def _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, for_backward, storage):
     """Chunk-local quantities as a dict: w, P in storage.dtype; u, gc_last fp32; per channel qg, kbar in
     storage.dtype, for the scalar decay their factors by row ("row_scales" [T, H, 2] fp32: see _scan_keys); Tinv
-    [T, H, C] and the rows' inverse norms [T, H, 2] fp32 where a backward (with the qk l2norm for the norms) reads
-    them, else None."""
+    [T, H, C] in storage.dtype and the rows' inverse norms [T, H, 2] fp32 where a backward (with the qk l2norm for
+    the norms) reads them, else None."""
     num_tokens, num_heads, key_dim = q.shape
     f32 = dict(dtype=torch.float32, device=q.device)
     tiles = dict(dtype=storage.dtype, device=q.device)
@@ -177,8 +177,9 @@ def _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, for_backward, st
     out["u"] = buffers.empty(*v.shape, **f32)
     out["p"] = buffers.empty(num_tokens, num_heads, CHUNK_SIZE, **tiles)
     out["glast"] = buffers.empty(layout.num_chunks, num_heads, key_dim if per_channel else 1, **f32)
-    # the backward kernels read the norms instead of summing q^2 and k^2 over K again
-    out["tinv"] = buffers.empty(num_tokens, num_heads, CHUNK_SIZE, **f32) if for_backward else None
+    # the backward kernels read the norms instead of summing q^2 and k^2 over K again; Tinv in the storage dtype, as
+    # every product that reads it (wy_grad's, at storage.dots) rounds it to that precision anyway
+    out["tinv"] = buffers.empty(num_tokens, num_heads, CHUNK_SIZE, **tiles) if for_backward else None
     out["norms"] = buffers.empty(num_tokens, num_heads, 2, **f32) if for_backward and l2norm else None
     _prep_launches(q, k, v, g, beta, layout, scale, per_channel, l2norm, out)
     return out
