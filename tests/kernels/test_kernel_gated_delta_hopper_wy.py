@@ -44,7 +44,7 @@ l2norm = json.loads(sys.argv[1])
 layout = gl.NVMMASharedLayout.get_default_for([hopper.CHUNK, 128], gl.bfloat16)
 tile = f"tensordesc<bf16[{hopper.CHUNK}, 128],{layout!r}>"
 types = {n: tile for n in ("dvn_desc", "v_desc", "k_desc", "w_desc", "q_desc", "pdq_desc", "pdk_desc")}
-types.update(tinv_ptr="*fp32", norms_ptr="*fp32", chunk_start_ptr="*i32", chunk_end_ptr="*i32", dgc_ptr="*fp32",
+types.update(tinv_ptr="*bf16", norms_ptr="*fp32", chunk_start_ptr="*i32", chunk_end_ptr="*i32", dgc_ptr="*fp32",
              dgl_ptr="*fp32", scale="fp32")
 constexprs = dict(L2NORM=l2norm, NK=4, num_warps=4)
 if not l2norm:

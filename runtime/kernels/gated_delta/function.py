@@ -37,9 +37,10 @@ PREP_WARPS = 4
 # KDA's column outputs in prep_blocked_kernel, after Tinv: 64 columns a block take fewer dependent load rounds than
 # 32 or 16 (sm_90a, triton 3.6: 52 bytes spilled under the cap below)
 PREP_COLUMN_BLOCK = 64
-# prep_blocked_kernel's register cap by kind (per_channel): three 4-warp KDA programs an SM (168 x 128 threads x 3 of
-# 65536; uncapped its column tiles take it to two), four GDN programs (128; ~110 bytes spilled, faster than three)
-PREP_REGISTERS = {True: 168, False: 128}
+# prep_blocked_kernel's register cap by (per_channel, for a backward): three 4-warp KDA programs an SM (168 x 128
+# threads x 3 of 65536; uncapped its column tiles take it to two); GDN's forward without grad four programs (128;
+# ~110 bytes spilled, faster than three), with grad three (storing Tinv and the norms spills ~410 bytes at 128)
+PREP_REGISTERS = {(True, False): 168, (True, True): 168, (False, False): 128, (False, True): 168}
 # value block of both scans: a smaller block runs more programs (V / block per sequence and head)
 SCAN_VALUE_BLOCK = 32
 # the scans prefetch chunks' tiles: they are latency-bound, one program per SM. At 2 stages the loads are issued at
@@ -199,7 +200,7 @@ def _prep_launches(q, k, v, g, beta, layout, scale, per_channel, l2norm, out):
         out["qg"], out["kbar"], out["w"], out["u"], out["p"], out["glast"], out["tinv"], out["norms"], *diags,
         out["row_scales"], scale, H=num_heads, K=key_dim, V=value_dim, BD=min(block, key_dim, value_dim),
         BC=min(columns, key_dim, value_dim), PER_CHANNEL=per_channel, L2NORM=l2norm, TILE_PREC=tiles,
-        num_warps=PREP_WARPS, maxnreg=PREP_REGISTERS[per_channel], C=CHUNK_SIZE, S=SUB_CHUNK,
+        num_warps=PREP_WARPS, maxnreg=PREP_REGISTERS[per_channel, out["tinv"] is not None], C=CHUNK_SIZE, S=SUB_CHUNK,
         PREC=DOT_PRECISION)
 
 

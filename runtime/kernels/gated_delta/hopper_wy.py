@@ -19,9 +19,9 @@ each:
   kernel's stored partial is) and dk's finish reads.
 The next item's q, dv_new and v load after the key products (their last readers), its k, dw and partial dq after
 dk's finish.
-Tinv (fp32 [C, C] rows in HBM) is loaded with gl.load before the wait on the stage (rows past the chunk's end 0, as
-the Triton kernel's masked loads give) and stored rounded to bf16 into a tile of the program (tinv_s): every
-product takes it as a bf16 operand, as the Triton kernel's GRAD_DOTS "bf16" rounds it.
+Tinv (bf16 [C, C] rows in HBM: prep stores it in the storage dtype) is loaded with gl.load before the wait on the
+stage (rows past the chunk's end 0, as the Triton kernel's masked loads give) and stored into a tile of the program
+(tinv_s): every product takes it as a bf16 operand, as the Triton kernel's GRAD_DOTS "bf16" does.
 
 Products (warpgroup MMAs, fp32 accumulators), as the Triton kernel's, in its order of rounding:
   dbv = Tinv^T du (du = dv_new) by value half, dv = beta dbv;  tdw = Tinv^T dw by key half;
@@ -129,7 +129,8 @@ if gluon is not None:
 
     @gluon.jit
     def _load_tinv(tinv_ptr, start, count, head, H, C: gl.constexpr):
-        """Tinv's rows [C, C] fp32 of the chunk (rows [T, H, C] in HBM), 0 past its end: 16 bytes a thread a row.
+        """Tinv's rows [C, C] bf16 of the chunk (rows [T, H, C] in HBM), 0 past its end: 8 bytes a thread a row (at
+        16, [1, 8] a thread, the kernel spills 40 bytes under triton 3.6 against 24).
         The pointers start from the item's rows: in-tile offsets alone would be hoisted out of the loop."""
         LOAD: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [gl.num_warps(), 1], [1, 0])
         rows = gl.arange(0, C, layout=gl.SliceLayout(1, LOAD))
@@ -333,7 +334,7 @@ if gluon is not None:
                            other=0.0).to(gl.float32)
             eg = gl.exp(gc)
             mbarrier.wait(ready.index(s), phase)
-            tinv_s.index(s).store(tinv.to(gl.bfloat16))
+            tinv_s.index(s).store(tinv)
             fence_async_shared()
             _barrier()
             db = _value_products(tinv_s.index(s), dvn_s.index(s), v_s.index(s), beta, dv_ptr, start, count, head, H,
@@ -404,7 +405,7 @@ if gluon is not None:
         programs of one warpgroup (num_warps 4), two an SM, each walking every P-th item in a stage of its own: dv
         [T, H, V], the final dq and dk [T, H, K] (in their dtypes), dbeta [T, H] and dg [T, H]. The descriptors
         view dv_new, v as [T, H V] and k, dw, q, the partial dq and dk as [T, H K] ([C, 128] blocks, bf16); Tinv
-        rows [T, H, C] fp32, g and beta [T, H], norms [T, H, 2] fp32 or None (no l2norm), dgc [T, H, NK + 1] and
+        rows [T, H, C] bf16, g and beta [T, H], norms [T, H, 2] fp32 or None (no l2norm), dgc [T, H, NK + 1] and
         dgl [NC, H, NK] fp32 (state_grad's slots); `zero` is 0."""
         C: gl.constexpr = q_desc.block_type.shape[0]
         descs = (dvn_desc, v_desc, k_desc, w_desc, q_desc, pdq_desc, pdk_desc)
@@ -420,7 +421,7 @@ if gluon is not None:
 def wy_grad(q, k, v, g, beta, tinv, dv_new, dw, part_dq, part_dk, dgc, dgl, norms, chunk_start, chunk_end, dv, dq, dk,
             dbeta, dg, scale, l2norm: bool) -> bool:
     """backward.wy_grad_kernel's outputs for the scalar decay (use_wy_grad must hold): q, k, dw, part_dq, part_dk
-    [T, H, K] and v, dv_new [T, H, V] bf16, g, beta [T, H], Tinv [T, H, C] fp32, norms [T, H, 2] fp32 or None (no
+    [T, H, K] and v, dv_new [T, H, V] bf16, g, beta [T, H], Tinv [T, H, C] bf16, norms [T, H, 2] fp32 or None (no
     l2norm), state_grad's dgc [T, H, NK + 1] and dgl [NC, H, NK] fp32; writes dv, dq, dk, dbeta, dg (the part_dk
     scratch, which the Triton kernel updates in place, is left as it is). Returns False where the kernel does not
     compile here (nothing written)."""
