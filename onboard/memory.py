@@ -110,12 +110,13 @@ def _pad8(n: int) -> int:
 
 def _chunk_kernel_bytes(a, b: int) -> int:
     """Per token: the tiles the chunked GDN kernel holds on its ctx for backward
-    (runtime/kernels/gated_delta/function.py: w and v_new, P in the activation dtype; u, Tinv, the norms and qg's and
-    kbar's factors by row in fp32; every chunk's state h [H, K, V]). Held on ctx, so recompute does not drop them."""
+    (runtime/kernels/gated_delta/function.py: w and v_new, P and Tinv in the activation dtype; u, the norms and qg's
+    and kbar's factors by row in fp32; every chunk's state h [H, K, V]). Held on ctx, so recompute does not drop
+    them."""
     if a.kind != "gated_delta":
         return 0
     H, K, V, C = a.num_v_heads, a.head_k_dim, a.head_v_dim, LINEAR_CHUNK
-    return b * (H * K + H * V + H * C) + 4 * (H * V + H * C + 2 * H + 2 * H) + b * H * K * V // C
+    return b * (H * K + H * V + 2 * H * C) + 4 * (H * V + 2 * H + 2 * H) + b * H * K * V // C
 
 
 def _attention_shapes(layer, spec: ModelSpec) -> dict:
