@@ -72,19 +72,25 @@ print(json.dumps(resources(kernel, types, constexprs, num_warps=4, divisible_by_
 """
 
 
-@needs_gluon
-@pytest.mark.parametrize("kind", ["gdn", "kda"])
-@pytest.mark.parametrize("l2norm", [True, False], ids=["l2norm", "no-l2norm"])
-def test_gluon_state_grad_compiles_for_sm90a(l2norm, kind):
+def compiled_resources(script: str, *args: str) -> dict:
+    """The JSON a compile script prints last (bench.kernel_resources' registers, spills, shared bytes), run in a
+    process of its own without TRITON_INTERPRET; skips the test where the installed triton's Gluon API differs."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(REPO)]))
-    done = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(l2norm), kind], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
     if done.returncode and "CompilationError" in done.stderr:
         pytest.skip(f"the Gluon kernel does not compile with triton {triton.__version__} (another Gluon API): "
                     + done.stderr.strip().splitlines()[-1][:200])
     assert done.returncode == 0, done.stderr[-3000:]
-    used = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@needs_gluon
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("l2norm", [True, False], ids=["l2norm", "no-l2norm"])
+def test_gluon_state_grad_compiles_for_sm90a(l2norm, kind):
+    used = compiled_resources(COMPILE, json.dumps(l2norm), kind)
     # the stack frame holds those words
     assert used["spill_bytes"] <= ENTRY_SPILL_BYTES[kind] and used["stack_bytes"] <= ENTRY_SPILL_BYTES[kind], used
     assert 0 < used["shared_bytes"] <= hopper.SHARED_BYTES, used

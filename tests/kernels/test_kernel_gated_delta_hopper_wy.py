@@ -7,29 +7,19 @@ on the same inputs and the whole op with it against the fp64 reference.
 Shape legend: T tokens, H heads, K key dim, V value dim, C chunk size, NC chunks, NK state_grad's key blocks.
 """
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-import triton
 
 from runtime.kernels import gluon_fallback
-from runtime.kernels.gated_delta import hopper, hopper_wy
-from runtime.kernels.launch import interpreting
+from runtime.kernels.gated_delta import hopper_wy
 from runtime.tolerances import assert_close
 from tests.kernels.gated_delta_cases import check, make_inputs, ops
 from tests.kernels.gated_delta_state_grad import differences
 from tests.kernels.gated_delta_wy_grad import OUTPUTS, run_wy_grad, wy_grad_buffers, wy_grad_outputs, wy_grad_problem
-from tests.kernels.test_kernel_gated_delta_hopper import tma_rows
+from tests.kernels.test_kernel_gated_delta_hopper import (compiled_resources, interpreted, needs_gluon, on_hopper,
+                                                         tma_rows)
 
-needs_gluon = pytest.mark.skipif(hopper.gluon is None, reason="this triton has no Gluon Hopper modules")
-interpreted = pytest.mark.skipif(not interpreting(), reason="the torch model is checked under TRITON_INTERPRET=1")
-on_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
-                               reason="the Gluon kernel runs on Hopper (sm_90) only")
-REPO = Path(__file__).resolve().parents[2]
 # the bytes ptxas spills (sm_90a) with and without the l2norm: triton 3.6 24 and 96 (with the l2norm, the benchmark's
 # case, a few reloads an item in the loop; hopper_wy.py's module docstring)
 SPILL_BYTES = {True: 32, False: 128}
@@ -57,15 +47,7 @@ print(json.dumps(resources(hopper_wy.wy_grad_kernel, types, constexprs, num_warp
 @needs_gluon
 @pytest.mark.parametrize("l2norm", [True, False], ids=["l2norm", "no-l2norm"])
 def test_gluon_wy_grad_compiles_for_sm90a(l2norm):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(REPO)]))
-    done = subprocess.run([sys.executable, "-c", COMPILE, json.dumps(l2norm)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
-    if done.returncode and "CompilationError" in done.stderr:
-        pytest.skip(f"the Gluon kernel does not compile with triton {triton.__version__} (another Gluon API): "
-                    + done.stderr.strip().splitlines()[-1][:200])
-    assert done.returncode == 0, done.stderr[-3000:]
-    used = json.loads(done.stdout.strip().splitlines()[-1])
+    used = compiled_resources(COMPILE, json.dumps(l2norm))
     assert used["spill_bytes"] <= SPILL_BYTES[l2norm], used
     # two programs an SM (hopper_wy.PROGRAMS_PER_SM): one alone would walk its items and then the other's
     assert 0 < used["shared_bytes"] <= hopper_wy.SHARED_BYTES_PER_PROGRAM, used
