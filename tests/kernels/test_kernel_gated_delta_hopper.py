@@ -31,10 +31,10 @@ interpreted = pytest.mark.skipif(not interpreting(), reason="the torch models ar
 on_hopper = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
                                reason="the Gluon kernel runs on Hopper (sm_90) only")
 REPO = Path(__file__).resolve().parents[2]
-# under triton 3.6 ptxas keeps words of the second warpgroup's arguments in local memory from the kernel's entry to
-# that warpgroup's start: once a program, outside the item loop (GDN 2 words, KDA 3 or 4, a 16-byte frame;
-# triton 3.9: none)
-ENTRY_SPILL_BYTES = {"gdn": 8, "kda": 16}
+# under triton 3.6 ptxas keeps words of KDA's second warpgroup's arguments in local memory from the kernel's entry to
+# that warpgroup's start: once a program, outside the item loop (3 or 4 words, a 16-byte frame; triton 3.9: none).
+# GDN's programs are of one warpgroup: none
+ENTRY_SPILL_BYTES = {"gdn": 0, "kda": 16}
 # Compiles the kernel for sm_90a and prints its registers, spills and shared memory. In a process of its own: under
 # TRITON_INTERPRET=1 (set for the tests where no GPU is) triton.language's jit functions, gl.sum among them, are
 # interpreter objects that a compiled kernel cannot call.
@@ -55,13 +55,13 @@ types = {name: desc(C, V) for name in ("do_desc", "vnew_desc", "dvnew_desc", "h_
 types.update({name: desc(C, KH) for name in ("q_desc", "k_desc")})
 types.update(g_ptr="*bf16", norms_ptr="*fp32", chunk_start_ptr="*i32", chunk_end_ptr="*i32", dgc_ptr="*fp32",
              dgl_ptr="*fp32", scale="fp32")
-constexprs = dict(L2NORM=l2norm, WORKER_REGS=hopper.WORKER_REGS, num_warps=4)
+constexprs = dict(L2NORM=l2norm, num_warps=4)
 # the launch specializes the contiguous rows' pointers and `zero` (0) as multiples of 16
 aligned = ("dq_ptr", "dk_ptr", "dw_ptr", "zero")
 if kind == "kda":
     kernel = hopper.channel_state_grad_kernel
     types.update(dpdiag_ptr="*fp32", dpfull_ptr="*fp32", gcs_ptr="*fp32")
-    constexprs["S"] = 16
+    constexprs.update(S=16, WORKER_REGS=hopper.WORKER_REGS)
     aligned += ("g_ptr", "dgc_ptr", "gcs_ptr", "dpfull_ptr", "dpdiag_ptr")
 else:
     kernel = hopper.state_grad_kernel
@@ -93,7 +93,9 @@ def test_gluon_state_grad_compiles_for_sm90a(l2norm, kind):
     used = compiled_resources(COMPILE, json.dumps(l2norm), kind)
     # the stack frame holds those words
     assert used["spill_bytes"] <= ENTRY_SPILL_BYTES[kind] and used["stack_bytes"] <= ENTRY_SPILL_BYTES[kind], used
-    assert 0 < used["shared_bytes"] <= hopper.SHARED_BYTES, used
+    # GDN's kernel runs hopper.PROGRAMS_PER_SM programs an SM (228 KB an SM, 1 KB of it the driver's a program)
+    limit = hopper.SHARED_BYTES if kind == "kda" else 228 * 1024 // hopper.PROGRAMS_PER_SM - 1024
+    assert 0 < used["shared_bytes"] <= limit, used
     assert used["registers"] <= 255, used
 
 

@@ -20,9 +20,9 @@ from tests.kernels.gated_delta_wy_grad import OUTPUTS, run_wy_grad, wy_grad_buff
 from tests.kernels.test_kernel_gated_delta_hopper import (compiled_resources, interpreted, needs_gluon, on_hopper,
                                                          tma_rows)
 
-# the bytes ptxas spills (sm_90a) with and without the l2norm: triton 3.6 24 and 96 (with the l2norm, the benchmark's
-# case, a few reloads an item in the loop; hopper_wy.py's module docstring)
-SPILL_BYTES = {True: 32, False: 128}
+# the bytes ptxas spills (sm_90a) with and without the l2norm: triton 3.6 36 and 172, 3.9 4 and 8 (with the l2norm, the
+# benchmark's case, a few reloads an item in the loop; hopper_wy.py's module docstring)
+SPILL_BYTES = {True: 40, False: 176}
 # Compiles the kernel for sm_90a and prints its registers, spills and shared memory, in a process of its own (see
 # test_kernel_gated_delta_hopper.py's COMPILE: no TRITON_INTERPRET there).
 COMPILE = """
@@ -34,12 +34,14 @@ l2norm = json.loads(sys.argv[1])
 layout = gl.NVMMASharedLayout.get_default_for([hopper.CHUNK, 128], gl.bfloat16)
 tile = f"tensordesc<bf16[{hopper.CHUNK}, 128],{layout!r}>"
 types = {n: tile for n in ("dvn_desc", "v_desc", "k_desc", "w_desc", "q_desc", "pdq_desc", "pdk_desc")}
-types.update(tinv_ptr="*bf16", norms_ptr="*fp32", chunk_start_ptr="*i32", chunk_end_ptr="*i32", dgc_ptr="*fp32",
+square = gl.NVMMASharedLayout.get_default_for([hopper.CHUNK, hopper.CHUNK], gl.bfloat16)
+types["tinv_desc"] = f"tensordesc<bf16[{hopper.CHUNK}, {hopper.CHUNK}],{square!r}>"
+types.update(norms_ptr="*fp32", chunk_start_ptr="*i32", chunk_end_ptr="*i32", dgc_ptr="*fp32",
              dgl_ptr="*fp32", scale="fp32")
 constexprs = dict(L2NORM=l2norm, NK=4, num_warps=4)
 if not l2norm:
     constexprs["norms_ptr"] = None
-aligned = ("tinv_ptr", "dv_ptr", "dq_ptr", "dk_ptr", "zero")
+aligned = ("dv_ptr", "dq_ptr", "dk_ptr", "zero")
 print(json.dumps(resources(hopper_wy.wy_grad_kernel, types, constexprs, num_warps=4, divisible_by_16=aligned)))
 """
 

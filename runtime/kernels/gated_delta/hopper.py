@@ -4,14 +4,19 @@ place where `use_state_grad` says the shapes allow.
 
 Why Gluon: the Triton kernel (a program per chunk, key block of 32 and head; 168 registers, three 4-warp programs an
 SM) is latency-bound: each program waits on its own loads, then computes, and no program an SM keeps enough bytes in
-flight (ncu: no eligible warp 67% of cycles, ~1.1 TB/s). Here one persistent program an SM of two warpgroups walks
-the work items (chunk, head, key half), each warpgroup every other item of the program in a stage of shared memory
-of its own (96 KB): it TMA-loads its next item's tiles into it in three parts, each as soon as this item's last
-reader of it is done (do, v_new, dh after the first products, dv_new and h after dw's, q and k after dgc), so that
-one warpgroup's loads stay in flight while it finishes its tail and while the other warpgroup computes. No producer
-partition: with a stage per warpgroup it would issue the same loads at the same points, and its warps would take
-registers the consumers need (they hold ~240 a thread; a producer's warpgroup leaves them 240 at most, where ptxas
-spills).
+flight (ncu: no eligible warp 67% of cycles, ~1.1 TB/s). Here persistent programs walk the work items (chunk,
+head, key half), each item in a stage of shared memory (96 KB) that a warpgroup TMA-loads its next item's tiles into
+in three parts, each as soon as this item's last reader of it is done (do, v_new, dh after the first products, dv_new
+and h after dw's, q and k after dgc), so that one warpgroup's loads stay in flight while it finishes its tail and
+while the other warpgroup of the SM computes. GDN's kernel runs two programs of one warpgroup an SM, each its own
+stage; KDA's one program of two warpgroups (warp_specialize), each every other item of the program in a stage of its
+own. Two programs run one copy of the loop where two warpgroups of one program run two, and the instruction fetch of
+two copies of a long loop is what stalled the warp-specialized wy_grad (hopper_wy.py). No producer partition: with a
+stage per warpgroup it would issue the same loads at the same points, and its warps would take registers the
+consumers need (they hold ~240 a thread; a producer's warpgroup leaves them 240 at most, where ptxas spills).
+An item's first token and count come from the item before, and its rows' g and norms are loaded under the item before
+(the next item's): loaded at the item's top, they were a chain of three round trips (chunk bounds, then the rows,
+then the scan) that ncu found the warps waiting on.
 
 Work item (chunk, head, key half of KH = 64 keys), its tiles in one stage, all bf16:
   do, v_new, dv_new [C, V] (rows of the chunk; both halves of a chunk and head read them, neighbouring programs at
@@ -72,6 +77,8 @@ CHUNK, KEY_DIM, VALUE_DIM, KEYS_PER_ITEM = 64, 128, 128, 64
 # spills in the loop (triton 3.6)
 WORKER_REGS = 256
 SHARED_BYTES = 227 * 1024
+# GDN's kernel: programs of one warpgroup an SM, each its own stage (one copy of the loop: hopper_wy.py's reasoning)
+PROGRAMS_PER_SM = 2
 
 
 @functools.cache
@@ -111,14 +118,15 @@ if gluon is not None:
 
     @gluon.jit
     def _item_rows(item, stride, num_items, chunk_start_ptr, chunk_end_ptr, H):
-        """(chunk, head, key half, the chunk's first token, its token count, whether the warpgroup has a next item,
-        that item's first token or 0) of a work item."""
+        """(chunk, head, key half, whether the warpgroup has a next item, that item's first token and token count or
+        0) of a work item. An item's own first token and count come from the item before (the consumers carry
+        them): loaded at the item's top, its row inputs' loads would wait on them, two round trips in a row."""
         chunk, head, half = _item(item, H)
-        start = gl.load(chunk_start_ptr + chunk)
-        count = gl.load(chunk_end_ptr + chunk) - start
         more = item + stride < num_items
-        next_start = gl.load(chunk_start_ptr + _item(item + stride, H)[0], mask=more, other=0)
-        return chunk, head, half, start, count, more, next_start
+        next_chunk = _item(item + stride, H)[0]
+        next_start = gl.load(chunk_start_ptr + next_chunk, mask=more, other=0)
+        next_count = gl.load(chunk_end_ptr + next_chunk, mask=more, other=0) - next_start
+        return chunk, head, half, more, next_start, next_count
 
     @gluon.jit
     def _load_products(tiles, stage, bar, item, start, H):
@@ -226,19 +234,33 @@ if gluon is not None:
         _store_rows(ptr, gl.convert_layout(x.to(ptr.dtype.element_ty), ROWS), start, count, head, col0, H, D, ROWS)
 
     @gluon.jit
-    def _row_inputs(g_ptr, norms_ptr, start, count, head, H, scale, C: gl.constexpr, L2NORM: gl.constexpr,
-                    ROW: gl.constexpr):
-        """(gc in-chunk cumulative log decay, q's and k's row scales) of a chunk's rows, fp32 [C] in layout ROW; 0
-        decay past the chunk's end, as the Triton kernel's masked loads give. The scan runs in a blocked layout (not
-        one of an MMA's slices, which triton's scan does not take)."""
-        rows = gl.arange(0, C, layout=ROW)
+    def _row_loads(g_ptr, norms_ptr, start, count, head, H, C: gl.constexpr, L2NORM: gl.constexpr):
+        """(g, k's and q's inverse norms) of a chunk's rows as loaded, [C] in a blocked layout, 0 past its end (the
+        norms 1 without the l2norm). Issued for the next item under this one's work: _row_inputs finishes them."""
+        SCAN: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        rows = gl.arange(0, C, layout=SCAN)
         valid = rows < count
         tok = (start + rows).to(gl.int64) * H + head
-        SCAN: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-        scan_rows = gl.arange(0, C, layout=SCAN)
-        g = gl.load(g_ptr + (start + scan_rows).to(gl.int64) * H + head, mask=scan_rows < count, other=0.0)
+        g = gl.load(g_ptr + tok, mask=valid, other=0.0)
+        if L2NORM:
+            k_inv = gl.load(norms_ptr + tok * 2, mask=valid, other=0.0)
+            q_inv = gl.load(norms_ptr + tok * 2 + 1, mask=valid, other=0.0)
+        else:
+            k_inv = gl.full([C], 1.0, gl.float32, layout=SCAN)
+            q_inv = k_inv
+        return g, k_inv, q_inv
+
+    @gluon.jit
+    def _row_inputs(g, k_inv, q_inv, scale, L2NORM: gl.constexpr, ROW: gl.constexpr):
+        """(gc in-chunk cumulative log decay, q's and k's row scales) fp32 [C] in layout ROW from _row_loads' rows.
+        The scan runs in their blocked layout (not one of an MMA's slices, which triton's scan does not take)."""
         gc = gl.convert_layout(gl.associative_scan(g.to(gl.float32), 0, _add), ROW)
-        q_scale, k_scale = _row_scales(norms_ptr, tok, valid, scale, C, L2NORM, ROW)
+        if L2NORM:
+            q_scale = gl.convert_layout(q_inv, ROW)
+            k_scale = gl.convert_layout(k_inv, ROW)
+        else:
+            q_scale = gl.full([g.shape[0]], 1.0, gl.float32, layout=ROW) * scale
+            k_scale = gl.full([g.shape[0]], 1.0, gl.float32, layout=ROW)
         return gc, q_scale, k_scale
 
     @gluon.jit
@@ -343,26 +365,28 @@ if gluon is not None:
         return dq, dk, dw, dgl
 
     @gluon.jit
-    def _first_loads(tiles, chunk_start_ptr, num_items, H, FIRST: gl.constexpr, STEP: gl.constexpr):
-        """(stage FIRST's full barrier, the item stride, the first item) of a consumer, its first item's tiles
-        loading."""
+    def _first_loads(tiles, chunk_start_ptr, chunk_end_ptr, num_items, H, FIRST: gl.constexpr, STEP: gl.constexpr):
+        """(stage FIRST's full barrier, the item stride, the first item, its chunk's first token and token count) of
+        a consumer, its first item's tiles loading."""
         bar = tiles[-1].index(FIRST)
         stride = STEP * gl.num_programs(0)
         first = gl.program_id(0) + FIRST * gl.num_programs(0)
-        if first < num_items:
-            first_start = gl.load(chunk_start_ptr + _item(first, H)[0])
+        more = first < num_items
+        first_start = gl.load(chunk_start_ptr + _item(first, H)[0], mask=more, other=0)
+        first_count = gl.load(chunk_end_ptr + _item(first, H)[0], mask=more, other=0) - first_start
+        if more:
             _load_products(tiles, FIRST, bar, first, first_start, H)
             _load_dw(tiles, FIRST, bar, first, first_start, H)
             _load_keys(tiles, FIRST, bar, first, first_start, H)
-        return bar, stride, first
+        return bar, stride, first, first_start, first_count
 
     @gluon.jit
     def _consumer(tiles, dmet_s, rest, L2NORM: gl.constexpr, NK: gl.constexpr, FIRST: gl.constexpr,
                   STEP: gl.constexpr):
         """Items p + FIRST P, p + (FIRST + STEP) P, .. (p the program, P programs) in stage FIRST: products, tail,
         stores. The next item's tiles go out as soon as this one's last reader is done with them: do, v_new and dh after
-        the first products, dv_new and h after dw's, q and k after dgc; this item's row inputs and the next one's first token are loaded before the wait on the
-        stage, under the TMA's latency."""
+        the first products, dv_new and h after dw's, q and k after dgc; its first token, count and rows (g, the norms)
+        load at this item's top, under its work."""
         (do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc, do_s, vnew_s, dvnew_s, h_s, dh_s, q_s, k_s,
          full) = tiles
         (g_ptr, norms_ptr, chunk_start_ptr, chunk_end_ptr, dq_ptr, dk_ptr, dw_ptr, dgc_ptr, dgl_ptr, scale, num_items,
@@ -370,16 +394,20 @@ if gluon is not None:
         C: gl.constexpr = do_s.shape[1]
         KH: gl.constexpr = q_s.shape[2]
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KH, 16])
-        bar, stride, first = _first_loads(tiles, chunk_start_ptr, num_items, H, FIRST, STEP)
+        bar, stride, first, start, count = _first_loads(tiles, chunk_start_ptr, chunk_end_ptr, num_items, H, FIRST,
+                                                             STEP)
         phase = 0
+        g, k_inv, q_inv = _row_loads(g_ptr, norms_ptr, start, count, _item(first, H)[1], H, C, L2NORM)
         for item in range(first, num_items, stride):
             # the stage's index changing with the item as far as the compiler knows (`zero` is 0): with a constant
             # one it hoists every MMA descriptor out of the loop and spills them
             s = FIRST + item * zero
-            chunk, head, half, start, count, more, next_start = _item_rows(item, stride, num_items, chunk_start_ptr,
-                                                                           chunk_end_ptr, H)
-            gc, q_scale, k_scale = _row_inputs(g_ptr, norms_ptr, start, count, head, H, scale, C, L2NORM,
-                                               gl.SliceLayout(1, MMA))
+            chunk, head, half, more, next_start, next_count = _item_rows(item, stride, num_items, chunk_start_ptr,
+                                                                         chunk_end_ptr, H)
+            gc, q_scale, k_scale = _row_inputs(g, k_inv, q_inv, scale, L2NORM, gl.SliceLayout(1, MMA))
+            # the next item's rows load under this one's work (next_count is 0 where there is none)
+            g, k_inv, q_inv = _row_loads(g_ptr, norms_ptr, next_start, next_count, _item(item + stride, H)[1], H, C,
+                                         L2NORM)
             mbarrier.wait(bar, phase)
             phase ^= 1
             dqg, dkbar, dp, dlam = _products(do_s.index(s), vnew_s.index(s), h_s.index(s), dh_s.index(s), MMA)
@@ -409,12 +437,12 @@ if gluon is not None:
             at = dgl_ptr + (chunk.to(gl.int64) * H + head) * NK + half * 2
             gl.store(at, dgl[0])
             gl.store(at + 1, dgl[1])
+            start, count = next_start, next_count
 
     @gluon.jit
     def state_grad_kernel(do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc, g_ptr, norms_ptr,
                           chunk_start_ptr, chunk_end_ptr, dq_ptr, dk_ptr, dw_ptr, dgc_ptr, dgl_ptr, scale, num_items,
-                          H, zero, L2NORM: gl.constexpr, NK: gl.constexpr, WORKER_REGS: gl.constexpr,
-                          num_warps: gl.constexpr):
+                          H, zero, L2NORM: gl.constexpr, NK: gl.constexpr, num_warps: gl.constexpr):
         """backward.state_grad_kernel's outputs (scalar decay) for num_items = NC * H * 2 items (chunk, head, key
         half), a persistent program an SM of two warpgroups (this one, num_warps 4, and a worker), each walking every
         other item of the program in a stage of its own: dq, dk, dw (stored, bf16 [T, H, K]), dgc's row sums in slots
@@ -423,36 +451,35 @@ if gluon is not None:
         `zero` is 0."""
         C: gl.constexpr = do_desc.block_type.shape[0]
         descs = (do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc)
-        stages = _allocate_stages(descs)
-        dmet_s = gl.allocate_shared_memory(gl.bfloat16, [4, C, C], q_desc.layout)
-        tiles = descs + stages + (_full_barriers(),)
+        stages = _allocate_stages(descs, 1)
+        dmet_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, C], q_desc.layout)
+        tiles = descs + stages + (_full_barriers(1),)
         rest = (g_ptr, norms_ptr, chunk_start_ptr, chunk_end_ptr, dq_ptr, dk_ptr, dw_ptr, dgc_ptr, dgl_ptr, scale,
                 num_items, H, zero)
-        gl.warp_specialize([(_consumer, (tiles, dmet_s, rest, L2NORM, NK, 0, 2)),
-                            (_consumer, (tiles, dmet_s, rest, L2NORM, NK, 1, 2))], [4], [WORKER_REGS])
+        _consumer(tiles, dmet_s, rest, L2NORM, NK, 0, 1)
 
     @gluon.jit
-    def _allocate_stages(descs):
+    def _allocate_stages(descs, NUM: gl.constexpr):
         """The two stages of the tiles the descriptors (do, v_new, dv_new, h, dh, q, k) load, bf16: [2, C, V] for
         the rows, [2, KH, V] for the states, [2, C, KH] for the keys."""
         (do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc) = descs
         C: gl.constexpr = do_desc.block_type.shape[0]
         V: gl.constexpr = do_desc.block_type.shape[1]
         KH: gl.constexpr = q_desc.block_type.shape[1]
-        do_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, V], do_desc.layout)
-        vnew_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, V], vnew_desc.layout)
-        dvnew_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, V], dvnew_desc.layout)
-        h_s = gl.allocate_shared_memory(gl.bfloat16, [2, KH, V], h_desc.layout)
-        dh_s = gl.allocate_shared_memory(gl.bfloat16, [2, KH, V], dh_desc.layout)
-        q_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, KH], q_desc.layout)
-        k_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, KH], k_desc.layout)
+        do_s = gl.allocate_shared_memory(gl.bfloat16, [NUM, C, V], do_desc.layout)
+        vnew_s = gl.allocate_shared_memory(gl.bfloat16, [NUM, C, V], vnew_desc.layout)
+        dvnew_s = gl.allocate_shared_memory(gl.bfloat16, [NUM, C, V], dvnew_desc.layout)
+        h_s = gl.allocate_shared_memory(gl.bfloat16, [NUM, KH, V], h_desc.layout)
+        dh_s = gl.allocate_shared_memory(gl.bfloat16, [NUM, KH, V], dh_desc.layout)
+        q_s = gl.allocate_shared_memory(gl.bfloat16, [NUM, C, KH], q_desc.layout)
+        k_s = gl.allocate_shared_memory(gl.bfloat16, [NUM, C, KH], k_desc.layout)
         return do_s, vnew_s, dvnew_s, h_s, dh_s, q_s, k_s
 
     @gluon.jit
-    def _full_barriers():
-        """The stages' full barriers [2, 1], initialized, visible to the TMA (the async proxy) and to every warp."""
-        full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(2):
+    def _full_barriers(NUM: gl.constexpr):
+        """The stages' full barriers [NUM, 1], initialized, visible to the TMA (the async proxy) and to every warp."""
+        full = gl.allocate_shared_memory(gl.int64, [NUM, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(NUM):
             mbarrier.init(full.index(s), count=1)
         fence_async_shared()
         _barrier()
@@ -546,13 +573,14 @@ if gluon is not None:
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, KH, 16])
         DP: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C // 2, 16])
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)
-        bar, stride, first = _first_loads(tiles, chunk_start_ptr, num_items, H, FIRST, STEP)
+        bar, stride, first, start, count = _first_loads(tiles, chunk_start_ptr, chunk_end_ptr, num_items, H, FIRST,
+                                                             STEP)
         phase = 0
         for item in range(first, num_items, stride):
             # a stage index the compiler cannot fold (`zero` is 0): see _consumer
             s = FIRST + item * zero
-            chunk, head, half, start, count, more, next_start = _item_rows(item, stride, num_items, chunk_start_ptr,
-                                                                           chunk_end_ptr, H)
+            chunk, head, half, more, next_start, next_count = _item_rows(item, stride, num_items, chunk_start_ptr,
+                                                                         chunk_end_ptr, H)
             col0 = half * KH
             rows = gl.arange(0, C, layout=ROW)
             q_scale, k_scale = _row_scales(norms_ptr, (start + rows).to(gl.int64) * H + head, rows < count, scale, C,
@@ -582,6 +610,7 @@ if gluon is not None:
             _store_rows(dgc_ptr, dgc, start, count, head, col0, H, K, MMA)
             cols = gl.arange(0, KH, layout=gl.SliceLayout(0, MMA))
             gl.store(dgl_ptr + (chunk.to(gl.int64) * H + head) * K + col0 + cols, dgl)
+            start, count = next_start, next_count
 
     @gluon.jit
     def channel_state_grad_kernel(do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc, g_ptr, norms_ptr,
@@ -593,7 +622,7 @@ if gluon is not None:
         (fp32 [NC, H, K]), dP on the causal pattern (fp32 rows [T, H, C] into dpfull, its S x S diagonal blocks rows
         [T, H, S] into dpdiag); g is the log decay [T, H, K], the descriptors as state_grad_kernel's."""
         descs = (do_desc, vnew_desc, dvnew_desc, h_desc, dh_desc, q_desc, k_desc)
-        tiles = descs + _allocate_stages(descs) + (_full_barriers(),)
+        tiles = descs + _allocate_stages(descs, 2) + (_full_barriers(2),)
         rest = (g_ptr, norms_ptr, chunk_start_ptr, chunk_end_ptr, dq_ptr, dk_ptr, dw_ptr, dgc_ptr, dgl_ptr, dpdiag_ptr,
                 dpfull_ptr, gcs_ptr, scale, num_items, H, zero)
         gl.warp_specialize([(_channel_consumer, (tiles, rest, L2NORM, S, 0, 2)),
@@ -624,7 +653,8 @@ def state_grad(q, k, g, h, dh, v_new, dv_new, do, chunk_start, chunk_end, norms,
     descriptors are not keys fast() can hash."""
     num_chunks, H, K, V = h.shape
     num_items = num_chunks * H * (K // KEYS_PER_ITEM)
-    grid = (min(num_items, _num_sms(q.device.index or 0)),)
+    programs_per_sm = 1 if per_channel else PROGRAMS_PER_SM
+    grid = (min(num_items, programs_per_sm * _num_sms(q.device.index or 0)),)
     descs = [_rows_desc(t, V) for t in (do, v_new, dv_new)] + [_state_desc(t) for t in (h, dh)]
     descs += [_rows_desc(t, KEYS_PER_ITEM) for t in (q, k)]
     if per_channel:
@@ -633,4 +663,4 @@ def state_grad(q, k, g, h, dh, v_new, dv_new, do, chunk_start, chunk_end, norms,
             0, L2NORM=l2norm, S=dpdiag.shape[-1], WORKER_REGS=WORKER_REGS, num_warps=4))
     return compiles("GDN state_grad", lambda: state_grad_kernel[grid](
         *descs, g, norms, chunk_start, chunk_end, dq, dk, dw, dgc, dgl, scale, num_items, H, 0, L2NORM=l2norm,
-        NK=dgl.shape[-1], WORKER_REGS=WORKER_REGS, num_warps=4))
+        NK=dgl.shape[-1], num_warps=4))

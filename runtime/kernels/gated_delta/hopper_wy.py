@@ -20,9 +20,12 @@ each:
   kernel's stored partial is) and dk's finish reads.
 The next item's q, dv_new and v load after the key products (their last readers), its k, dw and partial dq after
 dk's finish.
-Tinv (bf16 [C, C] rows in HBM: prep stores it in the storage dtype) is loaded with gl.load before the wait on the
-stage (rows past the chunk's end 0, as the Triton kernel's masked loads give) and stored into a tile of the program
-(tinv_s): every product takes it as a bf16 operand, as the Triton kernel's GRAD_DOTS "bf16" does.
+Tinv (bf16 [C, C] rows in HBM: prep stores it in the storage dtype) is TMA-loaded into a tile of the program (tinv_s)
+on the first part's barrier, issued once the decayed Gram backward, its last reader, is done; a short chunk's rows past
+its end are zeroed there after the wait (the Triton kernel's masked loads give 0): every product takes it as a bf16
+operand, as the Triton kernel's GRAD_DOTS "bf16" does. An item's first token and count come from the item before, its
+g is loaded under the item before, and dg's slots of state_grad's dgc at the item's top (the adds at its end): each was
+a load a warp waited on right away (ncu, bench/NOTES.md).
 
 Products (warpgroup MMAs, fp32 accumulators), as the Triton kernel's, in its order of rounding:
   dbv = Tinv^T du (du = dv_new) by value half, dv = beta dbv;  tdw = Tinv^T dw by key half;
@@ -44,8 +47,8 @@ sums are masked; the stores skip them.
 
 Registers and shared memory (sm_90a): two programs an SM take 255 registers a thread (2 x 128 threads x 256: the
 register file) and 114,984 bytes of shared memory each (228 KB an SM, 1 KB of it the driver's a program). ptxas
-spills 24 bytes with the l2norm under triton 3.6 (16 under 3.9), in the item loop six reloads of loop-invariant
-values (.dev/wy_sass.py lists the sites); without the l2norm 96 bytes (3.9: 32). What brought them down: a barrier between the passes
+spills 36 bytes with the l2norm under triton 3.6 (4 under 3.9), reloads of loop-invariant values in the item loop;
+without the l2norm 172 bytes (3.9: 8). What brought them down: a barrier between the passes
 of dq's l2norm backward (the compiler kept the first pass's loads of both tiles live for the second), dk's row dots
 summed where the finished partial dk is in registers, and the decayed Gram backward's products folded one at a time
 into dk's running sum.
@@ -81,8 +84,8 @@ def use_wy_grad(q_THK: torch.Tensor, v_THV: torch.Tensor, dv_new: torch.Tensor, 
 
 if gluon is not None:
     from runtime.kernels.gated_delta.hopper import (
-        _barrier, _released, _row_inputs, _store_rows, _tma_load, fence_async_shared, gl, mbarrier, warpgroup_mma,
-        warpgroup_mma_wait,
+        _barrier, _released, _row_inputs, _row_loads, _store_rows, _tma_load, fence_async_shared, gl, mbarrier,
+        warpgroup_mma, warpgroup_mma_wait,
     )
 
     # the columns of a key or value half: dbv's, tdw's, da's and dc's accumulators by half hold 32 registers a thread
@@ -99,7 +102,8 @@ if gluon is not None:
         V: gl.constexpr = v_s.shape[2]
         K: gl.constexpr = q_s.shape[2]
         bar = ready.index(s)
-        mbarrier.expect(bar, 2 * C * (K + 2 * V))
+        # and the item's Tinv [C, C], loaded later (_load_tinv)
+        mbarrier.expect(bar, 2 * C * (K + 2 * V + C))
         _tma_load(q_desc, [start, head * K], bar, q_s.index(s))
         _tma_load(dvn_desc, [start, head * V], bar, dvn_s.index(s))
         _tma_load(v_desc, [start, head * V], bar, v_s.index(s))
@@ -129,15 +133,24 @@ if gluon is not None:
         _tma_load(pdk_desc, [start, head * K], bar, pq_s.index(s))
 
     @gluon.jit
-    def _load_tinv(tinv_ptr, start, count, head, H, C: gl.constexpr):
-        """Tinv's rows [C, C] bf16 of the chunk (rows [T, H, C] in HBM), 0 past its end: 8 bytes a thread a row (at
-        16, [1, 8] a thread, the kernel spills 40 bytes under triton 3.6 against 24).
-        The pointers start from the item's rows: in-tile offsets alone would be hoisted out of the loop."""
-        LOAD: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [gl.num_warps(), 1], [1, 0])
-        rows = gl.arange(0, C, layout=gl.SliceLayout(1, LOAD))
-        cols = gl.arange(0, C, layout=gl.SliceLayout(0, LOAD))
-        at = tinv_ptr + ((start + rows).to(gl.int64) * H + head) * C
-        return gl.load(at[:, None] + cols[None, :], mask=(rows < count)[:, None], other=0.0)
+    def _load_tinv(tinv_desc, tinv_s, bar, start, head):
+        """TMA of an item's Tinv [C, C] (bf16 rows [T, H C] in HBM) into tinv_s, on the stage's ready barrier, whose
+        expect (_load_values') counts its bytes."""
+        C: gl.constexpr = tinv_s.shape[0]
+        _tma_load(tinv_desc, [start, head * C], bar, tinv_s)
+
+    @gluon.jit
+    def _mask_tinv(tinv_s, count):
+        """Zero Tinv's rows past a short chunk's end, where the TMA read the next chunk's (the Triton kernel's masked
+        loads give 0 there), before any product reads it."""
+        C: gl.constexpr = tinv_s.shape[0]
+        if count < C:
+            LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [gl.num_warps(), 1], [1, 0])
+            rows = gl.arange(0, C, layout=gl.SliceLayout(1, LOAD))
+            # each thread writes back what it read: no other thread's reads to wait for
+            tinv_s.store(gl.where((rows < count)[:, None], tinv_s.load(LOAD), 0.0))
+            fence_async_shared()
+            _barrier()
 
     @gluon.jit
     def _row_dots(x_s, part_s, inv, dy_scale):
@@ -272,33 +285,56 @@ if gluon is not None:
         return db, gl.where(rows < count, dgc, 0.0), dot
 
     @gluon.jit
-    def _store_dg(dg_ptr, dgc_ptr, dgl_ptr, dgc, chunk, start, count, head, H, NK: gl.constexpr):
-        """dg = dgc_last + the reverse cumsum over the chunk of dgc, each with state_grad's NK slots of dgc
-        [T, H, NK + 1] and dgl [NC, H, NK] added (backward.state_dg_shares and store_dg). In a blocked layout (the
-        scan does not take an MMA's slices)."""
-        C: gl.constexpr = dgc.shape[0]
+    def _dg_shares(dgc_ptr, start, count, head, H, NK: gl.constexpr, C: gl.constexpr):
+        """state_grad's NK slots of dgc [T, H, NK + 1] for the chunk's rows, a tuple of fp32 [C] with 0 past its end,
+        loaded at the item's top and summed where dg is stored: summed here, the adds would wait on the loads,
+        which have the item's work to land under there."""
         SCAN: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         rows = gl.arange(0, C, layout=SCAN)
-        valid = rows < count
         at = dgc_ptr + ((start + rows).to(gl.int64) * H + head) * (NK + 1)
+        slots = ()
+        for slot in gl.static_range(NK):
+            slots = slots + (gl.load(at + slot, mask=rows < count, other=0.0),)
+        return slots
+
+    @gluon.jit
+    def _store_dg(dg_ptr, dgl_ptr, dgc, slots, chunk, start, count, head, H):
+        """dg = dgc_last + the reverse cumsum over the chunk of dgc, each with state_grad's slots of dgc
+        (_dg_shares') and of dgl [NC, H, NK] added (backward.state_dg_shares and store_dg). In a blocked layout (the
+        scan does not take an MMA's slices)."""
+        C: gl.constexpr = dgc.shape[0]
+        NK: gl.constexpr = len(slots)
+        SCAN: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        rows = gl.arange(0, C, layout=SCAN)
         total = gl.convert_layout(dgc, SCAN)
         last = 0.0
         for slot in gl.static_range(NK):
-            total += gl.load(at + slot, mask=valid, other=0.0)
+            total += slots[slot]
             last += gl.load(dgl_ptr + (chunk.to(gl.int64) * H + head) * NK + slot)
         dg = last + gl.sum(total, 0) - gl.associative_scan(total, 0, hopper._add) + total
-        gl.store(dg_ptr + (start + rows).to(gl.int64) * H + head, dg.to(dg_ptr.dtype.element_ty), mask=valid)
+        gl.store(dg_ptr + (start + rows).to(gl.int64) * H + head, dg.to(dg_ptr.dtype.element_ty), mask=rows < count)
 
     @gluon.jit
-    def _first_loads(tiles, chunk_start_ptr, num_items, H):
-        """(the item stride, the first item) of the program, its first item's six tiles loading into the stage."""
+    def _head_rows(x_ptr, start, count, head, H, C: gl.constexpr):
+        """A [T, H] tensor's values [C] of a chunk's rows as loaded (hopper._row_loads' layout), 0 past its end."""
+        SCAN: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        rows = gl.arange(0, C, layout=SCAN)
+        return gl.load(x_ptr + (start + rows).to(gl.int64) * H + head, mask=rows < count, other=0.0)
+
+    @gluon.jit
+    def _first_loads(tiles, tinv_desc, tinv_s, chunk_start_ptr, chunk_end_ptr, num_items, H):
+        """(the item stride, the first item, its chunk's first token and token count) of the program, its first
+        item's six tiles loading into the stage."""
         stride = gl.num_programs(0)
         first = gl.program_id(0)
-        if first < num_items:
-            first_start = gl.load(chunk_start_ptr + first // H)
+        more = first < num_items
+        first_start = gl.load(chunk_start_ptr + first // H, mask=more, other=0)
+        first_count = gl.load(chunk_end_ptr + first // H, mask=more, other=0) - first_start
+        if more:
             _load_values(tiles, 0, first_start, first % H)
+            _load_tinv(tinv_desc, tinv_s.index(0), tiles[13].index(0), first_start, first % H)
             _load_keys(tiles, 0, first_start, first % H)
-        return stride, first
+        return stride, first, first_start, first_count
 
     @gluon.jit
     def _walk_items(tiles, scratch, rest, L2NORM: gl.constexpr, NK: gl.constexpr):
@@ -310,34 +346,38 @@ if gluon is not None:
         (dvn_desc, v_desc, k_desc, w_desc, q_desc, pdq_desc, pdk_desc, dvn_s, v_s, k_s, w_s, q_s, pq_s, ready,
          keys_ready, pdk_ready) = tiles
         tinv_s, dtinv_s = scratch
-        (tinv_ptr, g_ptr, beta_ptr, norms_ptr, chunk_start_ptr, chunk_end_ptr, dgc_ptr, dgl_ptr, dv_ptr, dq_ptr,
+        (tinv_desc, g_ptr, beta_ptr, norms_ptr, chunk_start_ptr, chunk_end_ptr, dgc_ptr, dgl_ptr, dv_ptr, dq_ptr,
          dk_ptr, db_ptr, dg_ptr, scale, num_items, H, zero) = rest
         C: gl.constexpr = q_s.shape[1]
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, HALF, 16])
         ROW: gl.constexpr = gl.SliceLayout(1, MMA)
-        stride, first = _first_loads(tiles, chunk_start_ptr, num_items, H)
+        stride, first, start, count = _first_loads(tiles, tinv_desc, tinv_s, chunk_start_ptr, chunk_end_ptr, num_items,
+                                                    H)
         phase = 0
+        g = _head_rows(g_ptr, start, count, first % H, H, C)
+        # an item's first token and count come from the item before (its next_start, next_count): loaded at the
+        # item's top, the row inputs' loads would wait on them, two round trips before the first product
         for item in range(first, num_items, stride):
             # the stage's index changing with the item as far as the compiler knows (`zero` is 0): with a constant
             # one it hoists every MMA descriptor out of the loop and spills them (hopper.py's _consumer)
             s = item * zero
             chunk, head = item // H, item % H
-            start = gl.load(chunk_start_ptr + chunk)
-            count = gl.load(chunk_end_ptr + chunk) - start
             more = item + stride < num_items
             next_item = item + stride
             next_start = gl.load(chunk_start_ptr + next_item // H, mask=more, other=0)
-            tinv = _load_tinv(tinv_ptr, start, count, head, H, C)
-            gc, q_scale, k_inv = _row_inputs(g_ptr, norms_ptr, start, count, head, H, scale, C, L2NORM, ROW)
+            next_count = gl.load(chunk_end_ptr + next_item // H, mask=more, other=0) - next_start
+            # the norms and beta are first read after the wait on the stage; the decay's scan would wait on g now
+            _, k_norm, q_norm = _row_loads(g_ptr, norms_ptr, start, count, head, H, C, L2NORM)
+            gc, q_scale, k_inv = _row_inputs(g, k_norm, q_norm, scale, L2NORM, ROW)
+            beta = gl.convert_layout(_head_rows(beta_ptr, start, count, head, H, C), ROW).to(gl.float32)
+            # the next item's g loads under this one's work (next_count is 0 where there is none)
+            g = _head_rows(g_ptr, next_start, next_count, next_item % H, H, C)
             rows = gl.arange(0, C, layout=ROW)
-            beta = gl.load(beta_ptr + (start + rows).to(gl.int64) * H + head, mask=rows < count,
-                           other=0.0).to(gl.float32)
             eg = gl.exp(gc)
+            slots = _dg_shares(dgc_ptr, start, count, head, H, NK, C)
             mbarrier.wait(ready.index(s), phase)
-            tinv_s.index(s).store(tinv)
-            fence_async_shared()
-            _barrier()
+            _mask_tinv(tinv_s.index(s), count)
             db = _value_products(tinv_s.index(s), dvn_s.index(s), v_s.index(s), beta, dv_ptr, start, count, head, H,
                                  MMA)
             mbarrier.wait(keys_ready.index(s), phase)
@@ -362,15 +402,18 @@ if gluon is not None:
             phase ^= 1
             db_gram, dgc, dot = _gram_grads(dme, tinv_s.index(s), dtinv_s.index(s), k_s.index(s), w_s.index(s),
                                        pq_s.index(s), beta, k_inv, eg, count, MMA)
-            # the partial dk in pq_s was written by other threads' rows and columns
-            _barrier()
+            # the partial dk in pq_s was written by other threads' rows and columns; every product on Tinv is done
+            _released()
+            if more:
+                _load_tinv(tinv_desc, tinv_s.index(s), ready.index(s), next_start, next_item % H)
             _finish_rows(k_s.index(s), pq_s.index(s), k_inv, 1.0, dot, dk_ptr, start, count, head, H, L2NORM)
             _released()
             if more:
                 _load_keys(tiles, s, next_start, next_item % H)
-            gl.store(db_ptr + (start + rows).to(gl.int64) * H + head, (db + db_keys + db_gram).to(db_ptr.dtype.element_ty),
-                     mask=rows < count)
-            _store_dg(dg_ptr, dgc_ptr, dgl_ptr, dgc, chunk, start, count, head, H, NK)
+            dbeta = (db + db_keys + db_gram).to(db_ptr.dtype.element_ty)
+            gl.store(db_ptr + (start + rows).to(gl.int64) * H + head, dbeta, mask=rows < count)
+            _store_dg(dg_ptr, dgl_ptr, dgc, slots, chunk, start, count, head, H)
+            start, count = next_start, next_count
 
     @gluon.jit
     def _allocate_stages(descs):
@@ -398,7 +441,7 @@ if gluon is not None:
         return bars
 
     @gluon.jit
-    def wy_grad_kernel(dvn_desc, v_desc, k_desc, w_desc, q_desc, pdq_desc, pdk_desc, tinv_ptr, g_ptr, beta_ptr,
+    def wy_grad_kernel(dvn_desc, v_desc, k_desc, w_desc, q_desc, pdq_desc, pdk_desc, tinv_desc, g_ptr, beta_ptr,
                        norms_ptr, chunk_start_ptr, chunk_end_ptr, dgc_ptr, dgl_ptr, dv_ptr, dq_ptr, dk_ptr, db_ptr,
                        dg_ptr, scale, num_items, H, zero, L2NORM: gl.constexpr, NK: gl.constexpr,
                        num_warps: gl.constexpr):
@@ -412,9 +455,9 @@ if gluon is not None:
         descs = (dvn_desc, v_desc, k_desc, w_desc, q_desc, pdq_desc, pdk_desc)
         tiles = descs + _allocate_stages(descs) + (_barriers(), _barriers(), _barriers())
         square: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, C], gl.bfloat16)
-        scratch = (gl.allocate_shared_memory(gl.bfloat16, [1, C, C], square),
+        scratch = (gl.allocate_shared_memory(gl.bfloat16, [1, C, C], tinv_desc.layout),
                    gl.allocate_shared_memory(gl.bfloat16, [1, C, C], square))
-        rest = (tinv_ptr, g_ptr, beta_ptr, norms_ptr, chunk_start_ptr, chunk_end_ptr, dgc_ptr, dgl_ptr, dv_ptr,
+        rest = (tinv_desc, g_ptr, beta_ptr, norms_ptr, chunk_start_ptr, chunk_end_ptr, dgc_ptr, dgl_ptr, dv_ptr,
                 dq_ptr, dk_ptr, db_ptr, dg_ptr, scale, num_items, H, zero)
         _walk_items(tiles, scratch, rest, L2NORM, NK)
 
@@ -429,7 +472,7 @@ def wy_grad(q, k, v, g, beta, tinv, dv_new, dw, part_dq, part_dk, dgc, dgl, norm
     H = q.shape[1]
     num_items = dgl.shape[0] * H
     grid = (min(num_items, PROGRAMS_PER_SM * hopper._num_sms(q.device.index or 0)),)
-    descs = [hopper._rows_desc(t, t.shape[-1]) for t in (dv_new, v, k, dw, q, part_dq, part_dk)]
+    descs = [hopper._rows_desc(t, t.shape[-1]) for t in (dv_new, v, k, dw, q, part_dq, part_dk, tinv)]
     return compiles("GDN wy_grad", lambda: wy_grad_kernel[grid](
-        *descs, tinv, g, beta, norms, chunk_start, chunk_end, dgc, dgl, dv, dq, dk, dbeta, dg, scale, num_items, H,
+        *descs, g, beta, norms, chunk_start, chunk_end, dgc, dgl, dv, dq, dk, dbeta, dg, scale, num_items, H,
         0, L2NORM=l2norm, NK=dgl.shape[-1], num_warps=4))
