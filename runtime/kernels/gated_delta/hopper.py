@@ -444,8 +444,8 @@ if gluon is not None:
                           chunk_start_ptr, chunk_end_ptr, dq_ptr, dk_ptr, dw_ptr, dgc_ptr, dgl_ptr, scale, num_items,
                           H, zero, L2NORM: gl.constexpr, NK: gl.constexpr, num_warps: gl.constexpr):
         """backward.state_grad_kernel's outputs (scalar decay) for num_items = NC * H * 2 items (chunk, head, key
-        half), a persistent program an SM of two warpgroups (this one, num_warps 4, and a worker), each walking every
-        other item of the program in a stage of its own: dq, dk, dw (stored, bf16 [T, H, K]), dgc's row sums in slots
+        half), persistent programs of one warpgroup (num_warps 4), PROGRAMS_PER_SM an SM, each walking every P-th item
+        (P programs) in a stage of its own: dq, dk, dw (stored, bf16 [T, H, K]), dgc's row sums in slots
         of [T, H, NK + 1] and dgc_last's sums in slots of [NC, H, NK] (fp32, NK = K / 32 as the Triton kernel's key
         blocks). The descriptors view do, v_new, dv_new as [T, H V], q, k as [T, H K] and h, dh as [NC H K, V];
         `zero` is 0."""

@@ -367,7 +367,8 @@ if gluon is not None:
             next_item = item + stride
             next_start = gl.load(chunk_start_ptr + next_item // H, mask=more, other=0)
             next_count = gl.load(chunk_end_ptr + next_item // H, mask=more, other=0) - next_start
-            # the norms and beta are first read after the wait on the stage; the decay's scan would wait on g now
+            # the norms and beta are first read after the wait on the stage; the decay's scan would wait on g now (g
+            # here is unused, its load dropped by the compiler: this item's came from the item before)
             _, k_norm, q_norm = _row_loads(g_ptr, norms_ptr, start, count, head, H, C, L2NORM)
             gc, q_scale, k_inv = _row_inputs(g, k_norm, q_norm, scale, L2NORM, ROW)
             beta = gl.convert_layout(_head_rows(beta_ptr, start, count, head, H, C), ROW).to(gl.float32)
@@ -410,8 +411,8 @@ if gluon is not None:
             _released()
             if more:
                 _load_keys(tiles, s, next_start, next_item % H)
-            dbeta = (db + db_keys + db_gram).to(db_ptr.dtype.element_ty)
-            gl.store(db_ptr + (start + rows).to(gl.int64) * H + head, dbeta, mask=rows < count)
+            db_at = db_ptr + (start + rows).to(gl.int64) * H + head
+            gl.store(db_at, (db + db_keys + db_gram).to(db_ptr.dtype.element_ty), mask=rows < count)
             _store_dg(dg_ptr, dgl_ptr, dgc, slots, chunk, start, count, head, H)
             start, count = next_start, next_count
 
