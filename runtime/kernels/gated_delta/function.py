@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.kernels import buffers
-from runtime.kernels.gated_delta import backward, diagonal, forward, hopper, hopper_wy
+from runtime.kernels.gated_delta import backward, diagonal, forward, hopper, hopper_prep, hopper_wy
 from runtime.kernels.launch import fast, interpreting
 
 CHUNK_SIZE = 64
@@ -187,8 +187,13 @@ def _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, for_backward, st
 
 
 def _prep_launches(q, k, v, g, beta, layout, scale, per_channel, l2norm, out):
-    """forward.prep_blocked_kernel writing the buffers of out, for KDA after its diagonal blocks."""
+    """forward.prep_blocked_kernel writing the buffers of out, for KDA after its diagonal blocks; on Hopper GDN's Gluon
+    twin (hopper_prep.prep) where the shapes fit and it compiles."""
     num_heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[-1]
+    if (hopper_prep.use_prep(q, v, CHUNK_SIZE, per_channel)
+            and hopper_prep.prep(q, k, v, g, beta, layout.chunk_start, layout.chunk_end, out["w"], out["u"], out["p"],
+                                 out["glast"], out["row_scales"], out["tinv"], out["norms"], scale, l2norm)):
+        return
     diags = _token_diagonals(q, k, g, layout) if per_channel else (None, None)
     block = DECAYED_GRAM_BLOCK if per_channel else PREP_BLOCK
     columns = PREP_COLUMN_BLOCK if per_channel else PREP_BLOCK
