@@ -189,8 +189,10 @@ def test_prep_dispatch_passes_the_buffers_and_falls_back(monkeypatch):
         assert torch.equal(actual[name], expected[name]), name
 
 
-# the Gluon kernel against the Triton kernel on the GPU (relative RMS observed on the H200: see bench/NOTES.md)
-GPU_REL_RMS = {"w": 1e-2, "u": 1e-2, "p": 1e-2, "tinv": 1e-2, "row_scales": 1e-5, "norms": 1e-5, "glast": 1e-5}
+# the Gluon kernel against the Triton kernel on the GPU, relative RMS observed on the H200 (all four cases): w 3.1e-3
+# to 3.2e-3 and u 1.7e-3 (the operands' roundings, as in the model), P 3.6e-6 or less, Tinv 2.2e-5 to 2.7e-5 (the
+# Triton kernel's tf32 merges), the row values 4e-8 or less
+GPU_REL_RMS = {"w": 6e-3, "u": 4e-3, "p": 1e-4, "tinv": 1e-4, "row_scales": 1e-6, "norms": 1e-6, "glast": 1e-6}
 
 
 @on_hopper
