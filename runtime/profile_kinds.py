@@ -6,7 +6,7 @@ fragment occurs in the lower-cased name wins, the rest is "other".
 from __future__ import annotations
 
 KINDS = (
-    ("gdn/kda kernels", ("prep_blocked", "scan_kernel", "scan_bwd", "state_grad", "wy_grad", "diag_token",
+    ("gdn/kda kernels", ("prep_blocked", "prep_kernel", "scan_kernel", "scan_bwd", "state_grad", "wy_grad", "diag_token",
                          "gram_grad", "dg_finish", "solve_triangular")),
     ("moe grouped gemm + routing", ("grouped", "_router", "gather", "combine", "glu", "swiglu", "topk")),
     ("attention (sdpa)", ("flash", "fmha", "cudnn", "attention")),

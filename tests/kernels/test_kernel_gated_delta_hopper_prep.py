@@ -103,7 +103,8 @@ def model_item(p, chunk, head, C=64, S=hopper_prep.SUB_BLOCK):
     q_inv = (1 / torch.sqrt((q * q).sum(1) + 1e-6) if p["l2norm"] else torch.ones(C)) * p["scale"]
     rows = torch.arange(C)
     decay = torch.where(rows[:, None] >= rows[None, :], gc[:, None] - gc[None, :], -torch.inf).exp()
-    l_mat = torch.where(rows[:, None] > rows[None, :], (beta * k_inv)[:, None] * (k @ k.T) * k_inv[None, :] * decay, 0.0)
+    l_mat = (beta * k_inv)[:, None] * (k @ k.T) * k_inv[None, :] * decay
+    l_mat = torch.where(rows[:, None] > rows[None, :], l_mat, 0.0)
     p_mat = q_inv[:, None] * (q @ k.T) * k_inv[None, :] * decay
     t = torch.zeros(C, C)
     for b in range(0, C, S):
@@ -114,7 +115,8 @@ def model_item(p, chunk, head, C=64, S=hopper_prep.SUB_BLOCK):
     size = S
     while size < C:
         pair = rows // (2 * size)
-        below = (pair[:, None] == pair[None, :]) & ((rows // size) % 2 == 1)[:, None] & ((rows // size) % 2 == 0)[None, :]
+        odd = (rows // size) % 2 == 1
+        below = (pair[:, None] == pair[None, :]) & odd[:, None] & ~odd[None, :]
         t = t - split_product(t, split_product(torch.where(below, l_mat, 0.0), t))
         size *= 2
     w = (t * (beta * k_inv * gc.exp())[None, :]).bfloat16().float() @ k
@@ -208,7 +210,8 @@ def test_gluon_prep_matches_triton(lengths, H, l2norm, backward, monkeypatch):
     # it ran: a launcher that fell back to Triton would leave its name here
     assert "GDN prep" not in gluon_fallback.FAILED
     assert actual.keys() == expected.keys()
-    found = differences({n: x.float().cpu() for n, x in actual.items()}, {n: x.float().cpu() for n, x in expected.items()})
+    found = differences({n: x.float().cpu() for n, x in actual.items()},
+                        {n: x.float().cpu() for n, x in expected.items()})
     print(json.dumps({n: [float(d[0]), float(d[1])] for n, d in found.items()}))
     for name, (max_abs, rel_rms, finite) in found.items():
         assert finite and rel_rms < GPU_REL_RMS[name], (name, max_abs, rel_rms)

@@ -11,8 +11,8 @@ its one stage once the Gram products, its last readers, are done.
 Work item (chunk, head): q, k, v bf16 [C, 128] (rows of the chunk; all heads' columns of one row side by side in
 HBM, so neighbouring programs take neighbouring heads of one chunk). Products (warpgroup MMAs, fp32 accumulators):
   k k^T and q k^T on the raw rows (bf16 operands: exact products, as the Triton kernel's), the rows' squared norms
-  summed from shared memory while they run; L = (beta k_inv)_i (k k^T)_ij (k_inv e^-gc)_j e^gc_i below the diagonal,
-  P = q_inv_i (q k^T)_ij k_inv_j e^(gc_i - gc_j) on and below it;
+  summed from shared memory while they run; L = (beta k_inv)_i (k k^T)_ij k_inv_j e^(gc_i - gc_j) below the
+  diagonal, P = q_inv_i (q k^T)_ij k_inv_j e^(gc_i - gc_j) on and below it;
   Tinv = (I + L)^-1: the 16 x 16 diagonal blocks by forward substitution in fp32 (each block's rows are one warp's
   rows of the MMA layout, so the substitution's row and column broadcasts stay inside a warp), then the blocks merged
   level by level (16 -> 32 -> 64, forward.merge_block_inverse's T - T (N T)) on the tensor cores with each operand
