@@ -8,7 +8,8 @@ decayed Gram matrices token-parallel (diag_token) before prep, and in the backwa
 gram_grad (the off-diagonal decayed Gram backward), diag_grad_token and dg_finish: the per-channel decay
 makes those products too heavy to share a kernel with the rest. On Hopper GDN's prep, state_grad and wy_grad run as
 Gluon kernels with the same contracts (hopper_prep.py, hopper.py, hopper_wy.py) where the shapes fit. The forward
-keeps its chunk tiles, Tinv and states for the backward whenever grad is enabled; intermediates are stored as Storage says.
+keeps its chunk tiles, Tinv and states for the backward whenever grad is enabled; intermediates are stored as
+Storage says.
 
 Shape legend: B batch, T tokens, H heads, K key dim, V value dim, N sequences, NC chunks over all
 sequences, C chunk size, S sub-chunk size, X 1 (GDN) or K (KDA).
