@@ -61,13 +61,13 @@ def use_prep(q_THK: torch.Tensor, v_THV: torch.Tensor, C: int, per_channel: bool
 
 if gluon is not None:
     from runtime.kernels.gated_delta.hopper import (
-        _add, _barrier, _released, _row_dot_vector, _split_bf16, _store_rows, _store_rows_through, _tma_load,
-        fence_async_shared, gl, mbarrier, warpgroup_mma, warpgroup_mma_wait,
+        _add, _barrier, _full_barriers, _released, _row_dot_vector, _split_bf16, _store_rows, _store_rows_through,
+        _tma_load, fence_async_shared, gl, mbarrier, warpgroup_mma, warpgroup_mma_wait,
     )
+    from runtime.kernels.gated_delta.hopper_wy import HALF, _columns
 
     # [C, 64] accumulators: the Gram products, the merges' [C, C] and w's and u's column halves
     MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]))
-    HALF = gl.constexpr(64)
 
     @gluon.jit
     def _load_q(q_desc, q_s, bar, start, head):
@@ -103,11 +103,6 @@ if gluon is not None:
         return gc, gl.convert_layout(beta.to(gl.float32), ROW)
 
     @gluon.jit
-    def _columns(x):
-        """A row vector [C] (MMA's row slice) as a column vector [1, C] of MMA."""
-        return gl.convert_layout(x, gl.SliceLayout(0, MMA))[None, :]
-
-    @gluon.jit
     def _grams(q_s, k_s, scale, L2NORM: gl.constexpr):
         """(k k^T, q k^T [C, C] fp32 in MMA, k's and q's row factors [C] in MMA's row slice: 1 / |row| (q's times
         `scale`), or 1 and `scale` without the l2norm). The norms are summed from shared memory while the products
@@ -133,8 +128,8 @@ if gluon is not None:
         C: gl.constexpr = kk.shape[0]
         rows = gl.arange(0, C, layout=gl.SliceLayout(1, MMA))[:, None]
         cols = gl.arange(0, C, layout=gl.SliceLayout(0, MMA))[None, :]
-        decay = gl.exp(gl.where(rows >= cols, gc[:, None] - _columns(gc), float("-inf")))
-        k_cols = _columns(k_inv)
+        decay = gl.exp(gl.where(rows >= cols, gc[:, None] - _columns(gc, MMA), float("-inf")))
+        k_cols = _columns(k_inv, MMA)
         l_mat = gl.where(rows > cols, (beta * k_inv)[:, None] * kk * k_cols * decay, 0.0)
         return l_mat, q_inv[:, None] * qk * k_cols * decay
 
@@ -209,7 +204,7 @@ if gluon is not None:
         C: gl.constexpr = x_s.shape[0]
         D: gl.constexpr = x_s.shape[1]
         DOT: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        a = gl.convert_layout((tinv * _columns(factors)).to(gl.bfloat16), DOT)
+        a = gl.convert_layout((tinv * _columns(factors, MMA)).to(gl.bfloat16), DOT)
         half = gl.zeros([C, HALF], gl.float32, layout=MMA)
         for h in gl.static_range(D // HALF):
             acc = warpgroup_mma(a, x_s.slice(h * HALF, HALF, dim=1), half, use_acc=False)
@@ -237,16 +232,6 @@ if gluon is not None:
             gl.store(norms_ptr + offs + 1, q_inv, mask=valid)
 
     @gluon.jit
-    def _barriers(NUM: gl.constexpr):
-        """NUM [1] barriers, initialized, visible to the TMA (the async proxy) and to every warp."""
-        bars = gl.allocate_shared_memory(gl.int64, [NUM, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM):
-            mbarrier.init(bars.index(i), count=1)
-        fence_async_shared()
-        _barrier()
-        return bars
-
-    @gluon.jit
     def prep_kernel(q_desc, k_desc, v_desc, g_ptr, beta_ptr, chunk_start_ptr, chunk_end_ptr, w_ptr, u_ptr, p_ptr,
                     glast_ptr, row_scales_ptr, tinv_ptr, norms_ptr, scale, num_items, H, zero, L2NORM: gl.constexpr,
                     S: gl.constexpr, num_warps: gl.constexpr):
@@ -263,8 +248,8 @@ if gluon is not None:
         v_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, V], v_desc.layout)
         b_s = gl.allocate_shared_memory(gl.bfloat16, [2, C, C], gl.NVMMASharedLayout.get_default_for([C, C],
                                                                                                      gl.bfloat16))
-        q_ready = _barriers(1)
-        kv_ready = _barriers(2)
+        q_ready = _full_barriers(1)
+        kv_ready = _full_barriers(2)
         stride = gl.num_programs(0)
         first = gl.program_id(0)
         start = gl.load(chunk_start_ptr + first // H)
