@@ -2,8 +2,8 @@
 
 Forward: gate/up grouped GEMM with the GLU in its epilogue, reading x gathered by token (plus a
 copy of x in expert order when a weight gradient will read those rows again); down grouped GEMM
-with the routing weight and the scatter to pair order in its epilogue; one pass summing each
-token's k rows. Backward: one GEMM gives dy @ W_down per sorted row, one pass over those rows the GLU
+with the routing weight and the scatter to pair order in its epilogue (on Hopper the Gluon kernel of
+hopper_down.py where it applies); one pass summing each token's k rows. Backward: one GEMM gives dy @ W_down per sorted row, one pass over those rows the GLU
 backward (d(gate/up) and d(routing weight), glu_backward.py), one GEMM dx (scattered, then summed
 over k), and the per-expert weight gradients run only for the tensors that require grad, so
 frozen experts under LoRA skip them. The GEMMs read dy gathered by token; only the down weight
@@ -30,6 +30,7 @@ from runtime.kernels.moe.grouped_gemm import (
     Weight,
     grouped_gemm,
 )
+from runtime.kernels.moe import hopper_down
 from runtime.kernels.moe.glu_backward import routed_glu_backward
 from runtime.kernels.moe.grouped_wgrad import grouped_mm_takes, grouped_wgrad, sorted_rows_wgrad
 from runtime.kernels.moe.schedule import Schedule, build_schedule
@@ -76,7 +77,12 @@ def _down(h_SF, w_d, b_d, w_P, lora: Lora, sched: Schedule):
     S, D = h_SF.shape[0], w_d.shape[1]
     ha, low_rank = _low_rank(Rows(h_SF, False), lora.A_d_ErF, lora.B_d_EDr, lora.scale, sched)
     y_pairs = buffers.empty(S, D, dtype=h_SF.dtype, device=h_SF.device)
-    grouped_gemm(h_SF, Weight(w_d), sched, y_pairs, scatter_out=True, row_scale_P=w_P, bias_EN=b_d, low_rank=low_rank)
+    # the Gluon kernel on Hopper where it takes the shapes, and compiles (hopper_down.py)
+    gluon_done = (b_d is None and low_rank is None and hopper_down.fits(h_SF, w_d, y_pairs, sched.block_m)
+                  and hopper_down.down_gemm(h_SF, w_d, sched, y_pairs, w_P))
+    if not gluon_done:
+        grouped_gemm(h_SF, Weight(w_d), sched, y_pairs, scatter_out=True, row_scale_P=w_P, bias_EN=b_d,
+                     low_rank=low_rank)
     return sum_k(y_pairs, sched.top_k), ha
 
 
