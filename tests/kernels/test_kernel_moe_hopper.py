@@ -31,7 +31,8 @@ types = {"a_desc": f"tensordesc<bf16[{hd.BM}, {hd.BK}],{a_layout!r}>",
          "pair_ptr": "*i64", "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32", "ends_ptr": "*i32",
          "scale_ptr": "*fp32"}
 constexprs = dict(K=K, NUM_STAGES=hd.STAGES, CONSUMER_REGS=hd.CONSUMER_REGS, PRODUCER_REGS=hd.PRODUCER_REGS)
-print(json.dumps(resources(hd.down_gemm_kernel, types, constexprs, num_warps=4, divisible_by_16=("y_ptr", "stride_ym"))))
+print(json.dumps(resources(hd.down_gemm_kernel, types, constexprs, num_warps=4,
+                           divisible_by_16=("y_ptr", "stride_ym"))))
 """
 
 
