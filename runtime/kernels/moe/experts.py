@@ -5,8 +5,8 @@ copy of x in expert order when a weight gradient will read those rows again); do
 with the routing weight and the scatter to pair order in its epilogue (on Hopper the Gluon kernel of
 hopper_down.py where it applies); one pass summing each token's k rows. Backward: one GEMM gives
 dy @ W_down per sorted row, one pass over those rows the GLU backward (d(gate/up) and d(routing
-weight), glu_backward.py), one GEMM dx (scattered, then summed over k), and the per-expert weight gradients run only for the tensors that require grad, so
-frozen experts under LoRA skip them. The GEMMs read dy gathered by token; only the down weight
+weight), glu_backward.py), one GEMM dx (scattered, then summed over k), and the per-expert weight
+gradients run only for the tensors that require grad, so frozen experts under LoRA skip them. The GEMMs read dy gathered by token; only the down weight
 gradient takes a copy of its rows in expert order, scaled by the routing weight, for torch._grouped_mm.
 The routing weights are read in the router's [T * k] order and the token of a sorted row is pair // k,
 so neither is permuted.
