@@ -1,15 +1,14 @@
 """Routed SwiGLU experts as one autograd op over the fused grouped kernels.
 
-Forward: gate/up grouped GEMM with the GLU in its epilogue, reading x gathered by token (plus a
-copy of x in expert order when a weight gradient will read those rows again); down grouped GEMM
-with the routing weight and the scatter to pair order in its epilogue (on Hopper the Gluon kernel of
-hopper_down.py where it applies); one pass summing each token's k rows. Backward: one GEMM gives
-dy @ W_down per sorted row, one pass over those rows the GLU backward (d(gate/up) and d(routing
-weight), glu_backward.py), one GEMM dx (scattered, then summed over k), and the per-expert weight
-gradients run only for the tensors that require grad, so frozen experts under LoRA skip them. The GEMMs read dy gathered by token; only the down weight
-gradient takes a copy of its rows in expert order, scaled by the routing weight, for torch._grouped_mm.
-The routing weights are read in the router's [T * k] order and the token of a sorted row is pair // k,
-so neither is permuted.
+Forward: gate/up grouped GEMM with the GLU in its epilogue, reading x gathered by token (plus a copy of x in
+expert order when a weight gradient will read those rows again); down grouped GEMM with the routing weight and
+the scatter to pair order in its epilogue (on Hopper the Gluon kernel of hopper_down.py where it applies); one
+pass summing each token's k rows. Backward: one GEMM gives dy @ W_down per sorted row, one pass over those
+rows the GLU backward (d(gate/up) and d(routing weight), glu_backward.py), one GEMM dx (scattered, then summed
+over k), and the per-expert weight gradients run only for the tensors that require grad, so frozen experts
+under LoRA skip them. The GEMMs read dy gathered by token; only the down weight gradient takes a copy of its
+rows in expert order, scaled by the routing weight, for torch._grouped_mm. The routing weights are read in the
+router's [T * k] order and the token of a sorted row is pair // k, so neither is permuted.
 
 Shape legend: T tokens, D model width, E experts, F expert width, k top-k, r LoRA rank,
 S = T * k pairs in expert-sorted order, P = T * k pairs in the router's order.
