@@ -41,7 +41,7 @@ except ImportError:  # a triton without Gluon's Hopper modules: experts._down ke
     gluon = None
 
 BM, BN, BK = 128, 128, 64
-# the W ring: 5 stages 0.72 ms at 16384 tokens, 4 0.80, 3 0.98 (bench/NOTES.md); 5 with A whole and the epilogue's
+# the W ring: 5 stages 0.72 ms at 16384 tokens, 4 0.80, 3 0.98 (bench/NOTES.md); 5 with h whole and the epilogue's
 # conversion take 229,600 of the 232,448 bytes of shared memory a block can hold
 STAGES = 5
 # consumer warpgroup 1's and the producer warp's registers a thread (consumer 0 takes what they leave)
