@@ -1,6 +1,7 @@
 """MoE block benchmark: the runtime's MoE layer (runtime/layers/ffn.py: router, fused Triton experts
-whose down projection is Gluon on Hopper, gated shared expert) vs transformers' Qwen3NextSparseMoeBlock with grouped_mm experts, same
-weights (the layer is built over transformers' Parameter objects), bf16, one GPU.
+whose down projection is Gluon on Hopper, gated shared expert) vs transformers' Qwen3NextSparseMoeBlock
+with grouped_mm experts, same weights (the layer is built over transformers' Parameter objects), bf16,
+one GPU.
 
 Shape legend: T tokens, D model width, E experts, F expert width, k top-k, r LoRA rank.
 

@@ -1,6 +1,7 @@
-"""What the Gluon kernels for Hopper (dsa/hopper.py, gated_delta/hopper.py) share: whether a device is Hopper, and
-the fallback to their Triton twins where a Gluon kernel does not compile with the installed triton (Gluon is
-experimental: its calls move between releases, so a moved API costs speed, not the run)."""
+"""What the Gluon kernels for Hopper (the hopper*.py modules of dsa/, gated_delta/ and moe/) share: whether a device
+is Hopper, its SM count (their persistent grids), and the fallback to their Triton twins where a Gluon kernel does not
+compile with the installed triton (Gluon is experimental: its calls move between releases, so a moved API costs
+speed, not the run)."""
 from __future__ import annotations
 
 import functools
@@ -17,6 +18,11 @@ FAILED: set[str] = set()
 @functools.cache
 def is_hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def compiles(name: str, launch) -> bool:

@@ -15,9 +15,9 @@ from runtime.kernels.moe import grouped_gemm as gg
 from runtime.kernels.moe import hopper_down
 from runtime.kernels.moe.schedule import build_schedule
 from runtime.tolerances import assert_close
-from tests.kernels.test_kernel_gated_delta_hopper import compiled_resources, on_hopper
+from tests.kernels.test_kernel_gated_delta_hopper import compiled_resources, needs_gluon, on_hopper
 
-needs_gluon = pytest.mark.skipif(hopper_down.gluon is None, reason="this triton has no Gluon Hopper modules")
+# needs_gluon: hopper_down imports the same Gluon Hopper modules as gated_delta/hopper.py
 COMPILE = """
 import json, sys
 from bench.kernel_resources import resources

@@ -55,11 +55,9 @@ Shape legend: T tokens, H heads, K key dim, V value dim, C chunk size, NC chunks
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from runtime.kernels.gluon_fallback import compiles, is_hopper
+from runtime.kernels.gluon_fallback import compiles, is_hopper, num_sms
 from runtime.kernels.launch import interpreting
 
 try:
@@ -79,11 +77,6 @@ WORKER_REGS = 256
 SHARED_BYTES = 227 * 1024
 # GDN's kernel: programs of one warpgroup an SM, each its own stage (one copy of the loop: hopper_wy.py's reasoning)
 PROGRAMS_PER_SM = 2
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def state_grad_fits(K: int, V: int, C: int, key_block: int, dtype: torch.dtype, per_channel: bool) -> bool:
@@ -654,7 +647,7 @@ def state_grad(q, k, g, h, dh, v_new, dv_new, do, chunk_start, chunk_end, norms,
     num_chunks, H, K, V = h.shape
     num_items = num_chunks * H * (K // KEYS_PER_ITEM)
     programs_per_sm = 1 if per_channel else PROGRAMS_PER_SM
-    grid = (min(num_items, programs_per_sm * _num_sms(q.device.index or 0)),)
+    grid = (min(num_items, programs_per_sm * num_sms(q.device.index or 0)),)
     descs = [_rows_desc(t, V) for t in (do, v_new, dv_new)] + [_state_desc(t) for t in (h, dh)]
     descs += [_rows_desc(t, KEYS_PER_ITEM) for t in (q, k)]
     if per_channel:

@@ -36,7 +36,7 @@ import torch
 
 from runtime.kernels.gated_delta import hopper
 from runtime.kernels.gated_delta.hopper import CHUNK, KEY_DIM, VALUE_DIM, gluon
-from runtime.kernels.gluon_fallback import compiles, is_hopper
+from runtime.kernels.gluon_fallback import compiles, is_hopper, num_sms
 from runtime.kernels.launch import interpreting
 
 # programs an SM: each of one warpgroup, its stages its own
@@ -305,7 +305,7 @@ def prep(q, k, v, g, beta, chunk_start, chunk_end, w, u, p, glast, row_scales, t
     (nothing written)."""
     H = q.shape[1]
     num_items = glast.shape[0] * H
-    grid = (min(num_items, PROGRAMS_PER_SM * hopper._num_sms(q.device.index or 0)),)
+    grid = (min(num_items, PROGRAMS_PER_SM * num_sms(q.device.index or 0)),)
     descs = [hopper._rows_desc(t, t.shape[-1]) for t in (q, k, v)]
     return compiles("GDN prep", lambda: prep_kernel[grid](
         *descs, g, beta, chunk_start, chunk_end, w, u, p, glast, row_scales, tinv, norms, scale, num_items, H, 0,

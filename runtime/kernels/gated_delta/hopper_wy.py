@@ -62,7 +62,7 @@ import torch
 
 from runtime.kernels.gated_delta import hopper
 from runtime.kernels.gated_delta.hopper import CHUNK, KEY_DIM, VALUE_DIM, gluon
-from runtime.kernels.gluon_fallback import compiles, is_hopper
+from runtime.kernels.gluon_fallback import compiles, is_hopper, num_sms
 from runtime.kernels.launch import interpreting
 
 # programs an SM: each of one warpgroup, its own stage and 255 registers a thread
@@ -472,7 +472,7 @@ def wy_grad(q, k, v, g, beta, tinv, dv_new, dw, part_dq, part_dk, dgc, dgl, norm
     compile here (nothing written)."""
     H = q.shape[1]
     num_items = dgl.shape[0] * H
-    grid = (min(num_items, PROGRAMS_PER_SM * hopper._num_sms(q.device.index or 0)),)
+    grid = (min(num_items, PROGRAMS_PER_SM * num_sms(q.device.index or 0)),)
     descs = [hopper._rows_desc(t, t.shape[-1]) for t in (dv_new, v, k, dw, q, part_dq, part_dk, tinv)]
     return compiles("GDN wy_grad", lambda: wy_grad_kernel[grid](
         *descs, g, beta, norms, chunk_start, chunk_end, dgc, dgl, dv, dq, dk, dbeta, dg, scale, num_items, H,

@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.kernels.gated_delta.hopper import _num_sms
-from runtime.kernels.gluon_fallback import compiles, is_hopper
+from runtime.kernels.gluon_fallback import compiles, is_hopper, num_sms
 from runtime.kernels.launch import interpreting
 
 try:
@@ -234,7 +233,7 @@ def down_gemm(h_SK, w_ENK, sched, y, weight_P) -> bool:
     a_desc = TensorDescriptor(h_SK, list(h_SK.shape), [K, 1], [BM, BK], a_layout)
     w_layout = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
     w_desc = TensorDescriptor(w_ENK.view(E * N, K), [E * N, K], [K, 1], [BN, BK], w_layout)
-    grid = (min(sched.num_tiles, _num_sms(h_SK.device.index or 0)),)
+    grid = (min(sched.num_tiles, num_sms(h_SK.device.index or 0)),)
     return compiles("MoE down GEMM", lambda: down_gemm_kernel[grid](
         a_desc, w_desc, y, y.stride(0), weight_P, sched.pair_S, sched.tile_expert, sched.tile_start, sched.ends_E,
         sched.num_experts, sched.num_tiles, N, K, NUM_STAGES=STAGES, CONSUMER_REGS=CONSUMER_REGS,
