@@ -8,7 +8,8 @@ from __future__ import annotations
 KINDS = (
     ("gdn/kda kernels", ("prep_blocked", "prep_kernel", "scan_kernel", "scan_bwd", "state_grad", "wy_grad", "diag_token",
                          "gram_grad", "dg_finish", "solve_triangular")),
-    ("moe grouped gemm + routing", ("grouped", "down_gemm", "_router", "gather", "combine", "glu", "swiglu", "topk")),
+    ("moe grouped gemm + routing", ("grouped", "down_gemm", "wgrad", "_router", "gather", "combine", "glu", "swiglu",
+                                    "topk")),
     ("attention (sdpa)", ("flash", "fmha", "cudnn", "attention")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90", "aten::mm", "aten::bmm", "aten::addmm", "aten::matmul",
                 "aten::linear")),

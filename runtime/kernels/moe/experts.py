@@ -1,7 +1,8 @@
 """Routed SwiGLU experts as one autograd op over the fused grouped kernels.
 
 Forward: gate/up grouped GEMM with the GLU in its epilogue, reading x gathered by token (plus a copy of x in
-expert order when a weight gradient will read those rows again); down grouped GEMM with the routing weight and
+expert order when a weight gradient will read those rows again: on Hopper written by the Gluon kernel of
+hopper_glu.py from the rows it gathers, where it applies); down grouped GEMM with the routing weight and
 the scatter to pair order in its epilogue (on Hopper the Gluon kernel of hopper_down.py where it applies); one
 pass summing each token's k rows. Backward: one GEMM gives dy @ W_down per sorted row, one pass over those
 rows the GLU backward (d(gate/up) and d(routing weight), glu_backward.py), one GEMM dx (scattered, then summed
@@ -29,7 +30,7 @@ from runtime.kernels.moe.grouped_gemm import (
     Weight,
     grouped_gemm,
 )
-from runtime.kernels.moe import hopper_down
+from runtime.kernels.moe import hopper_down, hopper_glu, hopper_wgrad
 from runtime.kernels.moe.glu_backward import routed_glu_backward
 from runtime.kernels.moe.grouped_wgrad import grouped_mm_takes, grouped_wgrad, sorted_rows_wgrad
 from runtime.kernels.moe.schedule import Schedule, build_schedule
@@ -60,15 +61,23 @@ class Lora:
     scale: float
 
 
-def _gate_up(x: Rows, w_gu, b_gu, lora: Lora, sched: Schedule, glu: Glu):
-    """-> (gate_up_S2F pre-activation, h_SF, xa_Sr or None)."""
-    S, two_f, dtype, device = sched.pair_S.numel(), w_gu.shape[1], x.data.dtype, x.data.device
-    xa, low_rank = _low_rank(x, lora.A_gu_ErD, lora.B_gu_E2Fr, lora.scale, sched)
+def _gate_up(x_TD, keep_x: bool, w_gu, b_gu, lora: Lora, sched: Schedule, glu: Glu):
+    """-> (x's rows for the backward: a copy in expert order when keep_x, gate_up_S2F pre-activation, h_SF,
+    xa_Sr or None)."""
+    S, two_f, dtype, device = sched.pair_S.numel(), w_gu.shape[1], x_TD.dtype, x_TD.device
     gate_up = buffers.empty(S, two_f, dtype=dtype, device=device)
     h = buffers.empty(S, two_f // 2, dtype=dtype, device=device)
+    # the Gluon kernel on Hopper where it takes the shapes, and compiles (hopper_glu.py): it writes the copy of x
+    # from the rows it gathers
+    if b_gu is None and lora.A_gu_ErD is None and glu == Glu() and hopper_glu.fits(x_TD, w_gu, sched.block_m):
+        x_sorted = buffers.empty(S, x_TD.shape[1], dtype=dtype, device=device) if keep_x else None
+        if hopper_glu.glu_gemm(x_TD, w_gu, sched, gate_up, h, x_sorted):
+            return (Rows(x_sorted, False) if keep_x else Rows(x_TD, True)), gate_up, h, None
+    x = Rows(gather_tokens(x_TD, sched), False) if keep_x else Rows(x_TD, True)
+    xa, low_rank = _low_rank(x, lora.A_gu_ErD, lora.B_gu_E2Fr, lora.scale, sched)
     grouped_gemm(x.data, Weight(w_gu), sched, h, mode=MODE_GLU_FWD, gather_a=x.by_token, bias_EN=b_gu,
                  low_rank=low_rank, gate_up=gate_up, glu=glu)
-    return gate_up, h, xa
+    return x, gate_up, h, xa
 
 
 def _down(h_SF, w_d, b_d, w_P, lora: Lora, sched: Schedule):
@@ -102,8 +111,7 @@ class _SwigluExperts(torch.autograd.Function):
         # the gate/up weights and of LoRA's A there reduce over x's rows and run faster on a copy in
         # expert order: copy only for those readers.
         keep_x = need["w_gu"] or need["A_gu"]
-        x = Rows(gather_tokens(x_TD, sched), False) if keep_x else Rows(x_TD, True)
-        gate_up, h, xa = _gate_up(x, w_gu, b_gu, lora, sched, glu)
+        x, gate_up, h, xa = _gate_up(x_TD, keep_x, w_gu, b_gu, lora, sched, glu)
         y_TD, ha = _down(h, w_d, b_d, w_P, lora, sched)
         ctx.save_for_backward(x.data if keep_x else None, w_P, idx_Tk, w_gu, w_d, b_d, A_gu, B_gu, A_d, B_d,
                               gate_up, h, xa, ha)
@@ -119,25 +127,30 @@ class _SwigluExperts(torch.autograd.Function):
         x = Rows(x_data, ctx.x_by_token)
         dy = Rows(dy_TD.contiguous().to(ctx.dtypes["x"]), True)
         lora = Lora(A_gu, B_gu, A_d, B_d, ctx.scale)
-        d_gate_up, dw_P, dyb = _backward_glu(dy, w_d, w_P, gate_up, lora, sched, ctx.glu, need["weights"])
+        # the down weight gradient in Gluon reads dy by token against the rows w * h, which the GLU pass writes
+        wh_for_wd = need["w_d"] and hopper_wgrad.fits(dy.data, h)
+        d_gate_up, dw_P, dyb, wh = _backward_glu(dy, w_d, w_P, gate_up, lora, sched, ctx.glu, need["weights"],
+                                                 wh_for_wd)
         # d_gate_up @ B_gu per sorted row: the rank-r signal reaching A_gu and, through it, x
         lg, lg_term = _low_rank(Rows(d_gate_up, False), B_gu if need["x"] or need["A_gu"] else None, A_gu,
                                 ctx.scale, sched, transposed=True)
         grads = _input_grads(d_gate_up, dw_P, w_gu, b_d, dy.data, idx_Tk, lg_term, sched, need)
-        grads |= _weight_grads(x, dy, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg, lora, sched, need)
+        grads |= _weight_grads(x, dy, d_gate_up, w_P, idx_Tk, h, wh, xa, ha, dyb, lg, lora, sched, need)
         # each gradient in its input's dtype (the kernels accumulate some in fp32)
         return None, None, *(grads[n].to(ctx.dtypes[n]) if n in grads else None for n in _INPUTS)
 
 
-def _backward_glu(dy: Rows, w_d, w_P, gate_up, lora: Lora, sched: Schedule, glu: Glu, want_dw: bool):
-    """-> (d_gate_up_S2F, d(routing weight) in pair order [T * k] or None, dy @ B_d per row or None)."""
+def _backward_glu(dy: Rows, w_d, w_P, gate_up, lora: Lora, sched: Schedule, glu: Glu, want_dw: bool,
+                  want_wh: bool):
+    """-> (d_gate_up_S2F, d(routing weight) in pair order [T * k] or None, dy @ B_d per row or None,
+    w * h per row or None)."""
     S, dtype, device = sched.pair_S.numel(), dy.data.dtype, dy.data.device
     dyb, low_rank = _low_rank(dy, lora.B_d_EDr, lora.A_d_ErF, lora.scale, sched, transposed=True)
     # dh before the routing weight, which the GLU pass applies (it needs the unscaled rows for dw)
     dh_raw = buffers.empty(S, gate_up.shape[1] // 2, dtype=dtype, device=device)
     grouped_gemm(dy.data, Weight(w_d, transposed=True), sched, dh_raw, gather_a=dy.by_token, low_rank=low_rank)
-    d_gate_up, dw_P = routed_glu_backward(dh_raw, gate_up, w_P, sched, glu, want_dw)
-    return d_gate_up, dw_P, dyb
+    d_gate_up, dw_P, wh = routed_glu_backward(dh_raw, gate_up, w_P, sched, glu, want_dw, want_wh)
+    return d_gate_up, dw_P, dyb, wh
 
 
 def _input_grads(d_gate_up, dw_P, w_gu, b_d, dy_TD, idx_Tk, low_rank: LowRank | None, sched: Schedule,
@@ -157,17 +170,20 @@ def _input_grads(d_gate_up, dw_P, w_gu, b_d, dy_TD, idx_Tk, low_rank: LowRank | 
     return grads
 
 
-def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg, lora: Lora, sched: Schedule,
+def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_P, idx_Tk, h, wh, xa, ha, dyb, lg, lora: Lora, sched: Schedule,
                   need: dict) -> dict:
-    """h takes the routing weight w as a row scale in the down-side gradients."""
+    """h takes the routing weight w as a row scale in the down-side gradients (wh: w * h, or None)."""
     s = lora.scale
     grads = {}
     if need["w_gu"]:
-        # x's rows are the copy in expert order here (see forward): torch._grouped_mm where it takes them
-        grad = sorted_rows_wgrad(d_gate_up, x.data, sched)
-        grads["w_gu"] = grad if grad is not None else grouped_wgrad(d_gate_up, x.data, sched)
+        # x's rows are the copy in expert order here (see forward): the Gluon kernel, else torch._grouped_mm, where
+        # they take them
+        grads["w_gu"] = _base_wgrad(d_gate_up, x.data, sched)
     if need["w_d"]:
-        if grouped_mm_takes(dy.data, h):
+        grad = hopper_wgrad.wgrad(dy.data, wh, sched, gather_a=True) if wh is not None else None
+        if grad is not None:
+            grads["w_d"] = grad
+        elif grouped_mm_takes(dy.data, h):
             # a copy of dy's rows in expert order, scaled by the routing weight, and torch._grouped_mm beat
             # grouped_wgrad's gather and scale along its reduction (bench/NOTES.md)
             grads["w_d"] = sorted_rows_wgrad(gather_tokens(dy.data, sched, row_scale_P=w_P), h, sched)
@@ -186,6 +202,15 @@ def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_P, idx_Tk, h, xa, ha, dyb, lg,
     if need["B_d"]:
         grads["B_d"] = grouped_wgrad(dy.data, ha, sched, gather_a=dy.by_token, row_scale_P=w_P, alpha=s)
     return grads
+
+
+def _base_wgrad(a_SM, b_SN, sched: Schedule):
+    """Per expert a^T b over its sorted rows: the Gluon kernel, torch._grouped_mm or grouped_wgrad, the first that
+    takes the operands."""
+    grad = hopper_wgrad.wgrad(a_SM, b_SN, sched) if hopper_wgrad.fits(a_SM, b_SN) else None
+    if grad is None:
+        grad = sorted_rows_wgrad(a_SM, b_SN, sched)
+    return grad if grad is not None else grouped_wgrad(a_SM, b_SN, sched)
 
 
 def _low_rank(a: Rows, left, right, scale: float, sched: Schedule, transposed: bool = False):

@@ -30,14 +30,12 @@ import torch
 from runtime.kernels.gluon_fallback import compiles, is_hopper, num_sms
 from runtime.kernels.launch import interpreting
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
-    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # a triton without Gluon's Hopper modules: experts._down keeps the Triton kernel
-    gluon = None
+# Gluon's names, None without its Hopper modules (experts._down keeps the Triton kernel)
+from runtime.kernels.moe.hopper_gluon import SHARED_BYTES
+from runtime.kernels.moe.hopper_gluon import (
+    fence_async_shared, gl, gluon, mbarrier, TensorDescriptor, warpgroup_mma, warpgroup_mma_wait,
+    tma_load as _tma_load, barrier as _barrier,
+)
 
 BM, BN, BK = 128, 128, 64
 # the W ring: 5 stages 0.72 ms at 16384 tokens, 4 0.80, 3 0.98 (bench/NOTES.md); 5 with h whole and the epilogue's
@@ -45,13 +43,9 @@ BM, BN, BK = 128, 128, 64
 STAGES = 5
 # consumer warpgroup 1's and the producer warp's registers a thread (consumer 0 takes what they leave)
 CONSUMER_REGS, PRODUCER_REGS = 232, 40
-SHARED_BYTES = 227 * 1024
 
 
 if gluon is not None:
-    # triton 3.6 calls these async_copy_global_to_shared and thread_barrier, 3.7 and later async_load and barrier
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
     @gluon.jit
     def _producer(a_desc, w_desc, a_bufs, w_bufs, a_ready, a_empty, w_ready, w_empty, turn, y_ptr, stride_ym,

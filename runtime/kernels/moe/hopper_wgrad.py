@@ -1,0 +1,219 @@
+"""The experts' weight gradients in Gluon for Hopper (sm_90): out[e] = A[rows_e]^T B[rows_e] ([E, M, N] in B's
+dtype) over expert e's sorted rows rows_e, A's rows read by token (row pair(s) // k) when gather_a, else by sorted
+row; B's by sorted row. experts._weight_grads runs it for the gate/up weight gradient (d_gate_up by x's copy in
+expert order) and the down one (dy read by token, by the routing-weight-scaled h) where `fits` says it applies, in
+place of torch._grouped_mm.
+
+Why: per expert the reduction is short (~320 rows at 16384 tokens, ~80 at 4096), so a 128 x 256 output tile is 5
+(or 2) MMA steps followed by a 64 KB store; the grouped GEMM's cooperative CUTLASS kernel holds its warpgroups in
+that epilogue, and the down gradient needed a copy of dy's rows in expert order, scaled (0.30 ms at 16384 tokens).
+Here persistent programs walk (expert, output tile) items, three partitions each:
+- a producer partition of 4 warps loads each step's A [BK, BM] rows by cp.async, rows past the expert's end
+  zero-filled (the reduction's ragged end: they belong to the next expert) and gathered by token where asked, and
+  B's two [BK, BN] blocks by TMA (their rows past the end meet A's zeros);
+- two consumer warpgroups share each stage, each accumulating BN of the tile's 2 BN columns, and hand their finished
+  tile to a TMA store from shared memory, which runs while the next item's MMAs do.
+
+Gluon has no CPU interpreter: tests compile the kernel for sm_90a on any machine and compare it with
+torch._grouped_mm where a Hopper GPU is; grouped_wgrad.py stays the path elsewhere.
+
+Shape legend: S sorted rows, T tokens, M and N the gradient's sides, E experts; tiles BM x 2 BN outputs, BK rows.
+"""
+from __future__ import annotations
+
+import torch
+
+from runtime.kernels import buffers
+from runtime.kernels.gluon_fallback import compiles, is_hopper, num_sms
+from runtime.kernels.launch import interpreting
+
+# Gluon's names, None without its Hopper modules (experts keeps torch._grouped_mm)
+from runtime.kernels.moe.hopper_gluon import (
+    async_copy, fence_async_shared, gl, gluon, mbarrier, TensorDescriptor, tma, warpgroup_mma, warpgroup_mma_wait,
+    tma_load as _tma_load, tma_store as _tma_store, cp_async_load as _async_load, barrier as _barrier,
+)
+
+BM, BN, BK = 128, 128, 64
+# three stages of A and B (48 KB each) beside the two warpgroups' 32 KB staging tiles
+STAGES = 3
+# consumer warpgroup 1's and the producer's registers a thread (consumer 0 takes what they leave of 512)
+CONSUMER_REGS, PRODUCER_REGS = 232, 48
+PRODUCER_WARPS = 4
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _item(i, tiles_m, tiles_n):
+        """Item i: (expert, row block of M, column block of N); an expert's items are consecutive, so that the
+        programs in flight share its rows in L2."""
+        per_e = tiles_m * tiles_n
+        return i // per_e, (i % per_e) // tiles_n, i % tiles_n
+
+    @gluon.jit
+    def _rows_of(ends_ptr, e):
+        return gl.load(ends_ptr + e - 1, mask=e > 0, other=0), gl.load(ends_ptr + e)
+
+    @gluon.jit
+    def _producer(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
+                  empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a):
+        """Every item's steps of BK rows: B's two column blocks by TMA, A's rows by cp.async (each thread arrives
+        on the stage's a_ready once its copies landed), each stage once both consumers are done with it."""
+        NUM_STAGES: gl.constexpr = a_bufs.shape[0]
+        TILE_K: gl.constexpr = a_bufs.shape[1]
+        TILE_M: gl.constexpr = a_bufs.shape[2]
+        TILE_N: gl.constexpr = b0_bufs.shape[2]
+        LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
+        offs_k = gl.arange(0, TILE_K, layout=gl.SliceLayout(1, LOAD))
+        cols = gl.arange(0, TILE_M, layout=gl.SliceLayout(0, LOAD))
+        step = 0
+        for i in range(gl.program_id(0), num_items, gl.num_programs(0)):
+            e, mt, nt = _item(i, tiles_m, tiles_n)
+            start, end = _rows_of(ends_ptr, e)
+            a_cols = a_ptr + (mt * TILE_M + cols)[None, :]
+            # tokens of the step's rows (when gathering), each step's loaded one step ahead
+            pairs = gl.load(pair_ptr + start + offs_k, mask=(start + offs_k < end) & gather_a, other=0).to(gl.int32)
+            for r0 in range(start, end, TILE_K):
+                s = step % NUM_STAGES
+                # a fresh barrier counts as released in its preceding phase: the first round passes
+                mbarrier.wait(empty.index(s), ((step // NUM_STAGES) & 1) ^ 1)
+                mbarrier.expect(b_ready.index(s), 4 * TILE_K * TILE_N)
+                _tma_load(b_desc, [r0, nt * 2 * TILE_N], b_ready.index(s), b0_bufs.index(s))
+                _tma_load(b_desc, [r0, nt * 2 * TILE_N + TILE_N], b_ready.index(s), b1_bufs.index(s))
+                rows = r0 + offs_k
+                a_rows = gl.where(gather_a, pairs // top_k, rows).to(gl.int64)
+                pairs = gl.load(pair_ptr + rows + TILE_K, mask=(rows + TILE_K < end) & gather_a, other=0).to(gl.int32)
+                _async_load(a_bufs.index(s), a_cols + a_rows[:, None] * stride_am, mask=(rows < end)[:, None])
+                async_copy.mbarrier_arrive(a_ready.index(s), increment_count=False)
+                step += 1
+
+    @gluon.jit
+    def _consumer(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
+                  empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a, WG: gl.constexpr):
+        """Warpgroup WG's column block of every item: its steps' MMAs, then the tile through its staging buffer to a
+        TMA store (an expert without rows stores zeros)."""
+        NUM_STAGES: gl.constexpr = a_bufs.shape[0]
+        TILE_K: gl.constexpr = a_bufs.shape[1]
+        TILE_M: gl.constexpr = a_bufs.shape[2]
+        TILE_N: gl.constexpr = b0_bufs.shape[2]
+        ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, TILE_N, 16])
+        if WG == 0:
+            b_bufs = b0_bufs
+            c_buf = c0_buf
+        else:
+            b_bufs = b1_bufs
+            c_buf = c1_buf
+        step = 0
+        # each item's row range loaded one item ahead, so that no item starts on a load
+        start_next, end_next = _rows_of(ends_ptr, gl.program_id(0) // (tiles_m * tiles_n))
+        for i in range(gl.program_id(0), num_items, gl.num_programs(0)):
+            e, mt, nt = _item(i, tiles_m, tiles_n)
+            n_steps = gl.cdiv(end_next - start_next, TILE_K)
+            start_next, end_next = _rows_of(ends_ptr, gl.minimum(i + gl.num_programs(0), num_items - 1)
+                                            // (tiles_m * tiles_n))
+            acc = gl.zeros([TILE_M, TILE_N], gl.float32, ACC)
+            for kk in range(n_steps):
+                s = step % NUM_STAGES
+                mbarrier.wait(a_ready.index(s), (step // NUM_STAGES) & 1)
+                mbarrier.wait(b_ready.index(s), (step // NUM_STAGES) & 1)
+                # cp.async wrote through the generic proxy, the MMA reads through the async one
+                fence_async_shared()
+                acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                if kk > 0:
+                    # the MMA of the step before is done: its stage goes back
+                    _barrier()
+                    mbarrier.arrive(empty.index((step - 1) % NUM_STAGES))
+                step += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            if n_steps > 0:
+                _barrier()
+                mbarrier.arrive(empty.index((step - 1) % NUM_STAGES))
+            # the item before's store has read the staging buffer
+            tma.store_wait(0)
+            _barrier()
+            c_buf.store(acc.to(c_buf.dtype))
+            fence_async_shared()
+            _barrier()
+            _tma_store(out_desc, [e * tiles_m * TILE_M + mt * TILE_M, nt * 2 * TILE_N + WG * TILE_N], c_buf)
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _consumer0(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
+                   empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a):
+        _consumer(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
+                  empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a, 0)
+
+    @gluon.jit
+    def _consumer1(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
+                   empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a):
+        _consumer(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
+                  empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a, 1)
+
+    @gluon.jit
+    def wgrad_kernel(a_ptr, stride_am, b_desc, out_desc, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k,
+                     gather_a, NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     PRODUCER_REGS: gl.constexpr):
+        """Items i = program + j * programs. b_desc: B [S, N] in [BK, BN] blocks; out_desc: out's 2-D view
+        [E * M, N] in [BM, BN] blocks; A's rows by pointer (stride_am)."""
+        TILE_K: gl.constexpr = b_desc.block_shape[0]
+        TILE_M: gl.constexpr = out_desc.block_shape[0]
+        a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_K, TILE_M], gl.bfloat16)
+        a_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, TILE_K, TILE_M], a_layout)
+        b0_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES] + b_desc.block_shape, b_desc.layout)
+        b1_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES] + b_desc.block_shape, b_desc.layout)
+        c0_buf = gl.allocate_shared_memory(gl.bfloat16, out_desc.block_shape, out_desc.layout)
+        c1_buf = gl.allocate_shared_memory(gl.bfloat16, out_desc.block_shape, out_desc.layout)
+        a_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        b_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_STAGES):
+            # one arrival per producer thread, its cp.async copies landed
+            mbarrier.init(a_ready.index(i), count=32 * PRODUCER_WARPS)
+            mbarrier.init(b_ready.index(i), count=1)
+            # released by both consumers
+            mbarrier.init(empty.index(i), count=2)
+        fence_async_shared()
+        _barrier()
+        args = (a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready, empty,
+                pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a)
+        gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_producer, args)], [4, PRODUCER_WARPS],
+                           [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def shared_bytes() -> int:
+    """The stages of A and B, the two staging tiles and the barriers."""
+    return 2 * (STAGES * (BK * BM + 2 * BK * BN) + 2 * BM * BN) + 8 * 3 * STAGES
+
+
+def fits_shape(M: int, N: int, dtype: torch.dtype) -> bool:
+    """The tile rules: bf16, M whole BM blocks, N whole blocks of 2 BN (a BN half for each consumer)."""
+    return dtype == torch.bfloat16 and M % BM == 0 and N % (2 * BN) == 0 and M > 0 and N > 0
+
+
+def fits(a: torch.Tensor, b_SN: torch.Tensor) -> bool:
+    """Whether the Gluon kernel takes a^T b: on a Hopper GPU, a and b contiguous, one dtype, and the tile rules."""
+    if gluon is None or interpreting() or not (b_SN.is_cuda and is_hopper(b_SN.device.index or 0)):
+        return False
+    return (a.dtype == b_SN.dtype and a.is_contiguous() and b_SN.is_contiguous()
+            and fits_shape(a.shape[1], b_SN.shape[1], a.dtype))
+
+
+def wgrad(a, b_SN, sched, gather_a: bool = False) -> torch.Tensor | None:
+    """[E, M, N]: per expert a[rows]^T b[rows] over its sorted rows, a's rows by token (a is [T, M]) when gather_a,
+    else by sorted row (a is [S, M]); `fits` must hold. None where the kernel does not compile here."""
+    M, N, E = a.shape[1], b_SN.shape[1], sched.num_experts
+    out = buffers.empty(E, M, N, dtype=b_SN.dtype, device=b_SN.device)
+    b_layout = gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16)
+    b_desc = TensorDescriptor(b_SN, list(b_SN.shape), [N, 1], [BK, BN], b_layout)
+    c_layout = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
+    out_desc = TensorDescriptor(out.view(E * M, N), [E * M, N], [N, 1], [BM, BN], c_layout)
+    tiles_m, tiles_n = M // BM, N // (2 * BN)
+    num_items = E * tiles_m * tiles_n
+    grid = (min(num_items, num_sms(b_SN.device.index or 0)),)
+    ran = compiles("MoE weight gradient", lambda: wgrad_kernel[grid](
+        a, a.stride(0), b_desc, out_desc, sched.pair_S, sched.ends_E, num_items, tiles_m, tiles_n, sched.top_k,
+        gather_a, NUM_STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS, CONSUMER_REGS=CONSUMER_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=4))
+    return out if ran else None
