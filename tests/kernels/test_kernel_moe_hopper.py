@@ -6,6 +6,8 @@ replaces and the experts op with it against the fp64 reference.
 
 Shape legend: T tokens, D model width, E experts, F expert width, k top-k, S = T * k sorted rows.
 """
+import json
+
 import pytest
 import torch
 
@@ -21,29 +23,43 @@ from runtime.kernels.moe.token_rows import gather_tokens
 from runtime.tolerances import assert_close
 from tests.kernels.test_kernel_gated_delta_hopper import compiled_resources, needs_gluon, on_hopper
 
-# needs_gluon: hopper_down imports the same Gluon Hopper modules as gated_delta/hopper.py
+# needs_gluon: the MoE kernels import the same Gluon Hopper modules as gated_delta/hopper.py
+# A kernel of runtime.kernels.moe compiled for sm_90a: argv[1] its module, argv[2] a JSON spec of its descriptors
+# (argument -> the module's names of the block's rows and columns), other typed arguments, constexprs (a string names
+# a module constant) and the arguments the launch specializes as multiples of 16.
 COMPILE = """
-import json, sys
+import importlib, json, sys
 from bench.kernel_resources import resources
-from runtime.kernels.moe import hopper_down as hd
-gl = hd.gl
-K = int(sys.argv[1])
-a_layout = gl.NVMMASharedLayout.get_default_for([hd.BM, hd.BK], gl.bfloat16)
-w_layout = gl.NVMMASharedLayout.get_default_for([hd.BN, hd.BK], gl.bfloat16)
-types = {"a_desc": f"tensordesc<bf16[{hd.BM}, {hd.BK}],{a_layout!r}>",
-         "w_desc": f"tensordesc<bf16[{hd.BN}, {hd.BK}],{w_layout!r}>",
-         "pair_ptr": "*i64", "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32", "ends_ptr": "*i32",
-         "scale_ptr": "*fp32"}
-constexprs = dict(K=K, NUM_STAGES=hd.STAGES, CONSUMER_REGS=hd.CONSUMER_REGS, PRODUCER_REGS=hd.PRODUCER_REGS)
-print(json.dumps(resources(hd.down_gemm_kernel, types, constexprs, num_warps=4,
-                           divisible_by_16=("y_ptr", "stride_ym"))))
+m = importlib.import_module("runtime.kernels.moe." + sys.argv[1])
+spec = json.loads(sys.argv[2])
+gl = m.gl
+
+
+def descriptor(rows, cols):
+    rows, cols = getattr(m, rows), getattr(m, cols)
+    return f"tensordesc<bf16[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)!r}>"
+
+
+types = {name: descriptor(*block) for name, block in spec["descriptors"].items()} | spec["types"]
+constexprs = {name: getattr(m, v) if isinstance(v, str) else v for name, v in spec["constexprs"].items()}
+print(json.dumps(resources(getattr(m, spec["kernel"]), types, constexprs, num_warps=4,
+                           divisible_by_16=tuple(spec["divisible_by_16"]))))
 """
+ROUTING = {"pair_ptr": "*i64", "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32", "ends_ptr": "*i32"}
+RING = {"NUM_STAGES": "STAGES", "CONSUMER_REGS": "CONSUMER_REGS", "PRODUCER_REGS": "PRODUCER_REGS"}
+
+
+def kernel_resources(module: str, **spec) -> dict:
+    return compiled_resources(COMPILE, module, json.dumps(spec))
 
 
 @needs_gluon
 @pytest.mark.parametrize("K", [512, 256])
 def test_gluon_down_gemm_compiles_for_sm90a(K):
-    used = compiled_resources(COMPILE, str(K))
+    used = kernel_resources("hopper_down", kernel="down_gemm_kernel",
+                            descriptors={"a_desc": ["BM", "BK"], "w_desc": ["BN", "BK"]},
+                            types=ROUTING | {"scale_ptr": "*fp32"}, constexprs=RING | {"K": K},
+                            divisible_by_16=["y_ptr", "stride_ym"])
     # nothing spills (triton 3.6 and 3.9); a store layout of 16 rows a thread spilled 108-136 bytes, 8 rows none
     assert used["spill_bytes"] == 0, used
     assert used["registers"] <= 255, used
@@ -146,27 +162,12 @@ def test_experts_with_gluon_down_gemm_match_reference(monkeypatch):
     assert_close(out.cpu(), expected, "swiglu_experts", torch.bfloat16, "out")
 
 
-GLU_COMPILE = """
-import json
-from bench.kernel_resources import resources
-from runtime.kernels.moe import hopper_glu as hg
-gl = hg.gl
-a_layout = gl.NVMMASharedLayout.get_default_for([hg.BM, hg.BK], gl.bfloat16)
-w_layout = gl.NVMMASharedLayout.get_default_for([hg.BU, hg.BK], gl.bfloat16)
-types = {"w_desc": f"tensordesc<bf16[{hg.BU}, {hg.BK}],{w_layout!r}>",
-         "xs_desc": f"tensordesc<bf16[{hg.BM}, {hg.BK}],{a_layout!r}>",
-         "pair_ptr": "*i64", "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32", "ends_ptr": "*i32",
-         "store_x": "i1"}
-constexprs = dict(NUM_STAGES=hg.STAGES, PRODUCER_WARPS=hg.PRODUCER_WARPS, CONSUMER_REGS=hg.CONSUMER_REGS,
-                  PRODUCER_REGS=hg.PRODUCER_REGS)
-print(json.dumps(resources(hg.glu_gemm_kernel, types, constexprs, num_warps=4,
-                           divisible_by_16=("x_ptr", "stride_xm", "gu_ptr", "stride_gum", "h_ptr", "stride_hm"))))
-"""
-
-
 @needs_gluon
 def test_gluon_glu_gemm_compiles_for_sm90a():
-    used = compiled_resources(GLU_COMPILE)
+    used = kernel_resources("hopper_glu", kernel="glu_gemm_kernel",
+                            descriptors={"w_desc": ["BU", "BK"], "xs_desc": ["BM", "BK"]},
+                            types=ROUTING | {"store_x": "i1"}, constexprs=RING | {"PRODUCER_WARPS": "PRODUCER_WARPS"},
+                            divisible_by_16=["x_ptr", "stride_xm", "gu_ptr", "stride_gum", "h_ptr", "stride_hm"])
     # the consumers' epilogue spills 16 bytes under triton 3.6 and 8 under 3.9 at 224 registers (56 under 3.9 at
     # 232; with h stored after gate/up, 116 under 3.6)
     assert used["spill_bytes"] <= 16, used
@@ -280,25 +281,13 @@ def test_experts_with_gluon_glu_match_reference(monkeypatch, frozen_experts):
             assert_close(run_in[name].grad.cpu(), leaf.grad, "swiglu_experts", torch.bfloat16, "grad", name)
 
 
-WGRAD_COMPILE = """
-import json
-from bench.kernel_resources import resources
-from runtime.kernels.moe import hopper_wgrad as hw
-gl = hw.gl
-b_layout = gl.NVMMASharedLayout.get_default_for([hw.BK, hw.BN], gl.bfloat16)
-c_layout = gl.NVMMASharedLayout.get_default_for([hw.BM, hw.BN], gl.bfloat16)
-types = {"b_desc": f"tensordesc<bf16[{hw.BK}, {hw.BN}],{b_layout!r}>",
-         "out_desc": f"tensordesc<bf16[{hw.BM}, {hw.BN}],{c_layout!r}>",
-         "pair_ptr": "*i64", "ends_ptr": "*i32", "gather_a": "i1"}
-constexprs = dict(NUM_STAGES=hw.STAGES, PRODUCER_WARPS=hw.PRODUCER_WARPS, CONSUMER_REGS=hw.CONSUMER_REGS,
-                  PRODUCER_REGS=hw.PRODUCER_REGS)
-print(json.dumps(resources(hw.wgrad_kernel, types, constexprs, num_warps=4, divisible_by_16=("a_ptr", "stride_am"))))
-"""
-
-
 @needs_gluon
 def test_gluon_wgrad_compiles_for_sm90a():
-    used = compiled_resources(WGRAD_COMPILE)
+    used = kernel_resources("hopper_wgrad", kernel="wgrad_kernel",
+                            descriptors={"b_desc": ["BK", "BN"], "out_desc": ["BM", "BN"]},
+                            types={"pair_ptr": "*i64", "ends_ptr": "*i32", "gather_a": "i1"},
+                            constexprs=RING | {"PRODUCER_WARPS": "PRODUCER_WARPS"},
+                            divisible_by_16=["a_ptr", "stride_am"])
     # nothing spills (triton 3.6 and 3.9)
     assert used["spill_bytes"] == 0, used
     assert used["registers"] <= 255, used

@@ -68,6 +68,5 @@ def routed_glu_backward(dh_raw_SF, gate_up_S2F, w_P, sched: Schedule, glu: Glu, 
         wh if want_wh else d_gate_up, S, F, row_mult, up_offset,
         glu.clamp if glu.clamp is not None else 0.0, glu.alpha if glu.alpha is not None else 1.0,
         CLAMP=glu.clamp is not None, HAS_ALPHA=glu.alpha is not None, WANT_DW=want_dw, WANT_WH=want_wh,
-        BLOCK_S=BLOCK_S,
-        BLOCK_F=min(MAX_BLOCK_F, triton.next_power_of_2(F)), num_warps=NUM_WARPS)
+        BLOCK_S=BLOCK_S, BLOCK_F=min(MAX_BLOCK_F, triton.next_power_of_2(F)), num_warps=NUM_WARPS)
     return d_gate_up, dw_P, wh
