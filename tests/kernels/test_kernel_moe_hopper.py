@@ -25,8 +25,8 @@ from tests.kernels.test_kernel_gated_delta_hopper import compiled_resources, nee
 
 # needs_gluon: the MoE kernels import the same Gluon Hopper modules as gated_delta/hopper.py
 # A kernel of runtime.kernels.moe compiled for sm_90a: argv[1] its module, argv[2] a JSON spec of its descriptors
-# (argument -> the module's names of the block's rows and columns), other typed arguments, constexprs (a string names
-# a module constant) and the arguments the launch specializes as multiples of 16.
+# (argument -> the block's rows and columns, a string naming a module constant), other typed arguments, constexprs
+# (a string names a module constant) and the arguments the launch specializes as multiples of 16.
 COMPILE = """
 import importlib, json, sys
 from bench.kernel_resources import resources
@@ -36,7 +36,7 @@ gl = m.gl
 
 
 def descriptor(rows, cols):
-    rows, cols = getattr(m, rows), getattr(m, cols)
+    rows, cols = (getattr(m, v) if isinstance(v, str) else v for v in (rows, cols))
     return f"tensordesc<bf16[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)!r}>"
 
 
@@ -257,10 +257,14 @@ def test_gluon_glu_gemm_matches_triton():
 
 
 @on_hopper
-@pytest.mark.parametrize("frozen_experts", [False, True], ids=["full", "frozen"])
-def test_experts_with_gluon_glu_match_reference(monkeypatch, frozen_experts):
-    """The op at widths the Gluon kernel takes (F 512, D 256), forward and gradients against fp64 (the gate/up
-    weight gradient reads the kernel's copy of x), the Gluon launch counted."""
+@pytest.mark.parametrize("frozen_experts, copy_x", [(False, False), (False, True), (True, False)],
+                         ids=["full", "full-copy", "frozen"])
+def test_experts_with_gluon_glu_match_reference(monkeypatch, frozen_experts, copy_x):
+    """The op at widths the Gluon kernel takes (F 512, D 256), forward and gradients against fp64, the Gluon launch
+    counted. The gate/up weight gradient gathers x's rows itself (hopper_wgrad's transposed form), or reads the
+    kernel's copy of x where that form does not apply (copy_x: hopper_wgrad.takes says no)."""
+    if copy_x:
+        monkeypatch.setattr(hopper_wgrad, "takes", lambda *a: False)
     calls = []
     launch = hopper_glu.glu_gemm
     monkeypatch.setattr(hopper_glu, "glu_gemm", lambda *a: calls.append(a[-1] is not None) or launch(*a))
@@ -270,7 +274,7 @@ def test_experts_with_gluon_glu_match_reference(monkeypatch, frozen_experts):
     ref_in = {n: t.double().requires_grad_(not (frozen_experts and n.startswith("w_"))) for n, t in args.items()}
     out = kernels.swiglu_experts(idx_Tk=idx.cuda(), **run_in)
     expected = ref.swiglu_experts(idx_Tk=idx, **ref_in)
-    assert calls == [not frozen_experts] and "MoE gate/up GEMM" not in gluon_fallback.FAILED, \
+    assert calls == [copy_x] and "MoE gate/up GEMM" not in gluon_fallback.FAILED, \
         "the Gluon gate/up projection did not run"
     assert_close(out.cpu(), expected, "swiglu_experts", torch.bfloat16, "out")
     cot = torch.randn(expected.shape, dtype=torch.float64)
@@ -282,11 +286,14 @@ def test_experts_with_gluon_glu_match_reference(monkeypatch, frozen_experts):
 
 
 @needs_gluon
-def test_gluon_wgrad_compiles_for_sm90a():
+@pytest.mark.parametrize("transposed", [False, True], ids=["a^T b", "b^T a"])
+def test_gluon_wgrad_compiles_for_sm90a(transposed):
     used = kernel_resources("hopper_wgrad", kernel="wgrad_kernel",
-                            descriptors={"b_desc": ["BK", "BN"], "out_desc": ["BM", "BN"]},
+                            # the staging tile: half a warpgroup's tile
+                            descriptors={"b_desc": ["BK", "BN"],
+                                         "out_desc": hopper_wgrad.out_block(transposed)},
                             types={"pair_ptr": "*i64", "ends_ptr": "*i32", "gather_a": "i1"},
-                            constexprs=RING | {"PRODUCER_WARPS": "PRODUCER_WARPS"},
+                            constexprs=RING | {"PRODUCER_WARPS": "PRODUCER_WARPS", "TRANSPOSED": transposed},
                             divisible_by_16=["a_ptr", "stride_am"])
     # nothing spills (triton 3.6 and 3.9)
     assert used["spill_bytes"] == 0, used
@@ -331,34 +338,43 @@ def test_wgrad_dispatch_passes_the_operands_and_falls_back(monkeypatch):
     ref_in = {n: t.detach().double().requires_grad_() for n, t in args.items()}
     calls = []
 
-    def wgrad(a, b, sched, gather_a=False):
+    def wgrad(a, b, sched, gather_a=False, transposed=False):
         # stands in for the Gluon launch: the Triton kernel's form of the same gradient, the call recorded
-        calls.append((a, b, gather_a))
-        return grouped_wgrad(a, b, sched, gather_a=gather_a)
+        calls.append((a, b, gather_a, transposed))
+        grad = grouped_wgrad(a, b, sched, gather_a=gather_a)
+        return grad.transpose(1, 2).contiguous() if transposed else grad
 
+    monkeypatch.setattr(hopper_wgrad, "takes", lambda *a: True)
     monkeypatch.setattr(hopper_wgrad, "fits", lambda *a: True)
     monkeypatch.setattr(hopper_wgrad, "wgrad", wgrad)
+    copies = []  # the data pointers of the tensors gather_tokens copies rows of
+    monkeypatch.setattr(kernels.experts, "gather_tokens",
+                        lambda rows, *a, **k: copies.append(rows.data_ptr()) or gather_tokens(rows, *a, **k))
     out = kernels.swiglu_experts(idx_Tk=idx, **run_in)
     expected = ref.swiglu_experts(idx_Tk=idx, **ref_in)
     out.backward(torch.ones_like(out))
     expected.backward(torch.ones_like(expected))
     for name in ("w_gate_up_E2FD", "w_down_EDF", "x_TD", "weights_Tk"):
         assert_close(run_in[name].grad, ref_in[name].grad, "swiglu_experts", torch.float32, "grad", name)
-    # the gate/up gradient over x's copy in expert order, the down one over dy by token and w * h
-    (a_gu, b_gu, gather_gu), (a_d, b_d, gather_d) = calls
-    assert a_gu.shape == (80, 32) and b_gu.shape == (80, 32) and not gather_gu
-    assert a_d.shape == (40, 32) and b_d.shape == (80, 16) and gather_d
-    # where the Gluon kernel does not compile, wgrad returns None and torch._grouped_mm or grouped_wgrad runs
+    # the gate/up gradient transposed, x's rows by token (no copy of x), the down one over dy by token and w * h
+    (a_gu, b_gu, gather_gu, transposed_gu), (a_d, b_d, gather_d, transposed_d) = calls
+    assert a_gu.shape == (40, 32) and b_gu.shape == (80, 32) and gather_gu and transposed_gu
+    assert a_d.shape == (40, 32) and b_d.shape == (80, 16) and gather_d and not transposed_d
+    assert copies == []
+    # where the Gluon kernel does not compile, wgrad returns None and torch._grouped_mm or grouped_wgrad runs, the
+    # gate/up one over a copy of x's rows made then
     monkeypatch.setattr(hopper_wgrad, "wgrad", lambda *a, **k: None)
     run_in = {n: t.detach().requires_grad_() for n, t in args.items()}
     kernels.swiglu_experts(idx_Tk=idx, **run_in).sum().backward()
+    assert copies.count(run_in["x_TD"].data_ptr()) == 1
     for name in ("w_gate_up_E2FD", "w_down_EDF"):
         assert_close(run_in[name].grad, ref_in[name].grad, "swiglu_experts", torch.float32, "grad", name)
 
 
 @on_hopper
+@pytest.mark.parametrize("transposed", [False, True], ids=["a^T b", "b^T a"])
 @pytest.mark.parametrize("gather_a", [False, True], ids=["sorted", "by-token"])
-def test_gluon_wgrad_matches_grouped_mm(gather_a):
+def test_gluon_wgrad_matches_grouped_mm(gather_a, transposed):
     """Against torch._grouped_mm on the same rows (bit-identical on the H200 at 16384 and 4096 tokens), an expert
     without rows included (zeros)."""
     T, E, k, M, N = 700, 9, 3, 256, 512
@@ -368,7 +384,10 @@ def test_gluon_wgrad_matches_grouped_mm(gather_a):
     a = torch.randn(T if gather_a else S, M, device="cuda").bfloat16()
     b = torch.randn(S, N, device="cuda").bfloat16()
     expected = sorted_rows_wgrad(gather_tokens(a, sched) if gather_a else a, b, sched)
-    got = hopper_wgrad.wgrad(a, b, sched, gather_a=gather_a)
+    got = hopper_wgrad.wgrad(a, b, sched, gather_a=gather_a, transposed=transposed)
+    if transposed:
+        assert got is not None and got.shape == (E, N, M)
+        got = got.transpose(1, 2)
     assert got is not None and "MoE weight gradient" not in gluon_fallback.FAILED
     assert not got.isnan().any() and (got[1] == 0).all()  # expert 1 has no rows
     diff = (got.float() - expected.float()).abs()
@@ -382,7 +401,7 @@ def test_experts_with_gluon_wgrad_match_reference(monkeypatch):
     calls = []
     launch = hopper_wgrad.wgrad
     monkeypatch.setattr(hopper_wgrad, "wgrad",
-                        lambda *a, **k: calls.append(k.get("gather_a", False)) or launch(*a, **k))
+                        lambda *a, **k: calls.append((k.get("gather_a"), k.get("transposed"))) or launch(*a, **k))
     args, idx = _experts_inputs(T=300, D=256, F=512, E=6, k=2, seed=3)
     run_in = {n: t.cuda().bfloat16().requires_grad_() for n, t in args.items()}
     ref_in = {n: t.double().requires_grad_() for n, t in args.items()}
@@ -391,6 +410,7 @@ def test_experts_with_gluon_wgrad_match_reference(monkeypatch):
     cot = torch.randn(expected.shape, dtype=torch.float64)
     out.backward(cot.cuda().bfloat16())
     expected.backward(cot)
-    assert sorted(calls) == [False, True] and "MoE weight gradient" not in gluon_fallback.FAILED
+    # the gate/up gradient transposed over x's rows by token, then the down one
+    assert calls == [(True, True), (True, None)] and "MoE weight gradient" not in gluon_fallback.FAILED
     for name in ("w_gate_up_E2FD", "w_down_EDF"):
         assert_close(run_in[name].grad.cpu(), ref_in[name].grad, "swiglu_experts", torch.bfloat16, "grad", name)

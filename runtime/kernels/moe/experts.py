@@ -1,14 +1,15 @@
 """Routed SwiGLU experts as one autograd op over the fused grouped kernels.
 
 Forward: gate/up grouped GEMM with the GLU in its epilogue, reading x gathered by token (plus a copy of x in
-expert order when a weight gradient will read those rows again: on Hopper written by the Gluon kernel of
-hopper_glu.py from the rows it gathers, where it applies); down grouped GEMM with the routing weight and
+expert order when a weight gradient will read those rows again and cannot gather them itself: on Hopper written by
+the Gluon kernel of hopper_glu.py from the rows it gathers, where it applies); down grouped GEMM with the routing weight and
 the scatter to pair order in its epilogue (on Hopper the Gluon kernel of hopper_down.py where it applies); one
 pass summing each token's k rows. Backward: one GEMM gives dy @ W_down per sorted row, one pass over those
 rows the GLU backward (d(gate/up) and d(routing weight), glu_backward.py), one GEMM dx (scattered, then summed
 over k), and the per-expert weight gradients run only for the tensors that require grad, so frozen experts
-under LoRA skip them. The GEMMs read dy gathered by token; only the down weight gradient takes a copy of its
-rows in expert order, scaled by the routing weight, for torch._grouped_mm. The routing weights are read in the
+under LoRA skip them. The GEMMs read dy gathered by token, and so do the Gluon weight gradients on Hopper (x's
+rows too, hopper_wgrad.py); elsewhere the weight gradients read copies in expert order (dy's scaled by the routing
+weight) for torch._grouped_mm. The routing weights are read in the
 router's [T * k] order and the token of a sorted row is pair // k, so neither is permuted.
 
 Shape legend: T tokens, D model width, E experts, F expert width, k top-k, r LoRA rank,
@@ -109,11 +110,13 @@ class _SwigluExperts(torch.autograd.Function):
         need = dict(zip(_INPUTS, ctx.needs_input_grad[2:]))
         # The gate/up GEMM gathers x's rows by token as fast as it reads a copy, but the gradients of
         # the gate/up weights and of LoRA's A there reduce over x's rows and run faster on a copy in
-        # expert order: copy only for those readers.
-        keep_x = need["w_gu"] or need["A_gu"]
+        # expert order: copy only for those readers, and not for the gate/up weights' where the Gluon
+        # kernel gathers x's rows itself (bench/NOTES.md).
+        wgu_by_token = need["w_gu"] and hopper_wgrad.takes(x_TD, w_gu.shape[1])
+        keep_x = (need["w_gu"] and not wgu_by_token) or need["A_gu"]
         x, gate_up, h, xa = _gate_up(x_TD, keep_x, w_gu, b_gu, lora, sched, glu)
         y_TD, ha = _down(h, w_d, b_d, w_P, lora, sched)
-        ctx.save_for_backward(x.data if keep_x else None, w_P, idx_Tk, w_gu, w_d, b_d, A_gu, B_gu, A_d, B_d,
+        ctx.save_for_backward(x.data if need["w_gu"] or need["A_gu"] else None, w_P, idx_Tk, w_gu, w_d, b_d, A_gu, B_gu, A_d, B_d,
                               gate_up, h, xa, ha)
         ctx.sched, ctx.scale, ctx.glu, ctx.x_by_token = sched, scale, glu, x.by_token
         ctx.dtypes = {n: t.dtype for n, t in zip(_INPUTS, inputs) if t is not None}
@@ -176,9 +179,7 @@ def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_P, idx_Tk, h, wh, xa, ha, dyb,
     s = lora.scale
     grads = {}
     if need["w_gu"]:
-        # x's rows are the copy in expert order here (see forward): the Gluon kernel, else torch._grouped_mm, where
-        # they take them
-        grads["w_gu"] = _base_wgrad(d_gate_up, x.data, sched)
+        grads["w_gu"] = _gate_up_wgrad(x, d_gate_up, sched)
     if need["w_d"]:
         grad = hopper_wgrad.wgrad(dy.data, wh, sched, gather_a=True) if wh is not None else None
         if grad is not None:
@@ -202,6 +203,18 @@ def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_P, idx_Tk, h, wh, xa, ha, dyb,
     if need["B_d"]:
         grads["B_d"] = grouped_wgrad(dy.data, ha, sched, gather_a=dy.by_token, row_scale_P=w_P, alpha=s)
     return grads
+
+
+def _gate_up_wgrad(x: Rows, d_gate_up_S2F, sched: Schedule):
+    """[E, 2F, D]: x's rows by token through the Gluon kernel's transposed form (d_gate_up^T x, x gathered as its a),
+    else over a copy in expert order (made by the forward, or here where the kernel did not compile)."""
+    if x.by_token:
+        grad = (hopper_wgrad.wgrad(x.data, d_gate_up_S2F, sched, gather_a=True, transposed=True)
+                if hopper_wgrad.fits(x.data, d_gate_up_S2F) else None)
+        if grad is not None:
+            return grad
+        x = Rows(gather_tokens(x.data, sched), False)
+    return _base_wgrad(d_gate_up_S2F, x.data, sched)
 
 
 def _base_wgrad(a_SM, b_SN, sched: Schedule):

@@ -1,8 +1,9 @@
 """The experts' weight gradients in Gluon for Hopper (sm_90): out[e] = A[rows_e]^T B[rows_e] ([E, M, N] in B's
-dtype) over expert e's sorted rows rows_e, A's rows read by token (row pair(s) // k) when gather_a, else by sorted
-row; B's by sorted row. experts._weight_grads runs it for the gate/up weight gradient (d_gate_up by x's copy in
-expert order) and the down one (dy read by token, by the routing-weight-scaled h) where `fits` says it applies, in
-place of torch._grouped_mm.
+dtype) over expert e's sorted rows rows_e, or its transpose B[rows_e]^T A[rows_e] ([E, N, M]), A's rows read by
+token (row pair(s) // k) when gather_a, else by sorted row; B's by sorted row. experts._weight_grads runs it for the
+gate/up weight gradient (transposed: d_gate_up^T x with x's rows by token, so that the forward writes no copy of x
+in expert order) and the down one (dy read by token, by the routing-weight-scaled h) where `fits` says it applies,
+in place of torch._grouped_mm.
 
 Why: per expert the reduction is short (~320 rows at 16384 tokens, ~80 at 4096), so a 128 x 256 output tile is 5
 (or 2) MMA steps followed by a 64 KB store; the grouped GEMM's cooperative CUTLASS kernel holds its warpgroups in
@@ -11,8 +12,10 @@ Here persistent programs walk (expert, output tile) items, three partitions each
 - a producer partition of 4 warps loads each step's A [BK, BM] rows by cp.async, rows past the expert's end
   zero-filled (the reduction's ragged end: they belong to the next expert) and gathered by token where asked, and
   B's two [BK, BN] blocks by TMA (their rows past the end meet A's zeros);
-- two consumer warpgroups share each stage, each accumulating BN of the tile's 2 BN columns, and hand their finished
-  tile to a TMA store from shared memory, which runs while the next item's MMAs do.
+- two consumer warpgroups share each stage, each accumulating BN of the tile's 2 BN columns (transposed: the MMA's
+  operands swapped, BN rows of out by BM), and hand their finished tile to TMA stores from shared memory in two
+  column halves, the second running while the next item's MMAs do. Half-tile staging leaves room for a fourth
+  stage: 1.54 ms against 1.69 with three stages and whole-tile staging at 16384 tokens (bench/NOTES.md).
 
 Gluon has no CPU interpreter: tests compile the kernel for sm_90a on any machine and compare it with
 torch._grouped_mm where a Hopper GPU is; grouped_wgrad.py stays the path elsewhere.
@@ -34,8 +37,8 @@ from runtime.kernels.moe.hopper_gluon import (
 )
 
 BM, BN, BK = 128, 128, 64
-# three stages of A and B (48 KB each) beside the two warpgroups' 32 KB staging tiles
-STAGES = 3
+# four stages of A and B (48 KB each) beside the two warpgroups' 16 KB staging tiles (a tile leaves in two halves)
+STAGES = 4
 # consumer warpgroup 1's and the producer's registers a thread (consumer 0 takes what they leave of 512)
 CONSUMER_REGS, PRODUCER_REGS = 232, 48
 PRODUCER_WARPS = 4
@@ -89,15 +92,21 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
-                  empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a, WG: gl.constexpr):
+                  empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a, TRANSPOSED: gl.constexpr,
+                  WG: gl.constexpr):
         """Warpgroup WG's column block of every item: its steps' MMAs, then the tile through its staging buffer to a
-        TMA store (an expert without rows stores zeros)."""
+        TMA store (an expert without rows stores zeros). TRANSPOSED: the MMA's operands swapped, so that the
+        accumulator holds the block's b^T a, out[e]'s rows BN of N by BM of M."""
         NUM_STAGES: gl.constexpr = a_bufs.shape[0]
         TILE_K: gl.constexpr = a_bufs.shape[1]
         TILE_M: gl.constexpr = a_bufs.shape[2]
         TILE_N: gl.constexpr = b0_bufs.shape[2]
+        # the accumulator's rows and columns: the staging tile's rows and twice its columns ([BN, BM] when TRANSPOSED)
+        ROWS: gl.constexpr = c0_buf.shape[0]
+        HALF: gl.constexpr = c0_buf.shape[1]
+        COLS: gl.constexpr = 2 * HALF
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, TILE_N, 16])
+                                                       instr_shape=[16, COLS, 16])
         if WG == 0:
             b_bufs = b0_bufs
             c_buf = c0_buf
@@ -112,14 +121,17 @@ if gluon is not None:
             n_steps = gl.cdiv(end_next - start_next, TILE_K)
             start_next, end_next = _rows_of(ends_ptr, gl.minimum(i + gl.num_programs(0), num_items - 1)
                                             // (tiles_m * tiles_n))
-            acc = gl.zeros([TILE_M, TILE_N], gl.float32, ACC)
+            acc = gl.zeros([ROWS, COLS], gl.float32, ACC)
             for kk in range(n_steps):
                 s = step % NUM_STAGES
                 mbarrier.wait(a_ready.index(s), (step // NUM_STAGES) & 1)
                 mbarrier.wait(b_ready.index(s), (step // NUM_STAGES) & 1)
                 # cp.async wrote through the generic proxy, the MMA reads through the async one
                 fence_async_shared()
-                acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
+                if TRANSPOSED:
+                    acc = warpgroup_mma(b_bufs.index(s).permute((1, 0)), a_bufs.index(s), acc, is_async=True)
+                else:
+                    acc = warpgroup_mma(a_bufs.index(s).permute((1, 0)), b_bufs.index(s), acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
                 if kk > 0:
                     # the MMA of the step before is done: its stage goes back
@@ -130,35 +142,63 @@ if gluon is not None:
             if n_steps > 0:
                 _barrier()
                 mbarrier.arrive(empty.index((step - 1) % NUM_STAGES))
-            # the item before's store has read the staging buffer
+            if TRANSPOSED:
+                out_row = (e * tiles_n + nt) * 2 * TILE_N + WG * TILE_N
+                out_col = mt * TILE_M
+            else:
+                out_row = e * tiles_m * TILE_M + mt * TILE_M
+                out_col = nt * 2 * TILE_N + WG * TILE_N
+            # the accumulator's left and right column halves (a thread holds both: no data moves)
+            left, right = gl.split(gl.permute(gl.reshape(acc, [ROWS, 2, HALF]), (0, 2, 1)))
+            # each half through the staging tile once the store before has read it
             tma.store_wait(0)
             _barrier()
-            c_buf.store(acc.to(c_buf.dtype))
+            c_buf.store(left.to(c_buf.dtype))
             fence_async_shared()
             _barrier()
-            _tma_store(out_desc, [e * tiles_m * TILE_M + mt * TILE_M, nt * 2 * TILE_N + WG * TILE_N], c_buf)
+            _tma_store(out_desc, [out_row, out_col], c_buf)
+            tma.store_wait(0)
+            _barrier()
+            c_buf.store(right.to(c_buf.dtype))
+            fence_async_shared()
+            _barrier()
+            _tma_store(out_desc, [out_row, out_col + HALF], c_buf)
         tma.store_wait(0)
 
     @gluon.jit
     def _consumer0(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
                    empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a):
         _consumer(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
-                  empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a, 0)
+                  empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a, False, 0)
 
     @gluon.jit
     def _consumer1(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
                    empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a):
         _consumer(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
-                  empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a, 1)
+                  empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a, False, 1)
+
+    @gluon.jit
+    def _consumer0_t(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
+                     empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a):
+        _consumer(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
+                  empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a, True, 0)
+
+    @gluon.jit
+    def _consumer1_t(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
+                     empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a):
+        _consumer(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
+                  empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a, True, 1)
 
     @gluon.jit
     def wgrad_kernel(a_ptr, stride_am, b_desc, out_desc, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k,
-                     gather_a, NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                     PRODUCER_REGS: gl.constexpr):
+                     gather_a, TRANSPOSED: gl.constexpr, NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+                     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         """Items i = program + j * programs. b_desc: B [S, N] in [BK, BN] blocks; out_desc: out's 2-D view
-        [E * M, N] in [BM, BN] blocks; A's rows by pointer (stride_am)."""
+        [E * M, N] in [BM, BN] blocks, or [E * N, M] in [BN, BM] blocks when TRANSPOSED; A's rows by pointer
+        (stride_am)."""
         TILE_K: gl.constexpr = b_desc.block_shape[0]
-        TILE_M: gl.constexpr = out_desc.block_shape[0]
+        # out's block is [BM, BN / 2], or [BN, BM / 2] when TRANSPOSED
+        TILE_M: gl.constexpr = 2 * out_desc.block_shape[0] * out_desc.block_shape[1] // b_desc.block_shape[1]
         a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_K, TILE_M], gl.bfloat16)
         a_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES, TILE_K, TILE_M], a_layout)
         b0_bufs = gl.allocate_shared_memory(gl.bfloat16, [NUM_STAGES] + b_desc.block_shape, b_desc.layout)
@@ -178,13 +218,23 @@ if gluon is not None:
         _barrier()
         args = (a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready, empty,
                 pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a)
-        gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_producer, args)], [4, PRODUCER_WARPS],
-                           [CONSUMER_REGS, PRODUCER_REGS])
+        # a constexpr in the arguments' tuple arrives as a tensor: each orientation has its consumers
+        if TRANSPOSED:
+            gl.warp_specialize([(_consumer0_t, args), (_consumer1_t, args), (_producer, args)], [4, PRODUCER_WARPS],
+                               [CONSUMER_REGS, PRODUCER_REGS])
+        else:
+            gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_producer, args)], [4, PRODUCER_WARPS],
+                               [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def shared_bytes() -> int:
     """The stages of A and B, the two staging tiles and the barriers."""
-    return 2 * (STAGES * (BK * BM + 2 * BK * BN) + 2 * BM * BN) + 8 * 3 * STAGES
+    return 2 * (STAGES * (BK * BM + 2 * BK * BN) + BM * BN) + 8 * 3 * STAGES
+
+
+def out_block(transposed: bool) -> list[int]:
+    """The staging tile, out's TMA block: half a warpgroup's [BM, BN] tile ([BN, BM] transposed), split by columns."""
+    return [BN, BM // 2] if transposed else [BM, BN // 2]
 
 
 def fits_shape(M: int, N: int, dtype: torch.dtype) -> bool:
@@ -192,28 +242,37 @@ def fits_shape(M: int, N: int, dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and M % BM == 0 and N % (2 * BN) == 0 and M > 0 and N > 0
 
 
+def takes(a: torch.Tensor, n: int) -> bool:
+    """Whether the Gluon kernel takes a^T b for a b of n columns in a's dtype, contiguous: on a Hopper GPU, a
+    contiguous, and the tile rules (either orientation of the output)."""
+    if gluon is None or interpreting() or not (a.is_cuda and is_hopper(a.device.index or 0)):
+        return False
+    return a.is_contiguous() and fits_shape(a.shape[1], n, a.dtype)
+
+
 def fits(a: torch.Tensor, b_SN: torch.Tensor) -> bool:
     """Whether the Gluon kernel takes a^T b: on a Hopper GPU, a and b contiguous, one dtype, and the tile rules."""
-    if gluon is None or interpreting() or not (b_SN.is_cuda and is_hopper(b_SN.device.index or 0)):
-        return False
-    return (a.dtype == b_SN.dtype and a.is_contiguous() and b_SN.is_contiguous()
-            and fits_shape(a.shape[1], b_SN.shape[1], a.dtype))
+    return a.dtype == b_SN.dtype and b_SN.is_contiguous() and takes(a, b_SN.shape[1])
 
 
-def wgrad(a, b_SN, sched, gather_a: bool = False) -> torch.Tensor | None:
+def wgrad(a, b_SN, sched, gather_a: bool = False, transposed: bool = False) -> torch.Tensor | None:
     """[E, M, N]: per expert a[rows]^T b[rows] over its sorted rows, a's rows by token (a is [T, M]) when gather_a,
-    else by sorted row (a is [S, M]); `fits` must hold. None where the kernel does not compile here."""
+    else by sorted row (a is [S, M]); [E, N, M], its transpose b[rows]^T a[rows], when `transposed` (so that the
+    gate/up weight gradient can gather x's rows by token as a). `fits` must hold. None where the kernel does not
+    compile here."""
     M, N, E = a.shape[1], b_SN.shape[1], sched.num_experts
-    out = buffers.empty(E, M, N, dtype=b_SN.dtype, device=b_SN.device)
     b_layout = gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16)
     b_desc = TensorDescriptor(b_SN, list(b_SN.shape), [N, 1], [BK, BN], b_layout)
-    c_layout = gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16)
-    out_desc = TensorDescriptor(out.view(E * M, N), [E * M, N], [N, 1], [BM, BN], c_layout)
+    out = buffers.empty(E, *((N, M) if transposed else (M, N)), dtype=b_SN.dtype, device=b_SN.device)
+    block = out_block(transposed)
+    c_layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    out_desc = TensorDescriptor(out.view(-1, out.shape[2]), [E * out.shape[1], out.shape[2]], [out.shape[2], 1], block,
+                                c_layout)
     tiles_m, tiles_n = M // BM, N // (2 * BN)
     num_items = E * tiles_m * tiles_n
     grid = (min(num_items, num_sms(b_SN.device.index or 0)),)
     ran = compiles("MoE weight gradient", lambda: wgrad_kernel[grid](
         a, a.stride(0), b_desc, out_desc, sched.pair_S, sched.ends_E, num_items, tiles_m, tiles_n, sched.top_k,
-        gather_a, NUM_STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS, CONSUMER_REGS=CONSUMER_REGS,
+        gather_a, TRANSPOSED=transposed, NUM_STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS, CONSUMER_REGS=CONSUMER_REGS,
         PRODUCER_REGS=PRODUCER_REGS, num_warps=4))
     return out if ran else None
