@@ -2,15 +2,15 @@
 
 Forward: gate/up grouped GEMM with the GLU in its epilogue, reading x gathered by token (plus a copy of x in
 expert order when a weight gradient will read those rows again and cannot gather them itself: on Hopper written by
-the Gluon kernel of hopper_glu.py from the rows it gathers, where it applies); down grouped GEMM with the routing weight and
-the scatter to pair order in its epilogue (on Hopper the Gluon kernel of hopper_down.py where it applies); one
-pass summing each token's k rows. Backward: one GEMM gives dy @ W_down per sorted row, one pass over those
+the Gluon kernel of hopper_glu.py from the rows it gathers, where it applies); down grouped GEMM with the routing
+weight and the scatter to pair order in its epilogue (on Hopper the Gluon kernel of hopper_down.py where it
+applies); one pass summing each token's k rows. Backward: one GEMM gives dy @ W_down per sorted row, one pass over those
 rows the GLU backward (d(gate/up) and d(routing weight), glu_backward.py), one GEMM dx (scattered, then summed
 over k), and the per-expert weight gradients run only for the tensors that require grad, so frozen experts
 under LoRA skip them. The GEMMs read dy gathered by token, and so do the Gluon weight gradients on Hopper (x's
 rows too, hopper_wgrad.py); elsewhere the weight gradients read copies in expert order (dy's scaled by the routing
-weight) for torch._grouped_mm. The routing weights are read in the
-router's [T * k] order and the token of a sorted row is pair // k, so neither is permuted.
+weight) for torch._grouped_mm. The routing weights are read in the router's [T * k] order and the token of a
+sorted row is pair // k, so neither is permuted.
 
 Shape legend: T tokens, D model width, E experts, F expert width, k top-k, r LoRA rank,
 S = T * k pairs in expert-sorted order, P = T * k pairs in the router's order.
@@ -116,8 +116,9 @@ class _SwigluExperts(torch.autograd.Function):
         keep_x = (need["w_gu"] and not wgu_by_token) or need["A_gu"]
         x, gate_up, h, xa = _gate_up(x_TD, keep_x, w_gu, b_gu, lora, sched, glu)
         y_TD, ha = _down(h, w_d, b_d, w_P, lora, sched)
-        ctx.save_for_backward(x.data if need["w_gu"] or need["A_gu"] else None, w_P, idx_Tk, w_gu, w_d, b_d, A_gu, B_gu, A_d, B_d,
-                              gate_up, h, xa, ha)
+        # x's rows for the weight gradients: the copy, or x itself where they read it by token
+        x_saved = x.data if need["w_gu"] or need["A_gu"] else None
+        ctx.save_for_backward(x_saved, w_P, idx_Tk, w_gu, w_d, b_d, A_gu, B_gu, A_d, B_d, gate_up, h, xa, ha)
         ctx.sched, ctx.scale, ctx.glu, ctx.x_by_token = sched, scale, glu, x.by_token
         ctx.dtypes = {n: t.dtype for n, t in zip(_INPUTS, inputs) if t is not None}
         return y_TD

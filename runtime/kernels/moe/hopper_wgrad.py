@@ -94,8 +94,8 @@ if gluon is not None:
     def _consumer(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
                   empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a, TRANSPOSED: gl.constexpr,
                   WG: gl.constexpr):
-        """Warpgroup WG's column block of every item: its steps' MMAs, then the tile through its staging buffer to a
-        TMA store (an expert without rows stores zeros). TRANSPOSED: the MMA's operands swapped, so that the
+        """Warpgroup WG's column block of every item: its steps' MMAs, then the tile through its staging buffer to
+        TMA stores, half a tile each (an expert without rows stores zeros). TRANSPOSED: the MMA's operands swapped, so that the
         accumulator holds the block's b^T a, out[e]'s rows BN of N by BM of M."""
         NUM_STAGES: gl.constexpr = a_bufs.shape[0]
         TILE_K: gl.constexpr = a_bufs.shape[1]
