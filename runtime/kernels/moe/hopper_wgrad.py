@@ -95,8 +95,8 @@ if gluon is not None:
                   empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a, TRANSPOSED: gl.constexpr,
                   WG: gl.constexpr):
         """Warpgroup WG's column block of every item: its steps' MMAs, then the tile through its staging buffer to
-        TMA stores, half a tile each (an expert without rows stores zeros). TRANSPOSED: the MMA's operands swapped, so that the
-        accumulator holds the block's b^T a, out[e]'s rows BN of N by BM of M."""
+        TMA stores, half a tile each (an expert without rows stores zeros). TRANSPOSED: the MMA's operands swapped,
+        so that the accumulator holds the block's b^T a, out[e]'s rows BN of N by BM of M."""
         NUM_STAGES: gl.constexpr = a_bufs.shape[0]
         TILE_K: gl.constexpr = a_bufs.shape[1]
         TILE_M: gl.constexpr = a_bufs.shape[2]
