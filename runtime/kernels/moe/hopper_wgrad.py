@@ -263,11 +263,11 @@ def wgrad(a, b_SN, sched, gather_a: bool = False, transposed: bool = False) -> t
     M, N, E = a.shape[1], b_SN.shape[1], sched.num_experts
     b_layout = gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16)
     b_desc = TensorDescriptor(b_SN, list(b_SN.shape), [N, 1], [BK, BN], b_layout)
-    out = buffers.empty(E, *((N, M) if transposed else (M, N)), dtype=b_SN.dtype, device=b_SN.device)
+    rows, cols = (N, M) if transposed else (M, N)
+    out = buffers.empty(E, rows, cols, dtype=b_SN.dtype, device=b_SN.device)
     block = out_block(transposed)
     c_layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-    out_desc = TensorDescriptor(out.view(-1, out.shape[2]), [E * out.shape[1], out.shape[2]], [out.shape[2], 1], block,
-                                c_layout)
+    out_desc = TensorDescriptor(out.view(E * rows, cols), [E * rows, cols], [cols, 1], block, c_layout)
     tiles_m, tiles_n = M // BM, N // (2 * BN)
     num_items = E * tiles_m * tiles_n
     grid = (min(num_items, num_sms(b_SN.device.index or 0)),)
