@@ -1,17 +1,18 @@
 """The experts' weight gradients in Gluon for Hopper (sm_90): out[e] = A[rows_e]^T B[rows_e] ([E, M, N] in B's
 dtype) over expert e's sorted rows rows_e, or its transpose B[rows_e]^T A[rows_e] ([E, N, M]), A's rows read by
-token (row pair(s) // k) when gather_a, else by sorted row; B's by sorted row. experts._weight_grads runs it for the
-gate/up weight gradient (transposed: d_gate_up^T x with x's rows by token, so that the forward writes no copy of x
-in expert order) and the down one (dy read by token, by the routing-weight-scaled h) where `fits` says it applies,
-in place of torch._grouped_mm.
+token (the schedule's token_S) when gather_a, else by sorted row; B's by sorted row. experts._weight_grads runs
+it for the gate/up weight gradient (transposed: d_gate_up^T x with x's rows by token, so that the forward writes no
+copy of x in expert order) and the down one (dy read by token, by the routing-weight-scaled h) where `fits` says it
+applies, in place of torch._grouped_mm.
 
 Why: per expert the reduction is short (~320 rows at 16384 tokens, ~80 at 4096), so a 128 x 256 output tile is 5
 (or 2) MMA steps followed by a 64 KB store; the grouped GEMM's cooperative CUTLASS kernel holds its warpgroups in
 that epilogue, and the down gradient needed a copy of dy's rows in expert order, scaled (0.30 ms at 16384 tokens).
 Here persistent programs walk (expert, output tile) items, three partitions each:
 - a producer partition of 4 warps loads each step's A [BK, BM] rows by cp.async, rows past the expert's end
-  zero-filled (the reduction's ragged end: they belong to the next expert) and gathered by token where asked, and
-  B's two [BK, BN] blocks by TMA (their rows past the end meet A's zeros);
+  zero-filled (the reduction's ragged end: they belong to the next expert) and gathered by token where asked (each
+  row's token read from the schedule's int64 token_S: dividing its pair by k in the loop, or int32 tokens, measured
+  slower, bench/NOTES.md), and B's two [BK, BN] blocks by TMA (their rows past the end meet A's zeros);
 - two consumer warpgroups share each stage, each accumulating BN of the tile's 2 BN columns (transposed: the MMA's
   operands swapped, BN rows of out by BM), and hand their finished tile to TMA stores from shared memory in two
   column halves, the second running while the next item's MMAs do. Half-tile staging leaves room for a fourth
@@ -59,7 +60,7 @@ if gluon is not None:
 
     @gluon.jit
     def _producer(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
-                  empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a):
+                  empty, token_ptr, ends_ptr, num_items, tiles_m, tiles_n, gather_a):
         """Every item's steps of BK rows: B's two column blocks by TMA, A's rows by cp.async (each thread arrives
         on the stage's a_ready once its copies landed), each stage once both consumers are done with it."""
         NUM_STAGES: gl.constexpr = a_bufs.shape[0]
@@ -75,7 +76,7 @@ if gluon is not None:
             start, end = _rows_of(ends_ptr, e)
             a_cols = a_ptr + (mt * TILE_M + cols)[None, :]
             # tokens of the step's rows (when gathering), each step's loaded one step ahead
-            pairs = gl.load(pair_ptr + start + offs_k, mask=(start + offs_k < end) & gather_a, other=0).to(gl.int32)
+            tokens = gl.load(token_ptr + start + offs_k, mask=(start + offs_k < end) & gather_a, other=0)
             for r0 in range(start, end, TILE_K):
                 s = step % NUM_STAGES
                 # a fresh barrier counts as released in its preceding phase: the first round passes
@@ -84,15 +85,15 @@ if gluon is not None:
                 _tma_load(b_desc, [r0, nt * 2 * TILE_N], b_ready.index(s), b0_bufs.index(s))
                 _tma_load(b_desc, [r0, nt * 2 * TILE_N + TILE_N], b_ready.index(s), b1_bufs.index(s))
                 rows = r0 + offs_k
-                a_rows = gl.where(gather_a, pairs // top_k, rows).to(gl.int64)
-                pairs = gl.load(pair_ptr + rows + TILE_K, mask=(rows + TILE_K < end) & gather_a, other=0).to(gl.int32)
+                a_rows = gl.where(gather_a, tokens, rows).to(gl.int64)
+                tokens = gl.load(token_ptr + rows + TILE_K, mask=(rows + TILE_K < end) & gather_a, other=0)
                 _async_load(a_bufs.index(s), a_cols + a_rows[:, None] * stride_am, mask=(rows < end)[:, None])
                 async_copy.mbarrier_arrive(a_ready.index(s), increment_count=False)
                 step += 1
 
     @gluon.jit
     def _consumer(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
-                  empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a, TRANSPOSED: gl.constexpr,
+                  empty, token_ptr, ends_ptr, num_items, tiles_m, tiles_n, gather_a, TRANSPOSED: gl.constexpr,
                   WG: gl.constexpr):
         """Warpgroup WG's column block of every item: its steps' MMAs, then the tile through its staging buffer to
         TMA stores, half a tile each (an expert without rows stores zeros). TRANSPOSED: the MMA's operands swapped,
@@ -167,35 +168,35 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer0(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
-                   empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a):
+                   empty, token_ptr, ends_ptr, num_items, tiles_m, tiles_n, gather_a):
         _consumer(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
-                  empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a, False, 0)
+                  empty, token_ptr, ends_ptr, num_items, tiles_m, tiles_n, gather_a, False, 0)
 
     @gluon.jit
     def _consumer1(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
-                   empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a):
+                   empty, token_ptr, ends_ptr, num_items, tiles_m, tiles_n, gather_a):
         _consumer(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
-                  empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a, False, 1)
+                  empty, token_ptr, ends_ptr, num_items, tiles_m, tiles_n, gather_a, False, 1)
 
     @gluon.jit
     def _consumer0_t(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
-                     empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a):
+                     empty, token_ptr, ends_ptr, num_items, tiles_m, tiles_n, gather_a):
         _consumer(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
-                  empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a, True, 0)
+                  empty, token_ptr, ends_ptr, num_items, tiles_m, tiles_n, gather_a, True, 0)
 
     @gluon.jit
     def _consumer1_t(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
-                     empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a):
+                     empty, token_ptr, ends_ptr, num_items, tiles_m, tiles_n, gather_a):
         _consumer(a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready,
-                  empty, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a, True, 1)
+                  empty, token_ptr, ends_ptr, num_items, tiles_m, tiles_n, gather_a, True, 1)
 
     @gluon.jit
-    def wgrad_kernel(a_ptr, stride_am, b_desc, out_desc, pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k,
-                     gather_a, TRANSPOSED: gl.constexpr, NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
+    def wgrad_kernel(a_ptr, stride_am, b_desc, out_desc, token_ptr, ends_ptr, num_items, tiles_m, tiles_n, gather_a,
+                     TRANSPOSED: gl.constexpr, NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr,
                      CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr):
         """Items i = program + j * programs. b_desc: B [S, N] in [BK, BN] blocks; out_desc: out's 2-D view
         [E * M, N] in [BM, BN] blocks, or [E * N, M] in [BN, BM] blocks when TRANSPOSED; A's rows by pointer
-        (stride_am)."""
+        (stride_am), sorted row s's at token_ptr[s] (int64) when gather_a."""
         TILE_K: gl.constexpr = b_desc.block_shape[0]
         # out's block is [BM, BN / 2], or [BN, BM / 2] when TRANSPOSED
         TILE_M: gl.constexpr = 2 * out_desc.block_shape[0] * out_desc.block_shape[1] // b_desc.block_shape[1]
@@ -217,7 +218,7 @@ if gluon is not None:
         fence_async_shared()
         _barrier()
         args = (a_ptr, stride_am, b_desc, out_desc, a_bufs, b0_bufs, b1_bufs, c0_buf, c1_buf, a_ready, b_ready, empty,
-                pair_ptr, ends_ptr, num_items, tiles_m, tiles_n, top_k, gather_a)
+                token_ptr, ends_ptr, num_items, tiles_m, tiles_n, gather_a)
         # a constexpr in the arguments' tuple arrives as a tensor: each orientation has its consumers
         if TRANSPOSED:
             gl.warp_specialize([(_consumer0_t, args), (_consumer1_t, args), (_producer, args)], [4, PRODUCER_WARPS],
@@ -271,8 +272,9 @@ def wgrad(a, b_SN, sched, gather_a: bool = False, transposed: bool = False) -> t
     tiles_m, tiles_n = M // BM, N // (2 * BN)
     num_items = E * tiles_m * tiles_n
     grid = (min(num_items, num_sms(b_SN.device.index or 0)),)
+    # int64 token rows either way (pair_S unread when not gathering): one compiled kernel for both
     ran = compiles("MoE weight gradient", lambda: wgrad_kernel[grid](
-        a, a.stride(0), b_desc, out_desc, sched.pair_S, sched.ends_E, num_items, tiles_m, tiles_n, sched.top_k,
-        gather_a, TRANSPOSED=transposed, NUM_STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS, CONSUMER_REGS=CONSUMER_REGS,
-        PRODUCER_REGS=PRODUCER_REGS, num_warps=4))
+        a, a.stride(0), b_desc, out_desc, sched.token_S if gather_a else sched.pair_S, sched.ends_E, num_items,
+        tiles_m, tiles_n, gather_a, TRANSPOSED=transposed, NUM_STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,
+        CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=4))
     return out if ran else None

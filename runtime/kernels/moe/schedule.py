@@ -11,6 +11,7 @@ Shape legend: T tokens, k top-k, E experts, S = T * k pairs in expert-sorted ord
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,12 @@ class Schedule:
     @property
     def num_tiles(self) -> int:
         return self.tile_expert.numel()
+
+    @functools.cached_property
+    def token_S(self) -> torch.Tensor:
+        """int64: the sorted row's token, pair_S // top_k, made once a schedule for the kernels that gather rows
+        by token every step (an integer division by a runtime k is a dozen instructions a row there)."""
+        return self.pair_S // self.top_k
 
 
 @triton.jit
