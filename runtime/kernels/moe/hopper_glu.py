@@ -7,10 +7,10 @@ its place (and in place of gather_tokens' copy) where `fits` says it applies.
 Why: the Triton kernel runs one 128 x 256 tile a program, one program an SM, so the first loads' latency and its
 epilogue (96 KB of gate/up and h stores) are hidden behind no MMA; and in full fine-tuning a separate pass copies
 x's rows in expert order for the weight gradient, reading and writing 671 MB at 16384 tokens. Here persistent
-programs walk the schedule's row tiles, three partitions each:
+programs walk work items, each a row tile of the schedule and a block of 2 BU units, three partitions each:
 - a producer partition of 4 warps gathers A's [BM, BK] tiles of x's rows with cp.async (TMA has no row gather on
   Hopper) and TMA-loads W's gate and up [BU, BK] tiles of 2 BU units into one [4 BU, BK] stage of a ring, running
-  ahead into the next block and row tile while the consumers store;
+  ahead into the next item while the consumers store;
 - two consumer warpgroups share each stage: warpgroup w takes units u0 + w BU.. of the block, its accumulator
   [BM, 2 BU] holding their gate in its left half and their up in its right, so that one MMA a step covers both and
   a thread holds each unit's gate and up side by side for the GLU.
@@ -19,7 +19,9 @@ programs walk the schedule's row tiles, three partitions each:
 At 16384 tokens (Qwen3-Next widths, one H200): 1.63-1.76 ms against the Triton kernel's 1.96-2.01 in the same runs,
 with the copy 1.90-1.99 against 2.09-2.16 for gather_tokens and the Triton kernel; outputs bit-identical
 (bench/NOTES.md, with the ping-pong form tried first: a [BM, 2 BU] tile a warpgroup streams a third more bytes per
-product and took 2.27).
+product and took 2.27). Items of one block rather than whole row tiles (a tile's blocks in turn on one program): 1.59
+against 1.72 ms, with the copy 1.67 against 1.96, and 0.648 against 0.660 at 4096 tokens, where the blocks of a tile
+no longer each fetch its x rows from HBM again (bench/NOTES.md).
 
 Rows past an expert's end in its last tile: A holds their real rows (the next expert's sorted rows; row 0 of x past
 S), so the copy stores correct rows there (the tile of their own expert stores the same bytes) and TMA drops rows
@@ -56,7 +58,7 @@ if gluon is not None:
     def _producer(x_ptr, stride_xm, w_desc, xs_desc, a_bufs, w_bufs, a_ready, w_ready, empty, gu_ptr,
                   stride_gum, h_ptr, stride_hm, pair_ptr, tile_expert_ptr, tile_start_ptr, ends_ptr, num_experts,
                   num_tiles, S, F, K, top_k, store_x):
-        """For every row tile and block of 2 BU units: x's gathered rows by cp.async (each thread arrives on the
+        """For every item (row tile, block of 2 BU units): x's gathered rows by cp.async (each thread arrives on the
         stage's a_ready once its copies landed) and W's gate and up tiles of the block's two halves by TMA, each
         stage once both its readers are done."""
         NUM_STAGES: gl.constexpr = a_bufs.shape[0]
@@ -67,30 +69,34 @@ if gluon is not None:
         LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
         cols = gl.arange(0, TILE_K, layout=gl.SliceLayout(0, LOAD))
         step = 0
-        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        num_blocks = F // (2 * UNITS)
+        # a tile's blocks are neighbouring items, run by neighbouring programs: they gather its x rows at about the
+        # same time, so all but the first find them in L2 (bench/NOTES.md, twenty-fifth session)
+        for i in range(gl.program_id(0), num_tiles * num_blocks, gl.num_programs(0)):
+            t = i // num_blocks
+            u0 = (i % num_blocks) * 2 * UNITS
             e = gl.load(tile_expert_ptr + t)
             if e < num_experts:
                 rows = gl.load(tile_start_ptr + t) + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, LOAD))
                 # rows past S read x's row 0: finite, never stored
                 pairs = gl.load(pair_ptr + rows, mask=rows < S, other=0).to(gl.int32)
                 a_ptrs = x_ptr + (pairs // top_k).to(gl.int64)[:, None] * stride_xm + cols[None, :]
-                for u0 in range(0, F, 2 * UNITS):
-                    for kk in range(k_steps):
-                        s = step % NUM_STAGES
-                        # a fresh barrier counts as released in its preceding phase: the first round passes
-                        mbarrier.wait(empty.index(s), ((step // NUM_STAGES) & 1) ^ 1)
-                        mbarrier.expect(w_ready.index(s), 8 * UNITS * TILE_K)
-                        w_stage = w_bufs.index(s)
-                        # warpgroup 0's gate and up rows, then warpgroup 1's
-                        g0 = e * 2 * F + u0
-                        _tma_load(w_desc, [g0, kk * TILE_K], w_ready.index(s), w_stage.slice(0, UNITS))
-                        _tma_load(w_desc, [g0 + F, kk * TILE_K], w_ready.index(s), w_stage.slice(UNITS, UNITS))
-                        _tma_load(w_desc, [g0 + UNITS, kk * TILE_K], w_ready.index(s), w_stage.slice(2 * UNITS, UNITS))
-                        _tma_load(w_desc, [g0 + F + UNITS, kk * TILE_K], w_ready.index(s),
-                                  w_stage.slice(3 * UNITS, UNITS))
-                        _async_load(a_bufs.index(s), a_ptrs + kk * TILE_K)
-                        async_copy.mbarrier_arrive(a_ready.index(s), increment_count=False)
-                        step += 1
+                for kk in range(k_steps):
+                    s = step % NUM_STAGES
+                    # a fresh barrier counts as released in its preceding phase: the first round passes
+                    mbarrier.wait(empty.index(s), ((step // NUM_STAGES) & 1) ^ 1)
+                    mbarrier.expect(w_ready.index(s), 8 * UNITS * TILE_K)
+                    w_stage = w_bufs.index(s)
+                    # warpgroup 0's gate and up rows, then warpgroup 1's
+                    g0 = e * 2 * F + u0
+                    _tma_load(w_desc, [g0, kk * TILE_K], w_ready.index(s), w_stage.slice(0, UNITS))
+                    _tma_load(w_desc, [g0 + F, kk * TILE_K], w_ready.index(s), w_stage.slice(UNITS, UNITS))
+                    _tma_load(w_desc, [g0 + UNITS, kk * TILE_K], w_ready.index(s), w_stage.slice(2 * UNITS, UNITS))
+                    _tma_load(w_desc, [g0 + F + UNITS, kk * TILE_K], w_ready.index(s),
+                              w_stage.slice(3 * UNITS, UNITS))
+                    _async_load(a_bufs.index(s), a_ptrs + kk * TILE_K)
+                    async_copy.mbarrier_arrive(a_ready.index(s), increment_count=False)
+                    step += 1
 
     @gluon.jit
     def _store_block(acc, rows, row_ok, u0, gu_ptr, stride_gum, h_ptr, stride_hm, F, STORE: gl.constexpr):
@@ -114,7 +120,7 @@ if gluon is not None:
     def _consumer(x_ptr, stride_xm, w_desc, xs_desc, a_bufs, w_bufs, a_ready, w_ready, empty, gu_ptr,
                   stride_gum, h_ptr, stride_hm, pair_ptr, tile_expert_ptr, tile_start_ptr, ends_ptr, num_experts,
                   num_tiles, S, F, K, top_k, store_x, WG: gl.constexpr):
-        """Warpgroup WG's half of every block of the program's row tiles; with store_x, warpgroup 0 also TMA-stores
+        """Warpgroup WG's half of every block of units among the program's items; with store_x, warpgroup 0 also TMA-stores
         each A tile of a row tile's first block to x_sorted before the stage goes back."""
         NUM_STAGES: gl.constexpr = a_bufs.shape[0]
         TILE_M: gl.constexpr = a_bufs.shape[1]
@@ -126,41 +132,41 @@ if gluon is not None:
         # 16-byte vectors, 8 threads a row's 64 columns, 8 rows a thread over the tile (as hopper_down.py)
         STORE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         num_n = F // TILE_N
-        r = 0
-        for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        j = 0
+        for i in range(gl.program_id(0), num_tiles * num_n, gl.num_programs(0)):
+            t = i // num_n
+            n = i % num_n
             e = gl.load(tile_expert_ptr + t)
             if e < num_experts:
                 r0 = gl.load(tile_start_ptr + t)
                 rows = r0 + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, STORE))
                 row_ok = rows < gl.load(ends_ptr + e)
-                for n in range(num_n):
-                    j = r * num_n + n
-                    copy = store_x & (n == 0) & (WG == 0)
-                    acc = gl.zeros([TILE_M, TILE_N], gl.float32, ACC)
-                    for kk in range(k_steps):
-                        step = j * k_steps + kk
-                        s = step % NUM_STAGES
-                        mbarrier.wait(a_ready.index(s), (step // NUM_STAGES) & 1)
-                        mbarrier.wait(w_ready.index(s), (step // NUM_STAGES) & 1)
-                        # cp.async wrote through the generic proxy, the MMA and the TMA store read through the async one
-                        fence_async_shared()
-                        if copy:
-                            _tma_store(xs_desc, [r0, kk * TILE_K], a_bufs.index(s))
-                        acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).slice(WG * TILE_N, TILE_N).permute((1, 0)),
-                                            acc, is_async=True)
-                        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-                        if kk > 0:
-                            # the MMA of the step before is done (and its copy out, the one before this one)
-                            tma.store_wait(1)
-                            _barrier()
-                            mbarrier.arrive(empty.index((step - 1) % NUM_STAGES))
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                    tma.store_wait(0)
-                    _barrier()
-                    mbarrier.arrive(empty.index((j * k_steps + k_steps - 1) % NUM_STAGES))
-                    _store_block(acc, rows, row_ok, n * TILE_N + WG * (TILE_N // 2), gu_ptr, stride_gum, h_ptr,
-                                 stride_hm, F, STORE)
-                r += 1
+                copy = store_x & (n == 0) & (WG == 0)
+                acc = gl.zeros([TILE_M, TILE_N], gl.float32, ACC)
+                for kk in range(k_steps):
+                    step = j * k_steps + kk
+                    s = step % NUM_STAGES
+                    mbarrier.wait(a_ready.index(s), (step // NUM_STAGES) & 1)
+                    mbarrier.wait(w_ready.index(s), (step // NUM_STAGES) & 1)
+                    # cp.async wrote through the generic proxy, the MMA and the TMA store read through the async one
+                    fence_async_shared()
+                    if copy:
+                        _tma_store(xs_desc, [r0, kk * TILE_K], a_bufs.index(s))
+                    acc = warpgroup_mma(a_bufs.index(s), w_bufs.index(s).slice(WG * TILE_N, TILE_N).permute((1, 0)),
+                                        acc, is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+                    if kk > 0:
+                        # the MMA of the step before is done (and its copy out, the one before this one)
+                        tma.store_wait(1)
+                        _barrier()
+                        mbarrier.arrive(empty.index((step - 1) % NUM_STAGES))
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                tma.store_wait(0)
+                _barrier()
+                mbarrier.arrive(empty.index((j * k_steps + k_steps - 1) % NUM_STAGES))
+                _store_block(acc, rows, row_ok, n * TILE_N + WG * (TILE_N // 2), gu_ptr, stride_gum, h_ptr,
+                             stride_hm, F, STORE)
+                j += 1
 
     @gluon.jit
     def _consumer0(x_ptr, stride_xm, w_desc, xs_desc, a_bufs, w_bufs, a_ready, w_ready, empty, gu_ptr,
@@ -183,8 +189,8 @@ if gluon is not None:
                         tile_expert_ptr, tile_start_ptr, ends_ptr, num_experts, num_tiles, S, F, K, top_k, store_x,
                         NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                         PRODUCER_REGS: gl.constexpr):
-        """Row tiles t = program + i * programs of the schedule (skipped where its expert is E), each tile's
-        F / (2 BU) blocks of units in turn. w_desc: W_gu's 2-D view [E * 2F, K] in [BU, BK] blocks; xs_desc:
+        """Items i = program + j * programs: row tile i // (F / (2 BU)) of the schedule (skipped where its expert is
+        E) and its block of units i % (F / (2 BU)). w_desc: W_gu's 2-D view [E * 2F, K] in [BU, BK] blocks; xs_desc:
         x_sorted [S, K] in [BM, BK] blocks (not written unless store_x)."""
         a_layout: gl.constexpr = xs_desc.layout
         TILE_M: gl.constexpr = xs_desc.block_shape[0]
@@ -243,7 +249,7 @@ def glu_gemm(x_TK, w_E2FK, sched, gate_up_S2F, h_SF, x_sorted_SK=None) -> bool:
     xs_desc = TensorDescriptor(x_sorted, list(x_sorted.shape), [K, 1], [BM, BK], a_layout)
     w_layout = gl.NVMMASharedLayout.get_default_for([BU, BK], gl.bfloat16)
     w_desc = TensorDescriptor(w_E2FK.view(E * two_f, K), [E * two_f, K], [K, 1], [BU, BK], w_layout)
-    grid = (min(sched.num_tiles, num_sms(x_TK.device.index or 0)),)
+    grid = (min(sched.num_tiles * (two_f // (4 * BU)), num_sms(x_TK.device.index or 0)),)
     return compiles("MoE gate/up GEMM", lambda: glu_gemm_kernel[grid](
         x_TK, x_TK.stride(0), w_desc, xs_desc, gate_up_S2F, gate_up_S2F.stride(0), h_SF, h_SF.stride(0),
         sched.pair_S, sched.tile_expert, sched.tile_start, sched.ends_E, sched.num_experts, sched.num_tiles, S,
