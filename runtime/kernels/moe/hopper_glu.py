@@ -120,8 +120,8 @@ if gluon is not None:
     def _consumer(x_ptr, stride_xm, w_desc, xs_desc, a_bufs, w_bufs, a_ready, w_ready, empty, gu_ptr,
                   stride_gum, h_ptr, stride_hm, pair_ptr, tile_expert_ptr, tile_start_ptr, ends_ptr, num_experts,
                   num_tiles, S, F, K, top_k, store_x, WG: gl.constexpr):
-        """Warpgroup WG's half of every block of units among the program's items; with store_x, warpgroup 0 also TMA-stores
-        each A tile of a row tile's first block to x_sorted before the stage goes back."""
+        """Warpgroup WG's half of the block of units of each of the program's items; with store_x, warpgroup 0 also
+        TMA-stores each A tile of a row tile's first block to x_sorted before the stage goes back."""
         NUM_STAGES: gl.constexpr = a_bufs.shape[0]
         TILE_M: gl.constexpr = a_bufs.shape[1]
         TILE_K: gl.constexpr = a_bufs.shape[2]

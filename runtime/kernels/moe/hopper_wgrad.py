@@ -150,18 +150,18 @@ if gluon is not None:
                 out_row = e * tiles_m * TILE_M + mt * TILE_M
                 out_col = nt * 2 * TILE_N + WG * TILE_N
             # the accumulator's top and bottom row halves (each warp's two 16-row slabs: no data moves), so that
-            # each TMA box row is 2 BN or BM bytes wide
-            left, right = gl.split(gl.permute(gl.reshape(acc, [2, HALF, COLS]), (1, 2, 0)))
+            # each TMA box row is a whole tile row, 256 bytes
+            top, bottom = gl.split(gl.permute(gl.reshape(acc, [2, HALF, COLS]), (1, 2, 0)))
             # each half through the staging tile once the store before has read it
             tma.store_wait(0)
             _barrier()
-            c_buf.store(left.to(c_buf.dtype))
+            c_buf.store(top.to(c_buf.dtype))
             fence_async_shared()
             _barrier()
             _tma_store(out_desc, [out_row, out_col], c_buf)
             tma.store_wait(0)
             _barrier()
-            c_buf.store(right.to(c_buf.dtype))
+            c_buf.store(bottom.to(c_buf.dtype))
             fence_async_shared()
             _barrier()
             _tma_store(out_desc, [out_row + HALF, out_col], c_buf)
