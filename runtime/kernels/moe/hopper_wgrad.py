@@ -51,8 +51,8 @@ if gluon is not None:
     def _item(i, tiles_m, tiles_n):
         """Item i: (expert, row block of M, column block of N); an expert's items are consecutive, so that the
         programs in flight share its rows in L2, and the row block of M runs fastest: neighbouring programs read one
-        block of B and, transposed, write neighbouring 256-byte pieces of out's rows (TMA stores in that order write
-        4.27 TB/s, against 4.13 with the column block of N fastest; bench/NOTES.md)."""
+        block of B and, transposed, write neighbouring 256-byte pieces of out's rows (TMA stores of constant tiles along
+        out's rows write 4.27 TB/s, in the order with the column block of N fastest 4.13; bench/NOTES.md)."""
         per_e = tiles_m * tiles_n
         return i // per_e, i % tiles_m, (i % per_e) // tiles_m
 
