@@ -71,7 +71,7 @@ if gluon is not None:
         step = 0
         num_blocks = F // (2 * UNITS)
         # a tile's blocks are neighbouring items, run by neighbouring programs: they gather its x rows at about the
-        # same time, so all but the first find them in L2 (bench/NOTES.md, twenty-fifth session)
+        # same time, so all but the first find them in L2 (bench/NOTES.md)
         for i in range(gl.program_id(0), num_tiles * num_blocks, gl.num_programs(0)):
             t = i // num_blocks
             u0 = (i % num_blocks) * 2 * UNITS
