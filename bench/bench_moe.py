@@ -9,8 +9,10 @@ Shape legend: T tokens, D model width, E experts, F expert width, k top-k, r LoR
 
 Timings (bench/timing.py: CUDA events, median): forward, and forward+backward w.r.t. the input and
 every weight (full fine-tune); then frozen base weights (input grad only, and LoRA r16 on the experts); the
-fwd+bwd steps also in GPU time (`*_gpu`: the profiler's kernel time, which the trainer's CUDA-graph step sees;
-the median of five profiles).
+fwd+bwd steps also in GPU time (`*_gpu`: the profiler's kernel time, the median of five profiles of three eager
+steps, so kernels at the clocks of a GPU that the host leaves idle between launches) and as CUDA graphs replayed back to
+back in steady state (`*_graph`: what a trainer's graphed steps run at; our kernels then meet the power cap and run
+slower than in a profile, transformers' hardly: bench/NOTES.md, twenty-seventh session).
 Correctness at the real shape: the bf16 kernels vs the torch fallback run in fp64 with the same
 routing fed to both; the fused router vs the fp64 reference on the same logits; the shared expert vs
 its torch form in fp64; routing flips against transformers' bf16 router are counted separately.
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.timing import kernel_ms, peak_gib, time_ms  # noqa: E402
+from bench.timing import kernel_ms, peak_gib, steady_graph_ms, time_ms  # noqa: E402
 from reference_ops import moe as reference_moe  # noqa: E402
 from runtime.kernels import mlp as mlp_kernels  # noqa: E402
 from runtime.config import MoEConfig, RouterConfig  # noqa: E402
@@ -127,6 +129,8 @@ def timings(block, x, dy):
     res["ours_peak_gib"] = peak_gib()
     res["hf_fwd_bwd_gpu"] = gpu_ms(train_step(hf, x, dy, params))
     res["ours_fwd_bwd_gpu"] = gpu_ms(train_step(lambda t: ours(block, t), x, dy, params))
+    graphed = steady_graph_ms({"hf": train_step(hf, x, dy, params), "ours": train_step(lambda t: ours(block, t), x, dy, params)})
+    res["hf_fwd_bwd_graph"], res["ours_fwd_bwd_graph"] = graphed["hf"], graphed["ours"]
     print(f"timings: {res}", flush=True)
     return res
 
@@ -152,6 +156,9 @@ def frozen_timings(block, x, dy):
             "hf_frozen_fwd_bwd_gpu": gpu_ms(train_step(transformers_block(block), x, dy, [])),
             "ours_frozen_fwd_bwd_gpu": gpu_ms(train_step(lambda t: ours(block, t), x, dy, [])),
         }
+        graphed = steady_graph_ms({"hf": train_step(transformers_block(block), x, dy, []),
+                                   "ours": train_step(lambda t: ours(block, t), x, dy, [])})
+        res["hf_frozen_fwd_bwd_graph"], res["ours_frozen_fwd_bwd_graph"] = graphed["hf"], graphed["ours"]
         with torch.no_grad():
             res["router_only"] = time_ms(lambda: kernels.route(fallback.router_logits(x, block.gate.weight), K_TOP,
                                                                norm_topk_prob=True))
@@ -266,6 +273,8 @@ def summarize(result: dict) -> dict:
             "frozen_speedup": frozen["hf_frozen_fwd_bwd"] / frozen["ours_frozen_fwd_bwd"],
             "gpu_speedup": t["hf_fwd_bwd_gpu"] / t["ours_fwd_bwd_gpu"],
             "gpu_frozen_speedup": frozen["hf_frozen_fwd_bwd_gpu"] / frozen["ours_frozen_fwd_bwd_gpu"],
+            "graph_speedup": t["hf_fwd_bwd_graph"] / t["ours_fwd_bwd_graph"],
+            "graph_frozen_speedup": frozen["hf_frozen_fwd_bwd_graph"] / frozen["ours_frozen_fwd_bwd_graph"],
             "max_rel_err": max(errs)}
 
 
@@ -289,7 +298,7 @@ def main():
         result[stage.__name__] = stage(block, x, dy)
     result |= summarize(result)
     print({k: result[k] for k in ("baseline_ms", "ours_ms", "speedup", "frozen_speedup", "gpu_speedup", "gpu_frozen_speedup",
-                                  "max_rel_err")}, flush=True)
+                                  "graph_speedup", "graph_frozen_speedup", "max_rel_err")}, flush=True)
     os.makedirs(args.out, exist_ok=True)
     # the committed names: moe.json at the default 16384 tokens, moe-<T>.json at any other count
     name = "moe.json" if args.T == 16384 else f"moe-{args.T}.json"

@@ -1,7 +1,9 @@
-"""The one timing loop of the bench scripts: CUDA-event timed calls, median in ms."""
+"""The timing loops of the bench scripts: CUDA-event timed calls, median in ms; the profiler's kernel times; CUDA-graph
+replays in steady state."""
 from __future__ import annotations
 
 import statistics
+from typing import Callable
 
 import torch
 
@@ -42,3 +44,39 @@ def kernel_ms(step, reps: int = 3, warmup: int = 2) -> dict[str, float]:
         if event.device_type == torch.autograd.DeviceType.CUDA and event.self_device_time_total > 0:
             per_kernel[event.key] = per_kernel.get(event.key, 0.0) + event.self_device_time_total / reps / 1e3
     return per_kernel
+
+
+def _captured(step) -> torch.cuda.CUDAGraph:
+    """step() captured as a CUDA graph, after two eager calls on a side stream (compiles, workspaces)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
+def steady_graph_ms(steps: dict[str, Callable], warmup: int = 50, reps: int = 50, rounds: int = 5) -> dict[str, float]:
+    """Median ms per replay of each step captured as a CUDA graph and replayed back to back, as a trainer runs it:
+    in each of `rounds` rounds (the steps in turn) `warmup` untimed replays bring the GPU to that step's steady
+    clocks, then `reps` replays are timed with events. A short profile sees kernels at the clocks of an idle GPU;
+    replayed back to back, kernels that keep HBM and the tensor cores busy together run into the power cap and slow
+    (bench/NOTES.md)."""
+    graphs = {name: _captured(step) for name, step in steps.items()}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            for _ in range(warmup):
+                graph.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end) / reps)
+    return {name: statistics.median(t) for name, t in times.items()}

@@ -169,10 +169,10 @@ def test_gluon_glu_gemm_compiles_for_sm90a():
                             descriptors={"w_desc": ["BU", "BK"], "xs_desc": ["BM", "BK"]},
                             types=ROUTING | {"store_x": "i1"}, constexprs=RING | {"PRODUCER_WARPS": "PRODUCER_WARPS"},
                             divisible_by_16=["x_ptr", "stride_xm", "gu_ptr", "stride_gum", "h_ptr", "stride_hm"])
-    # with one block of units an item: nothing spills under triton 3.6 (the device's), 20 bytes under 3.9; walking
-    # whole row tiles spilled 16 (3.6) and 8 (3.9) at 224 consumer registers, 56 under 3.9 at 232, and with h stored
-    # after gate/up 116 under 3.6
-    assert used["spill_bytes"] <= (0 if triton.__version__.startswith("3.6") else 20), used
+    # with one block of units an item: nothing spills under triton 3.6 (the device's), 24 bytes under 3.9 (20 before
+    # the producer masked the rows past the expert's end); walking whole row tiles spilled 16 (3.6) and 8 (3.9) at 224
+    # consumer registers, 56 under 3.9 at 232, and with h stored after gate/up 116 under 3.6
+    assert used["spill_bytes"] <= (0 if triton.__version__.startswith("3.6") else 24), used
     assert used["registers"] <= 255, used
     # the ring and the epilogue's conversion scratch
     assert hopper_glu.shared_bytes() <= used["shared_bytes"] <= hopper_gluon.SHARED_BYTES, used

@@ -23,9 +23,11 @@ product and took 2.27). Items of one block rather than whole row tiles (a tile's
 against 1.72 ms, with the copy 1.67 against 1.96, and 0.648 against 0.660 at 4096 tokens, where the blocks of a tile
 no longer each fetch its x rows from HBM again (bench/NOTES.md).
 
-Rows past an expert's end in its last tile: A holds their real rows (the next expert's sorted rows; row 0 of x past
-S), so the copy stores correct rows there (the tile of their own expert stores the same bytes) and TMA drops rows
-past S; their gate/up and h are not stored. Gluon has no CPU interpreter: tests compile the kernel for sm_90a on any
+Rows past an expert's end in its last tile: their gate/up and h are not stored. Without the copy, A's rows there are
+zero-filled: no gathers from L2 for them, and the tensor cores multiply zeros, which draws less power, and a step
+replayed back to back runs near the GPU's power cap (0.015-0.087 ms off the step in steady CUDA-graph replays,
+bench/NOTES.md). With the copy A holds their real rows (the next expert's sorted rows; row 0 of x past S), so the copy
+stores correct rows there (the tile of their own expert stores the same bytes) and TMA drops rows past S. Gluon has no CPU interpreter: tests compile the kernel for sm_90a on any
 machine and compare it with the Triton kernel where a Hopper GPU is; the Triton kernel stays the path elsewhere.
 
 Shape legend: T tokens, S sorted rows, K = D model width (the reduction), F units (gate/up are 2F rows of W),
@@ -81,6 +83,8 @@ if gluon is not None:
                 # rows past S read x's row 0: finite, never stored
                 pairs = gl.load(pair_ptr + rows, mask=rows < S, other=0).to(gl.int32)
                 a_ptrs = x_ptr + (pairs // top_k).to(gl.int64)[:, None] * stride_xm + cols[None, :]
+                # rows past the expert's end zero-filled (their products are never stored) unless the copy stores them
+                a_mask = ((rows < gl.load(ends_ptr + e)) | store_x)[:, None]
                 for kk in range(k_steps):
                     s = step % NUM_STAGES
                     # a fresh barrier counts as released in its preceding phase: the first round passes
@@ -94,7 +98,7 @@ if gluon is not None:
                     _tma_load(w_desc, [g0 + UNITS, kk * TILE_K], w_ready.index(s), w_stage.slice(2 * UNITS, UNITS))
                     _tma_load(w_desc, [g0 + F + UNITS, kk * TILE_K], w_ready.index(s),
                               w_stage.slice(3 * UNITS, UNITS))
-                    _async_load(a_bufs.index(s), a_ptrs + kk * TILE_K)
+                    _async_load(a_bufs.index(s), a_ptrs + kk * TILE_K, mask=a_mask)
                     async_copy.mbarrier_arrive(a_ready.index(s), increment_count=False)
                     step += 1
 
