@@ -12,7 +12,7 @@ every weight (full fine-tune); then frozen base weights (input grad only, and Lo
 fwd+bwd steps also in GPU time (`*_gpu`: the profiler's kernel time, the median of five profiles of three eager
 steps, so kernels at the clocks of a GPU that the host leaves idle between launches) and as CUDA graphs replayed back to
 back in steady state (`*_graph`: what a trainer's graphed steps run at; our kernels then meet the power cap and run
-slower than in a profile, transformers' hardly: bench/NOTES.md, twenty-seventh session).
+slower than in a profile, transformers' hardly: bench/NOTES.md).
 Correctness at the real shape: the bf16 kernels vs the torch fallback run in fp64 with the same
 routing fed to both; the fused router vs the fp64 reference on the same logits; the shared expert vs
 its torch form in fp64; routing flips against transformers' bf16 router are counted separately.

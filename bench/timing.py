@@ -3,6 +3,7 @@ replays in steady state."""
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable
 
 import torch
@@ -60,18 +61,22 @@ def _captured(step) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def steady_graph_ms(steps: dict[str, Callable], warmup: int = 50, reps: int = 50, rounds: int = 5) -> dict[str, float]:
-    """Median ms per replay of each step captured as a CUDA graph and replayed back to back, as a trainer runs it:
-    in each of `rounds` rounds (the steps in turn) `warmup` untimed replays bring the GPU to that step's steady
-    clocks, then `reps` replays are timed with events. A short profile sees kernels at the clocks of an idle GPU;
-    replayed back to back, kernels that keep HBM and the tensor cores busy together run into the power cap and slow
-    (bench/NOTES.md)."""
+def steady_graph_ms(steps: dict[str, Callable], settle_s: float = 1.0, reps: int = 50, rounds: int = 5) -> dict[str, float]:
+    """Median ms per replay of each step captured as a CUDA graph and replayed back to back, as a trainer runs it: in
+    each of `rounds` rounds (the steps in turn) `settle_s` seconds of untimed replays bring the GPU to that step's
+    sustained clocks, then `reps` replays are timed with events. A short profile sees kernels at the clocks of an idle
+    GPU; replayed back to back, kernels that keep HBM and the tensor cores busy together run into the power cap and
+    slow, settling within about a second (bench/NOTES.md)."""
     graphs = {name: _captured(step) for name, step in steps.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, graph in graphs.items():
-            for _ in range(warmup):
-                graph.replay()
+            settled_at = time.perf_counter() + settle_s
+            while time.perf_counter() < settled_at:
+                # a sync every few replays keeps the host from queueing more GPU time than settle_s
+                for _ in range(8):
+                    graph.replay()
+                torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(reps):
