@@ -129,7 +129,8 @@ def timings(block, x, dy):
     res["ours_peak_gib"] = peak_gib()
     res["hf_fwd_bwd_gpu"] = gpu_ms(train_step(hf, x, dy, params))
     res["ours_fwd_bwd_gpu"] = gpu_ms(train_step(lambda t: ours(block, t), x, dy, params))
-    graphed = steady_graph_ms({"hf": train_step(hf, x, dy, params), "ours": train_step(lambda t: ours(block, t), x, dy, params)})
+    graphed = steady_graph_ms({"hf": train_step(hf, x, dy, params),
+                               "ours": train_step(lambda t: ours(block, t), x, dy, params)})
     res["hf_fwd_bwd_graph"], res["ours_fwd_bwd_graph"] = graphed["hf"], graphed["ours"]
     print(f"timings: {res}", flush=True)
     return res

@@ -61,7 +61,8 @@ def _captured(step) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def steady_graph_ms(steps: dict[str, Callable], settle_s: float = 1.0, reps: int = 50, rounds: int = 5) -> dict[str, float]:
+def steady_graph_ms(steps: dict[str, Callable], settle_s: float = 1.0, reps: int = 50,
+                    rounds: int = 5) -> dict[str, float]:
     """Median ms per replay of each step captured as a CUDA graph and replayed back to back, as a trainer runs it: in
     each of `rounds` rounds (the steps in turn) `settle_s` seconds of untimed replays bring the GPU to that step's
     sustained clocks, then `reps` replays are timed with events. A short profile sees kernels at the clocks of an idle

@@ -23,12 +23,13 @@ product and took 2.27). Items of one block rather than whole row tiles (a tile's
 against 1.72 ms, with the copy 1.67 against 1.96, and 0.648 against 0.660 at 4096 tokens, where the blocks of a tile
 no longer each fetch its x rows from HBM again (bench/NOTES.md).
 
-Rows past an expert's end in its last tile: their gate/up and h are not stored. Without the copy, A's rows there are
-zero-filled: no gathers from L2 for them, and the tensor cores multiply zeros, which draws less power, and a step
-replayed back to back runs near the GPU's power cap (0.015-0.087 ms off the step in steady CUDA-graph replays,
-bench/NOTES.md). With the copy A holds their real rows (the next expert's sorted rows; row 0 of x past S), so the copy
-stores correct rows there (the tile of their own expert stores the same bytes) and TMA drops rows past S. Gluon has no CPU interpreter: tests compile the kernel for sm_90a on any
-machine and compare it with the Triton kernel where a Hopper GPU is; the Triton kernel stays the path elsewhere.
+Rows past an expert's end in its last tile: their gate/up and h are not stored. Without the copy their A rows are
+zero-filled: no gathers from L2 for them, and zeros cost the tensor cores less power, which counts because a step
+replayed back to back runs at the GPU's power cap (0.015-0.087 ms off the step in steady CUDA-graph replays,
+bench/NOTES.md). With the copy A holds their real rows (the next expert's sorted rows; row 0 of x past S), so the
+copy stores correct rows there (the tile of their own expert stores the same bytes) and TMA drops rows past S.
+Gluon has no CPU interpreter: tests compile the kernel for sm_90a on any machine and compare it with the Triton kernel
+where a Hopper GPU is; the Triton kernel stays the path elsewhere.
 
 Shape legend: T tokens, S sorted rows, K = D model width (the reduction), F units (gate/up are 2F rows of W),
 E experts; tiles BM rows x BU units a warpgroup x BK.
