@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.timing import time_ms
+from bench.timing import captured, time_ms
 from reference_ops import norms as reference
 from runtime.kernels import norm as kernels
 from runtime.ops import norms as torch_form
@@ -101,16 +101,7 @@ def timings(fn, shape, gated: bool) -> dict:
 
 def graphed_ms(step) -> float:
     """Median time of one replay of `step` captured as a CUDA graph (after warm-up calls on a side stream)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return time_ms(graph.replay, reps=50, warmup=5)
+    return time_ms(captured(step, warmup=3).replay, reps=50, warmup=5)
 
 
 def main():

@@ -47,12 +47,12 @@ def kernel_ms(step, reps: int = 3, warmup: int = 2) -> dict[str, float]:
     return per_kernel
 
 
-def _captured(step) -> torch.cuda.CUDAGraph:
-    """step() captured as a CUDA graph, after two eager calls on a side stream (compiles, workspaces)."""
+def captured(step, warmup: int = 2) -> torch.cuda.CUDAGraph:
+    """step() captured as a CUDA graph, after `warmup` eager calls on a side stream (compiles, workspaces)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):
+        for _ in range(warmup):
             step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
@@ -68,7 +68,7 @@ def steady_graph_ms(steps: dict[str, Callable], settle_s: float = 1.0, reps: int
     sustained clocks, then `reps` replays are timed with events. A short profile sees kernels at the clocks of an idle
     GPU; replayed back to back, kernels that keep HBM and the tensor cores busy together run into the power cap and
     slow, settling within about a second (bench/NOTES.md)."""
-    graphs = {name: _captured(step) for name, step in steps.items()}
+    graphs = {name: captured(step) for name, step in steps.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, graph in graphs.items():
