@@ -272,4 +272,9 @@ if __name__ == "__main__":
     # record: torchrun's summary shows a failed rank's traceback
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    sys.exit(record(main)())
+    code = record(main)()
+    if code == 0 and "LOCAL_RANK" in os.environ:
+        from runtime.parallel.process import leave_after_finish
+
+        leave_after_finish()
+    sys.exit(code)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -27,12 +29,21 @@ def start() -> tuple[int, int, torch.device]:
 
 
 def finish() -> None:
-    """The end of a run that went well, on every rank: wait for all, then leave the group. A rank that tore its
-    group down while a peer was still finishing (rank 0 writing the adapter) was seen to abort in gloo's teardown
-    ("terminate called without an active exception", CI 2026-12-02); the barrier makes the ranks leave together."""
+    """The end of a run that went well, on every rank: wait for all, then leave the group, so that no rank tears its
+    group down while a peer still uses it (rank 0 writing the adapter)."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def leave_after_finish() -> NoReturn:
+    """Ends a rank's process with exit code 0 once finish() has run and every file of the run is closed, skipping
+    the interpreter's teardown: it destroys what still refers to the torn-down group (the model's DTensors hold its
+    mesh) while Python shuts down, and gloo's objects were seen to abort there after the run's outputs were written
+    ("terminate called without an active exception", the Python thread without a frame left)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _destroy() -> None:
