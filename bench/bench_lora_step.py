@@ -3,7 +3,9 @@
 One release is written by transformers (random init, bf16, save_pretrained) and onboarded with `onboard new-model`;
 every contender then trains from those same weights, each in its own process (clean peak memory; fla importable or
 not): transformers + PEFT with fla's kernels (the peer to beat), the same on transformers' torch path, and our runtime
-through the package. Each step: forward, loss, backward, AdamW on the LoRA parameters; 3 warm-up steps, mean of 10.
+through the package. Each step: forward, loss, backward, AdamW on the LoRA parameters; 3 warm-up steps, then 3 s of
+steps to bring the GPU to its sustained clocks, then the mean of 10 (the mean of 10 straight after the warm-up is kept
+as `fresh_seconds`).
 Parts: `attention` LoRA (r16 alpha32 on the attention and linear-attention projections), `experts` (also the routed
 experts: PEFT `target_parameters`), `longest` (the longest power-of-two sequence one step trains under each memory
 policy), `profile` (our step's GPU time per op kind). MFU: runtime/flops.py's count over 790 TFLOP/s.
@@ -30,6 +32,8 @@ EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 RANK, ALPHA = 16, 32
 PEAK_TFLOPS = 790.0
 WARMUP, REPS = 3, 10
+# seconds of untimed steps before the timed ones (bench.timing.settle)
+SETTLE_S = 3.0
 DEVICE = "cuda"
 
 
@@ -62,10 +66,13 @@ def token_batch(seq_len: int, vocab: int):
     return torch.randint(0, vocab, (1, seq_len), generator=generator).to(DEVICE)
 
 
-def timed_steps(step, peak_from_start: bool = False) -> tuple[float, float, float]:
-    """(mean s/step over REPS after WARMUP, first loss, peak GiB after the warm-up, or from the first step on: a
-    graph's capture allocates its private pool once, and replays then allocate nothing the peak would see)."""
+def timed_steps(step, peak_from_start: bool = False) -> dict:
+    """seconds: mean s/step over REPS once SETTLE_S seconds of steps after the WARMUP ones have brought the GPU to
+    its sustained clocks, as a trainer's steps run; fresh_seconds: the mean of REPS straight after the warm-up, at
+    the clocks of a GPU that was idle; first_loss; peak_gib after the warm-up, or from the first step on (a graph's capture allocates its private pool once, and replays then allocate nothing the peak would
+    see)."""
     import torch
+    from bench.timing import settle
     torch.cuda.reset_peak_memory_stats()
     first = float(step())
     for _ in range(WARMUP - 1):
@@ -73,11 +80,18 @@ def timed_steps(step, peak_from_start: bool = False) -> tuple[float, float, floa
     torch.cuda.synchronize()
     if not peak_from_start:
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for _ in range(REPS):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / REPS, first, torch.cuda.max_memory_allocated() / 2**30
+
+    def mean_seconds() -> float:
+        start = time.perf_counter()
+        for _ in range(REPS):
+            step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / REPS
+
+    fresh = mean_seconds()
+    settle(step, SETTLE_S, calls_per_sync=4)
+    return dict(seconds=mean_seconds() if SETTLE_S else fresh, fresh_seconds=fresh, first_loss=first,
+                peak_gib=torch.cuda.max_memory_allocated() / 2**30)
 
 
 def peft_part(work: Path, experts: bool, fla: bool, seq_len: int) -> dict:
@@ -107,8 +121,7 @@ def peft_part(work: Path, experts: bool, fla: bool, seq_len: int) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    seconds, first, peak = timed_steps(step)
-    return dict(seconds=seconds, first_loss=first, peak_gib=peak, trainable=sum(p.numel() for p in params))
+    return timed_steps(step) | dict(trainable=sum(p.numel() for p in params))
 
 
 # --policy names -> the memory policies they stand for (runtime/memory.py)
@@ -159,14 +172,16 @@ def ours_part(work: Path, experts: bool, seq_len: int, policy: str | None = None
     """Our step timed eagerly, then graphed (the trainer's default) unless graph is False."""
     from runtime.flops import step_flops
     steps, model, params = ours_setup(work, experts, seq_len, policy)
-    seconds, first, peak = timed_steps(steps[False])
+    eager = timed_steps(steps[False])
     flops = step_flops(model, [seq_len])
-    result = dict(seconds=seconds, first_loss=first, peak_gib=peak, trainable=sum(p.numel() for p in params),
-                  flops=flops, mfu=flops / seconds / (PEAK_TFLOPS * 1e12), cuda_graph="not timed")
+    result = eager | dict(trainable=sum(p.numel() for p in params), flops=flops,
+                          mfu=flops / eager["seconds"] / (PEAK_TFLOPS * 1e12), cuda_graph="not timed")
     if graph:
-        graphed, _, graphed_peak = timed_steps(steps[True], peak_from_start=True)
-        result |= dict(seconds=graphed, peak_gib=max(peak, graphed_peak), mfu=flops / graphed / (PEAK_TFLOPS * 1e12),
-                       eager_seconds=seconds, eager_peak_gib=peak, cuda_graph=steps[True].micro_step.reason or "on")
+        graphed = timed_steps(steps[True], peak_from_start=True)
+        result |= dict(seconds=graphed["seconds"], fresh_seconds=graphed["fresh_seconds"],
+                       peak_gib=max(eager["peak_gib"], graphed["peak_gib"]),
+                       mfu=flops / graphed["seconds"] / (PEAK_TFLOPS * 1e12), eager_seconds=eager["seconds"],
+                       eager_peak_gib=eager["peak_gib"], cuda_graph=steps[True].micro_step.reason or "on")
     return result
 
 
@@ -205,7 +220,8 @@ def compare(work: Path, experts: bool, seq_len: int = 4096) -> dict:
                   torch_path_tokens_per_s=tokens(torch_path))
     if "seconds" in ours and "seconds" in fla:
         result.update(baseline_ms=fla["seconds"] * 1e3, ours_ms=ours["seconds"] * 1e3,
-                      speedup=fla["seconds"] / ours["seconds"], peak_mem_gib=ours["peak_gib"],
+                      speedup=fla["seconds"] / ours["seconds"],
+                      fresh_speedup=fla["fresh_seconds"] / ours["fresh_seconds"], peak_mem_gib=ours["peak_gib"],
                       baseline_peak_mem_gib=fla["peak_gib"], mfu=ours["mfu"],
                       max_rel_err=abs(ours["first_loss"] - fla["first_loss"]) / abs(fla["first_loss"]))
     return result
@@ -246,9 +262,9 @@ def main() -> None:
 
 
 def run_part(args) -> dict:
-    global WARMUP, REPS
+    global WARMUP, REPS, SETTLE_S
     if args.one_step:
-        WARMUP, REPS = 1, 1
+        WARMUP, REPS, SETTLE_S = 1, 1, 0.0
     if args.part == "ours":
         # the longest-sequence search (one step per length) asks what the eager step's memory allows
         return ours_part(args.work, args.experts, args.seq_len, args.policy, graph=not args.one_step)

@@ -61,23 +61,28 @@ def captured(step, warmup: int = 2) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def settle(fn: Callable, seconds: float, calls_per_sync: int = 8) -> None:
+    """fn() back to back for `seconds`, untimed, so that what is timed next runs at the GPU's sustained clocks: kernels
+    that keep HBM and the tensor cores busy together run into the power cap and slow, settling within about a second
+    (bench/NOTES.md). A sync every few calls keeps the host from queueing more GPU time than `seconds`."""
+    settled_at = time.perf_counter() + seconds
+    while time.perf_counter() < settled_at:
+        for _ in range(calls_per_sync):
+            fn()
+        torch.cuda.synchronize()
+
+
 def steady_graph_ms(steps: dict[str, Callable], settle_s: float = 1.0, reps: int = 50,
                     rounds: int = 5) -> dict[str, float]:
     """Median ms per replay of each step captured as a CUDA graph and replayed back to back, as a trainer runs it: in
     each of `rounds` rounds (the steps in turn) `settle_s` seconds of untimed replays bring the GPU to that step's
-    sustained clocks, then `reps` replays are timed with events. A short profile sees kernels at the clocks of an idle
-    GPU; replayed back to back, kernels that keep HBM and the tensor cores busy together run into the power cap and
-    slow, settling within about a second (bench/NOTES.md)."""
+    sustained clocks (settle), then `reps` replays are timed with events. A short profile sees kernels at the clocks
+    of an idle GPU."""
     graphs = {name: captured(step) for name, step in steps.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, graph in graphs.items():
-            settled_at = time.perf_counter() + settle_s
-            while time.perf_counter() < settled_at:
-                # a sync every few replays keeps the host from queueing more GPU time than settle_s
-                for _ in range(8):
-                    graph.replay()
-                torch.cuda.synchronize()
+            settle(graph.replay, settle_s)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(reps):
