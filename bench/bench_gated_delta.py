@@ -2,8 +2,9 @@
 
 For each kind: our bf16 kernels' precision against an fp64 reference at the benchmark shape (the chunked
 torch form of runtime/ops, run in fp64), then forward and forward+backward wall time (bench/timing.py),
-GPU kernel time from torch.profiler and peak memory, for ours, transformers' torch path and fla. Prints a
-table and writes gdn.json and kda.json (the fields of shared/TARGETS.md) into --out.
+GPU kernel time from torch.profiler and peak memory, for ours, transformers' torch path and fla, and ours and
+fla's steps as CUDA graphs replayed back to back at sustained clocks ("sustained"). Prints a table and writes
+gdn.json and kda.json (the fields of shared/TARGETS.md) into --out.
 
     python3 bench/bench_gated_delta.py --out $OUT [--seq-len 8192 --heads 32 --dim 128 --kinds gdn,kda]
 
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 import runtime.kernels.gated_delta as kernels
 import runtime.ops.gated_delta as chunked_gdn
 import runtime.ops.kda as chunked_kda
-from bench.timing import kernel_ms, peak_gib, time_ms
+from bench.timing import kernel_ms, peak_gib, steady_graph_ms, time_ms
 from runtime.tolerances import compare, tolerance_for
 
 WHEELS = ("(wheels fla-core 0.6.0, einops 0.8.2, transformers 5.24.0 installed with --target /tmp/site and put on "
@@ -154,7 +155,18 @@ def measurements(kind: str, x: dict) -> list[tuple[str, object]]:
             steps.append((f"{name}_{what}", lambda m=make, b=backward, r=reps, w=warmup: wall(m(kind), x, b, r, w)))
             if name != "baseline":
                 steps.append((f"{name}_{what}_gpu", lambda m=make, b=backward: kernel_profile(m(kind), x, b)))
+        if name == "fla":
+            for backward, what in ((False, "fwd"), (True, "fwdbwd")):
+                steps.append((f"graph_{what}", lambda b=backward: sustained(kind, x, b)))
     return steps
+
+
+def sustained(kind: str, x: dict, backward: bool) -> dict:
+    """ms per step of ours and fla's, each captured as a CUDA graph and replayed back to back in interleaved rounds
+    after a second of replays (bench.timing.steady_graph_ms): the sustained clocks a trainer's graphed steps see, where
+    the profile's kernel time sees the clocks of a GPU idle between eager steps."""
+    return steady_graph_ms({"ours": training_step(ours(kind), x, backward),
+                            "fla": training_step(fla(kind), x, backward)})
 
 
 def run_kind(kind: str, x: dict, save) -> dict:
@@ -193,6 +205,9 @@ def results_file(kind: str, r: dict, shape: str, device: str, command: str) -> d
         "fwd_gpu_ms": field(r, "ours_fwd_gpu", "total"), "fla_fwd_gpu_ms": field(r, "fla_fwd_gpu", "total"),
         "fwdbwd_gpu_ms": field(r, "ours_fwdbwd_gpu", "total"),
         "fla_fwdbwd_gpu_ms": field(r, "fla_fwdbwd_gpu", "total"),
+        "sustained": {"fwd_graph_ms": field(r, "graph_fwd", "ours"), "fla_fwd_graph_ms": field(r, "graph_fwd", "fla"),
+                      "fwdbwd_graph_ms": field(r, "graph_fwdbwd", "ours"),
+                      "fla_fwdbwd_graph_ms": field(r, "graph_fwdbwd", "fla")},
         "forward": {"ours_ms": field(r, "ours_fwd", "ms"), "baseline_ms": field(r, "baseline_fwd", "ms"),
                     "fla_0.6.0_ms": field(r, "fla_fwd", "ms")},
         "fla_0.6.0_fwdbwd_ms": field(r, "fla_fwdbwd", "ms"),
@@ -219,6 +234,10 @@ def print_table(results: dict) -> None:
         for what, a, b, f, ga, gf in rows:
             speed = f"{b / a:8.1f}" if a and b else "       -"
             print(f"{kind:4} {what:8} {fmt(a):>9} {fmt(b):>10} {speed} {fmt(f):>8} {fmt(ga):>9} {fmt(gf):>8}")
+        graphs = res["sustained"]
+        print(f"     sustained CUDA-graph ms: fwd ours {fmt(graphs['fwd_graph_ms'])} fla "
+              f"{fmt(graphs['fla_fwd_graph_ms'])}, fwd+bwd ours {fmt(graphs['fwdbwd_graph_ms'])} fla "
+              f"{fmt(graphs['fla_fwdbwd_graph_ms'])}")
         for name, e in res["precision_vs_fp64"].items():
             print(f"     {name:6} rel_rms {e['rel_rms']:.2e} max_abs_rel {e['max_abs_rel']:.2e} "
                   f"{'ok' if e['passed'] else 'FAIL'}")

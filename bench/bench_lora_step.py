@@ -69,8 +69,8 @@ def token_batch(seq_len: int, vocab: int):
 def timed_steps(step, peak_from_start: bool = False) -> dict:
     """seconds: mean s/step over REPS once SETTLE_S seconds of steps after the WARMUP ones have brought the GPU to
     its sustained clocks, as a trainer's steps run; fresh_seconds: the mean of REPS straight after the warm-up, at
-    the clocks of a GPU that was idle; first_loss; peak_gib after the warm-up, or from the first step on (a graph's capture allocates its private pool once, and replays then allocate nothing the peak would
-    see)."""
+    the clocks of a GPU that was idle; first_loss; peak_gib after the warm-up, or from the first step on (a graph's
+    capture allocates its private pool once, and replays then allocate nothing the peak would see)."""
     import torch
     from bench.timing import settle
     torch.cuda.reset_peak_memory_stats()
