@@ -162,6 +162,8 @@ def test_onboard_train_nproc_runs_torchrun(example_package, tmp_path):
     done = _run([sys.executable, "-m", "onboard.cli", "train", *_train_args(package, _data(tmp_path / "d.jsonl"), out),
                  "--nproc", "2", "--ep", "2", "--capacity-factor", "1.0"])
     assert done.returncode == 0, done.stderr[-3000:]
+    # rank 0's summary line survives its exit without the interpreter's teardown (flushed first)
+    assert f"trained 2 steps into {out}" in done.stdout
     assert (out / "adapter").is_dir() and [p.name for p in (out / "checkpoints").iterdir()] != []
     top_k = json.loads((package / "spec.json").read_text())["layers"][0]["ffn"]["top_k"]
     for record in read_metrics(out / "metrics.jsonl")[0]:
