@@ -274,7 +274,7 @@ if __name__ == "__main__":
 
     code = record(main)()
     if code == 0 and "LOCAL_RANK" in os.environ:
-        from runtime.parallel.process import leave_after_finish
+        from runtime.parallel.process import exit_without_teardown
 
-        leave_after_finish()
+        exit_without_teardown()
     sys.exit(code)

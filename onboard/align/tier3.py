@@ -119,6 +119,7 @@ def _one_process(inputs: dict, job: Job) -> list[dict]:
 def _worker(rank: int, world: int, port: int, jobs: list[Job], inputs: dict, out: Path) -> None:
     from runtime.parallel.load import build_sharded_model
     from runtime.parallel.parallelize import ParallelPlan, device_mesh
+    from runtime.parallel.process import exit_without_teardown
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -133,6 +134,7 @@ def _worker(rank: int, world: int, port: int, jobs: list[Job], inputs: dict, out
                 torch.save(grads, out / f"{job.name}.pt")
     finally:
         dist.destroy_process_group()
+    exit_without_teardown()
 
 
 def _free_port() -> int:

@@ -36,11 +36,13 @@ def finish() -> None:
         dist.destroy_process_group()
 
 
-def leave_after_finish() -> NoReturn:
-    """Ends a rank's process with exit code 0 once finish() has run and every file of the run is closed, skipping
-    the interpreter's teardown: it destroys what still refers to the torn-down group (the model's DTensors hold its
-    mesh) while Python shuts down, and gloo's objects were seen to abort there after the run's outputs were written
-    ("terminate called without an active exception", the Python thread without a frame left)."""
+def exit_without_teardown() -> NoReturn:
+    """Ends a rank's process with exit code 0 once its group is destroyed and its files are closed, without the
+    interpreter's teardown. A gloo worker thread releases a finished collective's work (a barrier's holds the
+    all-gathers before it, FSDP2's, whose tensors Python owns) just after the rank's wait on it returns; when that
+    release comes while Python is finalizing, freeing the tensors takes the GIL, the thread is made to exit, and
+    std::terminate aborts the rank ("terminate called without an active exception"; the core dumps' stacks are in
+    bench/NOTES.md)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
