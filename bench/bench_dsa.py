@@ -10,7 +10,7 @@ tokens (the full fp64 reference does not fit at T=32768): outputs and dq on thos
 an upstream gradient that is zero outside them. Indexer: overlap of the selected sets with the
 fp64 top-k on those rows. Timings: CUDA events, median (bench/timing.py); TFLOP/s by the FLOP
 counts of `flops`. Writes dsa.json (dsa-<T>.json for --T other than 32768) under --out. What was tried:
-bench/NOTES.md.
+`git show 99a26d7:bench/NOTES.md`.
 """
 from __future__ import annotations
 

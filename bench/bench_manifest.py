@@ -4,7 +4,8 @@
 
 MODEL_DIR defaults to ../shared/examples/seed-2.8t beside the repository.
 
-Prints a table and writes bench/results/<date>-manifest.json. The baseline is a bare json.load
+Prints a table and writes bench/results/manifest.json (the latest result;
+earlier ones are in git history). The baseline is a bare json.load
 of the index: the floor any reader pays before validating or building anything.
 """
 from __future__ import annotations
@@ -98,7 +99,7 @@ def main() -> None:
         "command": "python " + " ".join(sys.argv),
         "date": date,
     }
-    out = REPO / "bench" / "results" / f"{date}-manifest.json"
+    out = REPO / "bench" / "results" / "manifest.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 

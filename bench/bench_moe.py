@@ -12,11 +12,11 @@ every weight (full fine-tune); then frozen base weights (input grad only, and Lo
 fwd+bwd steps also in GPU time (`*_gpu`: the profiler's kernel time, the median of five profiles of three eager
 steps, so kernels at the clocks of a GPU that the host leaves idle between launches) and as CUDA graphs replayed back to
 back in steady state (`*_graph`: what a trainer's graphed steps run at; our kernels then meet the power cap and run
-slower than in a profile, transformers' hardly: bench/NOTES.md).
+slower than in a profile, transformers' hardly: `git show 99a26d7:bench/NOTES.md`).
 Correctness at the real shape: the bf16 kernels vs the torch fallback run in fp64 with the same
 routing fed to both; the fused router vs the fp64 reference on the same logits; the shared expert vs
 its torch form in fp64; routing flips against transformers' bf16 router are counted separately.
-Writes moe.json (moe-<T>.json for --T other than 16384) under --out. What was tried: bench/NOTES.md.
+Writes moe.json (moe-<T>.json for --T other than 16384) under --out. What was tried: `git show 99a26d7:bench/NOTES.md`.
 """
 from __future__ import annotations
 
@@ -138,8 +138,8 @@ def timings(block, x, dy):
 
 def gpu_ms(step, rounds: int = 5) -> float:
     """The step's GPU time (every kernel, no host time or launch gaps): eager wall time at these sizes moves
-    with the host's speed, for transformers' block most (bench/NOTES.md). The median of `rounds` profiles of
-    three steps each: one profile of our step moved by up to 2% between runs."""
+    with the host's speed, for transformers' block most (`git show 99a26d7:bench/NOTES.md`). The median of
+    `rounds` profiles of three steps each: one profile of our step moved by up to 2% between runs."""
     return statistics.median(sum(kernel_ms(step).values()) for _ in range(rounds))
 
 

@@ -9,7 +9,7 @@ attach to.
         --section SpeedOfLight --section MemoryWorkloadAnalysis python3 bench/profile_gdn_step.py --kind kda
 
 (KDA's forward runs diag_token and prep_blocked once a step: skip the first step's two.) What it
-found is in bench/NOTES.md.
+found is in `git show 99a26d7:bench/NOTES.md`.
 """
 import argparse
 

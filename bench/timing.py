@@ -64,7 +64,8 @@ def captured(step, warmup: int = 2) -> torch.cuda.CUDAGraph:
 def settle(fn: Callable, seconds: float, calls_per_sync: int = 8) -> None:
     """fn() back to back for `seconds`, untimed, so that what is timed next runs at the GPU's sustained clocks: kernels
     that keep HBM and the tensor cores busy together run into the power cap and slow, settling within about a second
-    (bench/NOTES.md). A sync every few calls keeps the host from queueing more GPU time than `seconds`."""
+    (`git show 99a26d7:bench/NOTES.md`). A sync every few calls keeps the host from queueing more GPU time than
+    `seconds`."""
     settled_at = time.perf_counter() + seconds
     while time.perf_counter() < settled_at:
         for _ in range(calls_per_sync):

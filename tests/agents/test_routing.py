@@ -50,7 +50,7 @@ def _failed(tier: int, name: str, layer: int | None) -> Alignment:
 
 
 def test_a_failed_alignment_falls_back_once_per_rung_then_reviews(seed_spec):
-    """A passing package (every README family's) goes to review; no retry runs for it."""
+    """A passing package (every example family's) goes to review; no retry runs for it."""
     layers = Fallback(rung="layers", failed=[])
     assert after_align({"spec": seed_spec, "alignment": Alignment(passed=True, summary="ok")}) == "review"
     assert after_align({"spec": seed_spec, "alignment": _failed(1, "layer0:x/out", 0)}) == "fall_back"
@@ -68,7 +68,7 @@ def test_the_drawing_has_exactly_the_routed_edges():
     assert "analyze -.-> review" not in mermaid and "analyze -.-> plan" not in mermaid
 
 
-def test_the_readme_drawing_is_the_graph_as_it_renders():
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = re.search(r"```mermaid\n(.*?)```", readme, re.DOTALL)
+def test_the_documented_drawing_is_the_graph_as_it_renders():
+    page = (Path(__file__).resolve().parents[2] / "docs" / "agents.md").read_text()
+    block = re.search(r"```mermaid\n(.*?)```", page, re.DOTALL)
     assert block is not None and block.group(1) == build().compile().get_graph().draw_mermaid()

@@ -145,7 +145,7 @@ def test_gluon_down_gemm_matches_triton():
     assert "MoE down GEMM" not in gluon_fallback.FAILED
     assert not gluon_y.isnan().any()  # every pair's row written once
     # the same bf16 products summed in the same 64-column steps: bit-identical on the H200 at 16384 and 4096 tokens
-    # (bench/NOTES.md); here a last-bit difference is allowed
+    # (`git show 99a26d7:bench/NOTES.md`); here a last-bit difference is allowed
     diff = (gluon_y.float() - triton_y.float()).abs()
     assert (diff <= triton_y.float().abs() * 2 ** -7).all(), diff.max()
 

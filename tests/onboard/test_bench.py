@@ -1,8 +1,9 @@
 """`onboard bench PKG [--check]` on a tiny package: every metric written, the check against its own baseline
 and against one doctored to be 10x faster. One intra-op thread while it runs: on the shared test machine two
-threads' spin-waits make CPU timings swing several-fold (bench/NOTES.md), more than any honest band. Even so the
-first of the three measurements can run 1.5x slower than the last, which a 3x doctored baseline with the CPU's
-50% band did not survive (1 run in 3 failed alone): 10x leaves the check flagging up to a 5x swing."""
+threads' spin-waits make CPU timings swing several-fold (`git show 99a26d7:bench/NOTES.md`), more than any honest
+band. Even so the first of the three measurements can run 1.5x slower than the last, which a 3x doctored
+baseline with the CPU's 50% band did not survive (1 run in 3 failed alone): 10x leaves the check flagging up to a
+5x swing."""
 from __future__ import annotations
 
 import json

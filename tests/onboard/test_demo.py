@@ -1,5 +1,5 @@
 """`onboard demo`, the README's first command, end to end in its own process as a user runs it (fewer
-training steps than the default 30 to keep the suite short; the full-length run is timed in the README)."""
+training steps than the default 30 to keep the suite short; the full-length run is timed in docs/cli.md)."""
 from __future__ import annotations
 
 import json
