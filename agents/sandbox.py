@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Sequence
 
 from agents.sandbox_guard import HIDDEN_PACKAGES
 
@@ -115,6 +115,67 @@ def _roots_under_tmp() -> tuple[Path, ...]:
     return tuple(sorted(p for p in under if not any(p != q and p.is_relative_to(q) for q in under)))
 
 
+# `python -I -c PROJECT_BOOT REPO MODULE ARGS...`: this project's code first on the path (isolated mode ignores
+# PYTHONPATH, and the environment is scrubbed), then MODULE run as __main__ with ARGS.
+PROJECT_BOOT = ("import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
+                "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
+SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")
+
+
+def run_project_module(module: str, args: Sequence[str], workdir: Path, readable: Sequence[Path] = (),
+                       limits: Limits = Limits(), env: dict[str, str] | None = None) -> SandboxResult:
+    """`python -m module args` of this project's code under bubblewrap (the caller checks available_mode() is
+    "bwrap"), for code that needs the project and its libraries, transformers included, but must not reach
+    anything else: the file system holds the system folders, the interpreter and its import roots, this project
+    without its .git, the `readable` paths (read-only, any .git in them hidden) and workdir, the one writable
+    place; no home, no other checkout, no network, no host IPC, a fresh /tmp; the environment is the sandbox's
+    allow-list plus `env`."""
+    workdir = Path(workdir).resolve()
+    inner = [sys.executable, "-I", "-c", PROJECT_BOOT, str(REPO), module, *map(str, args)]
+    return _run(_project_bwrap_argv(inner, workdir, readable), workdir, limits, "bwrap", extra_env=env)
+
+
+def _project_bwrap_argv(inner: list[str], workdir: Path, readable: Sequence[Path]) -> list[str]:
+    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session",
+            "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    for top in map(Path("/").joinpath, SYSTEM_DIRS):
+        if top.is_symlink():
+            argv += ["--symlink", os.readlink(top), str(top)]
+        elif top.is_dir():
+            argv += ["--ro-bind", str(top), str(top)]
+    for root in (*_interpreter_roots(), REPO, *(Path(p).resolve() for p in readable)):
+        argv += ["--ro-bind", str(root), str(root), *_hide_git(root)]
+    # a CUDA device stays usable: its nodes, and the driver's view of the hardware
+    for node in sorted(Path("/dev").glob("nvidia*")):
+        argv += ["--dev-bind", str(node), str(node)]
+    if any(Path("/dev").glob("nvidia*")):
+        argv += ["--ro-bind", "/sys", "/sys"]
+    return argv + ["--bind", str(workdir), str(workdir), "--chdir", str(workdir), "--", *inner]
+
+
+def _hide_git(root: Path) -> list[str]:
+    """A checkout's .git (its history, and the credentials a CI checkout keeps in .git/config) hidden: a folder
+    behind an empty tmpfs, a worktree's .git file behind /dev/null."""
+    git = root / ".git"
+    if git.is_dir() and not git.is_symlink():
+        return ["--tmpfs", str(git)]
+    return ["--ro-bind", "/dev/null", str(git)] if git.exists() or git.is_symlink() else []
+
+
+@functools.lru_cache(maxsize=1)
+def _interpreter_roots() -> tuple[Path, ...]:
+    """The child interpreter's prefixes and import roots (isolated mode, as it will run) outside the system
+    folders, without source checkouts on the path (an editable install of another project stays unseen)."""
+    probe = "import sys\nfor p in [sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path]: print(p)"
+    found = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, timeout=60)
+    paths = {Path(line).resolve() for line in found.stdout.splitlines() if line.strip().startswith("/")}
+    system = tuple(Path("/", top).resolve() for top in SYSTEM_DIRS)
+    keep = [p for p in paths if p.exists() and not (p / ".git").exists()
+            and not any(p.is_relative_to(s) for s in system)]
+    # a path inside another one is bound with it
+    return tuple(sorted(p for p in keep if not any(p != q and p.is_relative_to(q) for q in keep)))
+
+
 def _unshare_argv(inner: list[str], workdir: Path) -> list[str]:
     return ["unshare", "-n", "--", *inner]
 
@@ -140,12 +201,14 @@ def _limit(limits: Limits):
     return apply
 
 
-def _run(argv: list[str], workdir: Path, limits: Limits, mode: Mode) -> SandboxResult:
+def _run(argv: list[str], workdir: Path, limits: Limits, mode: Mode,
+         extra_env: dict[str, str] | None = None) -> SandboxResult:
     out_path, err_path = workdir / ".stdout", workdir / ".stderr"
     start = time.monotonic()
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         process = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=workdir,
-                                   env=_environment(workdir), preexec_fn=_limit(limits), start_new_session=True)
+                                   env={**_environment(workdir), **(extra_env or {})}, preexec_fn=_limit(limits),
+                                   start_new_session=True)
         timed_out = False
         try:
             process.wait(timeout=limits.wall_s)

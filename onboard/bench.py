@@ -49,7 +49,11 @@ def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
 
 
 def run(args) -> int:
+    from onboard.approved_ops import require_approved
+
     pkg = Path(args.pkg)
+    # the package's op files run in this process: refused before anything else runs
+    require_approved(pkg)
     baseline = read_baseline(pkg) if args.check else None
     seq_len, steps = _settings(args, baseline)
     result = measure(pkg, seq_len, steps, Path(args.model_dir) if args.model_dir else None)
@@ -135,11 +139,12 @@ def _setup(pkg: Path, seq_len: int, model_dir: Path | None) -> _Setup:
     from onboard.align.package_files import read_package
     from onboard.train_cli import build_model, memory_policy, read_lora
     from runtime.data import Document, pack
+    from onboard.approved_ops import approved_hashes
     from runtime.package_ops import load_package_ops
     from runtime.train import TrainData
 
     package = read_package(pkg, model_dir)
-    load_package_ops(pkg)
+    load_package_ops(pkg, approved_hashes())
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = build_model(package.spec, package.weight_map, package.source, read_lora(pkg, package.weight_map),
                         memory_policy(pkg, None, None), device)

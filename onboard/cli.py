@@ -11,9 +11,9 @@ from pathlib import Path
 
 from onboard import bench, demo, train_cli
 from onboard.config_view import NotRecognized
-from onboard.errors import BadInput, report_internal_error
+from onboard.errors import BadInput, printable, report_internal_error
 from runtime.config import SpecError
-from runtime.errors import InputFileError
+from runtime.errors import InputFileError, PackageOpRefused
 
 EXIT_BUG = 1
 EXIT_BAD_INPUT = 2
@@ -133,6 +133,24 @@ def _align(args) -> int:
     return 0 if report.passed else EXIT_GAPS
 
 
+def _approve(args) -> int:
+    """Record the sha256 of every file under PKG/ops/ as approved by this user (after they reviewed them)."""
+    from onboard.approved_ops import approve_files, store_path
+    from runtime.package_ops import read_op_files
+
+    pkg = Path(args.pkg)
+    if not pkg.is_dir():
+        raise BadInput(pkg, None, "not a package folder")
+    files = read_op_files(pkg)
+    approved = approve_files(files, pkg, by="onboard approve")
+    for f in files:
+        state = f"sha256 {f.sha256}" if f in approved else "not approved"
+        note = f" ({f.problem}; it will not load)" if f.problem else ""
+        print(printable(f"{f.path}: {state}{note}"))
+    print(f"approved {len(approved)} file(s) of {pkg / 'ops'} in {store_path()}")
+    return 0
+
+
 def _export(args) -> int:
     from onboard.export import export
     from onboard.peft_format import ExportGap
@@ -209,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=_positive_int, default=8, help="tier 4: GPUs per node (default 8)")
     p.add_argument("--mesh", default=None, help="tier 4: check this mesh (e.g. dp2xep64) instead of the plan's choice")
     p.set_defaults(run=_align)
+    p = sub.add_parser("approve", help="approve the package's op files (PKG/ops/) after review: align and train "
+                       "run them in this process only then")
+    p.add_argument("pkg")
+    p.set_defaults(run=_approve)
     p = sub.add_parser("train", help="train the package's LoRA on a jsonl file (run folder: checkpoints, metrics, plots)")
     train_cli.add_arguments(p, _positive_int)
     p.set_defaults(run=train_cli.run)
@@ -270,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     except (BadInput, InputFileError) as err:
         print(f"onboard: error: {err.one_line()}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except PackageOpRefused as refused:
+        print(f"onboard: refused: {printable(refused.one_line())}", file=sys.stderr)
+        return EXIT_GAPS
     except NotRecognized as gap:
         # a valid release whose basic widths are not recognized: nothing to report per component
         print(f"onboard: gap: config.json: {gap}: not recognized", file=sys.stderr)

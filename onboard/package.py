@@ -19,6 +19,7 @@ from typing import Sequence
 
 import yaml
 
+from onboard.approved_ops import approve
 from onboard.errors import BadInput
 from onboard.gap import analyze
 from onboard.generated import GeneratedOp, mark_generated
@@ -169,7 +170,7 @@ def _write_files(pkg: Path, out: Path, model_dir: Path, manifest, spec, report,
                    "architecture": spec.architecture, "config_sha256": _sha256(model_dir / "config.json")},
         "spec_hash": spec.spec_hash(),
         "ops_used": ops,
-        "generated_ops": _write_generated(pkg, generated),
+        "generated_ops": _write_generated(pkg, out, generated),
         "status": "gaps" if report.summary["gaps_remain"] else "ready-for-alignment",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -177,12 +178,19 @@ def _write_files(pkg: Path, out: Path, model_dir: Path, manifest, spec, report,
     write_workflow(pkg, model_slug(model_dir))
 
 
-def _write_generated(pkg: Path, generated: Sequence[GeneratedOp]) -> list[dict]:
-    """PKG/ops/<file>.py and test_<file>.py per generated op; the package.yaml entries."""
+def _write_generated(pkg: Path, out: Path, generated: Sequence[GeneratedOp]) -> list[dict]:
+    """PKG/ops/<file>.py and test_<file>.py per generated op, approved as new-model's own output (the user's
+    store: loading needs it); the package.yaml entries, with each file's sha256 for the reviewer."""
     if generated:
         (pkg / "ops").mkdir()
+    sha = {}
     for op in generated:
-        (pkg / "ops" / op.file).write_text(op.source)
-        (pkg / "ops" / f"test_{op.file}").write_text(op.test_source)
-    return [{"kind": op.kind, "name": op.name, "file": f"ops/{op.file}", "reference": op.reference,
+        for name, text in ((op.file, op.source), (f"test_{op.file}", op.test_source)):
+            data = text.encode()
+            (pkg / "ops" / name).write_bytes(data)
+            sha[f"ops/{name}"] = hashlib.sha256(data).hexdigest()
+    if sha:
+        approve({digest: name for name, digest in sha.items()}, out, by="onboard new-model (generated it)")
+    return [{"kind": op.kind, "name": op.name, "file": f"ops/{op.file}", "sha256": sha[f"ops/{op.file}"],
+             "test_sha256": sha[f"ops/test_{op.file}"], "reference": op.reference,
              "closes": op.closes, "evidence": op.evidence} for op in generated]

@@ -172,6 +172,10 @@ def build_parallel_model(spec: dict, weight_map: dict, release: Path, lora_confi
 def run(args) -> int:
     """0 trained; 1 aborted (non-finite steps, or a failed rank); 3 the release's chat template cannot mask
     assistant turns, or --bias-update-rate on routers without a correction bias. With --nproc > 1 (outside torchrun) the job is relaunched under torchrun."""
+    from onboard.approved_ops import require_approved
+
+    # the package's op files run in this process (and every rank's): refused before anything else runs
+    require_approved(Path(args.pkg))
     if (args.nproc > 1 or args.nnodes > 1) and "LOCAL_RANK" not in os.environ:
         from onboard.launch import launch
 
@@ -233,8 +237,10 @@ def _train(args) -> int:
 def _read_package(pkg: Path, model_dir: Path | None) -> tuple[dict, dict, Path]:
     """(spec, weight map, release folder) of a package written by `onboard new-model`; the release is
     --model-dir, else the folder package.yaml names (relative to PKG, else absolute). Its generated ops
-    (PKG/ops/) are registered into the runtime, so training runs the code validation accepted."""
+    (PKG/ops/) are registered into the runtime, so training runs the code validation accepted, when the user
+    approved every file there."""
     from onboard.align.package_files import read_source, release_folder
+    from onboard.approved_ops import approved_hashes
     from runtime.package_ops import load_package_ops
 
     release = release_folder(pkg, read_source(pkg), model_dir)
@@ -243,7 +249,7 @@ def _read_package(pkg: Path, model_dir: Path | None) -> tuple[dict, dict, Path]:
         weight_map = json.loads((pkg / "weight_map.json").read_text())
     except (OSError, ValueError) as err:
         raise BadInput(pkg, None, f"not a package written by `onboard new-model` ({err})") from None
-    load_package_ops(pkg)
+    load_package_ops(pkg, approved_hashes())
     return spec, weight_map, release
 
 
@@ -257,8 +263,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The trainer module torchrun runs on every rank: `torchrun --nproc-per-node N -m onboard.train_cli PKG ...`."""
-    from onboard.cli import EXIT_BAD_INPUT
-    from runtime.errors import InputFileError
+    from onboard.cli import EXIT_BAD_INPUT, EXIT_GAPS
+    from onboard.errors import printable
+    from runtime.errors import InputFileError, PackageOpRefused
 
     args = _parser().parse_args(argv)
     try:
@@ -266,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     except (BadInput, InputFileError) as err:
         print(f"onboard: error: {err.one_line()}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except PackageOpRefused as refused:
+        print(f"onboard: refused: {printable(refused.one_line())}", file=sys.stderr)
+        return EXIT_GAPS
 
 
 if __name__ == "__main__":

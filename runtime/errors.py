@@ -1,5 +1,5 @@
-"""The runtime's exception for malformed input files (package, run folder, data); `onboard` turns it
-into exit code 2 and one line, as it does its own BadInput."""
+"""The runtime's exceptions for input files: malformed ones (package, run folder, data), which `onboard` turns
+into exit code 2 and one line, as it does its own BadInput; and package code it will not run (exit 3)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,3 +15,15 @@ class InputFileError(ValueError):
     def one_line(self) -> str:
         where = f"{self.path}: {self.key}" if self.key else self.path
         return f"{where}: {self.message}".replace("\n", " ")
+
+
+class PackageOpRefused(Exception):
+    """A file under PKG/ops/ that will not run here: unapproved, not a Python op, or an op the runtime does not
+    take (exit 3, one line naming the file)."""
+
+    def __init__(self, path: str | Path, reason: str):
+        self.path, self.reason = str(path), reason
+        super().__init__(self.one_line())
+
+    def one_line(self) -> str:
+        return f"{self.path} {self.reason}".replace("\n", " ")

@@ -25,6 +25,19 @@ SEED_DIR = Path(__file__).resolve().parents[2] / "shared" / "examples" / "seed-2
 SEED_COPY = Path(__file__).resolve().parent / "data" / "seed-2.8t"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _approvals_stay_out_of_home(tmp_path_factory):
+    """The approved-ops store (onboard/approved_ops.py) of this test session, never the user's: set before any
+    session fixture runs `new-model` (which approves what it generates); subprocesses inherit it."""
+    saved = os.environ.get("ONBOARD_STATE_DIR")
+    os.environ["ONBOARD_STATE_DIR"] = str(tmp_path_factory.mktemp("onboard-state"))
+    yield
+    if saved is None:
+        os.environ.pop("ONBOARD_STATE_DIR", None)
+    else:
+        os.environ["ONBOARD_STATE_DIR"] = saved
+
+
 @pytest.fixture(autouse=True)
 def _generated_ops_stay_in_their_test():
     """A package's generated ops register into process-wide tables (one package per CLI process); a test

@@ -17,11 +17,13 @@ from onboard.align.tier2_training import training_checks
 from onboard.align.tier3 import tier3
 from onboard.align.tier4 import Target, tier4, tier4_target
 from onboard.align.vision import vision_checks
+from onboard.align.confined import align_confined
+from onboard.approved_ops import approved_hashes
 from onboard.errors import BadInput
 from onboard.plan import Cluster
 from runtime.parallel.placement import MeshShape
 from onboard.model_references import register_references
-from runtime.package_ops import load_package_ops, tables_restored
+from runtime.package_ops import OpFile, check_loadable, read_op_files, register_op_files, tables_restored, unapproved
 
 # Alignment of large releases runs a prefix of the model (both sides) holding every distinct layer kind.
 MAX_ALIGN_LAYERS = 8
@@ -38,9 +40,28 @@ def run_alignment(pkg: Path, tiers: list[int], model_dir: Path | None = None, ta
                   cluster: Cluster | None = None, mesh: MeshShape | None = None) -> AlignmentReport:
     """`model_dir` overrides the release folder package.yaml records; `tamper(model)` edits our model after
     loading (tests break an op on purpose); `cluster` is tier 4's target (required for it), `mesh` the mesh
-    it checks instead of the plan's choice."""
+    it checks instead of the plan's choice. A package whose op files the user has not approved is aligned in
+    a confined process (onboard/align/confined.py): its code never runs in this one."""
     pkg, progress = Path(pkg), progress or Progress()
     inputs = read_package(pkg, model_dir)
+    files = read_op_files(pkg)
+    check_loadable(files)
+    strangers = unapproved(files, approved_hashes())
+    if strangers:
+        if tamper is not None:
+            raise ValueError("tamper edits a model in this process: approve the package's ops first")
+        report = align_confined(pkg, inputs, strangers[0], tiers, progress, max_layers, cluster, mesh)
+    else:
+        report = align_in_process(pkg, inputs, files, tiers, tamper, progress, max_layers, cluster, mesh)
+    _write(pkg, report)
+    return report
+
+
+def align_in_process(pkg: Path, inputs: AlignInputs, files: list[OpFile], tiers: list[int], tamper,
+                     progress: Progress, max_layers: int, cluster: Cluster | None,
+                     mesh: MeshShape | None) -> AlignmentReport:
+    """The tiers in this process, with the package's op `files` registered: files the user approved, or any
+    inside the confined child."""
     goal = tier4_target(pkg, cluster, mesh) if 4 in tiers else None
     num_layers = layers_to_run(inputs.spec, max_layers)
     if num_layers < inputs.spec["num_layers"] and min(tiers) < 3:
@@ -50,14 +71,12 @@ def run_alignment(pkg: Path, tiers: list[int], model_dir: Path | None = None, ta
     # the package's generated ops run in the runtime (for this package only: a refused trial candidate must
     # not stay registered), the model's own functions are their reference
     with tables_restored():
-        load_package_ops(pkg)
+        register_op_files(files)
         register_references(pkg)
         results, divergence = _run_tiers(sorted(tiers), inputs, num_layers, tamper, progress, goal)
-    report = AlignmentReport(package=str(pkg.resolve()), source=str(inputs.source), spec_hash=inputs.spec_hash,
-                             tiers=results, first_divergence=divergence,
-                             passed=all(t.passed for t in results) and len(results) == len(tiers))
-    _write(pkg, report)
-    return report
+    return AlignmentReport(package=str(pkg.resolve()), source=str(inputs.source), spec_hash=inputs.spec_hash,
+                           tiers=results, first_divergence=divergence,
+                           passed=all(t.passed for t in results) and len(results) == len(tiers))
 
 
 def _run_tiers(tiers: list[int], inputs: AlignInputs, num_layers: int, tamper, progress: Progress,

@@ -112,11 +112,13 @@ def test_the_generated_op_unit_test_passes(onboarded):
 def test_training_steps_run_through_the_generated_op(onboarded):
     from onboard.align.package_files import read_package
     from onboard.align.reference import load_runtime
+    from onboard.approved_ops import approved_hashes
     from runtime.model import causal_lm_loss
     from runtime.package_ops import load_package_ops
 
     _, pkg, _ = onboarded
-    assert load_package_ops(pkg) == ["activation:relu2"]
+    # new-model approved the op it generated (in this session's store)
+    assert load_package_ops(pkg, approved_hashes()) == ["activation:relu2"]
     inputs = read_package(pkg)
     model = load_runtime(inputs.spec, inputs.weight_map, inputs.source, torch.float32).train()
     ids = torch.randint(0, inputs.spec["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
@@ -143,6 +145,23 @@ def test_onboard_train_loads_the_generated_op(onboarded, tmp_path):
                             env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "trained 2 steps" in result.stdout
+
+
+def test_an_unapproved_edit_of_the_generated_op_is_aligned_confined_and_fails_the_check(onboarded, tmp_path):
+    """A pull request changing the generated op (relu2 off by 1e-3 relative): nobody approved the new bytes, so
+    `align --check` (what the CI workflow runs) aligns the package in the confined child; its verdict fails the
+    check against the baseline new-model wrote, naming the checks and their numbers."""
+    _, built, _ = onboarded
+    pkg = shutil.copytree(built, tmp_path / "pkg")
+    op = pkg / "ops" / "activation_relu2.py"
+    op.write_text(op.read_text().replace("return torch.relu(x) ** 2", "return torch.relu(x) ** 2 * 1.001"))
+    broken = subprocess.run([sys.executable, "-m", "onboard.cli", "align", str(pkg), "--tiers", "0", "--check"],
+                            capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert broken.returncode == 3, broken.stderr[-3000:]
+    assert f"{op} is not approved: aligning in a confined process" in broken.stderr
+    lines = [line for line in broken.stderr.splitlines() if line.startswith("regression vs alignment/baseline.json: ")]
+    assert any("moe_experts" in line and "pass -> fail, rel_rms " in line for line in lines), broken.stderr[-3000:]
 
 
 def test_a_killed_run_resumes_without_redoing_finished_nodes(relu2_release, onboarded, llm_server, tmp_path):

@@ -1,7 +1,8 @@
-"""`onboard align PKG --check` against alignment/baseline.json: a deliberately wrong op in PKG/ops/ fails it
-in a real `onboard` process, naming the checks and their numbers; removed again, the check passes. The
-half-headroom rule on real Check values: a metric that still passes but ate more than half of the room to its
-tolerance is a regression, noise is not."""
+"""`onboard align PKG --check` against alignment/baseline.json: an op in PKG/ops/ that would replace a built-in is
+refused in a real `onboard` process (exit 3, naming the file and the name: a package adds ops, it does not change
+the runtime's); removed again, the check passes (a wrong generated op failing the check, naming the checks and
+their numbers, is tests/agents/test_onboard.py's). The half-headroom rule on real Check values: a metric that
+still passes but ate more than half of the room to its tolerance is a regression, noise is not."""
 from __future__ import annotations
 
 import shutil
@@ -33,17 +34,20 @@ def pkg(onboarded_package, tmp_path):
     return shutil.copytree(built, tmp_path / "pkg")
 
 
-def test_a_wrong_op_fails_the_check_naming_it_and_its_removal_passes(pkg, capsys):
+def test_an_op_replacing_a_builtin_is_refused_and_its_removal_passes(pkg, capsys):
     assert main(["align", str(pkg), "--tiers", "0", "--check"]) == 0
     (pkg / "ops").mkdir()
     (pkg / "ops" / "activation_silu.py").write_text(WRONG_SILU)
-    # its own process: registering the op replaces silu in the runtime's table of that process
-    broken = subprocess.run([sys.executable, "-m", "onboard.cli", "align", str(pkg), "--tiers", "0", "--check"],
-                            capture_output=True, text=True, timeout=600)
-    assert broken.returncode == 3, broken.stderr
-    lines = [line for line in broken.stderr.splitlines() if line.startswith("regression vs alignment/baseline.json: ")]
-    assert any("moe_experts/fallback/float32/" in line and "pass -> fail, rel_rms " in line and " -> " in line
-               and "(tolerance " in line for line in lines), broken.stderr
+    for approved in (False, True):
+        # unapproved it runs only in align's confined child, approved in the process: refused by name either way
+        if approved:
+            assert main(["approve", str(pkg)]) == 0
+        broken = subprocess.run([sys.executable, "-m", "onboard.cli", "align", str(pkg), "--tiers", "0", "--check"],
+                                capture_output=True, text=True, timeout=600)
+        last = broken.stderr.strip().splitlines()[-1]
+        assert broken.returncode == 3 and "Traceback" not in broken.stderr, broken.stderr[-2000:]
+        assert last == (f"onboard: refused: {pkg}/ops/activation_silu.py declares NAME 'silu', a built-in activation: "
+                        "a package may add ops, not replace the runtime's")
     shutil.rmtree(pkg / "ops")
     capsys.readouterr()
     assert main(["align", str(pkg), "--tiers", "0", "--check"]) == 0

@@ -45,3 +45,18 @@ def test_cpu_job_checks_the_baseline_and_the_gpu_job_runs_only_with_a_runner_lab
     runs = [step.get("run", "") for step in gpu["steps"]]
     assert any('onboard align "$PKG" --tiers 0 --check' in r for r in runs)
     assert any('onboard bench "$PKG" --check' in r for r in runs)
+
+
+def test_the_cpu_job_confines_package_code_and_keeps_the_secret_to_the_install_step():
+    """The package's op files arrive unapproved on the runner: `align` runs them only under bubblewrap, which the
+    job installs (and lets start) before it; the pip secret is in no other step's environment."""
+    workflow = yaml.safe_load(workflow_yaml("qwen3_next"))
+    steps = workflow["jobs"]["cpu"]["steps"]
+    runs = [step.get("run", "") for step in steps]
+    bwrap = next(i for i, r in enumerate(runs) if "apt-get install -y -q bubblewrap" in r)
+    assert "bwrap --ro-bind / / --unshare-net true" in runs[bwrap] and bwrap < len(runs) - 1
+    assert "ONBOARD_PIP_SPEC" not in workflow["env"]
+    holders = [s for job in workflow["jobs"].values() for s in job["steps"] if "ONBOARD_PIP_SPEC" in str(s.get("env"))]
+    assert [s["name"] for s in holders] == ["install onboard", "install onboard"]
+    assert all(s["with"]["persist-credentials"] is False for job in workflow["jobs"].values()
+               for s in job["steps"] if s.get("uses", "").startswith("actions/checkout"))

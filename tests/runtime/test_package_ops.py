@@ -4,11 +4,14 @@ activation slot is exercised end to end in tests/agents/test_onboard.py). Each g
 a form the runtime also has another way (e.g. 2 x softplus decay = softplus decay with A_log + log 2), so the
 layer's output through the slot is checked against the built-in path, not against the op itself. On CUDA the
 runtime calls the op through torch.compile; there is no GPU here, so that path is checked by the wrapper it
-picks per device type and by compiling a candidate for real on CPU."""
+picks per device type and by compiling a candidate for real on CPU. Last, what a package's ops/ may not do: run
+unapproved, change after its hash was checked, replace a built-in op, or be anything but Python files."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
+import os
 
 import pytest
 import torch
@@ -35,7 +38,9 @@ def load(tmp_path):
     def write_and_load(kind: str, name: str, body: str) -> None:
         (tmp_path / "ops").mkdir(exist_ok=True)
         (tmp_path / "ops" / f"{kind}_{name}.py").write_text(HEADER.format(kind=kind, name=name) + body)
-        assert f"{kind}:{name}" in package_ops.load_package_ops(tmp_path)
+        # approved here: the file is this test's own (the approval rules are tested below)
+        approved = {f.sha256 for f in package_ops.read_op_files(tmp_path)}
+        assert f"{kind}:{name}" in package_ops.load_package_ops(tmp_path, approved)
 
     yield write_and_load
     for kind, table in package_ops.TABLES.items():
@@ -158,3 +163,86 @@ def test_on_cuda_a_generated_op_runs_compiled_and_matches_eager():
     x = torch.randn(64, 48, device="cuda", dtype=torch.bfloat16)
     torch.testing.assert_close(wrapped(x), op(x))
     assert wrapped._compiled is not None  # the call went through the compiled form
+
+
+MARKING_OP = ("import pathlib\npathlib.Path({mark!r}).write_text('ran')\n"
+              "KIND = 'activation'\nNAME = 'marked'\n\n\ndef op(x):\n    return x * {factor}\n")
+
+
+def _package_with(tmp_path, files: dict[str, str]):
+    (tmp_path / "ops").mkdir()
+    for name, text in files.items():
+        (tmp_path / "ops" / name).write_text(text)
+    return tmp_path
+
+
+def _sha(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_an_unapproved_file_is_refused_before_any_of_the_package_runs(tmp_path):
+    """The approved op would run first in sorted order: nothing runs while one file is unapproved."""
+    mark = tmp_path / "ran"
+    pkg = _package_with(tmp_path, {"a_op.py": MARKING_OP.format(mark=str(mark), factor=2),
+                                   "b_notes.py": "raise SystemExit('never')\n"})
+    with pytest.raises(package_ops.PackageOpRefused, match=r"ops/b_notes.py is not approved: review it, then run "
+                                                           r"`onboard approve "):
+        package_ops.load_package_ops(pkg, {_sha(pkg / "ops" / "a_op.py")})
+    assert not mark.exists() and "marked" not in package_ops.TABLES["activation"]
+
+
+def test_the_op_registered_is_the_one_whose_bytes_were_hashed(tmp_path):
+    """Read once: a file rewritten after the read (between check and import) does not change what runs."""
+    mark = tmp_path / "ran"
+    pkg = _package_with(tmp_path, {"activation_marked.py": MARKING_OP.format(mark=str(mark), factor=2)})
+    files = package_ops.read_op_files(pkg)
+    package_ops.check_approved(pkg, files, {files[0].sha256})
+    (pkg / "ops" / "activation_marked.py").write_text(MARKING_OP.format(mark=str(mark), factor=3))
+    assert package_ops.register_op_files(files) == ["activation:marked"]
+    torch.testing.assert_close(package_ops.TABLES["activation"]["marked"](torch.ones(2)), torch.full((2,), 2.0))
+
+
+def test_an_op_may_not_replace_a_builtin_or_another_op_of_the_package(tmp_path):
+    silu = "import torch.nn.functional as F\nKIND = 'activation'\nNAME = 'silu'\n\n\ndef op(x):\n    return 1.5 * F.silu(x)\n"
+    pkg = _package_with(tmp_path, {"activation_silu.py": silu})
+    builtin = package_ops.TABLES["activation"]["silu"]
+    with pytest.raises(package_ops.PackageOpRefused, match=r"activation_silu.py declares NAME 'silu', a built-in activation"):
+        package_ops.load_package_ops(pkg, {_sha(pkg / "ops" / "activation_silu.py")})
+    assert package_ops.TABLES["activation"]["silu"] is builtin
+    twice = MARKING_OP.format(mark=str(tmp_path / "m"), factor=2)
+    (pkg / "ops" / "activation_silu.py").unlink()
+    for name in ("a.py", "b.py"):
+        (pkg / "ops" / name).write_text(twice)
+    with pytest.raises(package_ops.PackageOpRefused, match=r"b.py declares activation 'marked', which a.py declares too"):
+        package_ops.load_package_ops(pkg, {_sha(pkg / "ops" / "a.py")})
+
+
+@pytest.mark.parametrize("entry", ["notes.txt", "folder", "link.py", "fifo.py"])
+def test_anything_but_a_python_file_in_ops_is_refused_even_approved(tmp_path, entry):
+    pkg = _package_with(tmp_path, {})
+    path = pkg / "ops" / entry
+    if entry == "notes.txt":
+        path.write_text("review me")
+    elif entry == "folder":
+        path.mkdir()
+        (path / "op.py").write_text("KIND = 'activation'\n")
+    elif entry == "link.py":
+        (tmp_path / "elsewhere.py").write_text(MARKING_OP.format(mark=str(tmp_path / "m"), factor=2))
+        path.symlink_to(tmp_path / "elsewhere.py")
+    else:
+        os.mkfifo(path)
+    approved = {f.sha256 for f in package_ops.read_op_files(pkg) if f.sha256}
+    with pytest.raises(package_ops.PackageOpRefused, match=rf"ops/{entry} is (not a Python file|a folder|a symbolic "
+                                                           r"link|not a regular file)"):
+        package_ops.load_package_ops(pkg, approved)
+
+
+def test_bytecode_caches_are_ignored_and_failing_modules_are_refused_in_one_line(tmp_path):
+    """__pycache__ is what running the ops' unit tests leaves (never loaded: ops compile from their hashed bytes);
+    an approved module that raises is a refusal naming it, not a traceback."""
+    pkg = _package_with(tmp_path, {"activation_bad.py": "import no_such_module_here\n"})
+    (pkg / "ops" / "__pycache__").mkdir()
+    (pkg / "ops" / "__pycache__" / "activation_bad.cpython-311.pyc").write_bytes(b"\x00" * 16)
+    assert [f.path.name for f in package_ops.read_op_files(pkg)] == ["activation_bad.py"]
+    with pytest.raises(package_ops.PackageOpRefused, match=r"activation_bad.py failed to load: ModuleNotFoundError"):
+        package_ops.load_package_ops(pkg, {_sha(pkg / "ops" / "activation_bad.py")})
