@@ -2,12 +2,12 @@
 (report.json, tier<N>.json, and baseline.json on the first passing run)."""
 from __future__ import annotations
 
+import os
 import traceback
 from pathlib import Path
 
 import torch
 
-from onboard.align.package_files import AlignInputs, read_package
 from onboard.align.progress import Progress
 from onboard.align.report import AlignmentReport, Check, Divergence, TierResult, tier_result
 from onboard.align.tier0_ops import tier0
@@ -17,10 +17,13 @@ from onboard.align.tier2_training import training_checks
 from onboard.align.tier3 import tier3
 from onboard.align.tier4 import Target, tier4, tier4_target
 from onboard.align.vision import vision_checks
+from onboard import package_io
 from onboard.errors import BadInput
+from onboard.package_reader import Package, read_package
 from onboard.plan import Cluster
 from runtime.parallel.placement import MeshShape
 from onboard.model_references import register_references
+from runtime.errors import InputFileError
 from runtime.package_ops import load_package_ops, tables_restored
 
 # Alignment of large releases runs a prefix of the model (both sides) holding every distinct layer kind.
@@ -41,6 +44,8 @@ def run_alignment(pkg: Path, tiers: list[int], model_dir: Path | None = None, ta
     it checks instead of the plan's choice."""
     pkg, progress = Path(pkg), progress or Progress()
     inputs = read_package(pkg, model_dir)
+    for name in ["report.json", "baseline.json", *(f"tier{tier}.json" for tier in tiers)]:
+        package_io.check_writable(pkg, pkg / "alignment" / name)
     goal = tier4_target(pkg, cluster, mesh) if 4 in tiers else None
     num_layers = layers_to_run(inputs.spec, max_layers)
     if num_layers < inputs.spec["num_layers"] and min(tiers) < 3:
@@ -60,7 +65,7 @@ def run_alignment(pkg: Path, tiers: list[int], model_dir: Path | None = None, ta
     return report
 
 
-def _run_tiers(tiers: list[int], inputs: AlignInputs, num_layers: int, tamper, progress: Progress,
+def _run_tiers(tiers: list[int], inputs: Package, num_layers: int, tamper, progress: Progress,
                goal: Target | None) -> tuple[list[TierResult], Divergence | None]:
     """Each tier only when the one below passed."""
     results, divergence = [], None
@@ -71,7 +76,7 @@ def _run_tiers(tiers: list[int], inputs: AlignInputs, num_layers: int, tamper, p
         progress.start_tier(tier)
         try:
             checks, found = _run_tier(tier, inputs, num_layers, tamper, progress, goal)
-        except BadInput:
+        except (BadInput, InputFileError):
             raise  # the package does not fit its release: bad input, one line
         except Exception as err:  # a load or run failure is a failed check, never a traceback
             checks, found = [failure_check(tier, err)], None
@@ -81,7 +86,7 @@ def _run_tiers(tiers: list[int], inputs: AlignInputs, num_layers: int, tamper, p
     return results, divergence
 
 
-def _run_tier(tier: int, inputs: AlignInputs, num_layers: int, tamper, progress: Progress,
+def _run_tier(tier: int, inputs: Package, num_layers: int, tamper, progress: Progress,
               goal: Target | None) -> tuple[list[Check], Divergence | None]:
     spec, weight_map, source = inputs.spec, inputs.weight_map, inputs.source
     if tier == 0:
@@ -112,10 +117,10 @@ def failure_check(tier: int, err: Exception) -> Check:
 
 
 def _write(pkg: Path, report: AlignmentReport) -> None:
+    """Inside the package only: a symlinked alignment/ or report file is refused, never written through."""
     folder = pkg / "alignment"
-    folder.mkdir(exist_ok=True)
-    (folder / "report.json").write_text(report.model_dump_json(indent=2))
+    package_io.write_text(pkg, folder / "report.json", report.model_dump_json(indent=2))
     for tier in report.tiers:
-        (folder / f"tier{tier.tier}.json").write_text(tier.model_dump_json(indent=2))
-    if report.passed and not (folder / "baseline.json").exists():
-        (folder / "baseline.json").write_text(report.model_dump_json(indent=2))
+        package_io.write_text(pkg, folder / f"tier{tier.tier}.json", tier.model_dump_json(indent=2))
+    if report.passed and not os.path.lexists(folder / "baseline.json"):
+        package_io.write_text(pkg, folder / "baseline.json", report.model_dump_json(indent=2))
