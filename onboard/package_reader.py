@@ -87,7 +87,7 @@ def _require_equal(path: Path, got: Any, expected: Any, what: str) -> None:
 def _first_difference(expected: Any, got: Any, key: str = "") -> tuple[Optional[str], Any, Any]:
     """(dotted key, expected value, value found) of the first place the two differ; key None when equal."""
     if isinstance(expected, dict) and isinstance(got, dict):
-        for name in sorted(set(expected) | set(got), key=lambda n: (n not in expected, n not in got)):
+        for name in [*expected, *(name for name in got if name not in expected)]:
             found = _first_difference(expected.get(name, _ABSENT), got.get(name, _ABSENT), _join(key, name))
             if found[0] is not None:
                 return found
