@@ -112,11 +112,15 @@ def _read_regular(f, path: Path, limit: int) -> bytes:
     if not stat.S_ISREG(info.st_mode):
         raise BadInput(path, None, "not a regular file (a FIFO, device or socket): refused")
     if info.st_size > limit:
-        raise BadInput(path, None, f"{info.st_size} bytes, over the {limit >> 20} MiB a package file may hold")
+        raise BadInput(path, None, f"{info.st_size} bytes, over the {_size(limit)} a package file may hold")
     data = f.read(limit + 1)
     if len(data) > limit:
-        raise BadInput(path, None, f"over the {limit >> 20} MiB a package file may hold")
+        raise BadInput(path, None, f"over the {_size(limit)} a package file may hold")
     return data
+
+
+def _size(limit: int) -> str:
+    return f"{limit >> 20} MiB" if limit >= 2**20 else f"{limit} bytes"
 
 
 def write_text(root: Path, path: Path, text: str) -> None:
@@ -148,12 +152,6 @@ def _refuse_non_regular(dir_fd: int, name: str, shown: Path) -> None:
     if not stat.S_ISREG(info.st_mode):
         raise BadInput(shown, None, "not a regular file (a symlink or another kind of file): onboard replaces "
                                     "only files it wrote, never writes through a link")
-
-
-def make_folder(root: Path, path: Path) -> Path:
-    """root/... made (or found) with every component a real folder; returns `path`."""
-    with _folder(Path(root), _parts(Path(root), Path(path)), create=True):
-        return Path(path)
 
 
 def check_folder(root: Path, path: Path) -> None:

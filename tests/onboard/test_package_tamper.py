@@ -277,3 +277,24 @@ def test_bench_refuses_what_align_refuses(tampered, capsys):
     _edit_json(pkg / "weight_map.json", _swap_k_v)
     line = _refused(capsys, _align(pkg))
     assert _refused(capsys, ["bench", str(pkg), "--steps", "1", "--seq-len", "16"]) == line
+
+
+def test_package_io_caps_what_it_reads_and_writes_only_through_real_folders(tmp_path):
+    from onboard import package_io
+    from onboard.errors import BadInput
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "big.json").write_text("x" * 11)
+    with pytest.raises(BadInput, match="11 bytes, over the 10 bytes"):
+        package_io.read_text(pkg, pkg / "big.json", limit=10)
+    with pytest.raises(BadInput, match="outside the folder"):
+        package_io.read_text(pkg, pkg / ".." / "elsewhere.json")
+    package_io.write_text(pkg, pkg / "alignment" / "report.json", "{}")
+    assert (pkg / "alignment" / "report.json").read_text() == "{}"
+    assert [p.name for p in (pkg / "alignment").iterdir()] == ["report.json"]  # no temp file left
+    (tmp_path / "outside").mkdir()
+    (pkg / "alignment" / "deeper").symlink_to(tmp_path / "outside")
+    with pytest.raises(BadInput, match="deeper: not a folder"):
+        package_io.write_text(pkg, pkg / "alignment" / "deeper" / "tier0.json", "{}")
+    assert list((tmp_path / "outside").iterdir()) == []
