@@ -81,7 +81,8 @@ def _require_equal(path: Path, got: Any, expected: Any, what: str) -> None:
     key, want, have = _first_difference(expected, got)
     if key is not None:
         raise BadInput(path, key or None, f"{_short(have)} where {what} has {_short(want)}: the file changed after "
-                                          "`onboard new-model` (run it again, or restore the file)")
+                                          "`onboard new-model`, or this onboard derives another (run `onboard "
+                                          "new-model` again, or restore the file)")
 
 
 def _first_difference(expected: Any, got: Any, key: str = "") -> tuple[Optional[str], Any, Any]:

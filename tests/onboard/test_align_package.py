@@ -96,7 +96,8 @@ def test_a_weight_map_that_does_not_fit_the_release(pkg, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"onboard: error: {pkg / 'weight_map.json'}: model.norm.weight.target: 'norm.weigh' where the "
                    "weight map `onboard new-model` derives from the release has 'norm.weight': the file changed "
-                   "after `onboard new-model` (run it again, or restore the file)"]
+                   "after `onboard new-model`, or this onboard derives another (run `onboard new-model` again, or "
+                   "restore the file)"]
     assert not any("Traceback" in line for line in err)
 
 
