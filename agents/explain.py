@@ -11,10 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import ValidationError
-
 from onboard.gap import GapReport
 from onboard.model_source import config_doc
+from onboard.package_derivation import SetStep, StepError, set_parameter
 from onboard.render import jinja_env
 from onboard.spec import ModelSpec
 from runtime.registry import OPS, ops_for_layer
@@ -80,33 +79,23 @@ def _flatten(data: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def apply(spec: ModelSpec, proposal: Proposal, config_value: Any) -> ModelSpec | Failure:
-    """The spec with the proposal's interpretation applied, or why it cannot be."""
+def step_for(proposal: Proposal, config_value: Any) -> SetStep | Failure | None:
+    """The spec step the proposal asks for (None: it changes nothing computed), or why it cannot be one."""
     if proposal.op == "none":
-        if proposal.parameter:
-            return Failure(check="proposal", detail="op \"none\" sets no parameter")
-        return spec
+        return Failure(check="proposal", detail="op \"none\" sets no parameter") if proposal.parameter else None
     if proposal.op not in OPS:
         return Failure(check="proposal", detail=f"op {proposal.op!r} is not a registry op ({', '.join(sorted(OPS))})")
     if not proposal.parameter:
         return Failure(check="proposal", detail=f"a parameter of {proposal.op} needs the spec field it sets")
-    data = spec.model_dump()
-    value = proposal.value if proposal.value is not None else config_value
-    path = proposal.parameter.split(".")
-    if sum(_set(root, path, value) for root in [data, *data["layers"]]) == 0:
-        return Failure(check="proposal", detail=f"no field {proposal.parameter!r} in the spec or its layers")
+    return SetStep(set=proposal.parameter, value=proposal.value if proposal.value is not None else config_value)
+
+
+def apply(spec: ModelSpec, proposal: Proposal, config_value: Any) -> ModelSpec | Failure:
+    """The spec with the proposal's interpretation applied, or why it cannot be."""
+    step = step_for(proposal, config_value)
+    if step is None or isinstance(step, Failure):
+        return spec if step is None else step
     try:
-        return ModelSpec.model_validate(data)
-    except ValidationError as err:
-        return Failure(check="proposal", detail=f"{proposal.parameter} = {value!r}: {str(err)[:400]}")
-
-
-def _set(root: dict, path: list[str], value: Any) -> bool:
-    """Sets root[path] where every key of the path is there already; whether it was."""
-    *parents, last = path
-    for key in parents:
-        root = root.get(key) if isinstance(root, dict) else None
-    if not isinstance(root, dict) or last not in root:
-        return False
-    root[last] = value
-    return True
+        return set_parameter(spec, step.set, step.value)
+    except StepError as err:
+        return Failure(check="proposal", detail=str(err))

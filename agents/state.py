@@ -9,6 +9,7 @@ from pydantic import BaseModel
 from onboard.align.report import Check
 from onboard.gap import GapReport
 from onboard.generated import GeneratedOp
+from onboard.package_derivation import OwnStep, SetStep, SpecStep
 from onboard.spec import ModelSpec
 
 
@@ -98,6 +99,8 @@ class Fallback(BaseModel):
 class OnboardState(TypedDict, total=False):
     options: RunOptions
     spec: ModelSpec
+    # what changed the spec after recognition, in order (package.yaml's spec_steps; readers derive it again)
+    spec_steps: list[SpecStep]
     report: GapReport
     tasks: list[OpTask]
     explanations: list[Explanation]
@@ -109,4 +112,4 @@ class OnboardState(TypedDict, total=False):
 
 
 SERIALIZED_TYPES = [RunOptions, ModelSpec, GapReport, OpTask, Alignment, GeneratedOp, Failure, Candidate, Proposal,
-                    Explanation, Check, Fallback]
+                    Explanation, Check, Fallback, SetStep, OwnStep]

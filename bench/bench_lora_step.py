@@ -138,7 +138,7 @@ def ours_setup(work: Path, experts: bool, seq_len: int, policy: str | None = Non
     import json as json_
 
     import torch
-    from onboard.train_cli import build_model, read_lora
+    from onboard.trainer_build import build_model, read_lora
     from runtime.data import Document, pack
     from runtime.memory import MemoryPolicy
     from runtime.train import TrainConfig, micro_batch, micro_step_for, optimizer_for

@@ -17,12 +17,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
+from onboard import package_io
 from onboard.errors import BadInput
+from onboard.package_files import require_package_folder
 
 WARMUP = 2
 PROFILED_STEPS = 2
@@ -56,9 +59,10 @@ def run(args) -> int:
     require_approved(pkg)
     baseline = read_baseline(pkg) if args.check else None
     seq_len, steps = _settings(args, baseline)
+    require_package_folder(pkg)
+    package_io.check_writable(pkg, pkg / "alignment" / "bench.json")
     result = measure(pkg, seq_len, steps, Path(args.model_dir) if args.model_dir else None)
-    (pkg / "alignment").mkdir(exist_ok=True)
-    (pkg / "alignment" / "bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    package_io.write_text(pkg, pkg / "alignment" / "bench.json", json.dumps(result, indent=2) + "\n")
     print(summary_line(result))
     if baseline is None:
         return 0
@@ -70,10 +74,10 @@ def run(args) -> int:
 
 def read_baseline(pkg: Path) -> dict:
     path = pkg / "alignment" / BASELINE
-    if not path.exists():
+    if not os.path.lexists(path):
         raise BadInput(path, None, "missing: save a trusted alignment/bench.json under this name and commit it")
     try:
-        baseline = json.loads(path.read_text())
+        baseline = json.loads(package_io.read_text(pkg, path))
     except ValueError as err:
         raise BadInput(path, None, f"not JSON ({err})") from None
     missing = [key for key in ("device", "seq_len", "steps", "peak_mem_gib", "tokens_per_s", "mfu")
@@ -136,8 +140,8 @@ class _Setup:
 def _setup(pkg: Path, seq_len: int, model_dir: Path | None) -> _Setup:
     import torch
 
-    from onboard.align.package_files import read_package
-    from onboard.train_cli import build_model, memory_policy, read_lora
+    from onboard.package_reader import read_package
+    from onboard.trainer_build import build_model, memory_policy_for
     from runtime.data import Document, pack
     from onboard.approved_ops import approved_hashes
     from runtime.package_ops import load_package_ops
@@ -146,8 +150,8 @@ def _setup(pkg: Path, seq_len: int, model_dir: Path | None) -> _Setup:
     package = read_package(pkg, model_dir)
     load_package_ops(pkg, approved_hashes())
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build_model(package.spec, package.weight_map, package.source, read_lora(pkg, package.weight_map),
-                        memory_policy(pkg, None, None), device)
+    model = build_model(package.spec, package.weight_map, package.source, package.lora,
+                        memory_policy_for(package.memory, None, None, pkg / "plan.yaml"), device)
     model.train()
     tokens = torch.randint(0, package.spec["vocab_size"], (seq_len,), generator=torch.Generator().manual_seed(0))
     row = pack([Document(tokens.tolist(), [True] * seq_len)], seq_len, 0)

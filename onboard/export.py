@@ -19,8 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from onboard.align.package_files import read_package
 from onboard.errors import BadInput
+from onboard.package_reader import read_package
 from onboard.peft_format import ExportGap, adapter_file_state, hf_skeleton, key_pairs, peft_config
 from runtime.lora import delta_for
 from runtime.run_folder import read_adapter, read_biases, read_run

@@ -17,7 +17,7 @@ from typing import Literal, Optional
 from onboard.align.report import Check
 from onboard.align.tier1_layers import layer_label
 from onboard.manifest import Manifest
-from onboard.recognize_weights import run_own
+from onboard.package_derivation import OwnStep, apply_step
 from onboard.spec import ModelSpec
 from runtime.registry import ops_for_layer
 
@@ -38,12 +38,15 @@ def next_rung(spec: ModelSpec, failed_tier: Optional[int], failed: list[Check], 
 
 def replan(spec: ModelSpec, manifest: Manifest, rung: Rung, failed: list[Check]) -> ModelSpec:
     """The spec with the rung's fallback applied."""
+    return apply_step(spec, manifest, fallback_step(spec, rung, failed))
+
+
+def fallback_step(spec: ModelSpec, rung: Rung, failed: list[Check]) -> OwnStep:
+    """The rung as the step package.yaml records (its layers and reasons), so readers derive the same spec."""
     if rung == "layers":
-        why = {(index, "layer"): reason for index, reason in _layer_reasons(spec, failed).items()}
-        return run_own(spec, manifest, why)
+        return OwnStep(own_layers=_layer_reasons(spec, failed))
     reason = f"the model's glue disagreed with the release's model: {_evidence(_first(failed, MODEL_CHECKS))}"
-    spec = spec.model_copy(update={"own_model": reason})
-    return run_own(spec, manifest, {(layer.index, "layer"): reason for layer in spec.layers})
+    return OwnStep(own_model=reason, own_layers={layer.index: reason for layer in spec.layers})
 
 
 def _layer_reasons(spec: ModelSpec, failed: list[Check]) -> dict[int, str]:

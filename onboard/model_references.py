@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import yaml
 
+from onboard import package_io
 from onboard.model_source import ModelSource, fenced
 
 BY_ACT2FN = ("activation", "router_scoring")
@@ -50,7 +51,7 @@ def register_references(pkg: Path) -> list[str]:
     from reference_ops.moe import SCORINGS
 
     tables = {"activation": ACTIVATIONS, "router_scoring": SCORINGS}
-    entries = yaml.safe_load((Path(pkg) / "package.yaml").read_text()).get("generated_ops") or []
+    entries = yaml.safe_load(package_io.read_text(Path(pkg), Path(pkg) / "package.yaml")).get("generated_ops") or []
     for entry in entries:
         fn = reference(entry["kind"], entry["name"])
         if fn is not None and entry["kind"] in tables:

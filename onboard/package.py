@@ -24,13 +24,11 @@ from onboard.errors import BadInput
 from onboard.gap import analyze
 from onboard.generated import GeneratedOp, mark_generated
 from onboard.manifest import read_manifest
-from onboard.meta_check import transformers_parameter_names, transformers_reshaped
 from onboard.plan import Cluster, Workload, search
 from onboard.plan_render import plan_yaml
-from onboard.recognize import recognize
+from onboard.package_derivation import SpecStep, derive_spec, derive_weight_map
+from onboard.release_hashes import shard_records
 from onboard.render import gap_markdown
-from onboard.spec import ModelSpec
-from onboard.weight_map import build_weight_map
 from onboard.workflow import model_slug, write_workflow
 from runtime.lora_file import default_lora_file, lora_yaml_text
 
@@ -41,14 +39,16 @@ def _sha256(path: Path) -> str:
 
 def write_package(model_dir: Path, out: Path, gpu_mem_gib: float = 80.0, lora_rank: int = 16, seq_len: int = 4096,
                   gpus: int = 8, gpus_per_node: int = 8, generated: Sequence[GeneratedOp] = (),
-                  spec: ModelSpec | None = None):
+                  spec_steps: Sequence[SpecStep] = ()):
     """Returns (package path, gap report); plan.yaml is the parallel plan for `gpus` GPUs of gpu_mem_gib.
     `generated`: validated operator candidates, written into PKG/ops/ and marked `generated` in the gap report.
-    `spec`: the release's spec with validated interpretations of unrecognized items applied (default: recognized)."""
+    `spec_steps`: what the onboarding graph changed after recognition (validated explanations of unrecognized
+    items, fallbacks to the release's own modules), in order: the spec is derived from the release through
+    them (onboard/package_derivation.py), the way every reader of the package derives it again."""
     model_dir, out = Path(model_dir).resolve(), Path(out).absolute()
     check_out(out, model_dir)
     manifest = read_manifest(model_dir)
-    spec = spec or recognize(manifest)
+    spec = derive_spec(manifest, list(spec_steps))
     report = mark_generated(analyze(spec, manifest, gpu_mem_gib, lora_rank, seq_len), list(generated))
     plan = search(spec, Cluster(gpus, gpu_mem_gib, gpus_per_node), Workload(seq_len, lora_rank, None))
     with made_parents(out.parent), locked(out):
@@ -57,7 +57,7 @@ def write_package(model_dir: Path, out: Path, gpu_mem_gib: float = 80.0, lora_ra
         tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
         try:
             tmp.mkdir()
-            _write_files(tmp, out, model_dir, manifest, spec, report, generated)
+            _write_files(tmp, out, model_dir, manifest, spec, report, generated, list(spec_steps))
             _write_lora_yaml(tmp, spec, lora_rank)
             (tmp / "plan.yaml").write_text(plan_yaml(plan))
             tmp.rename(out)
@@ -146,19 +146,10 @@ def release_path(model_dir: Path, out: Path) -> str:
         return str(model_dir)
 
 
-def _own_model_names(manifest) -> dict[str, str | None]:
-    """Released name -> transformers' name of a model run whole as its own; None where its conversion splits or
-    fuses the tensor (no one parameter holds it)."""
-    names = list(manifest.tensors)
-    reshaped = transformers_reshaped(manifest, names)
-    return {n: None if n in reshaped else hf for n, hf in transformers_parameter_names(manifest, names).items()}
-
-
 def _write_files(pkg: Path, out: Path, model_dir: Path, manifest, spec, report,
-                 generated: Sequence[GeneratedOp]) -> None:
+                 generated: Sequence[GeneratedOp], spec_steps: list[SpecStep]) -> None:
     (pkg / "spec.json").write_text(spec.model_dump_json(indent=2))
-    own_names = _own_model_names(manifest) if spec.own_model else None
-    (pkg / "weight_map.json").write_text(json.dumps(build_weight_map(spec, report.weights.unexpected, own_names), indent=1))
+    (pkg / "weight_map.json").write_text(json.dumps(derive_weight_map(spec, manifest), indent=1))
     (pkg / "gap_report.json").write_text(report.model_dump_json(indent=2))
     (pkg / "gap_report.md").write_text(gap_markdown(report))
     if manifest.vision_config is not None:
@@ -167,8 +158,10 @@ def _write_files(pkg: Path, out: Path, model_dir: Path, manifest, spec, report,
     ops = sorted({o.op for o in report.ops})
     package = {
         "source": {"path": release_path(model_dir, out), "absolute": str(model_dir), "family": spec.family,
-                   "architecture": spec.architecture, "config_sha256": _sha256(model_dir / "config.json")},
+                   "architecture": spec.architecture, "config_sha256": _sha256(model_dir / "config.json"),
+                   "shards": shard_records(manifest)},
         "spec_hash": spec.spec_hash(),
+        "spec_steps": [step.model_dump() for step in spec_steps],
         "ops_used": ops,
         "generated_ops": _write_generated(pkg, out, generated),
         "status": "gaps" if report.summary["gaps_remain"] else "ready-for-alignment",

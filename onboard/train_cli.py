@@ -1,30 +1,20 @@
 """`onboard train PKG --data FILE.jsonl`: read the package and its release, check and pack the data, train.
 
-Reads only the package (spec, weight map, lora.yaml, plan.yaml's memory policy) and the release
-folder it names (or --model-dir): weights and tokenizer files. The data is read, checked and
-tokenized before the model is built, so a malformed line fails before any step.
-torch and the runtime are imported when the command runs, so the other commands start fast.
+Reads only the package, through the one package reader (onboard/package_reader.py: refused exactly where
+`align` refuses it), and the release folder it names (or --model-dir): weights and tokenizer files. The
+model is built by onboard/trainer_build.py. The data is read, checked and tokenized before the model is
+built, so a malformed line fails before any step. The run folder (default PKG/runs/latest) is made inside
+the package without following a symlink, and one being resumed may hold none. torch and the runtime are
+imported when the command runs, so the other commands start fast.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
-import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
-
 from onboard.errors import BadInput
-
-
-class MemoryPlan(BaseModel):
-    """plan.yaml's `memory:` section: op kinds to recompute and to offload (runtime/memory.py)."""
-
-    model_config = ConfigDict(extra="forbid")
-    recompute: list[str] = []
-    offload: list[str] = []
 
 
 def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
@@ -55,73 +45,6 @@ def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
                    help="routers' correction-bias step per update, e.g. 1e-3 as DeepSeek-V3 (default off)")
     p.add_argument("--nnodes", type=positive_int, default=1, help="nodes (run the same command on each)")
     p.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous, with --nnodes > 1")
-
-
-def memory_policy(pkg: Path, recompute: str | None, offload: str | None):
-    from runtime.memory import MemoryPolicy
-
-    plan_path = pkg / "plan.yaml"
-    plan = MemoryPlan()
-    if plan_path.exists():
-        try:
-            plan = MemoryPlan.model_validate((yaml.safe_load(plan_path.read_text()) or {}).get("memory") or {})
-        except (yaml.YAMLError, ValidationError, AttributeError) as err:
-            raise BadInput(plan_path, "memory", f"expected {{recompute: [kinds], offload: [kinds]}} ({err})") from None
-    kinds = lambda flag, planned: tuple(planned if flag is None else [k for k in flag.split(",") if k])  # noqa: E731
-    try:
-        return MemoryPolicy(kinds(recompute, plan.recompute), kinds(offload, plan.offload))
-    except ValueError as err:
-        raise BadInput(plan_path, "memory", str(err)) from None
-
-
-def load_tokenizer(release: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(release, local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise BadInput(release, "tokenizer", f"the release's tokenizer files do not load ({err})") from None
-
-
-def prepare_data(data_path: Path, tokenizer, seq_len: int, eval_fraction: float, seed: int):
-    from runtime.data import pack, read_jsonl, split_eval, tokenize
-    from runtime.train import TrainData
-
-    documents = tokenize(read_jsonl(data_path), tokenizer)
-    try:
-        train_docs, eval_docs = split_eval(documents, eval_fraction, seed)
-    except ValueError as err:
-        raise BadInput(data_path, None, str(err)) from None
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return TrainData(pack(train_docs, seq_len, pad), pack(eval_docs, seq_len, pad))
-
-
-def read_lora(pkg: Path, weight_map: dict):
-    """The package's LoRA plan (PKG/lora.yaml) as a runtime LoraConfig."""
-    from runtime.lora_file import read_lora_yaml
-
-    path = pkg / "lora.yaml"
-    if not path.exists():
-        raise BadInput(path, None, "missing: the package has no LoRA plan (rerun `onboard new-model`)")
-    return read_lora_yaml(path, weight_map)
-
-
-def build_model(spec: dict, weight_map: dict, release: Path, lora_config, policy, device):
-    """The runtime model: bf16 base weights from the release, fp32 LoRA factors, the memory policy."""
-    import torch
-
-    from runtime.lora import apply_lora
-    from runtime.memory import apply_memory_policy
-    from runtime.model import HybridDecoder
-    from runtime.weights import load_release
-
-    with torch.device(device):
-        model = HybridDecoder(spec).to(torch.bfloat16)
-    vision = spec["naming"].get("vision_prefix")
-    load_release(model, release, weight_map, skip_prefixes=(vision,) if vision else ())
-    apply_lora(model, lora_config)
-    apply_memory_policy(model, policy)
-    return model
 
 
 def aux_coef(text: str) -> float | str:
@@ -157,18 +80,6 @@ def _plan(args, world: int, policy):
     return ParallelPlan(MeshShape(world // args.ep, args.ep), policy, args.capacity_factor)
 
 
-def build_parallel_model(spec: dict, weight_map: dict, release: Path, lora_config, plan, rank: int, device):
-    """This rank's part of the runtime model, parallelized by `plan` (runtime/parallel/)."""
-    import torch
-
-    from runtime.parallel.load import build_sharded_model
-    from runtime.parallel.parallelize import device_mesh
-
-    vision = spec["naming"].get("vision_prefix")
-    return build_sharded_model(spec, weight_map, release, lora_config, plan, device_mesh(plan.mesh, device.type),
-                               rank, device, torch.bfloat16, skip_prefixes=(vision,) if vision else ())
-
-
 def run(args) -> int:
     """0 trained; 1 aborted (non-finite steps, or a failed rank); 3 the release's chat template cannot mask
     assistant turns, or --bias-update-rate on routers without a correction bias. With --nproc > 1 (outside torchrun) the job is relaunched under torchrun."""
@@ -187,15 +98,22 @@ def run(args) -> int:
 def _train(args) -> int:
     import dataclasses
 
+    from onboard.package_reader import read_package
+    from onboard.trainer_build import build_model, build_parallel_model, load_tokenizer, memory_policy_for, prepare_data
     from runtime import balance
     from runtime.data import ChatTemplateError
     from runtime.parallel.process import finish, full_lora_state_dict, is_main, start
     from runtime.run_folder import save_adapter, write_run_json
+    from onboard.approved_ops import approved_hashes
+    from runtime.package_ops import load_package_ops
     from runtime.train import TrainConfig, TrainingAborted, train
 
     pkg = Path(args.pkg)
-    spec, weight_map, release = _read_package(pkg, Path(args.model_dir) if args.model_dir else None)
-    policy = memory_policy(pkg, args.recompute, args.offload)
+    package = read_package(pkg, Path(args.model_dir) if args.model_dir else None)
+    load_package_ops(pkg, approved_hashes())
+    spec, weight_map, release = package.spec, package.weight_map, package.source
+    policy = memory_policy_for(package.memory, args.recompute, args.offload, pkg / "plan.yaml")
+    out = run_folder(pkg, args.out)
     try:
         balancing = balance_options(spec, args.aux_loss_coef, args.bias_update_rate)
     except OptionGap as gap:
@@ -210,12 +128,11 @@ def _train(args) -> int:
         print(f"onboard: gap: {release}: chat template: {err}", file=sys.stderr)
         return 3
     rank, world, device = start()
-    lora_config = read_lora(pkg, weight_map)
+    lora_config = package.lora
     if world == 1:
         model = build_model(spec, weight_map, release, lora_config, policy, device)
     else:
         model = build_parallel_model(spec, weight_map, release, lora_config, _plan(args, world, policy), rank, device)
-    out = Path(args.out) if args.out else pkg / "runs" / "latest"
     if is_main():
         write_run_json(out, pkg, release, train=dataclasses.asdict(cfg), seq_len=args.seq_len, data=str(args.data),
                        memory=dataclasses.asdict(policy))
@@ -234,23 +151,19 @@ def _train(args) -> int:
     return 0
 
 
-def _read_package(pkg: Path, model_dir: Path | None) -> tuple[dict, dict, Path]:
-    """(spec, weight map, release folder) of a package written by `onboard new-model`; the release is
-    --model-dir, else the folder package.yaml names (relative to PKG, else absolute). Its generated ops
-    (PKG/ops/) are registered into the runtime, so training runs the code validation accepted, when the user
-    approved every file there."""
-    from onboard.align.package_files import read_source, release_folder
-    from onboard.approved_ops import approved_hashes
-    from runtime.package_ops import load_package_ops
+def run_folder(pkg: Path, out: str | None) -> Path:
+    """--out, else PKG/runs/latest made inside the package with no symlink on the way; either way a folder
+    holding no symlink, so the trainer's writes stay inside it."""
+    from onboard import package_io
 
-    release = release_folder(pkg, read_source(pkg), model_dir)
-    try:
-        spec = json.loads((pkg / "spec.json").read_text())
-        weight_map = json.loads((pkg / "weight_map.json").read_text())
-    except (OSError, ValueError) as err:
-        raise BadInput(pkg, None, f"not a package written by `onboard new-model` ({err})") from None
-    load_package_ops(pkg, approved_hashes())
-    return spec, weight_map, release
+    folder = Path(out) if out else pkg / "runs" / "latest"
+    if out is None:
+        package_io.check_folder(pkg, folder)
+    if folder.is_symlink():
+        raise BadInput(folder, None, "a symlink: the run folder must be a folder `onboard train` writes into itself")
+    if folder.is_dir():
+        package_io.refuse_links_below(folder)
+    return folder
 
 
 def _parser() -> argparse.ArgumentParser:

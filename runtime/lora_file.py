@@ -26,8 +26,8 @@ class LoraFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     rank: int = Field(16, gt=0)
-    alpha: float = Field(32.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    alpha: float = Field(32.0, gt=0, allow_inf_nan=False)
+    dropout: float = Field(0.0, ge=0, lt=1, allow_inf_nan=False)
     use_rslora: bool = False
     targets: list[str] = []
     experts: bool = False
@@ -62,8 +62,13 @@ def read_lora_yaml(path: Path, weight_map: dict[str, dict]) -> LoraConfig:
     path = Path(path)
     if not path.exists():
         raise InputFileError(path, None, "missing: the package has no LoRA plan (written by `onboard new-model`)")
+    return lora_config(path.read_text(), path, weight_map)
+
+
+def lora_config(text: str, path: Path, weight_map: dict[str, dict]) -> LoraConfig:
+    """lora.yaml's text (read by the caller, who decides how a file may be opened) as a runtime LoraConfig."""
     try:
-        data = LoraFile.model_validate(yaml.safe_load(path.read_text()) or {})
+        data = LoraFile.model_validate(yaml.safe_load(text) or {})
     except (yaml.YAMLError, ValidationError) as err:
         first = err.errors()[0] if isinstance(err, ValidationError) else None
         key = ".".join(str(p) for p in first["loc"]) if first else None

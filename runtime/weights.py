@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from runtime.errors import InputFileError
 from runtime.own_modules import load_own_modules
 
 # runtime tensor name -> the region of the full tensor this process holds, as slices with explicit
@@ -71,7 +72,7 @@ def _plan(entry: dict, value_shape: list[int], held: tuple[slice, ...] | None):
     return tuple(read), tuple(write)
 
 
-def _copy_entry(shard, name: str, entry: dict, tensors: dict, select: Select | None) -> int:
+def _copy_entry(shard, name: str, entry: dict, tensors: dict, select: Select | None, file: Path) -> int:
     """Copy the held part of one released tensor into its runtime tensor; returns elements written."""
     target = tensors[entry["target"]]
     part = shard.get_slice(name)
@@ -81,6 +82,7 @@ def _copy_entry(shard, name: str, entry: dict, tensors: dict, select: Select | N
         if held is not None and (held[0].start, held[0].stop) != (0, target.shape[0]):
             raise ValueError(f"{name}: a flattened tensor cannot be loaded in slices")
         target.copy_(part[:].reshape(-1))
+        _require_finite(target, file, name)
         return target.numel()
     plan = _plan(entry, part.get_shape(), select(entry["target"]) if select else None)
     if plan is None:
@@ -90,7 +92,14 @@ def _copy_entry(shard, name: str, entry: dict, tensors: dict, select: Select | N
     slot = target[write]
     # a one-expert entry's value lacks the expert dim of its slot: copy_ broadcasts over it
     slot.copy_(value.transpose(-1, -2) if entry["transpose"] else value)
+    _require_finite(slot, file, name)
     return slot.numel()
+
+
+def _require_finite(loaded: torch.Tensor, file: Path, name: str) -> None:
+    """A base weight that is NaN or infinite trains nothing but NaN: the release is refused, naming the tensor."""
+    if loaded.is_floating_point() and not bool(torch.isfinite(loaded).all()):
+        raise InputFileError(file, name, "holds non-finite values (NaN or infinity): a released weight must be finite")
 
 
 def load_release(model: nn.Module, model_dir: Path, weight_map: dict[str, dict], skip_prefixes=(),
@@ -112,7 +121,7 @@ def load_release(model: nn.Module, model_dir: Path, weight_map: dict[str, dict],
                         raise KeyError(f"{file}: tensor {name} has no entry in the weight map")
                     if entry["target"] not in tensors:
                         continue  # layers cut off by a truncated model, or tensors this rank does not hold, or an own module's tensor
-                    count = _copy_entry(shard, name, entry, tensors, select)
+                    count = _copy_entry(shard, name, entry, tensors, select, Path(model_dir) / file)
                     written[entry["target"]] = written.get(entry["target"], 0) + count
     unwritten = [n for n, t in tensors.items() if written.get(n, 0) != t.numel()]
     if unwritten:

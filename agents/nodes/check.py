@@ -11,7 +11,7 @@ from onboard.align import run_alignment
 from onboard.align.progress import Progress
 from onboard.generated import GeneratedOp
 from onboard.package import write_package
-from onboard.spec import ModelSpec
+from onboard.package_derivation import SpecStep
 
 from agents import candidates
 from agents.context import Context
@@ -33,7 +33,7 @@ def validate(state: OnboardState, runtime: Runtime[Context]) -> dict:
         return {"tasks": replace(state, task, **refused(task, verdict.failures, options.max_attempts))}
     op = generated_op(task, verdict.evidence, state["validation_salt"])
     others = [t.accepted for t in state["tasks"] if t.accepted is not None]
-    failures, tiers = trial_failures(state, [*others, op], state["spec"], folder, runtime.context)
+    failures, tiers = trial_failures(state, [*others, op], state.get("spec_steps", []), folder, runtime.context)
     op.evidence["tiers"] = tiers
     if failures:
         return {"tasks": replace(state, task, **refused(task, failures, options.max_attempts))}
@@ -49,15 +49,16 @@ def generated_op(task: OpTask, evidence: dict, salt: int) -> GeneratedOp:
                                                      "template": task.candidate.template})
 
 
-def trial_failures(state: OnboardState, generated: list[GeneratedOp], spec: ModelSpec, folder,
+def trial_failures(state: OnboardState, generated: list[GeneratedOp], spec_steps: list[SpecStep], folder,
                    context: Context) -> tuple[list[Failure], dict]:
-    """Tiers 0-1 on a trial package of `spec` with `generated` in ops/: the ops at the model's widths, the layers
+    """Tiers 0-1 on a trial package of the spec `spec_steps` lead to (onboard/package_derivation.py) with
+    `generated` in ops/: the ops at the model's widths, the layers
     vs transformers'. The failing checks (by name, metric and value), and passed/total per tier."""
     o = state["options"]
     shutil.rmtree(folder / "package", ignore_errors=True)
     try:
         pkg, _ = write_package(o.model_dir, folder / "package", o.gpu_mem_gib, o.lora_rank, o.seq_len, o.gpus,
-                               o.gpus_per_node, generated=generated, spec=spec)
+                               o.gpus_per_node, generated=generated, spec_steps=spec_steps)
         report = run_alignment(pkg, LAYER_TIERS, progress=Progress(lambda line: context.progress(f"  {line}")))
     except Exception:  # a candidate's code, or a proposed spec, runs in this process here: what it raises is its failure
         return [Failure(check="tiers", metric="exception", detail=traceback.format_exc()[-STDERR_TAIL:])], {}

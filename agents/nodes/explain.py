@@ -26,32 +26,34 @@ def explain(state: OnboardState, runtime: Runtime[Context]) -> dict:
     if final_report(state["report"], state["tasks"]).summary["gaps_remain"]:
         return {"explanations": [e.model_copy(update=dict(status="open", failures=[GAPS_FIRST]))
                                  if e.status == "pending" else e for e in explanations]}
-    spec, done = state["spec"], []
+    spec, steps, done = state["spec"], list(state.get("spec_steps", [])), []
     for e in explanations:
         if e.status == "pending":
-            e, spec = _explain_one(state, runtime.context, e, spec)
+            e, spec, steps = _explain_one(state, runtime.context, e, spec, steps)
         done.append(e)
     if spec is state["spec"]:
         return {"explanations": done}
     o = state["options"]
     report = gap_analysis(spec, manifest(o.model_dir), o.gpu_mem_gib, o.lora_rank, o.seq_len)
-    return {"explanations": done, "spec": spec, "report": report}
+    return {"explanations": done, "spec": spec, "spec_steps": steps, "report": report}
 
 
-def _explain_one(state: OnboardState, context: Context, e: Explanation, spec):
-    """(the explanation, accepted or refused; the spec with it applied when accepted)."""
+def _explain_one(state: OnboardState, context: Context, e: Explanation, spec, steps: list):
+    """(the explanation, accepted or refused; the spec with it applied when accepted, and the steps to it)."""
     try:
         proposal = context.llm.ask(explaining.prompt(e, spec), Proposal, f"explain {e.item}")
     except LLMError as err:
-        return e.model_copy(update=dict(status="refused", failures=[Failure(check="llm", detail=str(err))])), spec
+        return e.model_copy(update=dict(status="refused", failures=[Failure(check="llm", detail=str(err))])), spec, steps
     applied = explaining.apply(spec, proposal, e.value)
     if isinstance(applied, Failure):
-        return e.model_copy(update=dict(status="refused", proposal=proposal, failures=[applied])), spec
+        return e.model_copy(update=dict(status="refused", proposal=proposal, failures=[applied])), spec, steps
+    step = explaining.step_for(proposal, e.value)
+    trial_steps = steps if step is None else [*steps, step]
     folder = context.run_dir / "trials" / f"explain-{''.join(c if c.isalnum() else '_' for c in e.item)}"
     generated = [t.accepted for t in state["tasks"] if t.accepted is not None]
-    failures, tiers = trial_failures(state, generated, applied, folder, context)
+    failures, tiers = trial_failures(state, generated, trial_steps, folder, context)
     verdict = "refused" if failures else "accepted"
     context.progress(f"explain: {e.item!r} as {proposal.op}{'.' + proposal.parameter if proposal.parameter else ''}: "
                      f"{verdict}" + (f" ({failures[0].check})" if failures else ""))
     update = dict(status=verdict, proposal=proposal, failures=failures, evidence={"tiers": tiers})
-    return e.model_copy(update=update), (spec if failures else applied)
+    return e.model_copy(update=update), *((spec, steps) if failures else (applied, trial_steps))

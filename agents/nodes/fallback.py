@@ -8,7 +8,8 @@ from typing import Optional
 
 from langgraph.runtime import Runtime
 
-from onboard.fallback import Rung, next_rung, replan
+from onboard.fallback import Rung, fallback_step, next_rung
+from onboard.package_derivation import apply_step
 from onboard.gap import analyze as gap_analysis
 
 from agents.context import Context
@@ -27,11 +28,12 @@ def rung(state: OnboardState) -> Optional[Rung]:
 def fall_back(state: OnboardState, runtime: Runtime[Context]) -> dict:
     o, step = state["options"], rung(state)
     failed = state["alignment"].failed
-    spec = replan(state["spec"], manifest(o.model_dir), step, failed)
+    change = fallback_step(state["spec"], step, failed)
+    spec = apply_step(state["spec"], manifest(o.model_dir), change)
     report = gap_analysis(spec, manifest(o.model_dir), o.gpu_mem_gib, o.lora_rank, o.seq_len)
     own = [f"{g.op} (layers {','.join(map(str, g.layers))})" for g in report.ops if g.op.startswith("own:")]
     runtime.context.progress(f"fall back ({step}): {failed[0].name} failed; now own modules: {', '.join(own)}")
     # the package that failed is replaced by the re-planned one; its failing checks stay in the state
     shutil.rmtree(state["package"], ignore_errors=True)
-    return {"spec": spec, "report": report, "alignment": None,
+    return {"spec": spec, "spec_steps": [*state.get("spec_steps", []), change], "report": report, "alignment": None,
             "fallbacks": [*state.get("fallbacks", []), Fallback(rung=step, failed=failed)]}

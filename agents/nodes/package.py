@@ -36,7 +36,8 @@ def assemble(state: OnboardState, runtime: Runtime[Context]) -> dict:
     # a run killed between the rename and its checkpoint wrote this package already: keep it
     if not _written_by_this_run(out, state):
         write_package(o.model_dir, out, o.gpu_mem_gib, o.lora_rank, o.seq_len, o.gpus, o.gpus_per_node,
-                      generated=[t.accepted for t in tasks if t.accepted is not None], spec=state["spec"])
+                      generated=[t.accepted for t in tasks if t.accepted is not None],
+                      spec_steps=state.get("spec_steps", []))
     report = final_report(state["report"], tasks, state.get("explanations", []))
     _replace(out / "gap_report.json", report.model_dump_json(indent=2))
     _replace(out / "gap_report.md", gap_markdown(report))

@@ -17,7 +17,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from onboard.align.package_files import AlignInputs
+from onboard.package_reader import Package
 from onboard.align.progress import Progress
 from onboard.align.report import AlignmentReport, Check, tier_result
 from onboard.errors import BadInput, printable
@@ -45,7 +45,7 @@ def align_limits():
                   open_files=4096)
 
 
-def align_confined(pkg: Path, inputs: AlignInputs, stranger: OpFile, tiers: list[int], progress: Progress,
+def align_confined(pkg: Path, inputs: Package, stranger: OpFile, tiers: list[int], progress: Progress,
                    max_layers: int, cluster: Cluster | None, mesh: MeshShape | None) -> AlignmentReport:
     """The tiers run by the confined child; `stranger` is the first unapproved file (named to the user)."""
     from agents.sandbox import available_mode, run_project_module
@@ -77,7 +77,7 @@ def _readable(pkg: Path, release: Path) -> list[Path]:
     return [pkg.resolve(), release.resolve(), *targets]
 
 
-def _outcome(work: Path, result, pkg: Path, inputs: AlignInputs, tiers: list[int]) -> AlignmentReport:
+def _outcome(work: Path, result, pkg: Path, inputs: Package, tiers: list[int]) -> AlignmentReport:
     """The child's report, checked; its refusal, raised as this process would; else a failed run."""
     refusal = _child_json(work / REFUSAL, 64 << 10)
     if isinstance(refusal, dict) and refusal.get("exit") == 3:

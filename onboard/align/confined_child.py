@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from onboard.align.confined import REFUSAL, REPORT
-from onboard.align.package_files import read_package
+from onboard.package_reader import read_package
 from onboard.align.progress import Progress
 from onboard.align.runner import align_in_process
 from onboard.errors import BadInput

@@ -13,11 +13,13 @@ checks carry no verdict and are not judged; checks the baseline lacks (a new ker
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from onboard.align.package_files import require_package_folder
+from onboard.package_files import require_package_folder
 from onboard.align.report import AlignmentReport, Check
+from onboard import package_io
 from onboard.errors import BadInput
 
 HEADROOM_SHARE = 0.5
@@ -39,11 +41,11 @@ def read_baseline(pkg: Path) -> AlignmentReport:
     """alignment/baseline.json; a regression check without one cannot fail, so its absence is bad input."""
     require_package_folder(Path(pkg))
     path = Path(pkg) / "alignment" / "baseline.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise BadInput(path, None, "missing: --check needs a baseline; run `onboard align` once without --check "
                                        "and commit alignment/baseline.json")
     try:
-        return AlignmentReport.model_validate_json(path.read_text())
+        return AlignmentReport.model_validate_json(package_io.read_text(Path(pkg), path))
     except ValueError as err:
         raise BadInput(path, None, f"not a valid alignment report: {str(err).splitlines()[0]}")
 

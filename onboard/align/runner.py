@@ -2,12 +2,12 @@
 (report.json, tier<N>.json, and baseline.json on the first passing run)."""
 from __future__ import annotations
 
+import os
 import traceback
 from pathlib import Path
 
 import torch
 
-from onboard.align.package_files import AlignInputs, read_package
 from onboard.align.progress import Progress
 from onboard.align.report import AlignmentReport, Check, Divergence, TierResult, tier_result
 from onboard.align.tier0_ops import tier0
@@ -17,12 +17,15 @@ from onboard.align.tier2_training import training_checks
 from onboard.align.tier3 import tier3
 from onboard.align.tier4 import Target, tier4, tier4_target
 from onboard.align.vision import vision_checks
+from onboard import package_io
 from onboard.align.confined import align_confined
 from onboard.approved_ops import approved_hashes
 from onboard.errors import BadInput
+from onboard.package_reader import Package, read_package
 from onboard.plan import Cluster
 from runtime.parallel.placement import MeshShape
 from onboard.model_references import register_references
+from runtime.errors import InputFileError
 from runtime.package_ops import OpFile, check_loadable, read_op_files, register_op_files, tables_restored, unapproved
 
 # Alignment of large releases runs a prefix of the model (both sides) holding every distinct layer kind.
@@ -44,6 +47,8 @@ def run_alignment(pkg: Path, tiers: list[int], model_dir: Path | None = None, ta
     a confined process (onboard/align/confined.py): its code never runs in this one."""
     pkg, progress = Path(pkg), progress or Progress()
     inputs = read_package(pkg, model_dir)
+    for name in ["report.json", "baseline.json", *(f"tier{tier}.json" for tier in tiers)]:
+        package_io.check_writable(pkg, pkg / "alignment" / name)
     files = read_op_files(pkg)
     check_loadable(files)
     strangers = unapproved(files, approved_hashes())
@@ -57,7 +62,7 @@ def run_alignment(pkg: Path, tiers: list[int], model_dir: Path | None = None, ta
     return report
 
 
-def align_in_process(pkg: Path, inputs: AlignInputs, files: list[OpFile], tiers: list[int], tamper,
+def align_in_process(pkg: Path, inputs: Package, files: list[OpFile], tiers: list[int], tamper,
                      progress: Progress, max_layers: int, cluster: Cluster | None,
                      mesh: MeshShape | None) -> AlignmentReport:
     """The tiers in this process, with the package's op `files` registered: files the user approved, or any
@@ -79,7 +84,7 @@ def align_in_process(pkg: Path, inputs: AlignInputs, files: list[OpFile], tiers:
                            passed=all(t.passed for t in results) and len(results) == len(tiers))
 
 
-def _run_tiers(tiers: list[int], inputs: AlignInputs, num_layers: int, tamper, progress: Progress,
+def _run_tiers(tiers: list[int], inputs: Package, num_layers: int, tamper, progress: Progress,
                goal: Target | None) -> tuple[list[TierResult], Divergence | None]:
     """Each tier only when the one below passed."""
     results, divergence = [], None
@@ -90,7 +95,7 @@ def _run_tiers(tiers: list[int], inputs: AlignInputs, num_layers: int, tamper, p
         progress.start_tier(tier)
         try:
             checks, found = _run_tier(tier, inputs, num_layers, tamper, progress, goal)
-        except BadInput:
+        except (BadInput, InputFileError):
             raise  # the package does not fit its release: bad input, one line
         except Exception as err:  # a load or run failure is a failed check, never a traceback
             checks, found = [failure_check(tier, err)], None
@@ -100,7 +105,7 @@ def _run_tiers(tiers: list[int], inputs: AlignInputs, num_layers: int, tamper, p
     return results, divergence
 
 
-def _run_tier(tier: int, inputs: AlignInputs, num_layers: int, tamper, progress: Progress,
+def _run_tier(tier: int, inputs: Package, num_layers: int, tamper, progress: Progress,
               goal: Target | None) -> tuple[list[Check], Divergence | None]:
     spec, weight_map, source = inputs.spec, inputs.weight_map, inputs.source
     if tier == 0:
@@ -131,10 +136,10 @@ def failure_check(tier: int, err: Exception) -> Check:
 
 
 def _write(pkg: Path, report: AlignmentReport) -> None:
+    """Inside the package only: a symlinked alignment/ or report file is refused, never written through."""
     folder = pkg / "alignment"
-    folder.mkdir(exist_ok=True)
-    (folder / "report.json").write_text(report.model_dump_json(indent=2))
+    package_io.write_text(pkg, folder / "report.json", report.model_dump_json(indent=2))
     for tier in report.tiers:
-        (folder / f"tier{tier.tier}.json").write_text(tier.model_dump_json(indent=2))
-    if report.passed and not (folder / "baseline.json").exists():
-        (folder / "baseline.json").write_text(report.model_dump_json(indent=2))
+        package_io.write_text(pkg, folder / f"tier{tier.tier}.json", tier.model_dump_json(indent=2))
+    if report.passed and not os.path.lexists(folder / "baseline.json"):
+        package_io.write_text(pkg, folder / "baseline.json", report.model_dump_json(indent=2))

@@ -16,6 +16,7 @@ import yaml
 
 from onboard.align.progress import Progress
 from onboard.align.report import Check
+from onboard import package_io
 from onboard.errors import BadInput
 from onboard.memory import DTYPE_BYTES, GIB
 from onboard.plan import Cluster, Workload, search
@@ -46,7 +47,7 @@ def plan_workload(path: Path) -> Workload:
     """The sequence length and LoRA rank plan.yaml was made for (the planner's defaults without one)."""
     if not path.exists():
         return Workload(4096, 16, None)
-    workload = yaml.safe_load(path.read_text())
+    workload = yaml.safe_load(package_io.read_text(path.parent, path))
     workload = workload.get("workload") if isinstance(workload, dict) else None
     if not isinstance(workload, dict) or not all(isinstance(workload.get(k), int) for k in ("seq_len", "lora_rank")):
         raise BadInput(path, "workload", "expected integer seq_len and lora_rank (a plan written by `onboard plan`)")

@@ -110,7 +110,7 @@ def test_the_generated_op_unit_test_passes(onboarded):
 
 
 def test_training_steps_run_through_the_generated_op(onboarded):
-    from onboard.align.package_files import read_package
+    from onboard.package_reader import read_package
     from onboard.align.reference import load_runtime
     from onboard.approved_ops import approved_hashes
     from runtime.model import causal_lm_loss

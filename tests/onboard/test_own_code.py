@@ -8,10 +8,10 @@ import json
 
 import torch
 
-from onboard.align.package_files import read_package
+from onboard.package_reader import read_package
 from onboard.align.report import Check
 from onboard.align.reference import load_reference, load_runtime, random_tokens
-from onboard.fallback import replan
+from onboard.fallback import fallback_step
 from onboard.gap import analyze
 from onboard.manifest import read_manifest
 from onboard.package import write_package
@@ -262,8 +262,8 @@ def test_the_whole_model_takes_what_its_head_takes(tiny_family, tmp_path):
     manifest = read_manifest(release)
     assert manifest.config["logits_mup_width_multiplier"] not in (None, 1, 1.0)
     failed = Check(tier=2, name="logits/float32", metric="rel_rms", value=23.0, tolerance=1e-4, verdict="fail")
-    spec = replan(recognize(manifest), manifest, "model", [failed])
-    pkg, _ = write_package(release, tmp_path / "pkg", spec=spec)
+    step = fallback_step(recognize(manifest), "model", [failed])
+    pkg, _ = write_package(release, tmp_path / "pkg", spec_steps=[step])
     inputs, model = _runtime(pkg)
     assert _logits_match(inputs, model)
 

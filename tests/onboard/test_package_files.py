@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from onboard.align.package_files import read_package
+from onboard.package_reader import read_package
 from onboard.cli import main
 from onboard.pr_render import cell
 from onboard.workflow import WORKFLOW, model_slug, workflow_yaml

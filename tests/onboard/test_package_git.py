@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import yaml
 
-from onboard.align.package_files import read_source, release_folder
+from onboard.package_files import read_source, release_folder
 from onboard.git_commit import commit_package
 
 

@@ -163,7 +163,7 @@ def test_a_multimodal_rope_without_mrope_section_takes_the_split_transformers_ap
     """Qwen3.5-MoE's default config has no mrope_section (its rotary module falls back to a default split):
     transformers' rotary module is probed for the split, so our 3-axis tables are its own and the vision
     path matches transformers' multimodal run at the fp32 bar (registry ops only, no fallback)."""
-    from onboard.align.package_files import read_package
+    from onboard.package_reader import read_package
     from onboard.align.reference import load_reference
     from onboard.align.vision import vision_checks
     from runtime.config import ModelConfig

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from onboard.align.package_files import read_package
+from onboard.package_reader import read_package
 from onboard.align.reference import load_runtime
 from onboard.train_cli import OptionGap, balance_options
 from runtime import balance

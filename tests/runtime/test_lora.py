@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from onboard.align.package_files import read_package
+from onboard.package_reader import read_package
 from onboard.align.reference import load_runtime
 from runtime.dispatch import force
 from runtime.layers.ffn import Experts

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from onboard import cli
-from onboard.align.package_files import read_package
+from onboard.package_reader import read_package
 from onboard.align.reference import load_reference, load_runtime
 from onboard.export import write_merged
 from runtime import balance

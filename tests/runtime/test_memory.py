@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from onboard.train_cli import build_model, read_lora
+from onboard.trainer_build import build_model, read_lora
 from runtime.data import Document, pack
 from runtime.lora import lora_parameters
 from runtime.memory import MemoryPolicy

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from onboard.train_cli import build_model, read_lora
+from onboard.trainer_build import build_model, read_lora
 from runtime.data import Document, pack
 from runtime.memory import MemoryPolicy
 from runtime.tolerances import Tolerance, compare

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from onboard.train_cli import build_model, load_tokenizer, memory_policy, prepare_data, read_lora
+from onboard.trainer_build import build_model, load_tokenizer, memory_policy, prepare_data, read_lora
 from runtime import checkpoint
 from runtime.metrics import read_metrics
 from runtime.train import TrainConfig, TrainingAborted, lr_at, train

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from onboard.align.package_files import read_package
+from onboard.package_reader import read_package
 from onboard.example_models import example_config
 from onboard.transformers_classes import model_class
 from onboard.package import write_package
@@ -66,7 +66,7 @@ def _large_release(out):
 PEAK_SCRIPT = """
 import json, sys, torch
 from pathlib import Path
-from onboard.align.package_files import read_package
+from onboard.package_reader import read_package
 from runtime.model import HybridDecoder
 from runtime.weights import load_release
 

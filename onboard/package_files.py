@@ -1,23 +1,26 @@
-"""What `align` reads from a package, validated before any tier runs.
+"""The schemas of a package's files and the file-level checks onboard/package_reader.py runs first.
 
 package.yaml, spec.json and weight_map.json are checked against their schemas; spec.json must list
 the layers it counts and hash to package.yaml's spec_hash; the release folder (package.yaml's
 `source.path`, relative to PKG so both can move together, else `source.absolute`, or --model-dir) must
-hold the config.json that new-model read. Any mismatch is an BadInput naming the file and the key.
+hold the config.json that new-model read. Every file is read through onboard/package_io.py (no symlink
+followed, regular files only). Any mismatch is a BadInput naming the file and the key.
 """
 from __future__ import annotations
 
 import datetime
 import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, RootModel, ValidationError
 
+from onboard import package_io
 from onboard.errors import BadInput
+from onboard.package_derivation import SpecStep
+from onboard.release_hashes import ShardRecord
 from onboard.spec import ModelSpec
 
 
@@ -27,12 +30,14 @@ class SourceRecord(BaseModel):
     family: str
     architecture: str
     config_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    shards: dict[str, ShardRecord]  # shard file -> size and sha256 when new-model read it (onboard/release_hashes.py)
 
 
 class PackageManifest(BaseModel):
     """package.yaml; keys beyond these are allowed (later stages add their own)."""
     source: SourceRecord
     spec_hash: str = Field(pattern=r"^[0-9a-f]{16}$")
+    spec_steps: list[SpecStep] = []  # what the onboarding graph changed after recognition (package_derivation.py)
     ops_used: list[str]
     generated_ops: list
     status: str
@@ -55,28 +60,6 @@ class WeightMap(RootModel[Annotated[dict[str, WeightMapEntry], Field(min_length=
     """weight_map.json: released tensor name -> entry."""
 
 
-@dataclass(frozen=True)
-class AlignInputs:
-    spec: dict  # ModelSpec as plain JSON data, the form runtime/ reads
-    spec_hash: str
-    weight_map: dict[str, dict]
-    source: Path  # the release folder both sides load weights from
-    vision_config: Optional[dict]
-    lora_plan: Path  # PKG/lora.yaml, read by tier 2's training checks
-
-
-def read_package(pkg: Path, model_dir: Path | None = None) -> AlignInputs:
-    pkg = Path(pkg)
-    require_package_folder(pkg)
-    manifest = _validated(pkg / "package.yaml", _load_yaml(pkg / "package.yaml"), PackageManifest)
-    spec = _read_spec(pkg / "spec.json", manifest.spec_hash)
-    weight_map = _load_json(pkg / "weight_map.json")
-    _validated(pkg / "weight_map.json", weight_map, WeightMap)
-    source = release_folder(pkg, manifest.source, model_dir)
-    vision = _read_vision_config(pkg / "vision_config.json") if spec.vision is not None else None
-    return AlignInputs(json.loads(spec.model_dump_json()), manifest.spec_hash, weight_map, source, vision, pkg / "lora.yaml")
-
-
 def require_package_folder(pkg: Path) -> None:
     if not pkg.exists():
         raise BadInput(pkg, None, "does not exist")
@@ -86,34 +69,33 @@ def require_package_folder(pkg: Path) -> None:
         raise BadInput(pkg / "package.yaml", None, "missing: not a package written by `onboard new-model`")
 
 
-def _read_text(path: Path) -> str:
-    if not path.is_file():
-        raise BadInput(path, None, "missing: the package is incomplete (rerun `onboard new-model`)")
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise BadInput(path, None, f"unreadable: {err}")
+def read_manifest_file(pkg: Path) -> PackageManifest:
+    """package.yaml, validated."""
+    require_package_folder(pkg)
+    return validated(pkg / "package.yaml", load_yaml(pkg, "package.yaml"), PackageManifest)
 
 
-def _load_yaml(path: Path):
+def load_yaml(pkg: Path, name: str):
+    path = pkg / name
     try:
-        return yaml.safe_load(_read_text(path))
+        return yaml.safe_load(package_io.read_text(pkg, path))
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise BadInput(path, None, f"not valid YAML{where}: {getattr(err, 'problem', None) or err}")
 
 
-def _load_json(path: Path):
+def load_json(pkg: Path, name: str):
+    path = pkg / name
     try:
-        return json.loads(_read_text(path))
+        return json.loads(package_io.read_text(pkg, path))
     except json.JSONDecodeError as err:
         raise BadInput(path, None, f"not valid JSON: {err}")
     except RecursionError:
         raise BadInput(path, None, "not valid JSON: nested too deep")
 
 
-def _validated(path: Path, data, schema: type[BaseModel]):
+def validated(path: Path, data, schema: type[BaseModel]):
     if not isinstance(data, dict):
         raise BadInput(path, None, f"expected a mapping at the top level, got {type(data).__name__}")
     try:
@@ -130,8 +112,9 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _read_spec(path: Path, recorded_hash: str) -> ModelSpec:
-    spec = _validated(path, _load_json(path), ModelSpec)
+def read_spec(pkg: Path, recorded_hash: str) -> ModelSpec:
+    path = pkg / "spec.json"
+    spec = validated(path, load_json(pkg, "spec.json"), ModelSpec)
     if len(spec.layers) != spec.num_layers:
         raise BadInput(path, "layers", f"lists {len(spec.layers)} layers while num_layers is {spec.num_layers}")
     for position, layer in enumerate(spec.layers):
@@ -143,10 +126,15 @@ def _read_spec(path: Path, recorded_hash: str) -> ModelSpec:
     return spec
 
 
+def read_weight_map(pkg: Path) -> dict[str, dict]:
+    weight_map = load_json(pkg, "weight_map.json")
+    validated(pkg / "weight_map.json", weight_map, WeightMap)
+    return weight_map
+
+
 def read_source(pkg: Path) -> SourceRecord:
-    """package.yaml's `source` alone (what train needs to find the release)."""
-    require_package_folder(pkg)
-    return _validated(pkg / "package.yaml", _load_yaml(pkg / "package.yaml"), PackageManifest).source
+    """package.yaml's `source` alone (where the release is)."""
+    return read_manifest_file(pkg).source
 
 
 def release_folder(pkg: Path, source: SourceRecord, model_dir: Path | None) -> Path:
@@ -166,14 +154,15 @@ def release_folder(pkg: Path, source: SourceRecord, model_dir: Path | None) -> P
     config = folder / "config.json"
     if not config.is_file():
         raise BadInput(config, None, "missing: the release folder holds no config.json")
-    if hashlib.sha256(config.read_bytes()).hexdigest() != source.config_sha256:
+    if hashlib.sha256(package_io.read_outside_file(config)).hexdigest() != source.config_sha256:
         raise BadInput(config, None, f"differs from the config new-model read ({manifest_path.name}: "
                                          "source.config_sha256): run `onboard new-model` again for this release")
     return folder.resolve()
 
 
-def _read_vision_config(path: Path) -> dict:
-    config = _load_json(path)
+def read_vision_config(pkg: Path) -> dict:
+    path = pkg / "vision_config.json"
+    config = load_json(pkg, "vision_config.json")
     if not isinstance(config, dict):
         raise BadInput(path, None, f"expected a JSON object, got {type(config).__name__}")
     return config
