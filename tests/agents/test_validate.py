@@ -2,11 +2,15 @@
 the parent (this test) survives. The reference is the model's own activation (transformers' ACT2FN)."""
 from __future__ import annotations
 
+import textwrap
+
 import pytest
 
 from agents.candidates import CandidateAnswer, render
 from agents.sandbox import Limits
 from agents.state import Candidate, OpTask
+from agents import code_rules
+from agents import validate as validate_module
 from agents.validate import validate
 
 TASK = OpTask(kind="activation", name="relu2", closes={"moe_experts": [0]}, reference="ACT2FN", needs="llm")
@@ -54,3 +58,98 @@ def test_a_candidate_writing_outside_its_folder_crashes_contained(tmp_path):
     assert verdict.failures[0].check == "crash" and not outside.exists()
     assert "PermissionError" in verdict.failures[0].detail or "Read-only" in verdict.failures[0].detail
 
+
+
+RIGHT = "def op(x):\n    return torch.relu(x) ** 2\n"
+
+
+def test_a_right_candidate_passes_every_check(tmp_path):
+    verdict = validate(TASK, _free_form(RIGHT), tmp_path / "w", SALT)
+    assert verdict.passed, verdict.failures
+    assert len(verdict.evidence["case_seeds"]) == 10 and verdict.evidence["argvs"] == 3
+
+
+# Each candidate computes the wrong op (relu, not relu2) and games the check a different way. The static rules
+# are skipped for them (monkeypatched away: the filter, not the sandbox, is what is replaced), so what rejects
+# them is the check's design: the verdict is computed in this process from tensors the child sends back.
+GAMING = {
+    # rewrite what the harness saves (torch.save, and safetensors' save as the harness now talks) into the
+    # right op's outputs and gradients, from the inputs and cotangent caught on their way in
+    "hooks-save": textwrap.dedent("""
+        import safetensors.torch as st
+        caught = {}
+        real_load, real_save, real_tsave, real_tload = st.load, st.save, torch.save, torch.load
+        def load(data, *a, **k):
+            caught.update(real_load(data))
+            return real_load(data, *a, **k)
+        def right(tensors):
+            x = caught.get("input.x")
+            if x is None or "out" not in tensors:
+                return tensors
+            leaf = x.clone().requires_grad_(True)
+            out = torch.relu(leaf) ** 2
+            (out.double() * caught["cotangent"].double()).sum().backward()
+            return {**tensors, "out": out.detach(), "again": out.detach(), "grad.x": leaf.grad}
+        st.load, st.save = load, lambda tensors, *a, **k: real_save(right(tensors), *a, **k)
+        torch.save = lambda obj, *a, **k: real_tsave(right(obj) if isinstance(obj, dict) else obj, *a, **k)
+        def op(x):
+            return torch.relu(x)
+    """),
+    "right-unless-training": textwrap.dedent("""
+        import sys
+        def op(x):
+            if any("train" in arg for arg in sys.argv):
+                return torch.relu(x)
+            return torch.relu(x) ** 2
+    """),
+    "right-unless-training-at-import": textwrap.dedent("""
+        import sys
+        TRAINING = any("train" in arg for arg in sys.argv)
+        def op(x):
+            return torch.relu(x) if TRAINING else torch.relu(x) ** 2
+    """),
+    # patch the comparison's tools in its own process: the comparison is not there
+    "patches-allclose": textwrap.dedent("""
+        torch.allclose = lambda *a, **k: True
+        torch.equal = lambda *a, **k: True
+        def op(x):
+            return torch.relu(x)
+    """),
+    # answer the pipe before the harness does: its output no longer reaches the parent's fd 1
+    "writes-the-pipe": textwrap.dedent("""
+        import os
+        os.write(1, (64).to_bytes(8, "little") + b'{"ready": true, "tensors": false}')
+        def op(x):
+            return torch.relu(x)
+    """),
+}
+
+
+@pytest.mark.parametrize("code", GAMING.values(), ids=GAMING.keys())
+def test_a_candidate_gaming_the_check_is_rejected(tmp_path, monkeypatch, code):
+    monkeypatch.setattr(validate_module.code_rules, "violations", lambda source: [])
+    verdict = validate(TASK, _free_form(code), tmp_path / "w", SALT)
+    assert not verdict.passed
+    assert {f.check for f in verdict.failures} & {"forward", "grad:x", "crash", "output"}, verdict.failures
+
+
+# The issue's idioms that reach what the static rules forbid: each is now refused by them too.
+IDIOMS = {
+    "torch.serialization.os.system": "def op(x):\n    torch.serialization.os.system('id')\n    return x",
+    "libc system via torch.ctypes": "def op(x):\n    torch.ctypes.CDLL(None).system(b'id')\n    return x",
+    "sys.modules builtins exec": "def op(x):\n    torch.serialization.sys.modules['builtins'].exec('1')\n    return x",
+    "sys.modules builtins open": "def op(x):\n    torch.nn.modules.module.sys.modules['builtins'].open('f', 'w')\n"
+                                 "    return x",
+    "import_module via sys.modules": "def op(x):\n    torch.sys.modules['importlib'].import_module('socket')\n"
+                                     "    return x",
+    "os.environ via a module": "def op(x):\n    KEY = torch.serialization.os.environ.get('HOME')\n    return x",
+    "socket via sys.modules": "def op(x):\n    torch.multiprocessing.sys.modules['socket'].socket()\n    return x",
+    "runpy.run_path of the reference": "def op(x):\n    torch.package.importlib.import_module('runpy')"
+                                      ".run_path('reference_ops/mlp.py')\n    return x",
+    "monkey-patching torch": "torch.save = None\ndef op(x):\n    return torch.relu(x) ** 2",
+}
+
+
+@pytest.mark.parametrize("code", IDIOMS.values(), ids=IDIOMS.keys())
+def test_the_issue_idioms_fail_the_static_rules(code):
+    assert code_rules.violations(_free_form(code).source)
