@@ -13,7 +13,7 @@ from onboard import bench, demo, train_cli
 from onboard.config_view import NotRecognized
 from onboard.errors import BadInput, report_internal_error
 from runtime.config import SpecError
-from runtime.errors import InputFileError
+from runtime.errors import GeneratedOpMismatch, InputFileError
 
 EXIT_BUG = 1
 EXIT_BAD_INPUT = 2
@@ -270,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     except (BadInput, InputFileError) as err:
         print(f"onboard: error: {err.one_line()}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    # a package's generated op that train's spot check caught disagreeing with its reference
+    except GeneratedOpMismatch as err:
+        print(f"onboard: error: {err}", file=sys.stderr)
+        return EXIT_GAPS
     except NotRecognized as gap:
         # a valid release whose basic widths are not recognized: nothing to report per component
         print(f"onboard: gap: config.json: {gap}: not recognized", file=sys.stderr)

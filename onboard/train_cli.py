@@ -235,7 +235,8 @@ def _read_package(pkg: Path, model_dir: Path | None) -> tuple[dict, dict, Path]:
     --model-dir, else the folder package.yaml names (relative to PKG, else absolute). Its generated ops
     (PKG/ops/) are registered into the runtime, so training runs the code validation accepted."""
     from onboard.align.package_files import read_source, release_folder
-    from runtime.package_ops import load_package_ops
+    from onboard.model_references import package_references
+    from runtime.package_ops import arm_spot_checks, load_package_ops
 
     release = release_folder(pkg, read_source(pkg), model_dir)
     try:
@@ -244,6 +245,8 @@ def _read_package(pkg: Path, model_dir: Path | None) -> tuple[dict, dict, Path]:
     except (OSError, ValueError) as err:
         raise BadInput(pkg, None, f"not a package written by `onboard new-model` ({err})") from None
     load_package_ops(pkg)
+    # each generated op compares its first call (the first step's real inputs) with the model's own function
+    arm_spot_checks(package_references(pkg))
     return spec, weight_map, release
 
 
@@ -257,8 +260,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The trainer module torchrun runs on every rank: `torchrun --nproc-per-node N -m onboard.train_cli PKG ...`."""
-    from onboard.cli import EXIT_BAD_INPUT
-    from runtime.errors import InputFileError
+    from onboard.cli import EXIT_BAD_INPUT, EXIT_GAPS
+    from runtime.errors import GeneratedOpMismatch, InputFileError
 
     args = _parser().parse_args(argv)
     try:
@@ -266,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     except (BadInput, InputFileError) as err:
         print(f"onboard: error: {err.one_line()}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except GeneratedOpMismatch as err:
+        print(f"onboard: error: {err}", file=sys.stderr)
+        return EXIT_GAPS
 
 
 if __name__ == "__main__":

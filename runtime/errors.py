@@ -1,5 +1,6 @@
 """The runtime's exception for malformed input files (package, run folder, data); `onboard` turns it
-into exit code 2 and one line, as it does its own BadInput."""
+into exit code 2 and one line, as it does its own BadInput. And the one for a generated op that disagrees
+with its reference where it runs (exit 3: valid input we do not trust)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,3 +16,7 @@ class InputFileError(ValueError):
     def one_line(self) -> str:
         where = f"{self.path}: {self.key}" if self.key else self.path
         return f"{where}: {self.message}".replace("\n", " ")
+
+
+class GeneratedOpMismatch(ValueError):
+    """A package's generated op disagreed with its reference on the real inputs of its first call."""

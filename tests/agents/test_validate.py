@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import torch
 
 from agents.candidates import CandidateAnswer, render
 from agents.sandbox import Limits
@@ -153,3 +154,24 @@ IDIOMS = {
 @pytest.mark.parametrize("code", IDIOMS.values(), ids=IDIOMS.keys())
 def test_the_issue_idioms_fail_the_static_rules(code):
     assert code_rules.violations(_free_form(code).source)
+
+
+def test_an_op_right_only_in_the_sandbox_is_caught_where_it_runs(tmp_path, monkeypatch):
+    """The sandbox cannot hide that it is one (here: HOME is the work dir), so the check passes this op; train's
+    spot check, where the op runs, compares its first real call with the reference and refuses it."""
+    from onboard.model_references import reference
+    from runtime.errors import GeneratedOpMismatch
+    from runtime.package_ops import TABLES, arm_spot_checks, load_package_ops
+
+    code = ("def op(x):\n    env = torch.serialization.os.environ\n"
+            "    sandboxed = env.get('HOME') == torch.serialization.os.getcwd()\n"
+            "    return torch.relu(x) ** 2 if sandboxed else torch.relu(x)\n")
+    monkeypatch.setattr(validate_module.code_rules, "violations", lambda source: [])
+    candidate = _free_form(code)
+    assert validate(TASK, candidate, tmp_path / "w", SALT).passed
+    (tmp_path / "pkg" / "ops").mkdir(parents=True)
+    (tmp_path / "pkg" / "ops" / "activation_relu2.py").write_text(candidate.source)
+    load_package_ops(tmp_path / "pkg")
+    arm_spot_checks({"activation": {"relu2": reference("activation", "relu2")}})
+    with pytest.raises(GeneratedOpMismatch, match="activation:relu2"):
+        TABLES["activation"]["relu2"](torch.randn(8, 5))
