@@ -131,12 +131,17 @@ def test_a_shared_memory_bomb_is_stopped_at_the_cap(tmp_path, mode, how):
 @pytest.mark.parametrize("mode", MODES + FALLBACK)
 def test_a_detached_daemon_does_not_survive_the_run(tmp_path, mode):
     marker = tmp_path / "work" / "survived.txt"
+    # the grandchild writes only once the run's main process is gone, and a second later: a marker means it
+    # outlived the run, never that the run was slow to end
     code = LIBC + textwrap.dedent(f"""
-        import time
+        import os, time
+        main = os.getpid()
         if libc.fork() == 0:
             libc.setsid()
             if libc.fork() == 0:
-                time.sleep(3)
+                while os.path.exists(f"/proc/{{main}}"):
+                    time.sleep(0.05)
+                time.sleep(1)
                 open({str(marker)!r}, "w").write("survived")
                 libc._exit(0)
             libc._exit(0)
@@ -145,7 +150,7 @@ def test_a_detached_daemon_does_not_survive_the_run(tmp_path, mode):
     """)
     result = _run(tmp_path, code, mode)
     assert result.ok and "detached" in result.stdout, result.stderr
-    time.sleep(5)
+    time.sleep(3)
     assert not marker.exists()
 
 

@@ -51,7 +51,9 @@ def test_a_candidate_allocating_without_bound_is_stopped_and_reported(tmp_path):
     assert "memory" in verdict.failures[0].detail.lower()
 
 
-def test_a_candidate_writing_outside_its_folder_crashes_contained(tmp_path):
+def test_a_candidate_writing_outside_its_folder_crashes_contained(tmp_path, monkeypatch):
+    # the static rules refuse torch.serialization too; skipped here, the sandbox alone contains the write
+    monkeypatch.setattr(validate_module.code_rules, "violations", lambda source: [])
     outside = tmp_path / "escaped.txt"
     code = (f"def op(x):\n    with torch.serialization._open_file_like({str(outside)!r}, 'wb') as f:\n"
             "        f.write(b'x')\n    return torch.relu(x) ** 2")
@@ -70,7 +72,8 @@ def test_a_right_candidate_passes_every_check(tmp_path):
     assert len(verdict.evidence["case_seeds"]) == 10 and verdict.evidence["argvs"] == 3
 
 
-# Each candidate computes the wrong op (relu, not relu2) and games the check a different way. The static rules
+# Each candidate computes the wrong op (relu, not relu2) and games the check a different way (the first two
+# were accepted by the check before: it saved outputs with torch.save in the child and ran it with no argv). The static rules
 # are skipped for them (monkeypatched away: the filter, not the sandbox, is what is replaced), so what rejects
 # them is the check's design: the verdict is computed in this process from tensors the child sends back.
 GAMING = {
@@ -79,20 +82,33 @@ GAMING = {
     "hooks-save": textwrap.dedent("""
         import safetensors.torch as st
         caught = {}
-        real_load, real_save, real_tsave, real_tload = st.load, st.save, torch.save, torch.load
-        def load(data, *a, **k):
-            caught.update(real_load(data))
-            return real_load(data, *a, **k)
-        def right(tensors):
-            x = caught.get("input.x")
-            if x is None or "out" not in tensors:
-                return tensors
-            leaf = x.clone().requires_grad_(True)
+        real_tload, real_tsave, real_sload, real_ssave = torch.load, torch.save, st.load, st.save
+        def right():
+            leaf = caught["x"].clone().requires_grad_(True)
             out = torch.relu(leaf) ** 2
             (out.double() * caught["cotangent"].double()).sum().backward()
-            return {**tensors, "out": out.detach(), "again": out.detach(), "grad.x": leaf.grad}
-        st.load, st.save = load, lambda tensors, *a, **k: real_save(right(tensors), *a, **k)
-        torch.save = lambda obj, *a, **k: real_tsave(right(obj) if isinstance(obj, dict) else obj, *a, **k)
+            return out.detach(), leaf.grad
+        def tload(*a, **k):
+            case = real_tload(*a, **k)
+            if isinstance(case, dict) and "inputs" in case:
+                caught.update(x=case["inputs"]["x"], cotangent=case["cotangent"])
+            return case
+        def tsave(obj, *a, **k):
+            if isinstance(obj, dict) and "grads" in obj and "x" in caught:
+                out, grad = right()
+                obj = {**obj, "out": out, "again": out, "grads": {"x": grad}}
+            return real_tsave(obj, *a, **k)
+        def sload(data, *a, **k):
+            tensors = real_sload(data, *a, **k)
+            if "input.x" in tensors:
+                caught.update(x=tensors["input.x"], cotangent=tensors["cotangent"])
+            return tensors
+        def ssave(tensors, *a, **k):
+            if "out" in tensors and "x" in caught:
+                out, grad = right()
+                tensors = {**tensors, "out": out, "again": out, "grad.x": grad}
+            return real_ssave(tensors, *a, **k)
+        torch.load, torch.save, st.load, st.save = tload, tsave, sload, ssave
         def op(x):
             return torch.relu(x)
     """),
@@ -131,7 +147,8 @@ def test_a_candidate_gaming_the_check_is_rejected(tmp_path, monkeypatch, code):
     monkeypatch.setattr(validate_module.code_rules, "violations", lambda source: [])
     verdict = validate(TASK, _free_form(code), tmp_path / "w", SALT)
     assert not verdict.passed
-    assert {f.check for f in verdict.failures} & {"forward", "grad:x", "crash", "output"}, verdict.failures
+    # rejected on the numbers: the wrong op's outputs reached the comparison
+    assert "forward" in {f.check for f in verdict.failures}, verdict.failures
 
 
 # The issue's idioms that reach what the static rules forbid: each is now refused by them too.
