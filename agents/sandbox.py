@@ -89,22 +89,24 @@ def _runs(argv: list[str]) -> bool:
 
 
 def run_python(script: Path, workdir: Path, args: list[str] = (), limits: Limits = Limits(),
-               mode: Mode | None = None) -> SandboxResult:
-    """Run `python script args` confined to workdir (which must exist and holds everything it writes)."""
-    with start_python(script, workdir, args, limits, mode, talk=False) as child:
+               mode: Mode | None = None, *, tripwire: bool = True) -> SandboxResult:
+    """Run `python script args` confined to workdir (which must exist and holds everything it writes).
+    `tripwire=False` leaves out the audit-hook guard: what confines the child is then the OS alone."""
+    with start_python(script, workdir, args, limits, mode, talk=False, tripwire=tripwire) as child:
         child.wait()
     return child.result
 
 
 def start_python(script: Path, workdir: Path, args: list[str] = (), limits: Limits = Limits(),
-                 mode: Mode | None = None, talk: bool = True) -> "Child":
+                 mode: Mode | None = None, talk: bool = True, *, tripwire: bool = True) -> "Child":
     """Start `python script args` confined to workdir; with `talk`, its stdin and stdout are pipes to the
     caller (`child.stdin`, `child.stdout`). Use as a context manager: leaving it kills the whole tree."""
     workdir = Path(workdir).resolve()
     mode = mode or available_mode()
     # the guard runs from the work dir: its own folder (agents/) is hidden from the child
     guard = shutil.copy(GUARD, workdir / GUARD.name)
-    inner = [sys.executable, "-I", str(guard), str(workdir), str(script), *map(str, args)]
+    inner = [sys.executable, "-I", str(guard), *([] if tripwire else ["--no-guard"]), str(workdir), str(script),
+             *map(str, args)]
     argv = {"bwrap": _bwrap_argv, "unshare": _unshare_argv, "none": lambda inner, w, lim: inner}[mode](
         inner, workdir, limits)
     return Child(argv, workdir, limits, mode, talk)

@@ -19,12 +19,12 @@ MODES = [available_mode()]
 FALLBACK = ["unshare"] if available_mode() == "bwrap" else []
 
 
-def _run(tmp_path, code: str, mode: str, limits: Limits = Limits(wall_s=30)):
+def _run(tmp_path, code: str, mode: str, limits: Limits = Limits(wall_s=30), tripwire: bool = True):
     work = tmp_path / "work"
     work.mkdir()
     script = work / "candidate.py"
     script.write_text(textwrap.dedent(code))
-    return run_python(script, work, limits=limits, mode=mode)
+    return run_python(script, work, limits=limits, mode=mode, tripwire=tripwire)
 
 
 @pytest.fixture(params=MODES)
@@ -90,9 +90,9 @@ def test_a_grandchild_does_not_outlive_the_sandbox(tmp_path, mode):
     assert "sandbox-refused: os.system" in result.stderr
 
 
-# The hostile children below step past the audit-hook guard on purpose (libc's functions through
-# ctypes.pythonapi, the interpreter's own symbols: no dlopen for the guard to refuse), so what stops them is
-# the operating system's confinement alone.
+# The hostile children below run without the audit-hook guard (a tripwire that code with native access could
+# step past), so what stops them is the operating system's confinement alone. They reach libc through
+# ctypes.pythonapi, the interpreter's own symbols, which the guard refuses when it is there (last test).
 LIBC = "import ctypes\nlibc = ctypes.pythonapi\n"
 
 
@@ -109,7 +109,7 @@ def test_a_fork_bomb_is_capped(tmp_path, mode):
             started += pid > 0
         print("started", started, flush=True)
     """)
-    result = _run(tmp_path, code, mode, Limits(wall_s=30, processes=32))
+    result = _run(tmp_path, code, mode, Limits(wall_s=30, processes=32), tripwire=False)
     started = int(result.stdout.split("started")[1])
     assert result.ok, result.stderr
     assert started < 32
@@ -121,7 +121,8 @@ def test_a_fork_bomb_is_capped(tmp_path, mode):
     "chunk = b'x' * 2**20\nwith open('/dev/shm/bomb', 'wb') as f:\n    for _ in range(1536):\n        f.write(chunk)\n",
 ], ids=["shared-mapping", "dev-shm-file"])
 def test_a_shared_memory_bomb_is_stopped_at_the_cap(tmp_path, mode, how):
-    result = _run(tmp_path, how + "print('touched 1.5 GiB')\n", mode, Limits(wall_s=30, memory_mib=512))
+    result = _run(tmp_path, how + "print('touched 1.5 GiB')\n", mode, Limits(wall_s=30, memory_mib=512),
+                  tripwire=False)
     assert not result.ok and not result.timed_out
     assert "touched" not in result.stdout
     # killed by the memory cgroup, refused by the bounded /dev/shm, or (no cgroup) by RLIMIT_AS
@@ -148,7 +149,7 @@ def test_a_detached_daemon_does_not_survive_the_run(tmp_path, mode):
         time.sleep(0.5)
         print("detached")
     """)
-    result = _run(tmp_path, code, mode)
+    result = _run(tmp_path, code, mode, tripwire=False)
     assert result.ok and "detached" in result.stdout, result.stderr
     time.sleep(3)
     assert not marker.exists()
@@ -174,7 +175,7 @@ def test_the_project_the_home_and_other_processes_are_not_visible(tmp_path):
             cwds[pid] = os.readlink(f"/proc/{{pid}}/cwd")
         print(json.dumps({{"seen": seen, "cwds": cwds}}))
     """)
-    result = _run(tmp_path, code, "bwrap")
+    result = _run(tmp_path, code, "bwrap", tripwire=False)
     assert result.ok, result.stderr
     found = json.loads(result.stdout)
     # the home is there only as the folders leading to an interpreter installed under it, if any
@@ -183,3 +184,10 @@ def test_the_project_the_home_and_other_processes_are_not_visible(tmp_path):
     assert found["seen"] == {}
     # the sandbox's own init and the child, both in the work dir: no other process of the machine
     assert len(found["cwds"]) <= 2 and set(found["cwds"].values()) == {str(tmp_path / "work")}
+
+
+@pytest.mark.parametrize("mode", MODES + FALLBACK)
+def test_the_guard_refuses_libc_through_the_interpreters_own_symbols(tmp_path, mode):
+    result = _run(tmp_path, LIBC + "libc.system(b'true')\nprint('ran')\n", mode)
+    assert not result.ok and "ran" not in result.stdout
+    assert "sandbox-refused: ctypes." in result.stderr
