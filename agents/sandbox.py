@@ -122,10 +122,17 @@ class Child:
         self._err = open(workdir / ".stderr", "wb")
         self._out = None if talk else open(workdir / ".stdout", "wb")
         self.start = time.monotonic()
-        self.process = subprocess.Popen(
-            argv, stdin=subprocess.PIPE if talk else subprocess.DEVNULL, stdout=subprocess.PIPE if talk else self._out,
-            stderr=self._err, cwd=workdir, env=_environment(workdir), preexec_fn=_confine(limits, self.cgroups),
-            start_new_session=True)
+        try:
+            self.process = subprocess.Popen(
+                argv, stdin=subprocess.PIPE if talk else subprocess.DEVNULL,
+                stdout=subprocess.PIPE if talk else self._out, stderr=self._err, cwd=workdir,
+                env=_environment(workdir), preexec_fn=_confine(limits, self.cgroups), start_new_session=True)
+        except BaseException:
+            self.cgroups.remove()
+            for f in (self._err, self._out):
+                if f is not None:
+                    f.close()
+            raise
         # the deadline holds even while the caller is blocked reading a pipe: the tree is killed under it
         self._timer = threading.Timer(limits.wall_s, self._expire)
         self._timer.start()
@@ -184,11 +191,14 @@ class Child:
         self.stop()
 
 
-def _bwrap_argv(inner: list[str], workdir: Path, limits: Limits, readable: tuple[Path, ...] = ()) -> list[str]:
-    """`readable`: more paths the child may read (bound read-only, after the interpreter's)."""
+def _bwrap_argv(inner: list[str], workdir: Path, limits: Limits, readable: tuple[Path, ...] = (),
+                hidden: tuple[Path, ...] | None = None) -> list[str]:
+    """`readable`: more paths the child may read (bound read-only, after the interpreter's); `hidden`: the
+    package folders covered by an empty tmpfs where they lie under a bound path (default: HIDDEN_PACKAGES')."""
     roots = _interpreter_roots() + tuple(Path(p) for p in readable)
     argv = ["bwrap", *NAMESPACES, *_system_mounts(), *_private_mounts(limits), *_read_only(roots),
-            *_hidden_mounts(roots), "--bind", str(workdir), str(workdir), "--chdir", str(workdir)]
+            *_hidden_mounts(roots, _hidden_paths() if hidden is None else hidden),
+            "--bind", str(workdir), str(workdir), "--chdir", str(workdir)]
     return argv + ["--", *inner]
 
 
@@ -217,7 +227,7 @@ def _read_only(roots: tuple[Path, ...]) -> list[str]:
     return argv
 
 
-def _hidden_mounts(roots: tuple[Path, ...]) -> list[str]:
+def _hidden_mounts(roots: tuple[Path, ...], packages: tuple[Path, ...]) -> list[str]:
     """Empty tmpfs over what must stay unseen although it lies under a bound root: the checkout, its git
     folders and the home (a root inside one of them is bound again on top), then the hidden packages."""
     argv = []
@@ -225,7 +235,7 @@ def _hidden_mounts(roots: tuple[Path, ...]) -> list[str]:
         if any(secret != root and secret.is_relative_to(root) for root in roots):
             argv += ["--tmpfs", str(secret)]
             argv += _read_only(tuple(root for root in roots if root != secret and root.is_relative_to(secret)))
-    for hidden in _hidden_paths():
+    for hidden in packages:
         if any(hidden.is_relative_to(root) for root in roots):
             argv += ["--tmpfs", str(hidden)]
     return argv

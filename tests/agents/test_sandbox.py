@@ -121,12 +121,26 @@ def test_a_fork_bomb_is_capped(tmp_path, mode):
     "chunk = b'x' * 2**20\nwith open('/dev/shm/bomb', 'wb') as f:\n    for _ in range(1536):\n        f.write(chunk)\n",
 ], ids=["shared-mapping", "dev-shm-file"])
 def test_a_shared_memory_bomb_is_stopped_at_the_cap(tmp_path, mode, how):
+    """Where cgroups can be made (this machine), the memory cgroup kills it; the rlimit fallback is below."""
     result = _run(tmp_path, how + "print('touched 1.5 GiB')\n", mode, Limits(wall_s=30, memory_mib=512),
                   tripwire=False)
     assert not result.ok and not result.timed_out
     assert "touched" not in result.stdout
     # killed by the memory cgroup, refused by the bounded /dev/shm, or (no cgroup) by RLIMIT_AS
     assert any(s in result.stderr for s in ("killed at the memory limit", "No space left", "MemoryError")), result.stderr
+
+
+def test_without_cgroups_the_address_space_cap_refuses_the_shared_mapping(tmp_path, monkeypatch):
+    """A machine where no cgroup can be made (stood in for by an empty Cgroups: the real absence needs another
+    machine): RLIMIT_AS caps the address space, so a 1.5 GiB shared mapping is refused at 1 GiB."""
+    from agents import sandbox
+    from agents.sandbox_cgroups import Cgroups
+
+    monkeypatch.setattr(sandbox.Cgroups, "create", classmethod(lambda cls, processes, memory_bytes: Cgroups()))
+    code = "import mmap\nm = mmap.mmap(-1, 1536 * 2**20, flags=mmap.MAP_SHARED)\nprint('mapped')\n"
+    result = _run(tmp_path, code, available_mode(), Limits(wall_s=30, memory_mib=1024), tripwire=False)
+    assert not result.ok and "mapped" not in result.stdout
+    assert "Cannot allocate memory" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("mode", MODES + FALLBACK)
