@@ -198,7 +198,7 @@ def _bwrap_argv(inner: list[str], workdir: Path, limits: Limits, readable: tuple
     roots = _interpreter_roots() + tuple(Path(p) for p in readable)
     argv = ["bwrap", *NAMESPACES, *_system_mounts(), *_private_mounts(limits), *_read_only(roots),
             *_hidden_mounts(roots, _hidden_paths() if hidden is None else hidden),
-            "--bind", str(workdir), str(workdir), "--chdir", str(workdir)]
+            "--bind", str(workdir), str(workdir), *_read_only_after_binds(), "--chdir", str(workdir)]
     return argv + ["--", *inner]
 
 
@@ -216,8 +216,21 @@ def _system_mounts() -> list[str]:
 def _private_mounts(limits: Limits) -> list[str]:
     # a fresh /dev (null, zero, random, tty...) whose /dev/shm is a tmpfs of bounded size, a bounded /tmp, and
     # a /proc of the child's own PID namespace: other processes' /proc entries do not exist inside
-    return ["--dev", "/dev", "--size", str(limits.shm_mib * MIB), "--tmpfs", "/dev/shm",
-            "--size", str(limits.tmp_mib * MIB), "--tmpfs", "/tmp", "--proc", "/proc"]
+    if _tmpfs_size_supported():
+        return ["--dev", "/dev", "--size", str(limits.shm_mib * MIB), "--tmpfs", "/dev/shm",
+                "--size", str(limits.tmp_mib * MIB), "--tmpfs", "/tmp", "--proc", "/proc"]
+    # a bubblewrap older than --size (0.6 and before) cannot bound a tmpfs: both made read-only instead (after
+    # the work dir is bound under /tmp), so nothing is written outside the work dir
+    return ["--dev", "/dev", "--tmpfs", "/dev/shm", "--tmpfs", "/tmp", "--proc", "/proc"]
+
+
+def _read_only_after_binds() -> list[str]:
+    return [] if _tmpfs_size_supported() else ["--remount-ro", "/dev/shm", "--remount-ro", "/tmp"]
+
+
+@functools.lru_cache(maxsize=1)
+def _tmpfs_size_supported() -> bool:
+    return _runs(["bwrap", "--ro-bind", "/", "/", "--size", str(MIB), "--tmpfs", "/tmp", "true"])
 
 
 def _read_only(roots: tuple[Path, ...]) -> list[str]:
