@@ -149,7 +149,9 @@ class Child:
         self.process.wait()
 
     def _expire(self) -> None:
-        self.timed_out = True
+        # a child that ended just before the deadline is not a timeout (stop() cancels the timer a moment later)
+        if self.process.poll() is None:
+            self.timed_out = True
         self._kill()
 
     def _kill(self) -> None:
@@ -164,13 +166,20 @@ class Child:
         """Kill what is left of the tree, remove its cgroups and report."""
         if self.result is not None:
             return self.result
+        if self.process.stdin is not None:
+            # end of input: a child waiting for the next request leaves by itself (briefly waited for)
+            _close(self.process.stdin)
+            try:
+                self.process.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
         self._timer.cancel()
         returncode = self.process.poll()
         self._kill()
         self.process.wait()
         for pipe in (self.process.stdin, self.process.stdout):
             if pipe is not None:
-                pipe.close()
+                _close(pipe)
         oom = self.cgroups.oom_killed()
         self.cgroups.remove()
         for f in (self._err, self._out):
@@ -189,6 +198,13 @@ class Child:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _close(pipe: IO[bytes]) -> None:
+    try:
+        pipe.close()
+    except OSError:
+        pass  # unsent bytes to a child that is gone (BrokenPipeError): nothing to deliver them to
 
 
 def _bwrap_argv(inner: list[str], workdir: Path, limits: Limits, readable: tuple[Path, ...] = (),

@@ -87,7 +87,8 @@ def validate(task: OpTask, candidate: Candidate, workdir: Path, salt: int, limit
         return Verdict([Failure(check="crash", metric="returncode", value=result.returncode,
                                 detail=f"{gone}; {result.stderr[-STDERR_TAIL:]}")])
     failures = [f for case in cases for f in _compare(task, case)]
-    evidence = {"seeds": NUM_SEEDS, "case_seeds": [c.seed for c in cases], "dtypes": [str(d).removeprefix("torch.") for d in DTYPES],
+    evidence = {"seeds": NUM_SEEDS, "case_seeds": [c.seed for c in cases],
+                "dtypes": [str(d).removeprefix("torch.") for d in DTYPES],
                 "argvs": len(ARGVS), "sandbox": result.mode, "wall_s": round(result.wall_s, 2),
                 "worst": _worst(task, cases)}
     return Verdict(failures[:8], evidence)

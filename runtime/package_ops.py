@@ -83,7 +83,8 @@ def _spot_check(label: str, reference: Callable, args: tuple, kwargs: dict, out)
         expected = reference(*map(_fp64, args), **{k: _fp64(v) for k, v in kwargs.items()})
     if not isinstance(out, torch.Tensor) or not isinstance(expected, torch.Tensor) or out.shape != expected.shape:
         raise GeneratedOpMismatch(f"generated op {label} returned {type(out).__name__} "
-                                  f"{tuple(getattr(out, 'shape', ()))}, its reference a tensor of {tuple(expected.shape)}")
+                                  f"{tuple(getattr(out, 'shape', ()))}, its reference a tensor of "
+                                  f"{tuple(getattr(expected, 'shape', ()))}")
     if not torch.isfinite(expected).all():
         return  # the reference itself overflowed on these inputs: nothing to judge against
     result = compare(out.detach(), expected, tolerance_for(label.split(":")[0], out.dtype, "out"))

@@ -127,7 +127,8 @@ def test_a_shared_memory_bomb_is_stopped_at_the_cap(tmp_path, mode, how):
     assert not result.ok and not result.timed_out
     assert "touched" not in result.stdout
     # killed by the memory cgroup, refused by the bounded /dev/shm, or (no cgroup) by RLIMIT_AS
-    assert any(s in result.stderr for s in ("killed at the memory limit", "No space left", "MemoryError")), result.stderr
+    stopped_by = ("killed at the memory limit", "No space left", "MemoryError")
+    assert any(s in result.stderr for s in stopped_by), result.stderr
 
 
 def test_without_cgroups_the_address_space_cap_refuses_the_shared_mapping(tmp_path, monkeypatch):
