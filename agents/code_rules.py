@@ -7,6 +7,11 @@ import ast
 ALLOWED_IMPORTS = {"math", "torch", "torch.nn.functional"}
 FORBIDDEN_NAMES = {"importlib", "__import__", "exec", "eval", "compile", "open", "globals", "locals", "vars",
                    "getattr", "setattr", "__builtins__", "sys", "os", "breakpoint", "input"}
+# the same reach through an attribute of an allowed module (torch.serialization.os.system, torch.ctypes,
+# torch.sys.modules['builtins'].exec, ...): no op needs an attribute of these names
+FORBIDDEN_ATTRS = FORBIDDEN_NAMES | {"ctypes", "modules", "environ", "system", "popen", "spawnv", "execv", "fork",
+                                     "runpy", "run_path", "run_module", "import_module", "socket", "subprocess",
+                                     "builtins", "serialization", "multiprocessing", "package", "hub", "load", "save"}
 SHAPE_ATTRS = {"shape", "ndim"}
 
 
@@ -32,11 +37,21 @@ def _check(node: ast.AST) -> list[str]:
         return [f"line {line}: uses {node.id}"]
     if isinstance(node, ast.Attribute) and node.attr.startswith("__"):
         return [f"line {line}: dunder attribute {node.attr}"]
+    if isinstance(node, ast.Attribute) and node.attr in FORBIDDEN_ATTRS:
+        return [f"line {line}: uses attribute {node.attr}"]
+    if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)) and _patches_attribute(node):
+        return [f"line {line}: assigns to an attribute (patches a module or object shared with the caller)"]
     if isinstance(node, ast.Try):
         return [f"line {line}: try/except (a fallback that hides failures)"]
     if isinstance(node, ast.Compare) and _shape_vs_literal(node):
         return [f"line {line}: compares a shape or size with a literal (special-cases input shapes)"]
     return []
+
+
+def _patches_attribute(node: ast.AST) -> bool:
+    targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+    return any(isinstance(sub, ast.Attribute) for target in targets for sub in ast.walk(target)
+               if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, (ast.Store, ast.Del)))
 
 
 def _shape_vs_literal(node: ast.Compare) -> bool:

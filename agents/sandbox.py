@@ -1,12 +1,18 @@
 """Run untrusted generated code in a separate process the operating system confines.
 
-Mode `bwrap` (bubblewrap): a read-only view of the root, one writable folder (the work dir), a private /tmp, a new
-network namespace (loopback only) and PID namespace (killing it kills the whole tree), the reference code and
-transformers hidden behind empty tmpfs mounts so a candidate cannot copy its answer. Mode `unshare` (no bwrap): a
-network namespace from `unshare -n` and the audit-hook guard below as a tripwire for writes and sockets. Both add
-rlimits (RLIMIT_DATA caps host memory without breaking CUDA, as RLIMIT_AS does), a wall-clock timeout that kills the
-process group, and output to files capped by RLIMIT_FSIZE. The result says which mode ran; the parent survives
-whatever the child does.
+Mode `bwrap` (bubblewrap): the child sees an empty root with only the system libraries, its interpreter and
+its import roots read-only, one writable folder (the work dir), a private bounded /tmp and /dev/shm, a fresh
+/proc of its own PID namespace (no other process visible), no network (loopback only). The checkout, its git
+objects, the user's home, the reference code and transformers are not there. Mode `unshare` (no bwrap): a
+network namespace from `unshare -n` and the audit-hook guard (agents/sandbox_guard.py) as a tripwire for
+writes and sockets; it hides no path.
+
+Limits, in every mode: a pids and a memory cgroup where this process may create them (agents/sandbox_cgroups.py:
+the memory cap then covers shared mappings and tmpfs pages too), else RLIMIT_NPROC and RLIMIT_AS; RLIMIT_DATA
+(a MemoryError for plain allocations), CPU time, file size, open files; a wall-clock limit. When the run ends the
+whole tree is killed: the process group, the PID namespace (bwrap's init dies with its parent) and every process
+left in the cgroups (a daemon that left the group). The result says which mode ran; the parent survives whatever
+the child does.
 """
 from __future__ import annotations
 
@@ -17,17 +23,25 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import IO, Literal, Sequence
 
+from agents.sandbox_cgroups import Cgroups
 from agents.sandbox_guard import HIDDEN_PACKAGES
 
 Mode = Literal["bwrap", "unshare", "none"]
 GUARD = Path(__file__).with_name("sandbox_guard.py")
 REPO = Path(__file__).resolve().parents[1]
 OUTPUT_TAIL = 20_000
+MIB = 2**20
+# what a dynamically linked interpreter needs from the root, bound read-only where it exists
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives")
+NAMESPACES = ("--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+              "--die-with-parent", "--new-session")
 
 
 @dataclass(frozen=True)
@@ -37,6 +51,11 @@ class Limits:
     cpu_s: int = 300
     file_mib: int = 256
     open_files: int = 512
+    # processes and threads of the whole tree (torch starts a few threads of its own)
+    processes: int = 64
+    # the private /dev/shm and /tmp (bwrap mode); their pages also count against memory_mib under a cgroup
+    shm_mib: int = 64
+    tmp_mib: int = 256
 
 
 @dataclass(frozen=True)
@@ -70,27 +89,232 @@ def _runs(argv: list[str]) -> bool:
 
 
 def run_python(script: Path, workdir: Path, args: list[str] = (), limits: Limits = Limits(),
-               mode: Mode | None = None) -> SandboxResult:
-    """Run `python script args` confined to workdir (which must exist and holds everything it writes)."""
+               mode: Mode | None = None, *, tripwire: bool = True) -> SandboxResult:
+    """Run `python script args` confined to workdir (which must exist and holds everything it writes).
+    `tripwire=False` leaves out the audit-hook guard: what confines the child is then the OS alone."""
+    with start_python(script, workdir, args, limits, mode, talk=False, tripwire=tripwire) as child:
+        child.wait()
+    return child.result
+
+
+def start_python(script: Path, workdir: Path, args: list[str] = (), limits: Limits = Limits(),
+                 mode: Mode | None = None, talk: bool = True, *, tripwire: bool = True) -> "Child":
+    """Start `python script args` confined to workdir; with `talk`, its stdin and stdout are pipes to the
+    caller (`child.stdin`, `child.stdout`). Use as a context manager: leaving it kills the whole tree."""
     workdir = Path(workdir).resolve()
     mode = mode or available_mode()
     # the guard runs from the work dir: its own folder (agents/) is hidden from the child
     guard = shutil.copy(GUARD, workdir / GUARD.name)
-    inner = [sys.executable, "-I", str(guard), str(workdir), str(script), *map(str, args)]
-    argv = {"bwrap": _bwrap_argv, "unshare": _unshare_argv, "none": lambda inner, w: inner}[mode](inner, workdir)
-    return _run(argv, workdir, limits, mode)
+    inner = [sys.executable, "-I", str(guard), *([] if tripwire else ["--no-guard"]), str(workdir), str(script),
+             *map(str, args)]
+    argv = {"bwrap": _bwrap_argv, "unshare": _unshare_argv, "none": lambda inner, w, lim: inner}[mode](
+        inner, workdir, limits)
+    return Child(argv, workdir, limits, mode, talk)
 
 
-def _bwrap_argv(inner: list[str], workdir: Path) -> list[str]:
-    argv = ["bwrap", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
-            "--bind", str(workdir), str(workdir), "--unshare-net", "--unshare-pid", "--die-with-parent",
-            "--new-session", "--chdir", str(workdir)]
-    # the private /tmp would hide an interpreter or a checkout that lives there (a clone in /tmp): bound back read-only
-    for root in _roots_under_tmp():
-        argv += ["--ro-bind", str(root), str(root)]
-    for hidden in _hidden_paths():
-        argv += ["--tmpfs", str(hidden)]
+class Child:
+    """A confined process tree: its limits, its deadline and its end (everything in it killed)."""
+
+    def __init__(self, argv: list[str], workdir: Path, limits: Limits, mode: Mode, talk: bool,
+                 env: dict[str, str] | None = None):
+        self.workdir, self.limits, self.mode, self.talk = workdir, limits, mode, talk
+        self.cgroups = Cgroups.create(limits.processes, limits.memory_mib * MIB)
+        self.timed_out, self.result = False, None
+        self._err = open(workdir / ".stderr", "wb")
+        self._out = None if talk else open(workdir / ".stdout", "wb")
+        self.start = time.monotonic()
+        try:
+            self.process = subprocess.Popen(
+                argv, stdin=subprocess.PIPE if talk else subprocess.DEVNULL,
+                stdout=subprocess.PIPE if talk else self._out, stderr=self._err, cwd=workdir,
+                env={**_environment(workdir), **(env or {})}, preexec_fn=_confine(limits, self.cgroups), start_new_session=True)
+        except BaseException:
+            self.cgroups.remove()
+            for f in (self._err, self._out):
+                if f is not None:
+                    f.close()
+            raise
+        # the deadline holds even while the caller is blocked reading a pipe: the tree is killed under it
+        self._timer = threading.Timer(limits.wall_s, self._expire)
+        self._timer.start()
+
+    @property
+    def stdin(self) -> IO[bytes]:
+        return self.process.stdin
+
+    @property
+    def stdout(self) -> IO[bytes]:
+        return self.process.stdout
+
+    def wait(self) -> None:
+        self.process.wait()
+
+    def _expire(self) -> None:
+        # a child that ended just before the deadline is not a timeout (stop() cancels the timer a moment later)
+        if self.process.poll() is None:
+            self.timed_out = True
+        self._kill()
+
+    def _kill(self) -> None:
+        # the whole process group, then whatever left it but stayed in the cgroups
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.cgroups.kill_all()
+
+    def stop(self) -> SandboxResult:
+        """Kill what is left of the tree, remove its cgroups and report."""
+        if self.result is not None:
+            return self.result
+        if self.process.stdin is not None:
+            # end of input: a child waiting for the next request leaves by itself (briefly waited for)
+            _close(self.process.stdin)
+            try:
+                self.process.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+        self._timer.cancel()
+        returncode = self.process.poll()
+        self._kill()
+        self.process.wait()
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                _close(pipe)
+        oom = self.cgroups.oom_killed()
+        self.cgroups.remove()
+        for f in (self._err, self._out):
+            if f is not None:
+                f.close()
+        stderr = _tail(self.workdir / ".stderr")
+        if oom:
+            stderr += f"\nsandbox: killed at the memory limit ({self.limits.memory_mib} MiB, out of memory)\n"
+        self.result = SandboxResult(self.mode, None if self.timed_out else returncode, self.timed_out,
+                                    time.monotonic() - self.start, "" if self.talk else _tail(self.workdir / ".stdout"),
+                                    stderr)
+        return self.result
+
+    def __enter__(self) -> "Child":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _close(pipe: IO[bytes]) -> None:
+    try:
+        pipe.close()
+    except OSError:
+        pass  # unsent bytes to a child that is gone (BrokenPipeError): nothing to deliver them to
+
+
+def _bwrap_argv(inner: list[str], workdir: Path, limits: Limits, readable: tuple[Path, ...] = (),
+                hidden: tuple[Path, ...] | None = None, devices: Sequence[str] = ()) -> list[str]:
+    """`readable`: more paths the child may read (bound read-only, after the interpreter's); `hidden`: the
+    package folders covered by an empty tmpfs where they lie under a bound path (default: HIDDEN_PACKAGES');
+    `devices`: more bwrap arguments binding device nodes."""
+    roots = _interpreter_roots() + tuple(Path(p) for p in readable)
+    argv = ["bwrap", *NAMESPACES, *_system_mounts(), *_private_mounts(limits), *_read_only(roots),
+            *_hidden_mounts(roots, _hidden_paths() if hidden is None else hidden), *devices,
+            "--bind", str(workdir), str(workdir), *_read_only_after_binds(), "--chdir", str(workdir)]
     return argv + ["--", *inner]
+
+
+# `python -I -c PROJECT_BOOT REPO MODULE ARGS...`: this project's code first on the path (isolated mode ignores
+# PYTHONPATH, and the environment is scrubbed), then MODULE run as __main__ with ARGS.
+PROJECT_BOOT = ("import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
+                "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
+
+
+def run_project_module(module: str, args: Sequence[str], workdir: Path, readable: Sequence[Path] = (),
+                       limits: Limits = Limits(), env: dict[str, str] | None = None) -> SandboxResult:
+    """`python -m module args` of this project's code under bubblewrap (the caller checks available_mode() is
+    "bwrap"), for code that needs the project and its libraries, transformers included, but must not reach
+    anything else: the system folders, the interpreter and its import roots, this project without its git
+    folders, the `readable` paths (read-only) and workdir, the one writable place; no home, no network, no host
+    IPC, private /tmp and /dev/shm; the environment is the sandbox's allow-list plus `env`."""
+    workdir = Path(workdir).resolve()
+    inner = [sys.executable, "-I", "-c", PROJECT_BOOT, str(REPO), module, *map(str, args)]
+    roots = (REPO, *(Path(p).resolve() for p in readable))
+    argv = _bwrap_argv(inner, workdir, limits, readable=roots, hidden=(), devices=_gpu_devices())
+    with Child(argv, workdir, limits, "bwrap", talk=False, env=env) as child:
+        child.wait()
+    return child.result
+
+
+def _gpu_devices() -> list[str]:
+    """A CUDA device stays usable: its nodes, and the driver's view of the hardware."""
+    nodes = sorted(Path("/dev").glob("nvidia*"))
+    argv = [arg for node in nodes for arg in ("--dev-bind", str(node), str(node))]
+    return argv + (["--ro-bind", "/sys", "/sys"] if nodes else [])
+
+
+def _system_mounts() -> list[str]:
+    argv = []
+    for path in map(Path, SYSTEM_DIRS + SYSTEM_FILES):
+        if path.is_symlink() and path.parent == Path("/"):
+            # /lib -> usr/lib on merged-/usr systems: the same link inside
+            argv += ["--symlink", os.readlink(path), str(path)]
+        elif path.exists():
+            argv += ["--ro-bind", str(path), str(path)]
+    return argv
+
+
+def _private_mounts(limits: Limits) -> list[str]:
+    # a fresh /dev (null, zero, random, tty...) whose /dev/shm is a tmpfs of bounded size, a bounded /tmp, and
+    # a /proc of the child's own PID namespace: other processes' /proc entries do not exist inside
+    if _tmpfs_size_supported():
+        return ["--dev", "/dev", "--size", str(limits.shm_mib * MIB), "--tmpfs", "/dev/shm",
+                "--size", str(limits.tmp_mib * MIB), "--tmpfs", "/tmp", "--proc", "/proc"]
+    # a bubblewrap older than --size (0.6 and before) cannot bound a tmpfs: both made read-only instead (after
+    # the work dir is bound under /tmp), so nothing is written outside the work dir
+    return ["--dev", "/dev", "--tmpfs", "/dev/shm", "--tmpfs", "/tmp", "--proc", "/proc"]
+
+
+def _read_only_after_binds() -> list[str]:
+    return [] if _tmpfs_size_supported() else ["--remount-ro", "/dev/shm", "--remount-ro", "/tmp"]
+
+
+@functools.lru_cache(maxsize=1)
+def _tmpfs_size_supported() -> bool:
+    return _runs(["bwrap", "--ro-bind", "/", "/", "--size", str(MIB), "--tmpfs", "/tmp", "true"])
+
+
+def _read_only(roots: tuple[Path, ...]) -> list[str]:
+    argv = []
+    for root in roots:
+        argv += ["--ro-bind", str(root), str(root)]
+    return argv
+
+
+def _hidden_mounts(roots: tuple[Path, ...], packages: tuple[Path, ...]) -> list[str]:
+    """Empty tmpfs over what must stay unseen although it lies under a bound root: the checkout, its git
+    folders and the home (a root inside one of them is bound again on top), then the hidden packages."""
+    argv = []
+    for secret in _secret_paths():
+        if any(secret != root and secret.is_relative_to(root) for root in roots):
+            argv += ["--tmpfs", str(secret)]
+            argv += _read_only(tuple(root for root in roots if root != secret and root.is_relative_to(secret)))
+    for hidden in packages:
+        if any(hidden.is_relative_to(root) for root in roots):
+            argv += ["--tmpfs", str(hidden)]
+    return argv
+
+
+@functools.lru_cache(maxsize=1)
+def _secret_paths() -> tuple[Path, ...]:
+    """The project's checkout, its git folders (a worktree's and the common one) and the user's home."""
+    return tuple(dict.fromkeys(p.resolve() for p in (REPO, *_git_dirs(REPO), Path.home()) if p.exists()))
+
+
+def _git_dirs(repo: Path) -> list[Path]:
+    dot_git = repo / ".git"
+    if not dot_git.is_file():
+        return [dot_git]
+    # a worktree: `.git` names its own git folder, whose `commondir` names the repository's objects
+    own = (repo / dot_git.read_text().removeprefix("gitdir:").strip()).resolve()
+    common = own / "commondir"
+    return [own] + ([(own / common.read_text().strip()).resolve()] if common.is_file() else [])
 
 
 @functools.lru_cache(maxsize=1)
@@ -105,84 +329,30 @@ def _hidden_paths() -> tuple[Path, ...]:
 
 
 @functools.lru_cache(maxsize=1)
-def _roots_under_tmp() -> tuple[Path, ...]:
-    """The child's interpreter prefixes and import roots (isolated mode, as it will run) that lie under /tmp."""
-    probe = "import sys\nfor p in [sys.prefix, sys.base_prefix, *sys.path]: print(p)"
-    found = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, timeout=60)
-    paths = {Path(line).resolve() for line in found.stdout.splitlines() if line.strip()}
-    under = [p for p in paths if p.is_relative_to("/tmp") and p.exists()]
-    # a path inside another one is bound with it
-    return tuple(sorted(p for p in under if not any(p != q and p.is_relative_to(q) for q in under)))
-
-
-# `python -I -c PROJECT_BOOT REPO MODULE ARGS...`: this project's code first on the path (isolated mode ignores
-# PYTHONPATH, and the environment is scrubbed), then MODULE run as __main__ with ARGS.
-PROJECT_BOOT = ("import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
-                "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)")
-SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")
-
-
-def run_project_module(module: str, args: Sequence[str], workdir: Path, readable: Sequence[Path] = (),
-                       limits: Limits = Limits(), env: dict[str, str] | None = None) -> SandboxResult:
-    """`python -m module args` of this project's code under bubblewrap (the caller checks available_mode() is
-    "bwrap"), for code that needs the project and its libraries, transformers included, but must not reach
-    anything else: the file system holds the system folders, the interpreter and its import roots, this project
-    without its .git, the `readable` paths (read-only, any .git in them hidden) and workdir, the one writable
-    place; no home, no other checkout, no network, no host IPC, a fresh /tmp; the environment is the sandbox's
-    allow-list plus `env`."""
-    workdir = Path(workdir).resolve()
-    inner = [sys.executable, "-I", "-c", PROJECT_BOOT, str(REPO), module, *map(str, args)]
-    return _run(_project_bwrap_argv(inner, workdir, readable), workdir, limits, "bwrap", extra_env=env)
-
-
-def _project_bwrap_argv(inner: list[str], workdir: Path, readable: Sequence[Path]) -> list[str]:
-    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session",
-            "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
-    for top in map(Path("/").joinpath, SYSTEM_DIRS):
-        if top.is_symlink():
-            argv += ["--symlink", os.readlink(top), str(top)]
-        elif top.is_dir():
-            argv += ["--ro-bind", str(top), str(top)]
-    for root in (*_interpreter_roots(), REPO, *(Path(p).resolve() for p in readable)):
-        argv += ["--ro-bind", str(root), str(root), *_hide_git(root)]
-    # a CUDA device stays usable: its nodes, and the driver's view of the hardware
-    for node in sorted(Path("/dev").glob("nvidia*")):
-        argv += ["--dev-bind", str(node), str(node)]
-    if any(Path("/dev").glob("nvidia*")):
-        argv += ["--ro-bind", "/sys", "/sys"]
-    return argv + ["--bind", str(workdir), str(workdir), "--chdir", str(workdir), "--", *inner]
-
-
-def _hide_git(root: Path) -> list[str]:
-    """A checkout's .git (its history, and the credentials a CI checkout keeps in .git/config) hidden: a folder
-    behind an empty tmpfs, a worktree's .git file behind /dev/null."""
-    git = root / ".git"
-    if git.is_dir() and not git.is_symlink():
-        return ["--tmpfs", str(git)]
-    return ["--ro-bind", "/dev/null", str(git)] if git.exists() or git.is_symlink() else []
-
-
-@functools.lru_cache(maxsize=1)
 def _interpreter_roots() -> tuple[Path, ...]:
-    """The child interpreter's prefixes and import roots (isolated mode, as it will run) outside the system
-    folders, without source checkouts on the path (an editable install of another project stays unseen)."""
+    """The child's interpreter prefixes and import roots (isolated mode, as it will run), less any checkout
+    (an editable install's source root): the folders the child reads its interpreter and libraries from."""
     probe = "import sys\nfor p in [sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path]: print(p)"
     found = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, timeout=60)
     paths = {Path(line).resolve() for line in found.stdout.splitlines() if line.strip().startswith("/")}
-    system = tuple(Path("/", top).resolve() for top in SYSTEM_DIRS)
-    keep = [p for p in paths if p.exists() and not (p / ".git").exists()
-            and not any(p.is_relative_to(s) for s in system)]
+    paths.add(Path(sys.executable).resolve().parent)
+    roots = [p for p in paths if p.is_dir() and not _is_checkout(p) and p != Path("/")]
     # a path inside another one is bound with it
-    return tuple(sorted(p for p in keep if not any(p != q and p.is_relative_to(q) for q in keep)))
+    return tuple(sorted(p for p in roots if not any(p != q and p.is_relative_to(q) for q in roots)))
 
 
-def _unshare_argv(inner: list[str], workdir: Path) -> list[str]:
+def _is_checkout(path: Path) -> bool:
+    return path in _secret_paths() or (path / ".git").exists() or (path / "pyproject.toml").exists()
+
+
+def _unshare_argv(inner: list[str], workdir: Path, limits: Limits) -> list[str]:
     return ["unshare", "-n", "--", *inner]
 
 
 def _environment(workdir: Path) -> dict[str, str]:
     """A small allow-list: no keys or endpoints of the parent leak into the child."""
     env = {"PATH": "/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir), "OMP_NUM_THREADS": "1",
+           "USER": "sandbox", "LOGNAME": "sandbox",
            "TRITON_CACHE_DIR": str(workdir / ".triton"), "TORCHINDUCTOR_CACHE_DIR": str(workdir / ".inductor"),
            "PYTHONDONTWRITEBYTECODE": "1"}
     if "TRITON_INTERPRET" in os.environ:
@@ -190,42 +360,38 @@ def _environment(workdir: Path) -> dict[str, str]:
     return env
 
 
-def _limit(limits: Limits):
+def _confine(limits: Limits, cgroups: Cgroups):
+    """Runs in the child between fork and exec: into the cgroups, then the rlimits."""
+    processes_cap = None if cgroups.has("pids") else limits.processes + _tasks_of_uid(os.getuid())
+    memory_cap = limits.memory_mib * MIB
+
     def apply() -> None:
-        mib = 2**20
-        resource.setrlimit(resource.RLIMIT_DATA, (limits.memory_mib * mib, limits.memory_mib * mib))
+        cgroups.join()
+        resource.setrlimit(resource.RLIMIT_DATA, (memory_cap, memory_cap))
+        if not cgroups.has("memory"):
+            # no cgroup to count shared mappings: cap the address space itself
+            resource.setrlimit(resource.RLIMIT_AS, (memory_cap, memory_cap))
+        if processes_cap is not None:
+            # counted per real uid (per user namespace on recent kernels): the tasks it already runs plus the cap
+            resource.setrlimit(resource.RLIMIT_NPROC, (processes_cap, processes_cap))
         resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mib * mib, limits.file_mib * mib))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mib * MIB, limits.file_mib * MIB))
         resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     return apply
 
 
-def _run(argv: list[str], workdir: Path, limits: Limits, mode: Mode,
-         extra_env: dict[str, str] | None = None) -> SandboxResult:
-    out_path, err_path = workdir / ".stdout", workdir / ".stderr"
-    start = time.monotonic()
-    with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        process = subprocess.Popen(argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=workdir,
-                                   env={**_environment(workdir), **(extra_env or {})}, preexec_fn=_limit(limits),
-                                   start_new_session=True)
-        timed_out = False
+def _tasks_of_uid(uid: int) -> int:
+    """Processes and threads this uid runs now (what RLIMIT_NPROC counts)."""
+    count = 0
+    for status in Path("/proc").glob("[0-9]*/status"):
         try:
-            process.wait(timeout=limits.wall_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        # the whole process group: a child the candidate started must not outlive it
-        _kill_group(process.pid)
-        process.wait()
-    return SandboxResult(mode, None if timed_out else process.returncode, timed_out, time.monotonic() - start,
-                         _tail(out_path), _tail(err_path))
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+        except OSError:
+            continue
+        if int(fields.get("Uid", "-1").split()[0]) == uid:
+            count += int(fields.get("Threads", "1"))
+    return count
 
 
 def _tail(path: Path) -> str:

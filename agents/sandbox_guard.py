@@ -1,6 +1,7 @@
 """Runs inside the sandbox before the candidate: `python -I sandbox_guard.py WORKDIR SCRIPT ARGS...`.
 
 An audit hook refuses writes outside WORKDIR, sockets, subprocesses, ctypes and imports of the hidden packages.
+`--no-guard` as the first argument skips the hook (tests show the OS confinement holding on its own).
 Audit hooks are a tripwire, not a sandbox (ctypes can bypass them, which is why ctypes is refused); in bwrap mode
 the operating system enforces the same rules underneath. A refusal is printed as `sandbox-refused: EVENT DETAIL`
 on stderr for the report. Standalone on purpose: it is copied into the work dir, since its own folder is hidden.
@@ -11,8 +12,10 @@ import sys
 
 # the references a candidate is compared with and the model's own code (bwrap also hides them behind tmpfs)
 HIDDEN_PACKAGES = ("reference_ops", "transformers", "onboard", "agents")
+# every ctypes event, not only dlopen: torch has loaded ctypes before the hook, and ctypes.pythonapi (the
+# interpreter's own symbols, libc's among them) reaches fork and system without opening a library
 BLOCKED_EVENTS = ("socket.connect", "socket.bind", "socket.sendto", "subprocess.Popen", "os.system", "os.exec",
-                  "os.posix_spawn", "os.fork", "os.forkpty", "pty.spawn", "ctypes.dlopen", "ctypes.cdata")
+                  "os.posix_spawn", "os.fork", "os.forkpty", "pty.spawn", "ctypes.")
 PATH_EVENTS = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "shutil.rmtree")
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 WORKDIR = ""
@@ -49,15 +52,17 @@ def _hook(event: str, args) -> None:
 
 def main() -> None:
     global WORKDIR
-    WORKDIR, script = os.path.realpath(sys.argv[1]), sys.argv[2]
+    guarded = sys.argv[1] != "--no-guard"
+    WORKDIR, script = os.path.realpath(sys.argv[1 + (not guarded)]), sys.argv[2 + (not guarded)]
     # torch loads its libraries through ctypes: imported before the hook, so candidates get torch but not ctypes
     try:
         import torch  # noqa: F401
     except ImportError:
         pass
     sys.path.insert(0, WORKDIR)
-    sys.argv = [script, *sys.argv[3:]]
-    sys.addaudithook(_hook)
+    sys.argv = [script, *sys.argv[3 + (not guarded):]]
+    if guarded:
+        sys.addaudithook(_hook)
     runpy.run_path(script, run_name="__main__")
 
 

@@ -13,7 +13,7 @@ from onboard import bench, demo, train_cli
 from onboard.config_view import NotRecognized
 from onboard.errors import BadInput, printable, report_internal_error
 from runtime.config import SpecError
-from runtime.errors import InputFileError, PackageOpRefused
+from runtime.errors import GeneratedOpMismatch, InputFileError, PackageOpRefused
 
 EXIT_BUG = 1
 EXIT_BAD_INPUT = 2
@@ -294,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except PackageOpRefused as refused:
         print(f"onboard: refused: {printable(refused.one_line())}", file=sys.stderr)
+        return EXIT_GAPS
+    # a package's generated op that train's spot check caught disagreeing with its reference
+    except GeneratedOpMismatch as err:
+        print(f"onboard: error: {err}", file=sys.stderr)
         return EXIT_GAPS
     except NotRecognized as gap:
         # a valid release whose basic widths are not recognized: nothing to report per component

@@ -51,9 +51,21 @@ def register_references(pkg: Path) -> list[str]:
     from reference_ops.moe import SCORINGS
 
     tables = {"activation": ACTIVATIONS, "router_scoring": SCORINGS}
-    entries = yaml.safe_load(package_io.read_text(Path(pkg), Path(pkg) / "package.yaml")).get("generated_ops") or []
-    for entry in entries:
+    for kind, functions in package_references(pkg).items():
+        if kind in tables:
+            tables[kind].update(functions)
+    return [f"{e['kind']}:{e['name']}" for e in _generated_entries(pkg)]
+
+
+def package_references(pkg: Path) -> dict[str, dict[str, Callable]]:
+    """kind -> name -> the model's own function, for each generated op of the package that has one."""
+    found: dict[str, dict[str, Callable]] = {}
+    for entry in _generated_entries(pkg):
         fn = reference(entry["kind"], entry["name"])
-        if fn is not None and entry["kind"] in tables:
-            tables[entry["kind"]][entry["name"]] = fn
-    return [f"{e['kind']}:{e['name']}" for e in entries]
+        if fn is not None:
+            found.setdefault(entry["kind"], {})[entry["name"]] = fn
+    return found
+
+
+def _generated_entries(pkg: Path) -> list[dict]:
+    return yaml.safe_load(package_io.read_text(Path(pkg), Path(pkg) / "package.yaml")).get("generated_ops") or []

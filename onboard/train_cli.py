@@ -105,12 +105,15 @@ def _train(args) -> int:
     from runtime.parallel.process import finish, full_lora_state_dict, is_main, start
     from runtime.run_folder import save_adapter, write_run_json
     from onboard.approved_ops import approved_hashes
-    from runtime.package_ops import load_package_ops
+    from onboard.model_references import package_references
+    from runtime.package_ops import arm_spot_checks, load_package_ops
     from runtime.train import TrainConfig, TrainingAborted, train
 
     pkg = Path(args.pkg)
     package = read_package(pkg, Path(args.model_dir) if args.model_dir else None)
     load_package_ops(pkg, approved_hashes())
+    # each generated op compares its first call (the first step's real inputs) with the model's own function
+    arm_spot_checks(package_references(pkg))
     spec, weight_map, release = package.spec, package.weight_map, package.source
     policy = memory_policy_for(package.memory, args.recompute, args.offload, pkg / "plan.yaml")
     out = run_folder(pkg, args.out)
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     """The trainer module torchrun runs on every rank: `torchrun --nproc-per-node N -m onboard.train_cli PKG ...`."""
     from onboard.cli import EXIT_BAD_INPUT, EXIT_GAPS
     from onboard.errors import printable
-    from runtime.errors import InputFileError, PackageOpRefused
+    from runtime.errors import GeneratedOpMismatch, InputFileError, PackageOpRefused
 
     args = _parser().parse_args(argv)
     try:
@@ -188,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except PackageOpRefused as refused:
         print(f"onboard: refused: {printable(refused.one_line())}", file=sys.stderr)
+        return EXIT_GAPS
+    except GeneratedOpMismatch as err:
+        print(f"onboard: error: {err}", file=sys.stderr)
         return EXIT_GAPS
 
 

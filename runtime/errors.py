@@ -1,5 +1,6 @@
-"""The runtime's exceptions for input files: malformed ones (package, run folder, data), which `onboard` turns
-into exit code 2 and one line, as it does its own BadInput; and package code it will not run (exit 3)."""
+"""The runtime's exceptions: malformed input files (package, run folder, data), which `onboard` turns into exit
+code 2 and one line, as it does its own BadInput; package code it will not run, and a generated op that disagrees
+with its reference where it runs (both exit 3: valid input we do not trust)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,3 +28,7 @@ class PackageOpRefused(Exception):
 
     def one_line(self) -> str:
         return f"{self.path} {self.reason}".replace("\n", " ")
+
+
+class GeneratedOpMismatch(ValueError):
+    """A package's generated op disagreed with its reference on the real inputs of its first call."""

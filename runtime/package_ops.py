@@ -23,13 +23,14 @@ from typing import AbstractSet, Callable, Iterator
 
 import torch
 
-from runtime.errors import PackageOpRefused
+from runtime.errors import GeneratedOpMismatch, PackageOpRefused
 from runtime.ops.gated_delta import DECAYS
 from runtime.ops.mlp import ACTIVATIONS
 from runtime.ops.moe import SCORINGS
 from runtime.ops.norms import NORMS
 from runtime.ops.residual import MIXINGS
 from runtime.ops.rope import ROPES
+from runtime.tolerances import compare, tolerance_for
 
 # Kind -> the table its runtime layer looks the op up in, by the name the spec gives it: hidden_act, router
 # scoring, norm kind, rope_type, gated-delta decay, residual mixing. A free-form candidate declares one of
@@ -66,14 +67,24 @@ class OpFile:
 
 
 class CompiledOnCuda:
-    """A generated op as the runtime calls it: eager on CPU, `torch.compile`d (once, at first use) on CUDA."""
+    """A generated op as the runtime calls it: eager on CPU, `torch.compile`d (once, at first use) on CUDA.
+    Armed with its reference (arm_spot_checks), its first call is also compared with the reference on those
+    very inputs: an op that behaves only under validation (in a sandbox) is caught where it runs."""
 
     def __init__(self, op: Callable):
         self.op = op
         self._compiled: Callable | None = None
+        self._spot_check: tuple[str, Callable] | None = None
 
     def __call__(self, *args, **kwargs):
-        return self.for_device(_device_type(args, kwargs))(*args, **kwargs)
+        out = self.for_device(_device_type(args, kwargs))(*args, **kwargs)
+        if self._spot_check is not None:
+            (label, reference), self._spot_check = self._spot_check, None
+            _spot_check(label, reference, args, kwargs, out)
+        return out
+
+    def check_first_call_against(self, label: str, reference: Callable) -> None:
+        self._spot_check = (label, reference)
 
     def for_device(self, device_type: str) -> Callable:
         if device_type != "cuda":
@@ -82,6 +93,42 @@ class CompiledOnCuda:
             # dynamic: token counts change every step; one graph serves them all instead of one per shape
             self._compiled = torch.compile(self.op, dynamic=True)
         return self._compiled
+
+
+def arm_spot_checks(references: dict[str, dict[str, Callable]]) -> list[str]:
+    """Every registered generated op that has a reference (kind -> name -> the model's own function) compares
+    its first call with it; returns "kind:name" for each armed op."""
+    armed = []
+    for kind, table in TABLES.items():
+        for name, fn in table.items():
+            reference = references.get(kind, {}).get(name)
+            if isinstance(fn, CompiledOnCuda) and reference is not None:
+                fn.check_first_call_against(f"{kind}:{name}", reference)
+                armed.append(f"{kind}:{name}")
+    return armed
+
+
+def _spot_check(label: str, reference: Callable, args: tuple, kwargs: dict, out) -> None:
+    """The reference in fp64 on the same inputs; raises GeneratedOpMismatch outside the tolerance."""
+    with torch.no_grad():
+        expected = reference(*map(_fp64, args), **{k: _fp64(v) for k, v in kwargs.items()})
+    if not isinstance(out, torch.Tensor) or not isinstance(expected, torch.Tensor) or out.shape != expected.shape:
+        raise GeneratedOpMismatch(f"generated op {label} returned {type(out).__name__} "
+                                  f"{tuple(getattr(out, 'shape', ()))}, its reference a tensor of "
+                                  f"{tuple(getattr(expected, 'shape', ()))}")
+    if not torch.isfinite(expected).all():
+        return  # the reference itself overflowed on these inputs: nothing to judge against
+    result = compare(out.detach(), expected, tolerance_for(label.split(":")[0], out.dtype, "out"))
+    if not result.passed:
+        raise GeneratedOpMismatch(
+            f"generated op {label} disagrees with its reference on the first step's inputs: relative RMS error "
+            f"{result.rel_rms:.3e} (tolerance {result.tolerance.rel_rms:.0e})")
+
+
+def _fp64(value):
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().to(torch.float64)
+    return value
 
 
 def _device_type(args: tuple, kwargs: dict) -> str:

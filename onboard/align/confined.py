@@ -42,7 +42,7 @@ def align_limits():
     wall_s = 6 * 3600
     memory_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
     return Limits(wall_s=wall_s, memory_mib=memory_mib, cpu_s=wall_s * (os.cpu_count() or 1), file_mib=4096,
-                  open_files=4096)
+                  open_files=4096, processes=4096, shm_mib=1024, tmp_mib=4096)
 
 
 def align_confined(pkg: Path, inputs: Package, stranger: OpFile, tiers: list[int], progress: Progress,

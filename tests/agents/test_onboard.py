@@ -164,6 +164,34 @@ def test_an_unapproved_edit_of_the_generated_op_is_aligned_confined_and_fails_th
     assert any("moe_experts" in line and "pass -> fail, rel_rms " in line for line in lines), broken.stderr[-3000:]
 
 
+def test_onboard_train_stops_at_a_generated_op_right_only_in_the_sandbox(onboarded, relu2_release, tmp_path):
+    """The op edited to be right only where HOME is the work dir (the sandbox, where it was validated) and plain
+    relu elsewhere: `onboard train` spot-checks it against the model's own relu2 on the first step's real inputs
+    and stops with exit 3 naming the op, before any step is taken."""
+    _, pkg, _ = onboarded
+    tampered = tmp_path / "pkg"
+    shutil.copytree(pkg, tampered)
+    op_file = tampered / "ops" / "activation_relu2.py"
+    sandboxed = "torch.serialization.os.environ.get('HOME') == torch.serialization.os.getcwd()"
+    op_file.write_text(op_file.read_text().replace(
+        "return torch.relu(x) ** 2", f"return torch.relu(x) ** 2 if {sandboxed} else torch.relu(x)"))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # the user approves the edited file (as after a review that missed it): the spot check is what stops it
+    approved = subprocess.run([sys.executable, "-m", "onboard.cli", "approve", str(tampered)], capture_output=True,
+                              text=True, timeout=120, env=env)
+    assert approved.returncode == 0, approved.stderr
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"The mill {i} stands by the river."}) + "\n" for i in range(8)))
+    result = subprocess.run([sys.executable, "-m", "onboard.cli", "train", str(tampered), "--data", str(data),
+                             "--steps", "2", "--seq-len", "16", "--out", str(tmp_path / "run"), "--no-progress",
+                             "--model-dir", str(relu2_release)],
+                            capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "generated op activation:relu2 disagrees with its reference" in result.stderr
+    assert "Traceback" not in result.stderr and "trained" not in result.stdout
+
+
 def test_a_killed_run_resumes_without_redoing_finished_nodes(relu2_release, onboarded, llm_server, tmp_path):
     pkg = tmp_path / "pkg"
     argv = [sys.executable, "-m", "onboard.cli", "new-model", str(relu2_release), "--out", str(pkg),

@@ -246,3 +246,33 @@ def test_bytecode_caches_are_ignored_and_failing_modules_are_refused_in_one_line
     assert [f.path.name for f in package_ops.read_op_files(pkg)] == ["activation_bad.py"]
     with pytest.raises(package_ops.PackageOpRefused, match=r"activation_bad.py failed to load: ModuleNotFoundError"):
         package_ops.load_package_ops(pkg, {_sha(pkg / "ops" / "activation_bad.py")})
+
+
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x) ** 2
+
+
+# what validation cannot see: the op tells the sandbox (HOME is its work dir) from the process it runs in
+RIGHT_ONLY_IN_THE_SANDBOX = ("def op(x):\n    env = torch.serialization.os.environ\n"
+                             "    sandboxed = env.get('HOME') == torch.serialization.os.getcwd()\n"
+                             "    return torch.relu(x) ** 2 if sandboxed else torch.relu(x)\n")
+
+
+def test_an_armed_generated_op_is_spot_checked_on_its_first_real_call(load):
+    load("activation", "relu2", RIGHT_ONLY_IN_THE_SANDBOX)
+    assert package_ops.arm_spot_checks({"activation": {"relu2": _relu2}}) == ["activation:relu2"]
+    x = torch.randn(4, 9, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    with pytest.raises(package_ops.GeneratedOpMismatch, match="generated op activation:relu2 disagrees"):
+        package_ops.TABLES["activation"]["relu2"](x)
+
+
+def test_a_right_generated_op_passes_its_spot_check_once_and_runs_unchanged(load):
+    load("activation", "relu2", "def op(x):\n    return torch.relu(x) ** 2\n")
+    package_ops.arm_spot_checks({"activation": {"relu2": _relu2}})
+    wrapped = package_ops.TABLES["activation"]["relu2"]
+    x = torch.randn(4, 9, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    out = wrapped(x)
+    out.sum().backward()
+    torch.testing.assert_close(out, _relu2(x))
+    torch.testing.assert_close(x.grad, 2 * torch.relu(x.detach()))
+    assert wrapped._spot_check is None  # checked once: later steps pay nothing
