@@ -74,6 +74,10 @@ ITEM_TYPES: dict[str, tuple[type, ...]] = {
     "architectures": (str,), "layer_types": (str,), "mlp_layer_types": (str,), "mlp_only_layers": (int,),
     "attn_type_list": (int,), "mrope_section": (int,),
 }
+# Numbers meaningful only above zero: the rotary base (its powers are the frequencies) and, inside the rope
+# dicts, the scaling factor (positions are divided by it).
+POSITIVE_KEYS = ("rope_theta",)
+ROPE_POSITIVE_KEYS = ("rope_theta", "factor")
 ROPE_KEYS = ("rope_parameters", "rope_scaling")
 EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk")
@@ -91,8 +95,10 @@ def check_config(config: dict, path: str | Path) -> None:
     check_config_dims(config, path)
     for prefix, part in _parts(config):
         _check_key_types(part, KEY_TYPES, prefix, path)
+        _check_positive(part, POSITIVE_KEYS, prefix, path)
         for key, rope in _rope_dicts(part):
             _check_key_types(rope, ROPE_KEY_TYPES, f"{prefix}{key}.", path)
+            _check_positive(rope, ROPE_POSITIVE_KEYS, f"{prefix}{key}.", path)
         _check_relations(part, prefix, path)
         _check_layer_lists(part, prefix, path)
 
@@ -206,6 +212,14 @@ def _check_key_types(part: dict, key_types: dict[str, tuple[type, ...]], prefix:
             _check_type(value, types, prefix + key, path)
         for i, item in enumerate(value if key in ITEM_TYPES and value is not None else ()):
             _check_type(item, ITEM_TYPES[key], f"{prefix}{key}[{i}]", path)
+
+
+def _check_positive(part: dict, keys: tuple[str, ...], prefix: str, path: str | Path) -> None:
+    # types were checked before: a number here, or null (the default)
+    for key in keys:
+        value = part.get(key)
+        if _is_number(value) and not value > 0:
+            raise BadInput(path, prefix + key, f"must be a number above 0, got {value}")
 
 
 def _check_type(value: object, types: tuple[type, ...], key_path: str, path: str | Path) -> None:

@@ -212,3 +212,14 @@ def test_an_ffn_type_we_do_not_know_is_a_gap_naming_it(example_release, release_
     own_ffn = [o for o in report["ops"] if o["op"] == "own:ffn"]
     assert own_ffn and 1 in own_ffn[0]["layers"] and "hyper_ffn" in own_ffn[0]["detail"], report["ops"]
     assert any(u["item"] == "mlp_layer_types" and "hyper_ffn" in u["detail"] for u in report["unrecognized"])
+
+
+@pytest.mark.parametrize("key, value", [("rope_theta", 0), ("factor", -1.0)])
+def test_a_rotary_base_or_scale_at_or_below_zero_is_bad_input(example_release, release_copy, onboard_cli, tmp_path,
+                                                             key, value):
+    """No rotary embedding has a base or a scaling factor <= 0 (its frequencies are powers of the base, its
+    positions are divided by the factor); recognition read a zero base as the default 10000."""
+    def edit(config):
+        config["rope_parameters"].update({key: value, "rope_type": "linear" if key == "factor" else "default"})
+    result = _inspect_edited(example_release, release_copy, onboard_cli, tmp_path, "qwen3_next", edit)
+    assert _one_line_naming(result, f"rope_parameters.{key}: must be a number above 0"), result.err
