@@ -95,8 +95,6 @@ class _Names:
     Identity without an oracle."""
 
     def __init__(self, manifest: Manifest, names: list[str], known: bool):
-        # a config transformers' class accepts may still break its model (a null rope fraction): no oracle then
-        known = known and transformers_tensors(manifest) is not None
         self.hf = transformers_parameter_names(manifest, names) if known else {}
         self.reshaped = transformers_reshaped(manifest, names) if known else set()
         self.linears = transformers_attention_linears(manifest) if known else set()

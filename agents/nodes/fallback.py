@@ -19,7 +19,9 @@ from agents.state import Fallback, OnboardState
 def rung(state: OnboardState) -> Optional[Rung]:
     """The rung the latest alignment calls for, or None (passed, or nothing left to fall back to)."""
     aligned, done = state.get("alignment"), [f.rung for f in state.get("fallbacks", [])]
-    if aligned is None:
+    meta = getattr(state.get("report"), "meta_check", None)
+    # every rung runs transformers' modules of the release: none when transformers could not build its model
+    if aligned is None or (meta is not None and not meta.built):
         return None
     return next_rung(state["spec"], aligned.failed_tier, aligned.failed, done)
 

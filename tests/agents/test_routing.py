@@ -72,3 +72,18 @@ def test_the_readme_drawing_is_the_graph_as_it_renders():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = re.search(r"```mermaid\n(.*?)```", readme, re.DOTALL)
     assert block is not None and block.group(1) == build().compile().get_graph().draw_mermaid()
+
+
+def test_no_fallback_when_transformers_could_not_build_the_model(seed_spec):
+    """Found by the config fuzz through new-model (qwen3_next, rope_parameters.partial_rotary_factor null: its
+    config class accepts it, its rotary init fails): tier 1 failed and the fallback asked that model for module
+    names (exit 1). Every rung runs transformers' modules, so without its model the package goes to review."""
+    from onboard.meta_check import NOT_BUILT, MetaCheck
+
+    class _Checked(_Report):
+        def __init__(self, model_class: str):
+            super().__init__(gaps=False)
+            self.meta_check = MetaCheck(model_class=model_class, params=0, params_agree=False, layer_disagreements=[])
+    failed = _failed(1, "layer0:x/out", 0)
+    assert after_align({"spec": seed_spec, "alignment": failed, "report": _Checked(NOT_BUILT)}) == "review"
+    assert after_align({"spec": seed_spec, "alignment": failed, "report": _Checked("Qwen3NextForCausalLM")}) == "fall_back"

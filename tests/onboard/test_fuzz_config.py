@@ -5,7 +5,7 @@ The releases are the example families (real transformers save_pretrained). Each 
 a family, a key path anywhere in its config (list items too) and replaces, deletes or adds a
 value, or drops an item from a list (a per-layer list one entry short). Values include 1 MB
 strings and long lists. Example count: ONBOARD_FUZZ_EXAMPLES (tests/onboard/conftest.py);
-new-model runs a tenth of it (at least 2), each run aligning tiers 0-2.
+new-model runs a fifth of it (at least 1), each run aligning tiers 0-2.
 """
 from __future__ import annotations
 
@@ -90,7 +90,8 @@ def test_any_value_at_any_key(example_release, release_copy, onboard_cli, data):
     result.assert_bounded()
 
 
-NEW_MODEL_EXAMPLES = max(2, settings.get_profile("onboard-fuzz").max_examples // 10)
+# the issue's done-when: ONBOARD_FUZZ_EXAMPLES=500 runs 500 through inspect and 100 through new-model
+NEW_MODEL_EXAMPLES = max(1, settings.get_profile("onboard-fuzz").max_examples // 5)
 # tiers 0-2 of a tiny release take about a minute on a busy 2-core machine; a hang is far above
 NEW_MODEL_TIME_LIMIT_S = 600.0
 
