@@ -81,9 +81,12 @@ def test_no_fallback_when_transformers_could_not_build_the_model(seed_spec):
     from onboard.meta_check import NOT_BUILT, MetaCheck
 
     class _Checked(_Report):
-        def __init__(self, model_class: str):
+        def __init__(self, model_class: str | None):
             super().__init__(gaps=False)
-            self.meta_check = MetaCheck(model_class=model_class, params=0, params_agree=False, layer_disagreements=[])
+            self.meta_check = model_class and MetaCheck(model_class=model_class, params=0, params_agree=False,
+                                                        layer_disagreements=[])
     failed = _failed(1, "layer0:x/out", 0)
     assert after_align({"spec": seed_spec, "alignment": failed, "report": _Checked(NOT_BUILT)}) == "review"
+    # a family transformers does not know (an auto_map release of its own design): no meta check, no modules
+    assert after_align({"spec": seed_spec, "alignment": failed, "report": _Checked(None)}) == "review"
     assert after_align({"spec": seed_spec, "alignment": failed, "report": _Checked("Qwen3NextForCausalLM")}) == "fall_back"

@@ -41,14 +41,26 @@ def _edit_json(path: Path, **changes) -> None:
     path.write_text(json.dumps(data, indent=2))
 
 
-@pytest.fixture(scope="module")
-def code_release(example_release, tmp_path_factory) -> Path:
-    release = Path(shutil.copytree(example_release(FAMILY), tmp_path_factory.mktemp("code") / "release"))
+def _with_code(release: Path, **config_changes) -> Path:
     for name, body in RELEASE_CODE.items():
         (release / name).write_text(MARKER_LINES + body)
-    _edit_json(release / "config.json", auto_map=AUTO_MAP)
+    _edit_json(release / "config.json", auto_map=AUTO_MAP, **config_changes)
     _edit_json(release / "tokenizer_config.json", auto_map={"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]})
     return release
+
+
+@pytest.fixture(scope="module")
+def code_release(example_release, tmp_path_factory) -> Path:
+    """A family transformers knows, shipping its own code too: transformers' class runs, never the release's."""
+    return _with_code(Path(shutil.copytree(example_release(FAMILY), tmp_path_factory.mktemp("code") / "release")))
+
+
+@pytest.fixture(scope="module")
+def own_design_release(example_release, tmp_path_factory) -> Path:
+    """A family transformers does not know (model_type renamed): only the release's code could build its model,
+    as for a release of a new design (the K3 shape); without trust its layers cannot be checked against it."""
+    release = Path(shutil.copytree(example_release(FAMILY), tmp_path_factory.mktemp("own") / "release"))
+    return _with_code(release, model_type="acme_moe")
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +93,16 @@ def _onboard(env: dict[str, str], *args) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
+def _run_all(env: dict[str, str], steps: list[tuple[tuple, tuple[int, ...]]]) -> None:
+    """Each command in turn, as a subprocess: its exit code among those allowed, no traceback, no marker."""
+    _marker(env).unlink(missing_ok=True)
+    for args, codes in steps:
+        done = _onboard(env, *args)
+        said = done.stdout[-1000:] + done.stderr[-2000:]
+        assert done.returncode in codes and "Traceback" not in done.stdout + done.stderr, (args[0], done.returncode, said)
+        assert not _marker(env).exists(), f"{args[0]} imported {_marker(env).read_text()} from the release"
+
+
 def test_no_command_runs_the_release_code(code_release, env, tmp_path):
     """inspect, plan, new-model, align, train, export and bench, none with --trust-remote-code: no marker, no
     traceback, each ends as it does for a release without code (transformers' own classes of the family)."""
@@ -97,12 +119,16 @@ def test_no_command_runs_the_release_code(code_release, env, tmp_path):
         (("export", run, "--peft", tmp_path / "peft"), (0,)),
         (("bench", pkg, "--seq-len", "16", "--steps", "1"), (0,)),
     ]
-    _marker(env).unlink(missing_ok=True)
-    for args, codes in steps:
-        done = _onboard(env, *args)
-        said = done.stdout[-1000:] + done.stderr[-2000:]
-        assert done.returncode in codes and "Traceback" not in done.stdout + done.stderr, (args[0], done.returncode, said)
-        assert not _marker(env).exists(), f"{args[0]} imported {_marker(env).read_text()} from the release"
+    _run_all(env, steps)
+
+
+def test_a_release_only_its_own_code_could_build_is_a_gap(own_design_release, env, tmp_path):
+    """inspect, plan and new-model on it: no marker, no traceback. new-model's tier 1 has no transformers model
+    to compare with, and no fallback to its modules: exit 3 (a fallback asked for them: exit 1)."""
+    steps = [(("inspect", own_design_release), (0, 3)),
+             (("plan", own_design_release, "--gpus", "8", "--gpu-mem-gib", "80"), (0, 3)),
+             (("new-model", own_design_release, "--out", tmp_path / "pkg"), (3,))]
+    _run_all(env, steps)
 
 
 # Loader calls that read only weights and JSON, never code: they take no trust_remote_code.
