@@ -87,6 +87,8 @@ PER_EXPERT_NAME = re.compile(r"experts\.\d")
 PER_LAYER_KEYS = ("layer_types", "mlp_layer_types", "attn_type_list")
 # Lists of decoder layer indices (0-based).
 LAYER_INDEX_KEYS = ("mlp_only_layers",)
+# Kimi's linear_attn_config numbers its layers from 1 (its config class fills layer_types[layer - 1]).
+ONE_BASED_INDEX_KEYS = ("full_attn_layers", "kda_layers")
 PART_KEYS = ("text_config", "language_config", "llm_config", "vision_config", "vit_config", "visual")
 
 
@@ -272,10 +274,22 @@ def _check_layer_lists(part: dict, prefix: str, path: str | Path) -> None:
             raise BadInput(path, prefix + key, f"has {len(value)} entries but {layers[0]} is {layers[1]}; "
                            "one entry per layer")
     for key in LAYER_INDEX_KEYS:
-        for i, index in enumerate(part.get(key) or ()):
-            if not 0 <= index < layers[1]:
-                raise BadInput(path, f"{prefix}{key}[{i}]", f"layer {index} does not exist: {layers[0]} is "
-                               f"{layers[1]}, layers are numbered from 0")
+        _check_layer_indices(part.get(key), prefix + key, layers, 0, path)
+    linear = part.get("linear_attn_config")
+    for key in ONE_BASED_INDEX_KEYS if isinstance(linear, dict) else ():
+        _check_layer_indices(linear.get(key), f"{prefix}linear_attn_config.{key}", layers, 1, path)
+
+
+def _check_layer_indices(value: object, key_path: str, layers: tuple[str, int], first: int, path: str | Path) -> None:
+    """A list of layer indices numbered from `first`, each naming a layer the model has."""
+    if value is None:
+        return
+    _check_type(value, (list,), key_path, path)
+    for i, index in enumerate(value):
+        _check_type(index, (int,), f"{key_path}[{i}]", path)
+        if not first <= index < layers[1] + first:
+            raise BadInput(path, f"{key_path}[{i}]", f"layer {index} does not exist: {layers[0]} is {layers[1]}, "
+                           f"layers are numbered from {first}")
 
 
 def _first(part: dict, keys: tuple[str, ...]) -> tuple[str, object] | None:

@@ -224,3 +224,13 @@ def test_a_rotary_base_or_scale_at_or_below_zero_is_bad_input(example_release, r
         config["rope_parameters"].update({key: value, "rope_type": "linear" if key == "factor" else "default"})
     result = _inspect_edited(example_release, release_copy, onboard_cli, tmp_path, "qwen3_next", edit)
     assert _one_line_naming(result, f"rope_parameters.{key}: must be a number above 0"), result.err
+
+
+@pytest.mark.parametrize("number", [0, 5])
+def test_a_kimi_layer_number_outside_the_model_is_bad_input(example_release, release_copy, onboard_cli, tmp_path, number):
+    """Kimi's linear_attn_config lists its layers numbered from 1; its config class fills layer_types[n - 1],
+    so a 0 silently named the last layer and a number past the count was transformers' IndexError."""
+    def edit(config):
+        config["linear_attn_config"] = {"full_attn_layers": [number], "kda_layers": [1, 2, 3]}
+    result = _inspect_edited(example_release, release_copy, onboard_cli, tmp_path, "kimi_linear", edit)
+    assert _one_line_naming(result, f"linear_attn_config.full_attn_layers[0]: layer {number} does not exist"), result.err
