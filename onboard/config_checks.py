@@ -1,9 +1,11 @@
 """Reject config.json values no valid release has, before anything reads them.
 
-Three kinds of check, each a BadInput naming the key: sizes decided by name at any depth
+Four kinds of check, each a BadInput naming the key: sizes decided by name at any depth
 (hidden_size, *_dim, num_*: right type, bounded), the JSON type of the keys recognition reads,
-and relations between fields (top_k <= experts, kv heads dividing heads, eps > 0). Nesting
-depth, lone surrogates and the count keys against the release's tensors are bounded too.
+relations between fields (top_k <= experts, kv heads dividing heads, eps > 0), and per-layer
+lists against the layer count (one entry per layer, layer indices inside the model). Nesting
+depth, string and list lengths, lone surrogates and the count keys against the release's
+tensors are bounded too.
 What a family's transformers config class refuses is refused as well (`transformers_config`).
 """
 from __future__ import annotations
@@ -22,6 +24,14 @@ POSITION_LIMIT = 1 << 31
 # Real configs nest 4-6 levels (quantization_config groups); the walk and transformers' own
 # recursive copies stay far from Python's recursion limit.
 MAX_DEPTH = 32
+# Config strings are names and short values: the longest across transformers' 829 default
+# configs has 37 characters. Anything this long is not a config value, and every later step
+# that prints or matches it pays for its length.
+MAX_STRING_CHARS = 4096
+# The longest list across those defaults is layer_types (80 items); a quantization config may
+# name modules per layer and per expert. Lists above this bound are refused before any walk.
+MIN_LIST_ITEMS = 4096
+LIST_ITEMS_PER_LAYER = 1024
 
 # The sizes the architecture is built from: a positive integer or null (derived/default).
 CORE_KEYS = frozenset({
@@ -64,11 +74,21 @@ ITEM_TYPES: dict[str, tuple[type, ...]] = {
     "architectures": (str,), "layer_types": (str,), "mlp_layer_types": (str,), "mlp_only_layers": (int,),
     "attn_type_list": (int,), "mrope_section": (int,),
 }
+# Numbers meaningful only above zero: the rotary base (its powers are the frequencies) and, inside the rope
+# dicts, the scaling factor (positions are divided by it).
+POSITIVE_KEYS = ("rope_theta",)
+ROPE_POSITIVE_KEYS = ("rope_theta", "factor")
 ROPE_KEYS = ("rope_parameters", "rope_scaling")
 EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk")
 LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layer")
 PER_EXPERT_NAME = re.compile(r"experts\.\d")
+# One entry per decoder layer, as transformers' config classes require of the first two.
+PER_LAYER_KEYS = ("layer_types", "mlp_layer_types", "attn_type_list")
+# Lists of decoder layer indices (0-based).
+LAYER_INDEX_KEYS = ("mlp_only_layers",)
+# Kimi's linear_attn_config numbers its layers from 1 (its config class fills layer_types[layer - 1]).
+ONE_BASED_INDEX_KEYS = ("full_attn_layers", "kda_layers")
 PART_KEYS = ("text_config", "language_config", "llm_config", "vision_config", "vit_config", "visual")
 
 
@@ -77,9 +97,12 @@ def check_config(config: dict, path: str | Path) -> None:
     check_config_dims(config, path)
     for prefix, part in _parts(config):
         _check_key_types(part, KEY_TYPES, prefix, path)
+        _check_positive(part, POSITIVE_KEYS, prefix, path)
         for key, rope in _rope_dicts(part):
             _check_key_types(rope, ROPE_KEY_TYPES, f"{prefix}{key}.", path)
+            _check_positive(rope, ROPE_POSITIVE_KEYS, f"{prefix}{key}.", path)
         _check_relations(part, prefix, path)
+        _check_layer_lists(part, prefix, path)
 
 
 def _rope_dicts(part: dict) -> list[tuple[str, dict]]:
@@ -96,8 +119,21 @@ def _rope_dicts(part: dict) -> list[tuple[str, dict]]:
 
 def check_config_dims(config: dict, path: str | Path) -> None:
     """Walk config (nested dicts and lists) and raise BadInput at the first bad value."""
+    max_items = max(MIN_LIST_ITEMS, LIST_ITEMS_PER_LAYER * _most_layers(config))
     for key, value in config.items():
-        _check_value(value, key, key, path, 1)
+        _check_value(value, _shown(key), key, path, 1, max_items)
+
+
+def _most_layers(config: dict) -> int:
+    """The largest layer count any part of the config states (0 when none does)."""
+    counts = [part.get(key) for _, part in _parts(config) for key in LAYER_KEYS]
+    return max((n for n in counts if type(n) is int and 0 < n <= WIDTH_LIMIT), default=0)
+
+
+def _shown(key: object) -> str:
+    """A key as it appears in a key path: an over-long one cut, so the one-line error stays short."""
+    text = str(key)
+    return text if len(text) <= 80 else f"{text[:40]}...({len(text)} characters)"
 
 
 def _parts(config: dict) -> list[tuple[str, dict]]:
@@ -106,24 +142,35 @@ def _parts(config: dict) -> list[tuple[str, dict]]:
     return parts
 
 
-def _check_value(value: object, key_path: str, key: str, path: str | Path, depth: int) -> None:
+def _check_value(value: object, key_path: str, key: str, path: str | Path, depth: int, max_items: int) -> None:
     if depth > MAX_DEPTH:
         raise BadInput(path, key_path, f"nested deeper than {MAX_DEPTH} levels; no real config is")
-    if isinstance(key, str) and _has_surrogate(key):
-        raise BadInput(path, key_path, "key is not valid Unicode (lone surrogate escape)")
+    if isinstance(key, str):
+        _check_string(key, key_path, path, "key is ")
     if isinstance(value, dict):
         for child, child_value in value.items():
-            _check_value(child_value, f"{key_path}.{child}", child, path, depth + 1)
+            _check_value(child_value, f"{key_path}.{_shown(child)}", child, path, depth + 1, max_items)
     elif isinstance(value, list):
+        if len(value) > max_items:
+            raise BadInput(path, key_path, f"a list of {len(value)} items; at most {max_items} for this "
+                           "model's layer count, no real config holds more")
         # list items keep the list's key: patch_size [14, 14] is checked as sizes
         for i, item in enumerate(value):
-            _check_value(item, f"{key_path}[{i}]", key, path, depth + 1)
+            _check_value(item, f"{key_path}[{i}]", key, path, depth + 1, max_items)
     elif isinstance(value, float) and not math.isfinite(value):
         raise BadInput(path, key_path, f"must be a finite number, got {value}")
-    elif isinstance(value, str) and _has_surrogate(value):
-        raise BadInput(path, key_path, "not valid Unicode (lone surrogate escape)")
+    elif isinstance(value, str):
+        _check_string(value, key_path, path, "")
     elif value is not None:
         _check_named_size(value, key_path, key.lower(), path)
+
+
+def _check_string(text: str, key_path: str, path: str | Path, what: str) -> None:
+    if len(text) > MAX_STRING_CHARS:
+        raise BadInput(path, key_path, f"{what}a string of {len(text)} characters; config strings are "
+                       f"names and short values, at most {MAX_STRING_CHARS}")
+    if _has_surrogate(text):
+        raise BadInput(path, key_path, f"{what}not valid Unicode (lone surrogate escape)")
 
 
 def _has_surrogate(text: str) -> bool:
@@ -169,6 +216,14 @@ def _check_key_types(part: dict, key_types: dict[str, tuple[type, ...]], prefix:
             _check_type(item, ITEM_TYPES[key], f"{prefix}{key}[{i}]", path)
 
 
+def _check_positive(part: dict, keys: tuple[str, ...], prefix: str, path: str | Path) -> None:
+    # types were checked before: a number here, or null (the default)
+    for key in keys:
+        value = part.get(key)
+        if _is_number(value) and not value > 0:
+            raise BadInput(path, prefix + key, f"must be a number above 0, got {value}")
+
+
 def _check_type(value: object, types: tuple[type, ...], key_path: str, path: str | Path) -> None:
     # bool is an int subclass: a flag is never a number here, a number never a flag
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
@@ -205,6 +260,36 @@ def _check_relations(part: dict, prefix: str, path: str | Path) -> None:
         if factor is not None and not (_is_number(factor) and 0 < factor <= highest):
             raise BadInput(path, f"{prefix}{where}partial_rotary_factor",
                            f"the rotary fraction of each head must be in (0, {highest}], got {factor!r:.40}")
+
+
+def _check_layer_lists(part: dict, prefix: str, path: str | Path) -> None:
+    """Per-layer lists hold one entry per layer and layer indices name layers the model has: the file
+    contradicts itself otherwise. Their item types were checked before (KEY_TYPES, ITEM_TYPES)."""
+    layers = _first(part, LAYER_KEYS)
+    if not _ints(layers):
+        return
+    for key in PER_LAYER_KEYS:
+        value = part.get(key)
+        if isinstance(value, list) and len(value) != layers[1]:
+            raise BadInput(path, prefix + key, f"has {len(value)} entries but {layers[0]} is {layers[1]}; "
+                           "one entry per layer")
+    for key in LAYER_INDEX_KEYS:
+        _check_layer_indices(part.get(key), prefix + key, layers, 0, path)
+    linear = part.get("linear_attn_config")
+    for key in ONE_BASED_INDEX_KEYS if isinstance(linear, dict) else ():
+        _check_layer_indices(linear.get(key), f"{prefix}linear_attn_config.{key}", layers, 1, path)
+
+
+def _check_layer_indices(value: object, key_path: str, layers: tuple[str, int], first: int, path: str | Path) -> None:
+    """A list of layer indices numbered from `first`, each naming a layer the model has."""
+    if value is None:
+        return
+    _check_type(value, (list,), key_path, path)
+    for i, index in enumerate(value):
+        _check_type(index, (int,), f"{key_path}[{i}]", path)
+        if not first <= index < layers[1] + first:
+            raise BadInput(path, f"{key_path}[{i}]", f"layer {index} does not exist: {layers[0]} is {layers[1]}, "
+                           f"layers are numbered from {first}")
 
 
 def _first(part: dict, keys: tuple[str, ...]) -> tuple[str, object] | None:

@@ -141,7 +141,7 @@ def adapter_check(paths: Paths) -> AdapterCheck:
     load_lora_state_dict(ours, state)
     theirs = PeftModel.from_pretrained(load_reference(package.source, package.spec["family"], torch.float32),
                                        paths.adapter).eval()
-    ids = AutoTokenizer.from_pretrained(paths.release)(SAMPLE, return_tensors="pt").input_ids
+    ids = AutoTokenizer.from_pretrained(paths.release, trust_remote_code=False)(SAMPLE, return_tensors="pt").input_ids
     with torch.no_grad():
         expected, actual = ours.eval()(ids).float(), theirs(input_ids=ids, use_cache=False).logits.float()
         with theirs.disable_adapter():

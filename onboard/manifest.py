@@ -20,9 +20,10 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 TEXT_CONFIG_KEYS = ("text_config", "language_config", "llm_config")
 VISION_CONFIG_KEYS = ("vision_config", "vit_config", "visual")
-# Real configs are a few KB. The flagship's index (157k tensors) is 16 MB; 64 MB holds about
-# 600k tensors and still parses in well under the 2 GiB this tool may use.
-MAX_CONFIG_BYTES = 16 << 20
+# Real configs are a few KB (the largest of transformers' default configs is 10 KB; an image
+# classifier's 21k labels make about 1 MB). The flagship's index (157k tensors) is 16 MB; 64 MB
+# holds about 600k tensors and still parses in well under the 2 GiB this tool may use.
+MAX_CONFIG_BYTES = 4 << 20
 MAX_INDEX_BYTES = 64 << 20
 
 # Bytes per element of the config's torch_dtype, to count parameters from the index's byte total.

@@ -19,6 +19,9 @@ from onboard.spec import ModelSpec
 from onboard.transformers_classes import model_class, transformers_class_names, transformers_may_know  # noqa: F401 (gap reads it here)
 
 
+NOT_BUILT = "(not built)"
+
+
 class MetaCheck(BaseModel):
     model_class: str
     params: int
@@ -28,6 +31,11 @@ class MetaCheck(BaseModel):
     @property
     def agrees(self) -> bool:
         return self.params_agree and not self.layer_disagreements
+
+    @property
+    def built(self) -> bool:
+        """transformers built its model of the release (its modules exist to run as the release's own)."""
+        return self.model_class != NOT_BUILT
 
 
 def _build_on_meta(manifest: Manifest):
@@ -98,7 +106,7 @@ def meta_check(spec: ModelSpec, manifest: Manifest) -> Optional[MetaCheck]:
     # a config its class accepts but its model cannot be built from (an activation transformers
     # does not know, a padding id beyond the vocabulary): the cross-check failed, a disagreement
     except Exception as exc:  # noqa: BLE001
-        return MetaCheck(model_class="(not built)", params=0, params_agree=False,
+        return MetaCheck(model_class=NOT_BUILT, params=0, params_agree=False,
                          layer_disagreements=[f"transformers could not build the model: {type(exc).__name__}: {str(exc)[:200]}"])
     if model is None:
         return None

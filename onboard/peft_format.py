@@ -34,7 +34,7 @@ def hf_skeleton(source, family: str, config=None) -> nn.Module:
     """The release's transformers class on the meta device (names and shapes, no data)."""
     from transformers import AutoConfig
 
-    config = config or AutoConfig.from_pretrained(source)
+    config = config or AutoConfig.from_pretrained(source, trust_remote_code=False)
     with torch.device("meta"):
         return model_class(family)(config)
 

@@ -33,6 +33,11 @@ NORMED_SKIP_FAMILIES = {"minimax"}
 # Families whose MLA runs without rotary embedding (NoPE).
 NOPE_MLA_FAMILIES = {"kimi_linear"}
 
+# mlp_layer_types entries: whether the layer's FFN is MoE.
+MLP_LAYER_KINDS = {"sparse": True, "dense": False}
+# attn_type_list entries (MiniMax): 1 softmax attention, 0 linear attention.
+ATTN_TYPE_FLAGS = {1: "full_attention", 0: "linear_attention"}
+
 KNOWN_TOPK_METHODS = {None, "greedy", "group_limited_greedy", "noaux_tc"}
 
 LAYER_KIND_ALIASES = {
@@ -71,7 +76,7 @@ class Recognizer:
         num_layers = self.num_layers()
         kinds = self.layer_kinds(num_layers)
         moe_layers = self.moe_layer_flags(num_layers)
-        if all(moe_layers):
+        if all(flag is True for flag in moe_layers):
             self.cfg.mark_used("intermediate_size")  # the dense width, unused when every layer is MoE
         layers = [LayerSpec(index=i, attention=self._component(i, "attention", self.attention, i, kinds[i]),
                             ffn=self._component(i, "ffn", self.ffn, i, moe_layers[i]),
@@ -128,16 +133,23 @@ class Recognizer:
 
     # ---- layer pattern
     def layer_kinds(self, num_layers: int) -> list[str]:
-        types = self.cfg.get("layer_types", default=None)
+        key = "layer_types"
+        types = self.cfg.get(key, default=None)
         if types is None and self.cfg.has("attn_type_list"):
-            types = ["full_attention" if t else "linear_attention" for t in self.cfg.get("attn_type_list")]
+            key = "attn_type_list"
+            types = [ATTN_TYPE_FLAGS.get(t, f"attn_type_list={t}") for t in self.cfg.get(key)]
         if types is None:
             return ["full"] * num_layers
-        if not isinstance(types, list) or len(types) != num_layers:
-            raise BadInput(self.cfg.path, self.cfg._dotted("layer_types"),
-                               f"expected a list of {num_layers} layer types, got {types!r:.80}")
+        self._check_per_layer(key, types, num_layers)
         # a layer type we do not know is judged per layer (attention below), never refused
         return [LAYER_KIND_ALIASES.get(t, f"unknown:{t}") for t in types]
+
+    def _check_per_layer(self, key: str, values, num_layers: int) -> None:
+        """A per-layer list the file sizes otherwise than its layer count contradicts the file itself
+        (config_checks compares it with the count key; here with the count recognition settled on)."""
+        if not isinstance(values, list) or len(values) != num_layers:
+            raise BadInput(self.cfg.path, self.cfg._dotted(key), f"expected a list of {num_layers} entries, one "
+                           f"per layer, got {values!r:.80}")
 
     # ---- attention
     def attention(self, index: int, kind: str):
@@ -266,13 +278,16 @@ class Recognizer:
             self.unrecognized.append(Unrecognized(source=f"config.json:{key}", item=key, detail="linear attention key"))
 
     # ---- FFN
-    def moe_layer_flags(self, num_layers: int) -> list[bool]:
+    def moe_layer_flags(self, num_layers: int) -> list[bool | str]:
+        """Per layer: MoE or not, or "unknown:TYPE" for an mlp_layer_types entry not recognized."""
         if self.cfg.get("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts", default=0) in (0, None):
             return [False] * num_layers
         mlp_types = self.cfg.get("mlp_layer_types", default=None)
         if mlp_types is not None:
             self.cfg.mark_used("first_k_dense_replace")
-            return [t == "sparse" for t in mlp_types]
+            self._check_per_layer("mlp_layer_types", mlp_types, num_layers)
+            # an FFN type we do not know is judged per layer (ffn below), never refused
+            return [MLP_LAYER_KINDS.get(t, f"unknown:{t}") for t in mlp_types]
         if self.cfg.has("moe_layer_start_index"):
             start = self.cfg.positive_int("moe_layer_start_index", allow_zero=True)
             end = self.cfg.positive_int("moe_layer_end_index", default=num_layers - 1, allow_zero=True)
@@ -283,7 +298,9 @@ class Recognizer:
         dense_only = set(self.cfg.get("mlp_only_layers", default=[]) or [])
         return [i >= first_dense and (i + 1) % step == 0 and i not in dense_only for i in range(num_layers)]
 
-    def ffn(self, index: int, is_moe: bool):
+    def ffn(self, index: int, is_moe: bool | str):
+        if isinstance(is_moe, str):
+            raise NotRecognized(self.cfg._dotted("mlp_layer_types"), f"FFN type {is_moe.removeprefix('unknown:')!r}")
         if not is_moe:
             width = self.cfg.positive_int("intermediate_size", "ffn_hidden_size")
             return DenseFFN(intermediate_size=width, activation=str(self.cfg.get("hidden_act", default="silu")),

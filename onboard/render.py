@@ -46,7 +46,9 @@ def _t(value) -> str:
 
 def print_gap_report(report: GapReport, console: Console | None = None) -> None:
     # piped output (CI logs, `| less`) has no terminal width: keep module paths readable there
-    console = console or Console(width=None if Console().is_terminal else 140)
+    # no automatic highlighting: rich's repr highlighter runs regexes that take time quadratic in a
+    # line's length over text that comes from the release (a long name hung the command)
+    console = console or Console(width=None if Console().is_terminal else 140, highlight=False)
     m, mem = report.model, report.memory
     console.print(f"[bold]{_t(m['architecture'])}[/] ({_t(m['family'])}): {m['num_layers']} layers "
                   + ", ".join(f"{n} x {_t(k)}" for k, n in m["layer_kinds"].items()))

@@ -68,7 +68,7 @@ def load_tokenizer(release: Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(release, local_files_only=True)
+        return AutoTokenizer.from_pretrained(release, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as err:
         raise BadInput(release, "tokenizer", f"the release's tokenizer files do not load ({err})") from None
 

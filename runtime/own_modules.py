@@ -233,12 +233,13 @@ def _reference(model_dir: Path, num_layers: int | None, dtype: torch.dtype) -> n
     """transformers' model of the release, truncated to num_layers, the release's weights loaded by name."""
     from transformers import AutoConfig
 
-    config = truncated_config(AutoConfig.from_pretrained(model_dir), num_layers)
+    # the release's own code (auto_map) never runs in this process: transformers' class of the family only
+    config = truncated_config(AutoConfig.from_pretrained(model_dir, trust_remote_code=False), num_layers)
     cls = transformers_class(config.model_type)
     if cls is None:
         raise RuntimeError(f"{model_dir}: transformers has no model for {config.model_type!r}, whose own modules "
                            "the runtime model needs")
-    return cls.from_pretrained(model_dir, config=config, dtype=dtype)
+    return cls.from_pretrained(model_dir, config=config, dtype=dtype, trust_remote_code=False)
 
 
 def load_own_modules(model: nn.Module, model_dir: Path) -> None:

@@ -23,7 +23,7 @@ class VisionTower(nn.Module):
         from transformers import AutoConfig, AutoModel
 
         config = AutoConfig.for_model(model_type, **{k: v for k, v in vision_config.items() if k != "model_type"})
-        self.tower = AutoModel.from_config(config)
+        self.tower = AutoModel.from_config(config, trust_remote_code=False)
         self.merge = vision_config.get("spatial_merge_size", 2)
         self.requires_grad_(False)
 

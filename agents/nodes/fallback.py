@@ -20,9 +20,16 @@ from agents.state import Fallback, OnboardState
 def rung(state: OnboardState) -> Optional[Rung]:
     """The rung the latest alignment calls for, or None (passed, or nothing left to fall back to)."""
     aligned, done = state.get("alignment"), [f.rung for f in state.get("fallbacks", [])]
-    if aligned is None:
+    if aligned is None or not _transformers_model_built(state):
         return None
     return next_rung(state["spec"], aligned.failed_tier, aligned.failed, done)
+
+
+def _transformers_model_built(state: OnboardState) -> bool:
+    """Every rung runs transformers' modules of the release: there are none when transformers does not know the
+    family (no meta check) or could not build its model from the release's config."""
+    report = state.get("report")
+    return report is None or (report.meta_check is not None and report.meta_check.built)
 
 
 def fall_back(state: OnboardState, runtime: Runtime[Context]) -> dict:

@@ -25,8 +25,9 @@ def load_reference(source: Path, family: str, dtype: torch.dtype, num_layers: in
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    config = truncated_config(AutoConfig.from_pretrained(source), num_layers)
-    model = model_class(family).from_pretrained(source, config=config, dtype=dtype).eval()
+    # the release's own code (auto_map) never runs in this process: transformers' class of the family only
+    config = truncated_config(AutoConfig.from_pretrained(source, trust_remote_code=False), num_layers)
+    model = model_class(family).from_pretrained(source, config=config, dtype=dtype, trust_remote_code=False).eval()
     _refresh_derived_buffers(model)
     return model
 

@@ -72,3 +72,21 @@ def test_the_documented_drawing_is_the_graph_as_it_renders():
     page = (Path(__file__).resolve().parents[2] / "docs" / "agents.md").read_text()
     block = re.search(r"```mermaid\n(.*?)```", page, re.DOTALL)
     assert block is not None and block.group(1) == build().compile().get_graph().draw_mermaid()
+
+
+def test_no_fallback_when_transformers_could_not_build_the_model(seed_spec):
+    """Found by the config fuzz through new-model (qwen3_next, rope_parameters.partial_rotary_factor null: its
+    config class accepts it, its rotary init fails): tier 1 failed and the fallback asked that model for module
+    names (exit 1). Every rung runs transformers' modules, so without its model the package goes to review."""
+    from onboard.meta_check import NOT_BUILT, MetaCheck
+
+    class _Checked(_Report):
+        def __init__(self, model_class: str | None):
+            super().__init__(gaps=False)
+            self.meta_check = model_class and MetaCheck(model_class=model_class, params=0, params_agree=False,
+                                                        layer_disagreements=[])
+    failed = _failed(1, "layer0:x/out", 0)
+    assert after_align({"spec": seed_spec, "alignment": failed, "report": _Checked(NOT_BUILT)}) == "review"
+    # a family transformers does not know (an auto_map release of its own design): no meta check, no modules
+    assert after_align({"spec": seed_spec, "alignment": failed, "report": _Checked(None)}) == "review"
+    assert after_align({"spec": seed_spec, "alignment": failed, "report": _Checked("Qwen3NextForCausalLM")}) == "fall_back"

@@ -1,8 +1,9 @@
 """Property: a mutated model.safetensors.index.json of a real release, with its shards present
 or absent, and `onboard inspect` exits 0, 2 or 3 with no traceback, within 30 s and 2 GiB.
 
-Mutations: rename, drop, add or re-point a weight_map entry (to another shard, a path outside
-the folder, a name too long, a junk value), junk metadata, or a junk top-level value.
+Mutations: rename (to a 200k-character name too), drop, add or re-point a weight_map entry (to
+another shard, a path outside the folder, a name too long, a junk value), junk metadata, or a junk
+top-level value.
 Example count: ONBOARD_FUZZ_EXAMPLES (tests/onboard/conftest.py).
 """
 from __future__ import annotations
@@ -28,7 +29,8 @@ def mutate(index: dict, shards: list[str], data) -> None:
     name = data.draw(st.sampled_from(sorted(weight_map)), label="tensor")
     kind = data.draw(st.sampled_from(["rename", "drop", "add", "repoint", "junk-value", "metadata", "top"]), label="mutation")
     if kind == "rename":
-        weight_map[data.draw(st.sampled_from([name + ".x", "[/oops]", "a\nb", "\ud800", ""]), label="new")] = weight_map.pop(name)
+        new = st.sampled_from([name + ".x", "[/oops]", "a\nb", "\ud800", "", name + "." + "z" * 200_000])
+        weight_map[data.draw(new, label="new")] = weight_map.pop(name)
     elif kind == "drop":
         weight_map.pop(name)
     elif kind == "add":
@@ -58,3 +60,21 @@ def test_mutated_index(example_release, release_copy, onboard_cli, data):
         result = onboard_cli("inspect", release, *data.draw(st.sampled_from([[], ["--json"]]), label="format"))
     event(f"exit {result.code}")
     result.assert_bounded()
+
+
+def test_a_200k_character_tensor_name_prints_at_once(example_release, release_copy, onboard_cli, tmp_path):
+    """An index-only release naming a tensor of 200k characters: the terminal report lists it as not
+    understood. rich's automatic highlighting ran regexes quadratic in the line's length over it (a hang);
+    the report is printed without it."""
+    source = example_release("qwen3_moe")
+    index = json.loads((source / INDEX_NAME).read_text())
+    name = sorted(index["weight_map"])[0]
+    long_name = name + "." + "z" * 200_000
+    index["weight_map"][long_name] = index["weight_map"][name]
+    release = release_copy(source, tmp_path / "release")
+    for shard in release.glob("*.safetensors"):
+        shard.unlink()
+    (release / INDEX_NAME).write_text(json.dumps(index))
+    result = onboard_cli("inspect", release)
+    result.assert_bounded()
+    assert result.code in (0, 3) and result.out.count("z") >= 200_000, result.err
