@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from onboard.gap import GapReport
 from onboard.model_source import config_doc
 from onboard.render import jinja_env
-from onboard.spec import ModelSpec
+from runtime.spec import ModelSpec
 from runtime.registry import OPS, ops_for_layer
 
 from agents.state import Explanation, Failure, Proposal

@@ -9,7 +9,7 @@ from pydantic import BaseModel
 from onboard.align.report import Check
 from onboard.gap import GapReport
 from onboard.generated import GeneratedOp
-from onboard.spec import ModelSpec
+from runtime.spec import ModelSpec
 
 
 class RunOptions(BaseModel):

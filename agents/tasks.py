@@ -9,7 +9,7 @@ from __future__ import annotations
 from onboard import model_references
 from onboard.gap import GapReport
 from onboard.generated import mark_generated
-from onboard.spec import ModelSpec, Unrecognized
+from runtime.spec import ModelSpec, Unrecognized
 from runtime.package_ops import TABLES
 from runtime.registry import OPS, ops_for_layer
 

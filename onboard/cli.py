@@ -12,7 +12,7 @@ from pathlib import Path
 from onboard import bench, demo, train_cli
 from onboard.config_view import NotRecognized
 from onboard.errors import BadInput, report_internal_error
-from runtime.config import SpecError
+from runtime.spec import SpecError
 from runtime.errors import InputFileError
 
 EXIT_BUG = 1

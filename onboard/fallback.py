@@ -18,7 +18,7 @@ from onboard.align.report import Check
 from onboard.align.tier1_layers import layer_label
 from onboard.manifest import Manifest
 from onboard.recognize_weights import run_own
-from onboard.spec import ModelSpec
+from runtime.spec import ModelSpec
 from runtime.registry import ops_for_layer
 
 Rung = Literal["layers", "model"]

@@ -10,7 +10,7 @@ from onboard.manifest import Manifest
 from onboard.memory import MemoryBudget, budget
 from onboard.meta_check import MetaCheck, meta_check
 from onboard.transformers_classes import transformers_knows
-from onboard.spec import ModelSpec, Unrecognized
+from runtime.spec import ModelSpec, Unrecognized
 from onboard.weight_layout import expected_tensors
 from runtime.kernels.available import kernels_available
 from runtime.registry import OPS, ops_for_layer

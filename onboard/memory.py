@@ -13,7 +13,7 @@ import re
 
 from pydantic import BaseModel
 
-from onboard.spec import DenseFFN, ModelSpec, MoEFFN, own_tensors
+from runtime.spec import DenseFFN, ModelSpec, MoEFFN, own_tensors
 from onboard.weight_layout import attention_tensors
 
 GIB = 1 << 30

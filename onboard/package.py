@@ -28,7 +28,7 @@ from onboard.plan import Cluster, Workload, search
 from onboard.plan_render import plan_yaml
 from onboard.recognize import recognize
 from onboard.render import gap_markdown
-from onboard.spec import ModelSpec
+from runtime.spec import ModelSpec
 from onboard.weight_map import build_weight_map
 from onboard.workflow import model_slug, write_workflow
 from runtime.lora_file import default_lora_file, lora_yaml_text

@@ -5,7 +5,7 @@ as "module:function" strings, so reading the table imports nothing heavy. `suppo
 the family computes a component with given parameters exactly, as a variant (same op, a parameter
 path exercised less), or not at all.
 
-Predicates and `ops_for_layer` take the plain dicts of the ModelSpec, not runtime/config.py's
+Predicates and `ops_for_layer` take the plain dicts of the ModelSpec, not runtime/spec.py's
 dataclasses: their callers are onboard's gap analysis and alignment tier 0, which judge a spec before
 any runtime model exists (from `ModelSpec.model_dump()`, which the runtime cannot import) and use the
 parameter dicts themselves as tier-0 case keys and op arguments. The runtime's layers never ask.

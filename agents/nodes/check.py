@@ -11,7 +11,7 @@ from onboard.align import run_alignment
 from onboard.align.progress import Progress
 from onboard.generated import GeneratedOp
 from onboard.package import write_package
-from onboard.spec import ModelSpec
+from runtime.spec import ModelSpec
 
 from agents import candidates
 from agents.context import Context

@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, RootModel, ValidationError
 
 from onboard.errors import BadInput
-from onboard.spec import ModelSpec
+from runtime.spec import ModelSpec
 
 
 class SourceRecord(BaseModel):

@@ -19,7 +19,7 @@ from onboard.align.report import Check
 from onboard.errors import BadInput
 from onboard.memory import DTYPE_BYTES, GIB
 from onboard.plan import Cluster, Workload, search
-from onboard.spec import ModelSpec
+from runtime.spec import ModelSpec
 from runtime.model import HybridDecoder
 from runtime.parallel.placement import (MeshShape, loads_by_rank, model_targets, moe_layers, owned_experts,
                                         shard_numel)

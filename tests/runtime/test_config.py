@@ -1,4 +1,4 @@
-"""runtime/config.py: every family's spec.json parses into a ModelConfig that mirrors it; a malformed
+"""runtime/spec.py: every family's spec.json parses into a ModelSpec that mirrors it; a malformed
 spec raises one SpecError naming the key path."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from onboard.example_models import FAMILIES
-from runtime.config import MLAConfig, ModelConfig, SpecError
+from runtime.spec import MLAAttention, ModelSpec, SpecError, read_spec
 from runtime.model import HybridDecoder
 
 
@@ -30,7 +30,7 @@ def assert_mirrors(config, spec, path: str = "") -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_parses(family, example_spec):
     spec = example_spec(family)
-    config = ModelConfig.from_spec(spec)
+    config = read_spec(spec)
     assert_mirrors(config, spec)
     assert [layer.attention.kind for layer in config.layers] == [layer["attention"]["kind"] for layer in spec["layers"]]
     assert [layer.ffn.kind for layer in config.layers] == [layer["ffn"]["kind"] for layer in spec["layers"]]
@@ -39,9 +39,9 @@ def test_every_family_parses(family, example_spec):
 def test_dict_entry_point_parses_the_same(example_spec):
     spec = example_spec("deepseek_v32")
     with torch.device("meta"):
-        from_dict, from_config = HybridDecoder(spec), HybridDecoder(ModelConfig.from_spec(spec))
+        from_dict, from_config = HybridDecoder(spec), HybridDecoder(read_spec(spec))
     assert from_dict.config == from_config.config
-    assert isinstance(from_dict.config.layers[0].attention, MLAConfig)
+    assert isinstance(from_dict.config.layers[0].attention, MLAAttention)
     assert from_dict.config.layers[0].attention.indexer is not None
     shapes = lambda model: {n: t.shape for n, t in model.state_dict().items()}
     assert shapes(from_dict) == shapes(from_config)
@@ -84,12 +84,12 @@ def test_malformed_spec_names_the_key(case, example_spec):
     path, value, message = MALFORMED[case]
     spec = _set(example_spec("qwen3_next"), path, value)
     with pytest.raises(SpecError, match="^" + re.escape(f"pkg/spec.json: {message}")):
-        ModelConfig.from_spec(spec, source="pkg/spec.json")
+        read_spec(spec, source="pkg/spec.json")
 
 
 def test_spec_that_is_not_an_object():
     with pytest.raises(SpecError, match=re.escape("spec.json: expected an object, got list []")):
-        ModelConfig.from_spec([])
+        read_spec([])
 
 
 def test_model_from_a_malformed_dict_raises_spec_error(example_spec):
