@@ -1,4 +1,4 @@
-"""The hybrid decoder, assembled from a ModelSpec (runtime/spec.py, parsed from the package's spec.json).
+"""The hybrid decoder, assembled from a ModelSpec (runtime/spec.py, read from the package's spec.json).
 
 Single-device and readable: embedding, per layer (pre-norm attention of any registered kind, pre-norm
 dense or MoE FFN, residuals), final norm, LM head. Parallelism is applied from outside.
@@ -72,10 +72,10 @@ class HybridDecoder(nn.Module):
     offloads_activations = False
 
     def __init__(self, config: ModelSpec | dict, num_layers: int | None = None):
-        """config: a ModelSpec, or the spec.json dict (parsed here, once; SpecError if malformed).
+        """config: a ModelSpec, or spec.json's data (validated here, once, by read_spec: SpecError if malformed).
         num_layers truncates the model (alignment of very large releases runs the first few)."""
         super().__init__()
-        if isinstance(config, dict):
+        if not isinstance(config, ModelSpec):
             config = read_spec(config)
         self.config = config
         d, vocab, norm = config.hidden_size, config.vocab_size, config.norm

@@ -8,9 +8,9 @@ from runtime.ops.rope import ROPES, generated_cos_sin, mrope_cos_sin, rope_cos_s
 
 
 def rope_key(rope: RopeSpec) -> tuple:
-    """What the tables depend on (`interleaved` only changes how they are applied); the scaling dict
-    is not hashable, so it enters by its repr."""
-    return rope.theta, rope.rotary_dim, repr(rope.scaling), rope.mrope_section, rope.mrope_interleaved
+    """What the tables depend on (`interleaved` only changes how they are applied); the scaling dict and the
+    section list are not hashable, so they enter by their repr and as a tuple."""
+    return rope.theta, rope.rotary_dim, repr(rope.scaling), tuple(rope.mrope_section or ()), rope.mrope_interleaved
 
 
 def cos_sin(rope: RopeSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

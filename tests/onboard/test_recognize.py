@@ -166,7 +166,7 @@ def test_a_multimodal_rope_without_mrope_section_takes_the_split_transformers_ap
     from onboard.align.package_files import read_package
     from onboard.align.reference import load_reference
     from onboard.align.vision import vision_checks
-    from runtime.spec import ModelSpec, read_spec
+    from runtime.spec import read_spec
     from runtime.own_modules import text_decoder
     from runtime.rotary import cos_sin
     from runtime.tolerances import assert_close

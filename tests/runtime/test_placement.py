@@ -11,7 +11,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 from onboard.weight_map import build_weight_map
 from onboard.recognize import recognize
 from onboard.manifest import read_manifest
-from runtime.spec import ModelSpec, read_spec
+from runtime.spec import read_spec
 from runtime.model import HybridDecoder
 from runtime.parallel.placement import (MeshShape, PlacementError, check_mesh, experts_per_rank, fsdp_rows,
                                         loads_by_rank, model_targets, moe_layers, owned_experts)
