@@ -58,7 +58,7 @@ def _layer_reasons(spec: ModelSpec, failed: list[Check]) -> dict[int, str]:
     for layer in spec.layers:
         check = failing.get(labels[layer.index])
         if check is not None:
-            ops = [name for name, _ in ops_for_layer(layer.attention.model_dump(), layer.ffn.model_dump())]
+            ops = [name for name, _ in ops_for_layer(layer.attention, layer.ffn)]
             what = ", ".join(ops) if ops else "the layer's norms and residuals"
             reasons[layer.index] = f"{what} disagreed with the release's decoder layer: {_evidence(check)}"
     return reasons

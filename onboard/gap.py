@@ -77,9 +77,8 @@ def op_gaps(spec: ModelSpec) -> list[OpGap]:
     found: dict[tuple[str, str], set[int]] = {}
     own: dict[str, tuple[list[int], str]] = {}
     for layer in spec.layers:
-        attention, ffn = layer.attention.model_dump(), layer.ffn.model_dump()
-        for name, params in [("rms_norm", spec.norm.model_dump())] + ops_for_layer(attention, ffn):
-            support = OPS[name].supports(params)
+        for name, part in [("rms_norm", spec.norm)] + ops_for_layer(layer.attention, layer.ffn):
+            support = OPS[name].supports(part)
             found.setdefault((name, support), set()).add(layer.index)
         for part, reason in _own_parts(layer):
             own.setdefault(part, ([], reason))[0].append(layer.index)

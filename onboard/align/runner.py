@@ -22,6 +22,7 @@ from onboard.plan import Cluster
 from runtime.parallel.placement import MeshShape
 from onboard.model_references import register_references
 from runtime.package_ops import load_package_ops, tables_restored
+from runtime.spec import read_spec
 
 # Alignment of large releases runs a prefix of the model (both sides) holding every distinct layer kind.
 MAX_ALIGN_LAYERS = 8
@@ -85,7 +86,7 @@ def _run_tier(tier: int, inputs: AlignInputs, num_layers: int, tamper, progress:
               goal: Target | None) -> tuple[list[Check], Divergence | None]:
     spec, weight_map, source = inputs.spec, inputs.weight_map, inputs.source
     if tier == 0:
-        return tier0(spec, progress=progress), None
+        return tier0(read_spec(spec), progress=progress), None  # tier 0 judges the spec's typed parts
     if tier == 1:
         return tier1(spec, weight_map, source, num_layers, progress=progress), None
     if tier == 2:

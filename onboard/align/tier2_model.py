@@ -88,7 +88,7 @@ def tier2(spec: dict, weight_map: dict, source: Path, num_layers: int, T: int = 
               _loss_check("float32", logits, truth, ids, torch.float32)]
     checks += _routing_flips(ours, recorder, num_layers)
     if any(c.verdict == "fail" for c in checks):
-        divergence = first_divergence(spec, ours, recorder, num_layers, T)
+        divergence = first_divergence(ours, recorder, num_layers, T)
     progress.group("bfloat16 logits and loss")
     checks += _bf16_checks(spec, weight_map, source, num_layers, ids, truth, (_choices(ours), own_truth), tamper)
     return checks, divergence
@@ -150,8 +150,9 @@ def _loss_check(tag: str, ours, theirs, ids, dtype) -> Check:
                  verdict="pass" if rel <= tol else "fail", detail=f"ours={a:.6f} transformers={b:.6f}")
 
 
-def first_divergence(spec, ours, recorder: Recorder, num_layers: int, T: int) -> Divergence | None:
-    """Each layer on transformers' own input to it: the first whose output disagrees, then which part."""
+def first_divergence(ours, recorder: Recorder, num_layers: int, T: int) -> Divergence | None:
+    """Each layer on transformers' own input to it: the first whose output disagrees, then which part (and the
+    registry ops of that part, from the spec our model was built from)."""
     rotary = RotaryCache(torch.arange(T).expand(recorder.input("layer", 0).shape[0], -1))
     tol = tolerance_for("layer", torch.float32)
     with torch.no_grad():
@@ -163,9 +164,9 @@ def first_divergence(spec, ours, recorder: Recorder, num_layers: int, T: int) ->
             attn = compare(layer.attn(recorder.input("attention", i), rotary), recorder.output("attention", i), tol)
             ffn = compare(layer.ffn(recorder.input("ffn", i)), recorder.output("ffn", i), tol)
             part, c = ("attention", attn) if not attn.passed or ffn.passed else ("ffn", ffn)
-            layer_spec = spec["layers"][i]
-            ops = [op for op, _ in ops_for_layer(layer_spec["attention"], layer_spec["ffn"])
+            layer_spec = ours.config.layers[i]
+            ops = [op for op, _ in ops_for_layer(layer_spec.attention, layer_spec.ffn)
                    if (part == "attention") != op.startswith(("moe_", "swiglu_"))]
-            kind = layer_spec["attention"]["kind"] if part == "attention" else layer_spec["ffn"]["kind"]
+            kind = layer_spec.attention.kind if part == "attention" else layer_spec.ffn.kind
             return Divergence(layer=i, component=part, kind=kind, ops=ops, value=c.rel_rms, tolerance=c.tolerance.rel_rms)
     return None
