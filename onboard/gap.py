@@ -10,6 +10,7 @@ from onboard.manifest import Manifest
 from onboard.memory import MemoryBudget, budget
 from onboard.meta_check import MetaCheck, meta_check
 from onboard.transformers_classes import transformers_knows
+from runtime import defaults
 from runtime.spec import ModelSpec, Unrecognized
 from onboard.weight_layout import expected_tensors
 from runtime.kernels.available import kernels_available
@@ -148,8 +149,8 @@ def unexpected_as_unrecognized(unexpected: list[str]) -> list[Unrecognized]:
             for p, n in sorted(patterns.items())]
 
 
-def analyze(spec: ModelSpec, manifest: Manifest, gpu_mem_gib: float = 80.0, lora_rank: int = 16,
-            seq_len: int = 4096) -> GapReport:
+def analyze(spec: ModelSpec, manifest: Manifest, gpu_mem_gib: float = defaults.GPU_MEM_GIB,
+            lora_rank: int = defaults.LORA_RANK, seq_len: int = defaults.SEQ_LEN) -> GapReport:
     ops = op_gaps(spec)
     weights = check_weights(spec, manifest)
     meta = meta_check(spec, manifest) if transformers_knows(spec.family) else None

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import nn
 
+from runtime import defaults
 from runtime.errors import InputFileError
 from runtime.lora import LoraConfig
 
@@ -25,8 +26,8 @@ LAYER_INDEX = re.compile(r"\.layers\.\d+\.")
 class LoraFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    rank: int = Field(16, gt=0)
-    alpha: float = Field(32.0, gt=0)
+    rank: int = Field(defaults.LORA_RANK, gt=0)
+    alpha: float = Field(defaults.LORA_ALPHA, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
     use_rslora: bool = False
     targets: list[str] = []
@@ -74,8 +75,8 @@ def read_lora_yaml(path: Path, weight_map: dict[str, dict]) -> LoraConfig:
 
 
 def default_lora_file(spec: dict, weight_map: dict[str, dict]) -> LoraFile:
-    """r16, alpha 32, every attention and linear-attention projection; experts and router off. The DSA
-    indexer is left out: it only selects keys, so the loss sends no gradient into it."""
+    """Rank and alpha of runtime/defaults.py, every attention and linear-attention projection; experts and
+    router off. The DSA indexer is left out: it only selects keys, so the loss sends no gradient into it."""
     from runtime.model import HybridDecoder
 
     with torch.device("meta"):

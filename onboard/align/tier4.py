@@ -19,6 +19,7 @@ from onboard.align.report import Check
 from onboard.errors import BadInput
 from onboard.memory import DTYPE_BYTES, GIB
 from onboard.plan import Cluster, Workload, search
+from runtime import defaults
 from runtime.spec import ModelSpec
 from runtime.model import HybridDecoder
 from runtime.parallel.placement import (MeshShape, loads_by_rank, model_targets, moe_layers, owned_experts,
@@ -45,7 +46,7 @@ def tier4_target(pkg: Path, cluster: Cluster | None, mesh: MeshShape | None) -> 
 def plan_workload(path: Path) -> Workload:
     """The sequence length and LoRA rank plan.yaml was made for (the planner's defaults without one)."""
     if not path.exists():
-        return Workload(4096, 16, None)
+        return Workload(defaults.SEQ_LEN, defaults.LORA_RANK, None)
     workload = yaml.safe_load(path.read_text())
     workload = workload.get("workload") if isinstance(workload, dict) else None
     if not isinstance(workload, dict) or not all(isinstance(workload.get(k), int) for k in ("seq_len", "lora_rank")):
