@@ -49,7 +49,7 @@ def replan(spec: ModelSpec, manifest: Manifest, rung: Rung, failed: list[Check])
 def _layer_reasons(spec: ModelSpec, failed: list[Check]) -> dict[int, str]:
     """Layer index -> why, for every layer of a kind a tier-1 check failed on (own layers excluded: they
     already are the release's module)."""
-    labels = {layer.index: layer_label(layer.model_dump()) for layer in spec.layers}
+    labels = {layer.index: layer_label(layer) for layer in spec.layers}
     failing: dict[str, Check] = {}
     for check in failed:
         if check.layer is not None and labels.get(check.layer, "own_layer") != "own_layer":

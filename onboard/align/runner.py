@@ -22,16 +22,16 @@ from onboard.plan import Cluster
 from runtime.parallel.placement import MeshShape
 from onboard.model_references import register_references
 from runtime.package_ops import load_package_ops, tables_restored
-from runtime.spec import read_spec
+from runtime.spec import ModelSpec, read_spec
 
 # Alignment of large releases runs a prefix of the model (both sides) holding every distinct layer kind.
 MAX_ALIGN_LAYERS = 8
 
 
-def layers_to_run(spec: dict, max_layers: int = MAX_ALIGN_LAYERS) -> int:
+def layers_to_run(spec: ModelSpec, max_layers: int = MAX_ALIGN_LAYERS) -> int:
     """At most max_layers, but never fewer than the prefix that holds every distinct layer kind."""
-    kinds = distinct_layers(spec, spec["num_layers"])
-    return max(max(kinds.values()) + 1, min(spec["num_layers"], max_layers))
+    kinds = distinct_layers(spec, spec.num_layers)
+    return max(max(kinds.values()) + 1, min(spec.num_layers, max_layers))
 
 
 def run_alignment(pkg: Path, tiers: list[int], model_dir: Path | None = None, tamper=None,
@@ -43,9 +43,10 @@ def run_alignment(pkg: Path, tiers: list[int], model_dir: Path | None = None, ta
     pkg, progress = Path(pkg), progress or Progress()
     inputs = read_package(pkg, model_dir)
     goal = tier4_target(pkg, cluster, mesh) if 4 in tiers else None
-    num_layers = layers_to_run(inputs.spec, max_layers)
-    if num_layers < inputs.spec["num_layers"] and min(tiers) < 3:
-        progress.note(f"aligning the first {num_layers} of {inputs.spec['num_layers']} layers "
+    spec = read_spec(inputs.spec)
+    num_layers = layers_to_run(spec, max_layers)
+    if num_layers < spec.num_layers and min(tiers) < 3:
+        progress.note(f"aligning the first {num_layers} of {spec.num_layers} layers "
                       "(every distinct layer kind is among them)")
     torch.manual_seed(0)
     # the package's generated ops run in the runtime (for this package only: a refused trial candidate must
@@ -53,7 +54,7 @@ def run_alignment(pkg: Path, tiers: list[int], model_dir: Path | None = None, ta
     with tables_restored():
         load_package_ops(pkg)
         register_references(pkg)
-        results, divergence = _run_tiers(sorted(tiers), inputs, num_layers, tamper, progress, goal)
+        results, divergence = _run_tiers(sorted(tiers), spec, inputs, num_layers, tamper, progress, goal)
     report = AlignmentReport(package=str(pkg.resolve()), source=str(inputs.source), spec_hash=inputs.spec_hash,
                              tiers=results, first_divergence=divergence,
                              passed=all(t.passed for t in results) and len(results) == len(tiers))
@@ -61,7 +62,7 @@ def run_alignment(pkg: Path, tiers: list[int], model_dir: Path | None = None, ta
     return report
 
 
-def _run_tiers(tiers: list[int], inputs: AlignInputs, num_layers: int, tamper, progress: Progress,
+def _run_tiers(tiers: list[int], spec: ModelSpec, inputs: AlignInputs, num_layers: int, tamper, progress: Progress,
                goal: Target | None) -> tuple[list[TierResult], Divergence | None]:
     """Each tier only when the one below passed."""
     results, divergence = [], None
@@ -71,7 +72,7 @@ def _run_tiers(tiers: list[int], inputs: AlignInputs, num_layers: int, tamper, p
             break
         progress.start_tier(tier)
         try:
-            checks, found = _run_tier(tier, inputs, num_layers, tamper, progress, goal)
+            checks, found = _run_tier(tier, spec, inputs, num_layers, tamper, progress, goal)
         except BadInput:
             raise  # the package does not fit its release: bad input, one line
         except Exception as err:  # a load or run failure is a failed check, never a traceback
@@ -82,11 +83,12 @@ def _run_tiers(tiers: list[int], inputs: AlignInputs, num_layers: int, tamper, p
     return results, divergence
 
 
-def _run_tier(tier: int, inputs: AlignInputs, num_layers: int, tamper, progress: Progress,
+def _run_tier(tier: int, spec: ModelSpec, inputs: AlignInputs, num_layers: int, tamper, progress: Progress,
               goal: Target | None) -> tuple[list[Check], Divergence | None]:
-    spec, weight_map, source = inputs.spec, inputs.weight_map, inputs.source
+    """spec: the package's, typed (read_package's is spec.json's data, the form its other readers take)."""
+    weight_map, source = inputs.weight_map, inputs.source
     if tier == 0:
-        return tier0(read_spec(spec), progress=progress), None  # tier 0 judges the spec's typed parts
+        return tier0(spec, progress=progress), None
     if tier == 1:
         return tier1(spec, weight_map, source, num_layers, progress=progress), None
     if tier == 2:

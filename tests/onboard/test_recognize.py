@@ -182,5 +182,6 @@ def test_a_multimodal_rope_without_mrope_section_takes_the_split_transformers_ap
     ours = cos_sin(rope, positions_3BT)
     for name, a, b in zip(("cos", "sin"), ours, theirs):
         assert_close(a, b, "mrope_cos_sin", torch.float32, name=name)
-    checks = vision_checks(inputs.spec, inputs.weight_map, inputs.source, inputs.vision_config, inputs.spec["num_layers"])
+    checks = vision_checks(read_spec(inputs.spec), inputs.weight_map, inputs.source, inputs.vision_config,
+                           inputs.spec["num_layers"])
     assert all(c.verdict == "pass" for c in checks), [(c.name, c.value) for c in checks]
