@@ -1,11 +1,11 @@
-"""How a release names its tensors: detected from the weight names, then used to list expected tensors."""
+"""How a release names its tensors (runtime/spec.py's WeightNaming, a field of the spec): detected here from the
+weight names, then used to list the expected tensors."""
 from __future__ import annotations
 
 import re
 from typing import Optional
 
 from runtime.spec import WeightNaming
-
 
 EXPERT_INDEX_RE = re.compile(r"\.\d+\.")
 

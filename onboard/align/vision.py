@@ -21,12 +21,12 @@ def _image_input(spec: ModelSpec, vision_config: dict, seed: int):
     merge, v = spec.vision.spatial_merge_size, spec.vision
     grid = torch.tensor([[1, 4 * merge // 2, 4 * merge // 2]])
     num_patches = int(grid.prod())
-    channels = vision_config.get("in_channels", 3) * vision_config.get("temporal_patch_size", 2) * v["patch_size"] ** 2
+    channels = vision_config.get("in_channels", 3) * vision_config.get("temporal_patch_size", 2) * v.patch_size ** 2
     pixels = torch.randn(num_patches, channels, generator=gen)
     image_tokens = num_patches // merge**2
     text = lambda n: torch.randint(0, min(spec.vocab_size, v.image_token_id), (n,), generator=gen)
-    ids = torch.cat([text(5), torch.full((image_tokens,), v["image_token_id"]), text(7)])[None]
-    return ids, pixels, grid, (ids == v["image_token_id"]).int()
+    ids = torch.cat([text(5), torch.full((image_tokens,), v.image_token_id), text(7)])[None]
+    return ids, pixels, grid, (ids == v.image_token_id).int()
 
 
 def vision_checks(spec: ModelSpec, weight_map: dict, source: Path, vision_config: dict, num_layers: int, seed: int = 3,
