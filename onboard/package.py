@@ -70,7 +70,7 @@ def write_package(model_dir: Path, out: Path, gpu_mem_gib: float = defaults.GPU_
 def _write_lora_yaml(pkg: Path, spec, lora_rank: int) -> None:
     """Every attention projection at the budget's rank, alpha twice the rank (runtime/defaults.py)."""
     weight_map = json.loads((pkg / "weight_map.json").read_text())
-    lora = default_lora_file(json.loads(spec.model_dump_json()), weight_map)
+    lora = default_lora_file(spec, weight_map)
     lora = lora.model_copy(update={"rank": lora_rank, "alpha": defaults.LORA_ALPHA_PER_RANK * lora_rank})
     (pkg / "lora.yaml").write_text(lora_yaml_text(lora))
 
