@@ -15,7 +15,7 @@ from onboard.gap import GapReport
 from onboard.model_source import config_doc
 from onboard.package_derivation import SetStep, StepError, set_parameter
 from onboard.render import jinja_env
-from onboard.spec import ModelSpec
+from runtime.spec import ModelSpec
 from runtime.registry import OPS, ops_for_layer
 
 from agents.state import Explanation, Failure, Proposal
@@ -63,9 +63,9 @@ def _layer_parameters(spec: ModelSpec) -> list[dict]:
         entry = kinds.setdefault(kind, {"kind": kind, "layers": [], "ops": [], "parameters": {}})
         entry["layers"].append(layer.index)
         if len(entry["layers"]) == 1:
-            attention, ffn = layer.attention.model_dump(), layer.ffn.model_dump()
-            entry["ops"] = [op for op, _ in ops_for_layer(attention, ffn)]
-            entry["parameters"] = _flatten({"attention": attention, "ffn": ffn, "residual": layer.residual.model_dump()})
+            entry["ops"] = [op for op, _ in ops_for_layer(layer.attention, layer.ffn)]
+            entry["parameters"] = _flatten({"attention": layer.attention.model_dump(), "ffn": layer.ffn.model_dump(),
+                                            "residual": layer.residual.model_dump()})
     return list(kinds.values())
 
 

@@ -10,17 +10,18 @@ from onboard.align.report import Check
 from onboard.gap import GapReport
 from onboard.generated import GeneratedOp
 from onboard.package_derivation import OwnStep, SetStep, SpecStep
-from onboard.spec import ModelSpec
+from runtime import defaults
+from runtime.spec import ModelSpec
 
 
 class RunOptions(BaseModel):
     model_dir: str
     out: str
-    gpu_mem_gib: float = 80.0
-    lora_rank: int = 16
-    seq_len: int = 4096
-    gpus: int = 8  # the cluster plan.yaml is planned for
-    gpus_per_node: int = 8
+    gpu_mem_gib: float = defaults.GPU_MEM_GIB
+    lora_rank: int = defaults.LORA_RANK
+    seq_len: int = defaults.SEQ_LEN
+    gpus: int = defaults.GPUS  # the cluster plan.yaml is planned for
+    gpus_per_node: int = defaults.GPUS_PER_NODE
     llm_url: Optional[str] = None
     llm_model: Optional[str] = None
     max_attempts: int = 3  # candidates per op before it is reported missing

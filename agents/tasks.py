@@ -9,9 +9,9 @@ from __future__ import annotations
 from onboard import model_references
 from onboard.gap import GapReport
 from onboard.generated import mark_generated
-from onboard.spec import ModelSpec, Unrecognized
+from runtime.spec import ModelSpec, Unrecognized
 from runtime.package_ops import TABLES
-from runtime.registry import OPS, ops_for_layer
+from runtime.registry import OPS, SpecPart, ops_for_layer
 
 from agents.state import Explanation, Failure, OpTask
 
@@ -22,23 +22,24 @@ GAP_KINDS = {"moe_experts": ("activation", "activation"), "swiglu_mlp": ("activa
              "gated_delta_rule": ("linear_attention_decay", "decay")}
 
 
-def _name(params: dict, key: str) -> str:
+def _name(part: SpecPart, key: str) -> str:
+    """The name of what the op lacks, from the spec part its predicate judged."""
     if key == "router":
-        return params["router"]["scoring"]
+        return part.router.scoring
     if key == "scaling":
-        scaling = params.get("scaling") or {}
+        scaling = part.scaling or {}
         return scaling.get("rope_type", scaling.get("type", "default"))
-    return str(params[key])
+    return str(getattr(part, key))
 
 
 def tasks_for(spec: ModelSpec) -> list[OpTask]:
     found: dict[tuple[str, str], dict[str, list[int]]] = {}
     for layer in spec.layers:
-        used = [("rms_norm", spec.norm.model_dump())] + ops_for_layer(layer.attention.model_dump(), layer.ffn.model_dump())
-        for op, params in used:
-            if op in GAP_KINDS and OPS[op].supports(params) == "unsupported":
+        used = [("rms_norm", spec.norm)] + ops_for_layer(layer.attention, layer.ffn)
+        for op, part in used:
+            if op in GAP_KINDS and OPS[op].supports(part) == "unsupported":
                 kind, key = GAP_KINDS[op]
-                found.setdefault((kind, _name(params, key)), {}).setdefault(op, []).append(layer.index)
+                found.setdefault((kind, _name(part, key)), {}).setdefault(op, []).append(layer.index)
     return [_task(kind, name, closes) for (kind, name), closes in sorted(found.items())]
 
 

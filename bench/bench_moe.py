@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.timing import kernel_ms, peak_gib, steady_graph_ms, time_ms  # noqa: E402
 from reference_ops import moe as reference_moe  # noqa: E402
 from runtime.kernels import mlp as mlp_kernels  # noqa: E402
-from runtime.config import MoEConfig, RouterConfig  # noqa: E402
+from runtime.spec import MoEFFN, RouterSpec
 from runtime.kernels import moe as kernels  # noqa: E402
 from runtime.layers.ffn import MoE  # noqa: E402
 from runtime.ops import mlp as mlp_fallback  # noqa: E402
@@ -61,10 +61,10 @@ def build_block():
     return block
 
 
-MOE_CONFIG = MoEConfig(
+MOE_CONFIG = MoEFFN(
     num_experts=E, top_k=K_TOP, expert_intermediate_size=F_EXPERT, num_shared_experts=1,
     shared_intermediate_size=F_SHARED, shared_expert_gate=True,
-    router=RouterConfig(scoring="softmax", norm_topk_prob=True))
+    router=RouterSpec(scoring="softmax", norm_topk_prob=True))
 _RUNTIME_LAYERS = {}
 
 

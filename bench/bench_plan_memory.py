@@ -63,7 +63,7 @@ def measure(work: Path, seq_len: int, policy: str, device: str) -> dict:
 def estimate(work: Path, seq_len: int, policy: str) -> dict:
     """plan_cost's per-rank memory (GiB by part) for the package's spec on a mesh of 1, micro-batch 1."""
     from onboard.plan_cost import Cluster, ModelSummary, estimate_memory
-    from onboard.spec import ModelSpec
+    from runtime.spec import ModelSpec
     from runtime.parallel.placement import MeshShape
 
     spec = ModelSpec.model_validate_json((work / "pkg" / "spec.json").read_text())

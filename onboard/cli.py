@@ -12,8 +12,9 @@ from pathlib import Path
 from onboard import bench, demo, train_cli
 from onboard.config_view import NotRecognized
 from onboard.errors import BadInput, printable, report_internal_error
-from runtime.config import SpecError
+from runtime import defaults
 from runtime.errors import GeneratedOpMismatch, InputFileError, PackageOpRefused
+from runtime.spec import SpecError
 
 EXIT_BUG = 1
 EXIT_BAD_INPUT = 2
@@ -224,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="align a prefix of at most this many layers (extended to hold every distinct layer kind)")
     p.add_argument("--gpus", type=_positive_int, default=None, help="tier 4: GPUs of the target cluster")
     p.add_argument("--gpu-mem-gib", type=_positive_float, default=None, help="tier 4: memory of one GPU")
-    p.add_argument("--gpus-per-node", type=_positive_int, default=8, help="tier 4: GPUs per node (default 8)")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=defaults.GPUS_PER_NODE,
+                   help=f"tier 4: GPUs per node (default {defaults.GPUS_PER_NODE})")
     p.add_argument("--mesh", default=None, help="tier 4: check this mesh (e.g. dp2xep64) instead of the plan's choice")
     p.set_defaults(run=_align)
     p = sub.add_parser("approve", help="approve the package's op files (PKG/ops/) after review: align and train "
@@ -251,9 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_budget_args(p: argparse.ArgumentParser) -> None:
     """The memory-budget inputs shared by inspect and new-model."""
-    p.add_argument("--gpu-mem-gib", type=_positive_float, default=80.0, help="memory of one GPU (default 80)")
-    p.add_argument("--lora-rank", type=_positive_int, default=16)
-    p.add_argument("--seq-len", type=_positive_int, default=4096, help="training sequence length for activations")
+    p.add_argument("--gpu-mem-gib", type=_positive_float, default=defaults.GPU_MEM_GIB,
+                   help=f"memory of one GPU (default {defaults.GPU_MEM_GIB:g})")
+    p.add_argument("--lora-rank", type=_positive_int, default=defaults.LORA_RANK)
+    p.add_argument("--seq-len", type=_positive_int, default=defaults.SEQ_LEN, help="training sequence length for activations")
 
 
 # Far above any real use (a 1M-token sequence, a rank-65536 adapter), low enough that no
@@ -263,9 +266,10 @@ ARG_LIMIT = 1 << 31
 
 def _add_cluster_args(p: argparse.ArgumentParser, required: bool) -> None:
     """The cluster a plan is for (plan, new-model; align tier 4)."""
-    p.add_argument("--gpus", type=_positive_int, required=required, default=None if required else 8,
+    p.add_argument("--gpus", type=_positive_int, required=required, default=None if required else defaults.GPUS,
                    help="GPUs to plan for" + ("" if required else " (default 8)"))
-    p.add_argument("--gpus-per-node", type=_positive_int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--gpus-per-node", type=_positive_int, default=defaults.GPUS_PER_NODE,
+                   help=f"GPUs per node (default {defaults.GPUS_PER_NODE})")
 
 
 def _positive_int(text: str) -> int:

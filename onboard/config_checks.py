@@ -161,6 +161,8 @@ def _check_value(value: object, key_path: str, key: str, path: str | Path, depth
         raise BadInput(path, key_path, f"must be a finite number, got {value}")
     elif isinstance(value, str):
         _check_string(value, key_path, path, "")
+        # a size given as a string ("4") is still a size of the wrong type
+        _check_named_size(value, key_path, key.lower(), path)
     elif value is not None:
         _check_named_size(value, key_path, key.lower(), path)
 

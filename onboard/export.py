@@ -44,11 +44,11 @@ def _written_atomically(out: Path, write: Callable[[Path], None]) -> Path:
     return out
 
 
-def write_peft(out: Path, state, config, spec: dict, weight_map: dict, release: Path) -> None:
+def write_peft(out: Path, state, config, family: str, weight_map: dict, release: Path) -> None:
     """The PEFT adapter folder of runtime LoRA `state`."""
     from peft import get_peft_model
 
-    hf = hf_skeleton(release, spec["family"])
+    hf = hf_skeleton(release, family)
     cfg = peft_config(config, state, weight_map, hf, str(release))
     peft_model = get_peft_model(hf, cfg)
     state = adapter_file_state(peft_model, state, key_pairs(peft_model, weight_map), weight_map)
@@ -112,6 +112,6 @@ def export(run: Path, peft_dir: Path | None, merge_dir: Path | None) -> Path:
         if biases:
             raise ExportGap(f"{run}: the run updated the routers' correction biases, which a PEFT adapter cannot "
                             "carry; use --merge to write them into the merged release")
-        return _written_atomically(peft_dir, lambda tmp: write_peft(tmp, state, config, spec, weight_map, release))
+        return _written_atomically(peft_dir, lambda tmp: write_peft(tmp, state, config, spec["family"], weight_map, release))
     return _written_atomically(merge_dir, lambda tmp: write_merged(tmp, release, weight_map, state, config.scale,
                                                                    biases=biases))

@@ -18,7 +18,7 @@ from onboard.align.report import Check
 from onboard.align.tier1_layers import layer_label
 from onboard.manifest import Manifest
 from onboard.package_derivation import OwnStep, apply_step
-from onboard.spec import ModelSpec
+from runtime.spec import ModelSpec
 from runtime.registry import ops_for_layer
 
 Rung = Literal["layers", "model"]
@@ -52,7 +52,7 @@ def fallback_step(spec: ModelSpec, rung: Rung, failed: list[Check]) -> OwnStep:
 def _layer_reasons(spec: ModelSpec, failed: list[Check]) -> dict[int, str]:
     """Layer index -> why, for every layer of a kind a tier-1 check failed on (own layers excluded: they
     already are the release's module)."""
-    labels = {layer.index: layer_label(layer.model_dump()) for layer in spec.layers}
+    labels = {layer.index: layer_label(layer) for layer in spec.layers}
     failing: dict[str, Check] = {}
     for check in failed:
         if check.layer is not None and labels.get(check.layer, "own_layer") != "own_layer":
@@ -61,7 +61,7 @@ def _layer_reasons(spec: ModelSpec, failed: list[Check]) -> dict[int, str]:
     for layer in spec.layers:
         check = failing.get(labels[layer.index])
         if check is not None:
-            ops = [name for name, _ in ops_for_layer(layer.attention.model_dump(), layer.ffn.model_dump())]
+            ops = [name for name, _ in ops_for_layer(layer.attention, layer.ffn)]
             what = ", ".join(ops) if ops else "the layer's norms and residuals"
             reasons[layer.index] = f"{what} disagreed with the release's decoder layer: {_evidence(check)}"
     return reasons

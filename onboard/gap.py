@@ -10,7 +10,8 @@ from onboard.manifest import Manifest
 from onboard.memory import MemoryBudget, budget
 from onboard.meta_check import MetaCheck, meta_check
 from onboard.transformers_classes import transformers_knows
-from onboard.spec import ModelSpec, Unrecognized
+from runtime import defaults
+from runtime.spec import ModelSpec, Unrecognized
 from onboard.weight_layout import expected_tensors
 from runtime.kernels.available import kernels_available
 from runtime.registry import OPS, ops_for_layer
@@ -77,9 +78,8 @@ def op_gaps(spec: ModelSpec) -> list[OpGap]:
     found: dict[tuple[str, str], set[int]] = {}
     own: dict[str, tuple[list[int], str]] = {}
     for layer in spec.layers:
-        attention, ffn = layer.attention.model_dump(), layer.ffn.model_dump()
-        for name, params in [("rms_norm", spec.norm.model_dump())] + ops_for_layer(attention, ffn):
-            support = OPS[name].supports(params)
+        for name, part in [("rms_norm", spec.norm)] + ops_for_layer(layer.attention, layer.ffn):
+            support = OPS[name].supports(part)
             found.setdefault((name, support), set()).add(layer.index)
         for part, reason in _own_parts(layer):
             own.setdefault(part, ([], reason))[0].append(layer.index)
@@ -149,8 +149,8 @@ def unexpected_as_unrecognized(unexpected: list[str]) -> list[Unrecognized]:
             for p, n in sorted(patterns.items())]
 
 
-def analyze(spec: ModelSpec, manifest: Manifest, gpu_mem_gib: float = 80.0, lora_rank: int = 16,
-            seq_len: int = 4096) -> GapReport:
+def analyze(spec: ModelSpec, manifest: Manifest, gpu_mem_gib: float = defaults.GPU_MEM_GIB,
+            lora_rank: int = defaults.LORA_RANK, seq_len: int = defaults.SEQ_LEN) -> GapReport:
     ops = op_gaps(spec)
     weights = check_weights(spec, manifest)
     meta = meta_check(spec, manifest) if transformers_knows(spec.family) else None

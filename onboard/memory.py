@@ -13,7 +13,8 @@ import re
 
 from pydantic import BaseModel
 
-from onboard.spec import DenseFFN, ModelSpec, MoEFFN, own_tensors
+from runtime import defaults
+from runtime.spec import DenseFFN, ModelSpec, MoEFFN, own_tensors
 from onboard.weight_layout import attention_tensors
 
 GIB = 1 << 30
@@ -177,12 +178,12 @@ def _kept_and_backward(spec: ModelSpec, policy: str, lora_rank: int) -> tuple[in
     return kept, rebuilt + in_flight
 
 
-def activation_bytes_per_token(spec: ModelSpec, policy: str, lora_rank: int = 16) -> int:
+def activation_bytes_per_token(spec: ModelSpec, policy: str, lora_rank: int = defaults.LORA_RANK) -> int:
     """What backward needs per token under `policy`, all layers, at its peak (_kept_and_backward)."""
     return sum(_kept_and_backward(spec, policy, lora_rank))
 
 
-def activations(spec: ModelSpec, seq_len: int, policy: str = "recompute", lora_rank: int = 16) -> int:
+def activations(spec: ModelSpec, seq_len: int, policy: str = "recompute", lora_rank: int = defaults.LORA_RANK) -> int:
     """Bytes one sequence of seq_len needs on a GPU at the step's peak: what the forward keeps (activations,
     attention state, the loss's gradient of its input, the final norm), plus the larger of the loss's one chunk
     of logits (alive only in the forward: runtime/loss.py forms the gradient there) and the backward's peak."""
@@ -204,7 +205,8 @@ def _dsa_backward_workspace(spec: ModelSpec, b: int, seq_len: int) -> int:
                 for layer in spec.layers if layer.attention.kind == "mla" and layer.attention.indexer), default=0)
 
 
-def budget(spec: ModelSpec, gpu_mem_gib: float = 80.0, lora_rank: int = 16, seq_len: int = 4096) -> MemoryBudget:
+def budget(spec: ModelSpec, gpu_mem_gib: float = defaults.GPU_MEM_GIB, lora_rank: int = defaults.LORA_RANK,
+           seq_len: int = defaults.SEQ_LEN) -> MemoryBudget:
     b = DTYPE_BYTES.get(spec.dtype, 2)
     weights = (spec.params.total + spec.params.buffers) * b
     n_lora = lora_params(spec, lora_rank)

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from onboard.config_checks import transformers_config
 from onboard.errors import BadInput
 from onboard.manifest import Manifest
-from onboard.spec import ModelSpec
+from runtime.spec import ModelSpec
 from onboard.transformers_classes import model_class, transformers_class_names, transformers_may_know  # noqa: F401 (gap reads it here)
 
 

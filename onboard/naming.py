@@ -1,29 +1,13 @@
-"""How a release names its tensors: detected from the weight names, then used to list expected tensors."""
+"""How a release names its tensors (runtime/spec.py's WeightNaming, a field of the spec): detected here from the
+weight names, then used to list the expected tensors."""
 from __future__ import annotations
 
 import re
-from typing import Literal, Optional
+from typing import Optional
 
-from pydantic import BaseModel, ConfigDict
+from runtime.spec import WeightNaming
 
 EXPERT_INDEX_RE = re.compile(r"\.\d+\.")
-
-
-class WeightNaming(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    prefix: str  # text decoder prefix, e.g. "model." or "model.language_model."
-    softmax_module: str = "self_attn"
-    linear_module: str = "self_attn"  # Qwen3-Next names its gated delta net "linear_attn"
-    ffn_module: str = "mlp"
-    expert_style: Literal["gate_up_down", "w1_w3_w2", "fused_gate_up"] = "gate_up_down"
-    router_module: str = "gate"
-    correction_bias: Optional[str] = None  # path under the FFN module
-    shared_module: str = "shared_experts"
-    kda_gate_prefix: str = ""  # the seed release nests A_log/dt_bias/f_a/f_b under "forget_gate."
-    final_norm: str = "norm"  # the decoder's last norm, under prefix (Jamba: "final_layernorm")
-    embedding: str = "embed_tokens"  # the token embedding, under prefix (Ling: "word_embeddings")
-    vision_prefix: Optional[str] = None
 
 
 def scan_layers(names) -> tuple[str, dict[int, set[str]]]:

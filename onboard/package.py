@@ -30,6 +30,7 @@ from onboard.package_derivation import SpecStep, derive_spec, derive_weight_map
 from onboard.release_hashes import shard_records
 from onboard.render import gap_markdown
 from onboard.workflow import model_slug, write_workflow
+from runtime import defaults
 from runtime.lora_file import default_lora_file, lora_yaml_text
 
 
@@ -37,8 +38,9 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def write_package(model_dir: Path, out: Path, gpu_mem_gib: float = 80.0, lora_rank: int = 16, seq_len: int = 4096,
-                  gpus: int = 8, gpus_per_node: int = 8, generated: Sequence[GeneratedOp] = (),
+def write_package(model_dir: Path, out: Path, gpu_mem_gib: float = defaults.GPU_MEM_GIB,
+                  lora_rank: int = defaults.LORA_RANK, seq_len: int = defaults.SEQ_LEN, gpus: int = defaults.GPUS,
+                  gpus_per_node: int = defaults.GPUS_PER_NODE, generated: Sequence[GeneratedOp] = (),
                   spec_steps: Sequence[SpecStep] = ()):
     """Returns (package path, gap report); plan.yaml is the parallel plan for `gpus` GPUs of gpu_mem_gib.
     `generated`: validated operator candidates, written into PKG/ops/ and marked `generated` in the gap report.
@@ -67,10 +69,10 @@ def write_package(model_dir: Path, out: Path, gpu_mem_gib: float = 80.0, lora_ra
 
 
 def _write_lora_yaml(pkg: Path, spec, lora_rank: int) -> None:
-    """Every attention projection at the budget's rank, alpha twice the rank (r16 / alpha 32 by default)."""
+    """Every attention projection at the budget's rank, alpha twice the rank (runtime/defaults.py)."""
     weight_map = json.loads((pkg / "weight_map.json").read_text())
-    lora = default_lora_file(json.loads(spec.model_dump_json()), weight_map)
-    lora = lora.model_copy(update={"rank": lora_rank, "alpha": 2.0 * lora_rank})
+    lora = default_lora_file(spec, weight_map)
+    lora = lora.model_copy(update={"rank": lora_rank, "alpha": defaults.LORA_ALPHA_PER_RANK * lora_rank})
     (pkg / "lora.yaml").write_text(lora_yaml_text(lora))
 
 

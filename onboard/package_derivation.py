@@ -15,7 +15,7 @@ from typing import Annotated, Any, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
 
 from onboard.manifest import Manifest
-from onboard.spec import ModelSpec
+from runtime.spec import ModelSpec
 
 
 class SetStep(BaseModel):

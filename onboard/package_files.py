@@ -21,7 +21,7 @@ from onboard import package_io
 from onboard.errors import BadInput
 from onboard.package_derivation import SpecStep
 from onboard.release_hashes import ShardRecord
-from onboard.spec import ModelSpec
+from runtime.spec import ModelSpec
 
 
 class SourceRecord(BaseModel):

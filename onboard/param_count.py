@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from math import prod
 
-from onboard.spec import ModelSpec, MoEFFN, ParamCounts, VisionSpec, own_tensors
+from runtime.spec import ModelSpec, MoEFFN, ParamCounts, VisionSpec, own_tensors
 from onboard.weight_layout import attention_tensors, ffn_tensors
 
 LIGHTNING_BUFFERS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")

@@ -14,7 +14,7 @@ from onboard.errors import BadInput
 from onboard.memory import GIB, POLICIES, USABLE_FRACTION, WORKSPACE_GIB, activations
 from onboard.plan_cost import (ASSUMPTIONS, Cluster, Memory, ModelSummary, StepTime, estimate_memory,
                                estimate_time)
-from onboard.spec import ModelSpec
+from runtime.spec import ModelSpec
 from runtime.parallel.placement import MeshShape, PlacementError, experts_per_rank
 
 MICRO_BATCHES = (1, 2, 4, 8)

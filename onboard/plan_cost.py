@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from onboard.memory import DTYPE_BYTES, GIB, LORA_STATE_BYTES, USABLE_FRACTION, WORKSPACE_GIB, activations, lora_params
-from onboard.spec import LayerSpec, ModelSpec, MoEFFN
+from runtime.spec import LayerSpec, ModelSpec, MoEFFN
 from onboard.weight_layout import attention_tensors, ffn_tensors
 from runtime.parallel.placement import MeshShape, experts_per_rank, padded_rows
 

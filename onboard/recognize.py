@@ -14,10 +14,10 @@ from onboard.config_view import ConfigView, NotRecognized
 from onboard.errors import BadInput
 from onboard.manifest import Manifest
 from onboard.meta_check import rope_pairs_interleaved, transformers_layer_count
-from onboard.naming import WeightNaming, detect_naming, scan_layers
-from onboard.spec import (DenseFFN, DSAIndexer, GatedDeltaAttention, KDAAttention, LayerSpec, LightningAttention,
-                          MLAAttention, ModelSpec, MoEFFN, NormSpec, OwnModule, ResidualSpec, RopeSpec, RouterSpec,
-                          SoftmaxAttention, Unrecognized)
+from onboard.naming import detect_naming, scan_layers
+from runtime.spec import (WeightNaming, DenseFFN, DSAIndexer, GatedDeltaAttention, KDAAttention, LayerSpec,
+                          LightningAttention, MLAAttention, ModelSpec, MoEFFN, NormSpec, OwnModule, ResidualSpec,
+                          RopeSpec, RouterSpec, SoftmaxAttention, Unrecognized)
 from onboard import param_count, recognize_vision
 from onboard.recognize_mrope import probed_mrope
 from onboard.transformers_classes import transformers_knows

@@ -5,8 +5,7 @@ from math import prod
 
 from onboard.config_view import ConfigView
 from onboard.manifest import Manifest
-from onboard.naming import WeightNaming
-from onboard.spec import VisionSpec
+from runtime.spec import WeightNaming, VisionSpec
 
 
 def recognize(manifest: Manifest, top: ConfigView, naming: WeightNaming) -> VisionSpec | None:

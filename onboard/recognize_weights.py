@@ -18,7 +18,7 @@ from onboard.errors import BadInput
 from onboard.manifest import Manifest
 from onboard.meta_check import (glue_reshapes, transformers_attention_linears, transformers_decoder_layers,
                                 transformers_parameter_names, transformers_reshaped, transformers_tensors)
-from onboard.spec import LayerSpec, ModelSpec, OwnModule, Unrecognized
+from runtime.spec import LayerSpec, ModelSpec, OwnModule, Unrecognized
 from onboard.weight_layout import expected_tensors
 
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")

@@ -5,7 +5,7 @@ how each attention and FFN kind lays out its released weights.
 """
 from __future__ import annotations
 
-from onboard.spec import (DenseFFN, GatedDeltaAttention, KDAAttention, LightningAttention, MLAAttention, ModelSpec,
+from runtime.spec import (DenseFFN, GatedDeltaAttention, KDAAttention, LightningAttention, MLAAttention, ModelSpec,
                           MoEFFN, OwnModule, SoftmaxAttention, own_tensors)
 
 Shapes = dict[str, tuple[int, ...]]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from onboard.spec import ModelSpec, MoEFFN
+from runtime.spec import ModelSpec, MoEFFN
 from onboard.weight_layout import attention_tensors, ffn_tensors
 
 # the runtime module holding transformers' whole model, when the model runs as its own

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.config import AttentionConfig
+from runtime.spec import Attention
 from runtime.layers.ffn import Experts, MoE, Router
 
 CHUNK = 64
@@ -74,7 +74,7 @@ def _pairs(n: int, limit: int | None) -> int:
     return limit * (limit + 1) // 2 + (n - limit) * limit
 
 
-def mixing_flops(a: AttentionConfig, n: int) -> tuple[float, float]:
+def mixing_flops(a: Attention, n: int) -> tuple[float, float]:
     """(forward FLOPs with a backward, forward-only FLOPs) of one layer's token mixing over n tokens."""
     if a.kind == "softmax":
         return 2 * 2 * a.head_dim * a.num_heads * _pairs(n, a.sliding_window), 0.0

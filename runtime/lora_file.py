@@ -16,8 +16,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import nn
 
+from runtime import defaults
 from runtime.errors import InputFileError
 from runtime.lora import LoraConfig
+from runtime.spec import ModelSpec
 
 LAYER_INDEX = re.compile(r"\.layers\.\d+\.")
 
@@ -25,8 +27,8 @@ LAYER_INDEX = re.compile(r"\.layers\.\d+\.")
 class LoraFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    rank: int = Field(16, gt=0)
-    alpha: float = Field(32.0, gt=0, allow_inf_nan=False)
+    rank: int = Field(defaults.LORA_RANK, gt=0)
+    alpha: float = Field(defaults.LORA_ALPHA, gt=0, allow_inf_nan=False)
     dropout: float = Field(0.0, ge=0, lt=1, allow_inf_nan=False)
     use_rslora: bool = False
     targets: list[str] = []
@@ -78,9 +80,9 @@ def lora_config(text: str, path: Path, weight_map: dict[str, dict]) -> LoraConfi
                       targets=targets, experts=data.experts, router=data.router, seed=data.seed)
 
 
-def default_lora_file(spec: dict, weight_map: dict[str, dict]) -> LoraFile:
-    """r16, alpha 32, every attention and linear-attention projection; experts and router off. The DSA
-    indexer is left out: it only selects keys, so the loss sends no gradient into it."""
+def default_lora_file(spec: ModelSpec, weight_map: dict[str, dict]) -> LoraFile:
+    """Rank and alpha of runtime/defaults.py, every attention and linear-attention projection; experts and
+    router off. The DSA indexer is left out: it only selects keys, so the loss sends no gradient into it."""
     from runtime.model import HybridDecoder
 
     with torch.device("meta"):
@@ -92,11 +94,12 @@ def default_lora_file(spec: dict, weight_map: dict[str, dict]) -> LoraFile:
     return LoraFile(targets=_by_layer_pattern(chosen, list(modules)))
 
 
-def _own_attention_linears(spec: dict) -> set[str]:
+def _own_attention_linears(spec: ModelSpec) -> set[str]:
     """Released modules of own modules that transformers builds as nn.Linear inside its attention modules:
     the token mixer's projections (recognition lists them per part; in an own layer the part a tensor is
     filed under is bookkeeping, so both parts are read)."""
-    return {name for layer in spec["layers"] for part in ("attention", "ffn") for name in layer[part].get("linears", [])}
+    return {name for layer in spec.layers for part in (layer.attention, layer.ffn) if part.kind == "own_module"
+            for name in part.linears}
 
 
 def _by_layer_pattern(chosen: list[str], modules: list[str]) -> list[str]:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from runtime.config import LayerConfig
+from runtime.spec import LayerSpec
 
 LINEAR_ATTENTION = ("gated_delta", "kda", "lightning")
 OP_KINDS = ("attention", "linear_attention", "moe", "mlp")
@@ -38,7 +38,7 @@ class MemoryPolicy:
             raise ValueError(f"memory policy: unknown op kinds {unknown}; known: {', '.join(OP_KINDS + ATTENTION_KINDS)}")
 
 
-def _kinds(layer: LayerConfig, part: str) -> set[str]:
+def _kinds(layer: LayerSpec, part: str) -> set[str]:
     """The names a policy entry may use for this layer's attention or FFN."""
     if part == "ffn":
         return {"moe"} if layer.ffn.kind == "moe" else {"mlp"}
@@ -46,7 +46,7 @@ def _kinds(layer: LayerConfig, part: str) -> set[str]:
     return {kind, "linear_attention" if kind in LINEAR_ATTENTION else "attention"}
 
 
-def _parts(layer: nn.Module, config: LayerConfig) -> list[tuple[str, nn.Module, set[str]]]:
+def _parts(layer: nn.Module, config: LayerSpec) -> list[tuple[str, nn.Module, set[str]]]:
     """(name, module, kinds) of the layer's wrappable parts; an own layer is one part, named by all its kinds."""
     if layer.own is not None:
         return [("own", layer.own, _kinds(config, "attn") | _kinds(config, "ffn"))]

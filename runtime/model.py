@@ -1,4 +1,4 @@
-"""The hybrid decoder, assembled from a ModelConfig (runtime/config.py, parsed from the package's spec.json).
+"""The hybrid decoder, assembled from a ModelSpec (runtime/spec.py, read from the package's spec.json).
 
 Single-device and readable: embedding, per layer (pre-norm attention of any registered kind, pre-norm
 dense or MoE FFN, residuals), final norm, LM head. Parallelism is applied from outside.
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.config import LayerConfig, ModelConfig, NormConfig
+from runtime.spec import LayerSpec, ModelSpec, NormSpec, read_spec
 from runtime.layers.ffn import GatedMLP, MoE
 from runtime.layers.linear_attention import GatedDeltaNet, KimiDeltaAttention, LightningAttention
 from runtime.layers.lora_linear import weight_of
@@ -41,7 +41,7 @@ def _ffn(ffn, index: int, d: int) -> nn.Module:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, layer: LayerConfig, hidden_size: int, norm: NormConfig, index: int = 0):
+    def __init__(self, layer: LayerSpec, hidden_size: int, norm: NormSpec, index: int = 0):
         super().__init__()
         d, eps, offset = hidden_size, norm.eps, norm.offset
         # a layer not understood as a whole is transformers' decoder layer, norms and residuals included
@@ -71,12 +71,12 @@ class HybridDecoder(nn.Module):
     # set by runtime/memory.py's apply_memory_policy when it offloads saved activations to host memory
     offloads_activations = False
 
-    def __init__(self, config: ModelConfig | dict, num_layers: int | None = None):
-        """config: a ModelConfig, or the spec.json dict (parsed here, once; SpecError if malformed).
+    def __init__(self, config: ModelSpec | dict, num_layers: int | None = None):
+        """config: a ModelSpec, or spec.json's data (validated here, once, by read_spec: SpecError if malformed).
         num_layers truncates the model (alignment of very large releases runs the first few)."""
         super().__init__()
-        if isinstance(config, dict):
-            config = ModelConfig.from_spec(config)
+        if not isinstance(config, ModelSpec):
+            config = read_spec(config)
         self.config = config
         d, vocab, norm = config.hidden_size, config.vocab_size, config.norm
         # a model whose glue is not understood is transformers' whole model: no layers, embedding or head of ours

@@ -5,10 +5,9 @@ as "module:function" strings, so reading the table imports nothing heavy. `suppo
 the family computes a component with given parameters exactly, as a variant (same op, a parameter
 path exercised less), or not at all.
 
-Predicates and `ops_for_layer` take the plain dicts of the ModelSpec, not runtime/config.py's
-dataclasses: their callers are onboard's gap analysis and alignment tier 0, which judge a spec before
-any runtime model exists (from `ModelSpec.model_dump()`, which the runtime cannot import) and use the
-parameter dicts themselves as tier-0 case keys and op arguments. The runtime's layers never ask.
+Predicates and `ops_for_layer` take the ModelSpec's own parts (runtime/spec.py: a NormSpec, a RopeSpec,
+an attention or FFN spec): their callers are onboard's gap analysis, the agents' tasks and alignment tiers 0
+and 2, which judge a spec before any runtime model exists. The runtime's layers never ask.
 """
 from __future__ import annotations
 
@@ -16,9 +15,13 @@ import importlib
 import sys
 import importlib.util
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional
+from typing import Callable, Literal, Optional, Union
+
+from runtime.spec import FFN, Attention, DenseFFN, GatedDeltaAttention, MLAAttention, MoEFFN, NormSpec, RopeSpec
 
 Support = Literal["exact", "variant", "unsupported"]
+# the part of a ModelSpec an op family's predicate judges: the model's norm, a layer's rope, attention or FFN
+SpecPart = Union[NormSpec, RopeSpec, Attention, FFN]
 
 ROPE_TYPES = {"default", "linear", "yarn", "llama3", "dynamic"}
 
@@ -30,7 +33,7 @@ class OpFamily:
     reference: str
     fallback: str
     kernel: Optional[str]
-    supports: Callable[[dict], Support]
+    supports: Callable[[SpecPart], Support]
 
     def resolve(self, which: Literal["reference", "fallback", "kernel"]):
         """Import and return the implementation; None when that module or function does not exist."""
@@ -51,7 +54,7 @@ class OpFamily:
         return target is not None and importlib.util.find_spec(target.split(":")[0]) is not None
 
 
-def _always(params: dict) -> Support:
+def _always(part: SpecPart) -> Support:
     return "exact"
 
 
@@ -62,47 +65,47 @@ def _generated(module: str, table: str, name: str) -> bool:
     return loaded is not None and name in getattr(loaded, table)
 
 
-def _norm(params: dict) -> Support:
-    kind = params.get("kind")
+def _norm(norm: NormSpec) -> Support:
+    kind = norm.kind
     if kind in ("rms", "rms_1p"):
         return "exact"
     return "variant" if _generated("runtime.ops.norms", "NORMS", kind) else "unsupported"
 
 
-def _rope(params: dict) -> Support:
-    scaling = params.get("scaling") or {}
+def _rope(rope: RopeSpec) -> Support:
+    scaling = rope.scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        return "variant" if _generated("runtime.ops.rope", "ROPES", rope_type) and not params.get("mrope_section") \
+        return "variant" if _generated("runtime.ops.rope", "ROPES", rope_type) and not rope.mrope_section \
             else "unsupported"
     return "variant" if rope_type == "dynamic" else "exact"
 
 
-def _gated_delta(params: dict) -> Support:
-    decay = params.get("decay", "softplus")
+def _gated_delta(attention: GatedDeltaAttention) -> Support:
+    decay = attention.decay
     if decay == "softplus":
         return "exact"
     return "variant" if _generated("runtime.ops.gated_delta", "DECAYS", decay) else "unsupported"
 
 
-def _softmax(params: dict) -> Support:
+def _softmax(attention: Attention) -> Support:
     return "exact"
 
 
-def _mla(params: dict) -> Support:
-    return "exact" if params.get("indexer") is None else "unsupported"
+def _mla(attention: MLAAttention) -> Support:
+    return "exact" if attention.indexer is None else "unsupported"
 
 
-def _dsa(params: dict) -> Support:
-    return "exact" if params.get("indexer") is not None else "unsupported"
+def _dsa(attention: MLAAttention) -> Support:
+    return "exact" if attention.indexer is not None else "unsupported"
 
 
 BUILTIN_SCORINGS = ("softmax", "sigmoid")
 
 
-def _router(params: dict) -> Support:
+def _router(ffn: MoEFFN) -> Support:
     """softmax and sigmoid are built in (the kernel fuses softmax); a scoring a package generated runs unfused."""
-    scoring = params["router"]["scoring"]
+    scoring = ffn.router.scoring
     if scoring in BUILTIN_SCORINGS:
         return "exact"
     return "variant" if _generated("runtime.ops.moe", "SCORINGS", scoring) else "unsupported"
@@ -113,9 +116,9 @@ def _router(params: dict) -> Support:
 BUILTIN_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 
 
-def _activation(params: dict) -> Support:
+def _activation(ffn: Union[DenseFFN, MoEFFN]) -> Support:
     """silu is the path every kernel fuses; other activations the runtime has (or a package generated) run unfused."""
-    name = params.get("activation", "silu")
+    name = ffn.activation
     if name == "silu":
         return "exact"
     # generated activations are registered into runtime.ops.mlp, so it is loaded whenever there are any
@@ -157,14 +160,14 @@ OPS: dict[str, OpFamily] = {op.name: op for op in [
 ]}
 
 
-def ops_for_layer(attention: dict, ffn: dict) -> list[tuple[str, dict]]:
-    """The op families one decoder layer uses, each with the parameters its predicate judges."""
-    kind = attention["kind"]
-    used: list[tuple[str, dict]] = []
+def ops_for_layer(attention: Attention, ffn: FFN) -> list[tuple[str, SpecPart]]:
+    """The op families one decoder layer uses, each with the spec part its predicate judges."""
+    kind = attention.kind
+    used: list[tuple[str, SpecPart]] = []
     if kind == "softmax":
         used.append(("softmax_attention", attention))
     elif kind == "mla":
-        used += [("dsa_indexer", attention), ("dsa_attention", attention)] if attention.get("indexer") \
+        used += [("dsa_indexer", attention), ("dsa_attention", attention)] if attention.indexer \
             else [("mla_attention", attention)]
     elif kind == "gated_delta":
         used += [("causal_conv1d", attention), ("gated_delta_rule", attention), ("gated_rms_norm", attention)]
@@ -172,13 +175,13 @@ def ops_for_layer(attention: dict, ffn: dict) -> list[tuple[str, dict]]:
         used += [("causal_conv1d", attention), ("kda", attention), ("gated_rms_norm", attention)]
     elif kind == "lightning":
         used.append(("lightning_attention", attention))
-    if attention.get("rope"):
-        used.append(("rope", attention["rope"]))
+    if kind in ("softmax", "mla") and attention.rope is not None:  # None: no rotary embedding (NoPE)
+        used.append(("rope", attention.rope))
     # own modules (kind "own_module") run through the model's own implementation: no registry op
-    if ffn["kind"] == "moe":
+    if ffn.kind == "moe":
         used += [("moe_router", ffn), ("moe_experts", ffn)]
-        if ffn.get("num_shared_experts"):
+        if ffn.num_shared_experts:
             used.append(("swiglu_mlp", ffn))
-    elif ffn["kind"] == "dense":
+    elif ffn.kind == "dense":
         used.append(("swiglu_mlp", ffn))
     return used

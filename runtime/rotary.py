@@ -1,19 +1,19 @@
-"""Rotary tables for a layer's RopeConfig, built once per forward and shared by the layers with the same one."""
+"""Rotary tables for a layer's RopeSpec, built once per forward and shared by the layers with the same one."""
 from __future__ import annotations
 
 import torch
 
-from runtime.config import RopeConfig
+from runtime.spec import RopeSpec
 from runtime.ops.rope import ROPES, generated_cos_sin, mrope_cos_sin, rope_cos_sin, rope_inv_freq, rope_type_of
 
 
-def rope_key(rope: RopeConfig) -> tuple:
-    """What the tables depend on (`interleaved` only changes how they are applied); the scaling dict
-    is not hashable, so it enters by its repr."""
-    return rope.theta, rope.rotary_dim, repr(rope.scaling), rope.mrope_section, rope.mrope_interleaved
+def rope_key(rope: RopeSpec) -> tuple:
+    """What the tables depend on (`interleaved` only changes how they are applied); the scaling dict and the
+    section list are not hashable, so they enter by their repr and as a tuple."""
+    return rope.theta, rope.rotary_dim, repr(rope.scaling), tuple(rope.mrope_section or ()), rope.mrope_interleaved
 
 
-def cos_sin(rope: RopeConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin(rope: RopeSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """positions: [B, T] or, for multimodal rope, [3, B, T]. Returns fp32 cos/sin [B, T, R]."""
     generated = ROPES.get(rope_type_of(rope.scaling))
     if generated is not None:
@@ -35,7 +35,7 @@ def cos_sin(rope: RopeConfig, positions: torch.Tensor) -> tuple[torch.Tensor, to
 _INV_FREQ_ON_DEVICE: dict[tuple, tuple[torch.Tensor, float]] = {}
 
 
-def _inv_freq_on(rope: RopeConfig, device: torch.device, scaled: bool) -> tuple[torch.Tensor, float]:
+def _inv_freq_on(rope: RopeSpec, device: torch.device, scaled: bool) -> tuple[torch.Tensor, float]:
     key = (rope_key(rope), scaled, device)
     if key not in _INV_FREQ_ON_DEVICE:
         inv_freq, factor = rope_inv_freq(rope.rotary_dim, rope.theta, rope.scaling if scaled else None)
@@ -50,7 +50,7 @@ class RotaryCache:
         self.positions = positions
         self.tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def get(self, rope: RopeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, rope: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
         key = rope_key(rope)
         if key not in self.tables:
             self.tables[key] = cos_sin(rope, self.positions)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel
 
 from runtime.ops.rope import rope_cos_sin, rope_inv_freq
 
@@ -38,9 +39,11 @@ def _rope_tables(rope: dict, T: int):
     return rope_cos_sin(torch.arange(T)[None], inv_freq, factor)
 
 
-def build_case(op: str, params: dict, hidden: int, T: int, seed: int, dtype: torch.dtype) -> Case:
+def build_case(op: str, part: BaseModel, hidden: int, T: int, seed: int, dtype: torch.dtype) -> Case:
+    """part: the spec part the op computes (runtime/registry.py's SpecPart); the builders read its fields as
+    the plain data they pass to the op."""
     case = Case(torch.Generator().manual_seed(seed), dtype)
-    BUILDERS[op](case, params, hidden, T)
+    BUILDERS[op](case, part.model_dump(mode="json"), hidden, T)
     return case
 
 

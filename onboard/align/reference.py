@@ -10,11 +10,12 @@ from torch import nn
 from onboard.errors import BadInput
 from onboard.transformers_classes import model_class
 from runtime.own_modules import text_decoder, truncated_config
+from runtime.spec import ModelSpec
 
 
-def random_tokens(spec: dict, batch: int, T: int, seed: int) -> torch.Tensor:
+def random_tokens(spec: ModelSpec, batch: int, T: int, seed: int) -> torch.Tensor:
     """Token ids both sides see: uniform over the vocabulary, from their own generator."""
-    return torch.randint(0, spec["vocab_size"], (batch, T), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, spec.vocab_size, (batch, T), generator=torch.Generator().manual_seed(seed))
 
 
 def load_reference(source: Path, family: str, dtype: torch.dtype, num_layers: int | None = None) -> nn.Module:
@@ -42,12 +43,14 @@ def _refresh_derived_buffers(model: nn.Module) -> None:
                 getattr(module, name).copy_(value)
 
 
-def load_runtime(spec: dict, weight_map: dict, source: Path, dtype: torch.dtype, num_layers: int | None = None):
+def load_runtime(spec: ModelSpec | dict, weight_map: dict, source: Path, dtype: torch.dtype,
+                 num_layers: int | None = None):
+    """Our model with the release's weights; spec: a ModelSpec or spec.json's data (HybridDecoder reads it)."""
     from runtime.model import HybridDecoder
     from runtime.weights import load_release
 
     model = HybridDecoder(spec, num_layers).to(dtype)
-    vision = spec["naming"].get("vision_prefix")
+    vision = model.config.naming.vision_prefix
     try:
         load_release(model, source, weight_map, skip_prefixes=(vision,) if vision else ())
     except KeyError as err:

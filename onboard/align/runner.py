@@ -27,15 +27,16 @@ from runtime.parallel.placement import MeshShape
 from onboard.model_references import register_references
 from runtime.errors import InputFileError
 from runtime.package_ops import OpFile, check_loadable, read_op_files, register_op_files, tables_restored, unapproved
+from runtime.spec import ModelSpec, read_spec
 
 # Alignment of large releases runs a prefix of the model (both sides) holding every distinct layer kind.
 MAX_ALIGN_LAYERS = 8
 
 
-def layers_to_run(spec: dict, max_layers: int = MAX_ALIGN_LAYERS) -> int:
+def layers_to_run(spec: ModelSpec, max_layers: int = MAX_ALIGN_LAYERS) -> int:
     """At most max_layers, but never fewer than the prefix that holds every distinct layer kind."""
-    kinds = distinct_layers(spec, spec["num_layers"])
-    return max(max(kinds.values()) + 1, min(spec["num_layers"], max_layers))
+    kinds = distinct_layers(spec, spec.num_layers)
+    return max(max(kinds.values()) + 1, min(spec.num_layers, max_layers))
 
 
 def run_alignment(pkg: Path, tiers: list[int], model_dir: Path | None = None, tamper=None,
@@ -68,9 +69,10 @@ def align_in_process(pkg: Path, inputs: Package, files: list[OpFile], tiers: lis
     """The tiers in this process, with the package's op `files` registered: files the user approved, or any
     inside the confined child."""
     goal = tier4_target(pkg, cluster, mesh) if 4 in tiers else None
-    num_layers = layers_to_run(inputs.spec, max_layers)
-    if num_layers < inputs.spec["num_layers"] and min(tiers) < 3:
-        progress.note(f"aligning the first {num_layers} of {inputs.spec['num_layers']} layers "
+    spec = read_spec(inputs.spec)
+    num_layers = layers_to_run(spec, max_layers)
+    if num_layers < spec.num_layers and min(tiers) < 3:
+        progress.note(f"aligning the first {num_layers} of {spec.num_layers} layers "
                       "(every distinct layer kind is among them)")
     torch.manual_seed(0)
     # the package's generated ops run in the runtime (for this package only: a refused trial candidate must
@@ -78,13 +80,13 @@ def align_in_process(pkg: Path, inputs: Package, files: list[OpFile], tiers: lis
     with tables_restored():
         register_op_files(files)
         register_references(pkg)
-        results, divergence = _run_tiers(sorted(tiers), inputs, num_layers, tamper, progress, goal)
+        results, divergence = _run_tiers(sorted(tiers), spec, inputs, num_layers, tamper, progress, goal)
     return AlignmentReport(package=str(pkg.resolve()), source=str(inputs.source), spec_hash=inputs.spec_hash,
                            tiers=results, first_divergence=divergence,
                            passed=all(t.passed for t in results) and len(results) == len(tiers))
 
 
-def _run_tiers(tiers: list[int], inputs: Package, num_layers: int, tamper, progress: Progress,
+def _run_tiers(tiers: list[int], spec: ModelSpec, inputs: Package, num_layers: int, tamper, progress: Progress,
                goal: Target | None) -> tuple[list[TierResult], Divergence | None]:
     """Each tier only when the one below passed."""
     results, divergence = [], None
@@ -94,7 +96,7 @@ def _run_tiers(tiers: list[int], inputs: Package, num_layers: int, tamper, progr
             break
         progress.start_tier(tier)
         try:
-            checks, found = _run_tier(tier, inputs, num_layers, tamper, progress, goal)
+            checks, found = _run_tier(tier, spec, inputs, num_layers, tamper, progress, goal)
         except (BadInput, InputFileError):
             raise  # the package does not fit its release: bad input, one line
         except Exception as err:  # a load or run failure is a failed check, never a traceback
@@ -105,9 +107,10 @@ def _run_tiers(tiers: list[int], inputs: Package, num_layers: int, tamper, progr
     return results, divergence
 
 
-def _run_tier(tier: int, inputs: Package, num_layers: int, tamper, progress: Progress,
+def _run_tier(tier: int, spec: ModelSpec, inputs: Package, num_layers: int, tamper, progress: Progress,
               goal: Target | None) -> tuple[list[Check], Divergence | None]:
-    spec, weight_map, source = inputs.spec, inputs.weight_map, inputs.source
+    """spec: the package's, typed (read_package's is spec.json's data, the form its other readers take)."""
+    weight_map, source = inputs.weight_map, inputs.source
     if tier == 0:
         return tier0(spec, progress=progress), None
     if tier == 1:

@@ -13,7 +13,8 @@ import torch
 from onboard.align.cases import build_case
 from onboard.align.progress import Progress
 from onboard.align.report import Check
-from runtime.registry import OPS, ops_for_layer
+from runtime.registry import OPS, SpecPart, ops_for_layer
+from runtime.spec import ModelSpec
 from runtime.tolerances import compare, tolerance_for
 
 SEEDS = (0, 1, 2)
@@ -96,7 +97,7 @@ def _dtypes_for(which: str) -> tuple[torch.dtype, ...]:
     return DTYPES
 
 
-def check_op(op: str, params: dict, hidden: int, T: int, which: str) -> list[Check]:
+def check_op(op: str, part: SpecPart, hidden: int, T: int, which: str) -> list[Check]:
     family = OPS[op]
     fn, ref = family.resolve(which), family.resolve("reference")
     checks = []
@@ -105,7 +106,7 @@ def check_op(op: str, params: dict, hidden: int, T: int, which: str) -> list[Che
                             op=op, detail="Triton interpreter: bf16 dots are unreliable on CPU; bf16 kernels run on CUDA"))
     for dtype in _dtypes_for(which):
         for seed in SEEDS:
-            case = build_case(op, params, hidden, T, seed, dtype)
+            case = build_case(op, part, hidden, T, seed, dtype)
             name = f"{op}/{which}/{str(dtype).removeprefix('torch.')}/seed{seed}"
             if op in SELECTION_OPS:
                 overlap = selection_check(fn, case.kwargs, _device(which))
@@ -135,34 +136,34 @@ def _numeric_checks(op, fn, ref, case, dtype, seed, name, device: str) -> list[C
     return checks
 
 
-def distinct_ops(spec: dict) -> list[tuple[str, dict]]:
-    """Every (op, parameters) the spec uses, once each, in layer order."""
+def distinct_ops(spec: ModelSpec) -> list[tuple[str, SpecPart]]:
+    """Every (op, spec part) the spec uses, once each (equal parts are one), in layer order."""
     seen, out = set(), []
-    for layer in spec["layers"]:
-        for op, params in [("rms_norm", spec["norm"])] + ops_for_layer(layer["attention"], layer["ffn"]):
-            key = (op, repr(sorted(params.items())))
+    for layer in spec.layers:
+        for op, part in [("rms_norm", spec.norm)] + ops_for_layer(layer.attention, layer.ffn):
+            key = (op, part.model_dump_json())  # a part holding a dict (rope scaling) has no hash
             if key not in seen:
                 seen.add(key)
-                out.append((op, params))
+                out.append((op, part))
     return out
 
 
-def tier0(spec: dict, T: int = 33, progress: Progress | None = None) -> list[Check]:
+def tier0(spec: ModelSpec, T: int = 33, progress: Progress | None = None) -> list[Check]:
     """Checks for every (op, distinct parameters) the spec uses: the fallback, and the kernel where one exists."""
     progress = progress or Progress()
     ops = distinct_ops(spec)
     progress.plan(len(ops))
     checks = []
-    for op, params in ops:
+    for op, part in ops:
         progress.group(op)
-        checks += check_op(op, params, spec["hidden_size"], T, "fallback")
+        checks += check_op(op, part, spec.hidden_size, T, "fallback")
         if OPS[op].kernel and OPS[op].resolve("kernel") is not None:
-            checks += _kernel_checks(op, params, spec["hidden_size"], T)
+            checks += _kernel_checks(op, part, spec.hidden_size, T)
     return checks
 
 
-def _kernel_checks(op: str, params: dict, hidden: int, T: int) -> list[Check]:
+def _kernel_checks(op: str, part: SpecPart, hidden: int, T: int) -> list[Check]:
     if kernel_runnable():
-        return check_op(op, params, hidden, T, "kernel")
+        return check_op(op, part, hidden, T, "kernel")
     return [Check(tier=0, name=f"{op}/kernel", metric="-", value=0.0, tolerance=0.0, verdict="skip",
                   op=op, detail="no CUDA here and TRITON_INTERPRET is not set")]

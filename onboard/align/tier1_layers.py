@@ -16,24 +16,25 @@ from onboard.align.reference import (Recorder, attention_module, decoder_layers,
 from onboard.align.report import Check
 from runtime.own_modules import OwnModule
 from runtime.rotary import RotaryCache
+from runtime.spec import LayerSpec, ModelSpec
 from runtime.tolerances import compare, tolerance_for
 
 LORA_TARGETS = re.compile(r"(?:^|\.)(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|in_proj_\w+|"
                           r"out_proj|qkv_proj|gate_proj|up_proj|down_proj)\.weight$")
 
 
-def layer_label(layer: dict) -> str:
-    if layer.get("own_layer"):
+def layer_label(layer: LayerSpec) -> str:
+    if layer.own_layer:
         return "own_layer"
-    a = layer["attention"]
-    kind = "mla_dsa" if a["kind"] == "mla" and a.get("indexer") else a["kind"]
-    return f"{kind}+{layer['ffn']['kind']}"
+    a = layer.attention
+    kind = "mla_dsa" if a.kind == "mla" and a.indexer else a.kind
+    return f"{kind}+{layer.ffn.kind}"
 
 
-def distinct_layers(spec: dict, num_layers: int) -> dict[str, int]:
+def distinct_layers(spec: ModelSpec, num_layers: int) -> dict[str, int]:
     first: dict[str, int] = {}
-    for layer in spec["layers"][:num_layers]:
-        first.setdefault(layer_label(layer), layer["index"])
+    for layer in spec.layers[:num_layers]:
+        first.setdefault(layer_label(layer), layer.index)
     return first
 
 
@@ -78,13 +79,13 @@ def _lora_grad_checks(hf_layer, our_layer, index: int, name: str) -> list[Check]
     return checks
 
 
-def tier1(spec: dict, weight_map: dict, source: Path, num_layers: int, T: int = 17, seed: int = 0,
+def tier1(spec: ModelSpec, weight_map: dict, source: Path, num_layers: int, T: int = 17, seed: int = 0,
           progress: Progress | None = None) -> list[Check]:
     progress = progress or Progress()
     layers = distinct_layers(spec, num_layers)
     progress.plan(1 + len(layers))
     progress.group("transformers reference run")
-    ref = load_reference(source, spec["family"], torch.float32, num_layers)
+    ref = load_reference(source, spec.family, torch.float32, num_layers)
     ours = load_runtime(spec, weight_map, source, torch.float32, num_layers)
     recorder = Recorder(ref)
     with torch.no_grad():

@@ -17,6 +17,7 @@ from onboard.align.report import Check, Divergence
 from runtime.own_modules import runs_own_code
 from runtime.registry import ops_for_layer
 from runtime.rotary import RotaryCache
+from runtime.spec import ModelSpec
 from runtime.tolerances import Tolerance, compare, tolerance_for
 
 # Packages with own modules: their bf16 logits may be this much further from fp32 than transformers' own bf16 run.
@@ -65,7 +66,7 @@ def _choice_flips(ours: dict, truth: dict) -> int:
     return sum(int((ours[n].sort(-1).values != truth[n].sort(-1).values).any(-1).sum()) for n in truth if n in ours)
 
 
-def tier2(spec: dict, weight_map: dict, source: Path, num_layers: int, T: int = 24, seed: int = 1,
+def tier2(spec: ModelSpec, weight_map: dict, source: Path, num_layers: int, T: int = 24, seed: int = 1,
           tamper=None, progress: Progress | None = None) -> tuple[list[Check], Divergence | None]:
     """fp32: logits and loss vs transformers in fp32. bf16: our bf16 model vs transformers in fp32 (the truth),
     with expert and key choices pinned to the fp32 run's; the free-running bf16 error and its choice flips are
@@ -74,7 +75,7 @@ def tier2(spec: dict, weight_map: dict, source: Path, num_layers: int, T: int = 
     progress.plan(2)
     progress.group("float32 logits and loss")
     ids, divergence = random_tokens(spec, 2, T, seed), None
-    ref = load_reference(source, spec["family"], torch.float32, num_layers)
+    ref = load_reference(source, spec.family, torch.float32, num_layers)
     ours = load_runtime(spec, weight_map, source, torch.float32, num_layers)
     if tamper is not None:
         tamper(ours)
@@ -88,7 +89,7 @@ def tier2(spec: dict, weight_map: dict, source: Path, num_layers: int, T: int = 
               _loss_check("float32", logits, truth, ids, torch.float32)]
     checks += _routing_flips(ours, recorder, num_layers)
     if any(c.verdict == "fail" for c in checks):
-        divergence = first_divergence(spec, ours, recorder, num_layers, T)
+        divergence = first_divergence(ours, recorder, num_layers, T)
     progress.group("bfloat16 logits and loss")
     checks += _bf16_checks(spec, weight_map, source, num_layers, ids, truth, (_choices(ours), own_truth), tamper)
     return checks, divergence
@@ -111,7 +112,7 @@ def _bf16_checks(spec, weight_map, source, num_layers, ids, truth, choices, tamp
         pinned = ours(ids)
         own_choices.remove(hooks)
         _pin(ours, None)
-        theirs_bf16 = load_reference(source, spec["family"], torch.bfloat16, num_layers)
+        theirs_bf16 = load_reference(source, spec.family, torch.bfloat16, num_layers)
         theirs_bf16 = theirs_bf16(input_ids=ids, use_cache=False).logits.float()
     tol, note = tolerance_for("model_logits", torch.bfloat16), "expert/key choices pinned to fp32's"
     free_c, own_c = compare(free, truth, tol), compare(theirs_bf16, truth, tol)
@@ -150,8 +151,9 @@ def _loss_check(tag: str, ours, theirs, ids, dtype) -> Check:
                  verdict="pass" if rel <= tol else "fail", detail=f"ours={a:.6f} transformers={b:.6f}")
 
 
-def first_divergence(spec, ours, recorder: Recorder, num_layers: int, T: int) -> Divergence | None:
-    """Each layer on transformers' own input to it: the first whose output disagrees, then which part."""
+def first_divergence(ours, recorder: Recorder, num_layers: int, T: int) -> Divergence | None:
+    """Each layer on transformers' own input to it: the first whose output disagrees, then which part (and the
+    registry ops of that part, from the spec our model was built from)."""
     rotary = RotaryCache(torch.arange(T).expand(recorder.input("layer", 0).shape[0], -1))
     tol = tolerance_for("layer", torch.float32)
     with torch.no_grad():
@@ -163,9 +165,9 @@ def first_divergence(spec, ours, recorder: Recorder, num_layers: int, T: int) ->
             attn = compare(layer.attn(recorder.input("attention", i), rotary), recorder.output("attention", i), tol)
             ffn = compare(layer.ffn(recorder.input("ffn", i)), recorder.output("ffn", i), tol)
             part, c = ("attention", attn) if not attn.passed or ffn.passed else ("ffn", ffn)
-            layer_spec = spec["layers"][i]
-            ops = [op for op, _ in ops_for_layer(layer_spec["attention"], layer_spec["ffn"])
+            layer_spec = ours.config.layers[i]
+            ops = [op for op, _ in ops_for_layer(layer_spec.attention, layer_spec.ffn)
                    if (part == "attention") != op.startswith(("moe_", "swiglu_"))]
-            kind = layer_spec["attention"]["kind"] if part == "attention" else layer_spec["ffn"]["kind"]
+            kind = layer_spec.attention.kind if part == "attention" else layer_spec.ffn.kind
             return Divergence(layer=i, component=part, kind=kind, ops=ops, value=c.rel_rms, tolerance=c.tolerance.rel_rms)
     return None

@@ -24,22 +24,23 @@ from onboard.peft_format import adapter_file_state, key_pairs, peft_config
 from runtime.lora import LoraConfig, apply_lora, lora_parameters, lora_state_dict
 from runtime.lora_file import read_lora_yaml
 from runtime.model import causal_lm_loss
+from runtime.spec import ModelSpec
 from runtime.tolerances import compare, tolerance_for
 
 STEPS = 10
 LR = 1e-3
 
 
-def alignment_lora_config(lora_plan: Path, weight_map: dict, spec: dict) -> LoraConfig:
+def alignment_lora_config(lora_plan: Path, weight_map: dict, spec: ModelSpec) -> LoraConfig:
     plan = read_lora_yaml(lora_plan, weight_map)
-    moe = any(layer["ffn"]["kind"] == "moe" for layer in spec["layers"])
+    moe = any(layer.ffn.kind == "moe" for layer in spec.layers)
     # PEFT refuses dropout on expert parameters, and two dropout masks could not agree anyway
     return dataclasses.replace(plan, dropout=0.0, experts=moe, router=False)
 
 
-def _batches(spec: dict, seed: int, batch: int = 2, T: int = 16) -> list[torch.Tensor]:
+def _batches(spec: ModelSpec, seed: int, batch: int = 2, T: int = 16) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, spec["vocab_size"], (batch, T), generator=gen) for _ in range(STEPS)]
+    return [torch.randint(0, spec.vocab_size, (batch, T), generator=gen) for _ in range(STEPS)]
 
 
 def _train(params, logits_of, batches) -> list[float]:
@@ -86,14 +87,14 @@ def _export_checks(ours, config, spec, weight_map, source: Path, num_layers: int
     # imported here: onboard.export reads packages through onboard.align, which imports this module
     from onboard.export import write_merged, write_peft
 
-    state, family = lora_state_dict(ours), spec["family"]
+    state, family = lora_state_dict(ours), spec.family
     held = set(dict(ours.named_parameters())) | set(dict(ours.named_buffers()))
     with torch.no_grad():
         expected = ours(ids)
     with tempfile.TemporaryDirectory() as tmp:
         peft_dir, merged_dir = Path(tmp) / "peft", Path(tmp) / "merged"
         peft_dir.mkdir(), merged_dir.mkdir()
-        write_peft(peft_dir, state, config, spec, weight_map, source)
+        write_peft(peft_dir, state, config, spec.family, weight_map, source)
         # the aligned prefix of the release (and every tensor the weight map does not cover, e.g. vision)
         write_merged(merged_dir, source, weight_map, state, config.scale, dtype=torch.float32,
                      keep=lambda name: _in_prefix(name, weight_map, held))
@@ -105,7 +106,7 @@ def _export_checks(ours, config, spec, weight_map, source: Path, num_layers: int
             _logits_check("export/merged/logits", merged.float(), expected)]
 
 
-def training_checks(spec: dict, weight_map: dict, source: Path, lora_plan: Path, num_layers: int, seed: int = 3,
+def training_checks(spec: ModelSpec, weight_map: dict, source: Path, lora_plan: Path, num_layers: int, seed: int = 3,
                     progress: Progress | None = None) -> list[Check]:
     """lora_plan: the package's lora.yaml."""
     progress = progress or Progress()
@@ -113,7 +114,7 @@ def training_checks(spec: dict, weight_map: dict, source: Path, lora_plan: Path,
     config = alignment_lora_config(Path(lora_plan), weight_map, spec)
     ours = load_runtime(spec, weight_map, source, torch.float32, num_layers)
     apply_lora(ours, config)
-    twin = _peft_twin(load_reference(source, spec["family"], torch.float32, num_layers), ours, config, weight_map, source)
+    twin = _peft_twin(load_reference(source, spec.family, torch.float32, num_layers), ours, config, weight_map, source)
     batches = _batches(spec, seed)
     ours_losses = _train(lora_parameters(ours), ours, batches)
     theirs_losses = _train([p for p in twin.parameters() if p.requires_grad],

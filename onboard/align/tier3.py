@@ -36,6 +36,7 @@ from runtime.data import Document, pack
 from runtime.lora import apply_lora
 from runtime.metrics import read_metrics
 from runtime.parallel.placement import MeshShape
+from runtime.spec import ModelSpec
 from runtime.tolerances import tolerance_for
 from runtime.train import TrainConfig, TrainData, train
 
@@ -69,9 +70,9 @@ class Job:
         return "world1-balance" if self.balance else f"world1-rows{self.rows_per_gemm}"
 
 
-def _data(spec: dict) -> TrainData:
+def _data(spec: ModelSpec) -> TrainData:
     gen = torch.Generator().manual_seed(5)
-    docs = [Document(torch.randint(3, spec["vocab_size"], (int(n),), generator=gen).tolist(), [True] * int(n))
+    docs = [Document(torch.randint(3, spec.vocab_size, (int(n),), generator=gen).tolist(), [True] * int(n))
             for n in torch.randint(8, 40, (24,), generator=gen)]
     return TrainData(pack(docs[:20], SEQ_LEN, 0), pack(docs[20:], SEQ_LEN, 0))
 
@@ -91,7 +92,7 @@ def _capture_grads(model, into: list) -> object:
     return register_optimizer_step_pre_hook(hook)
 
 
-def _train(model, spec: dict, job: Job, world: int) -> list[dict]:
+def _train(model, spec: ModelSpec, job: Job, world: int) -> list[dict]:
     grads: list[dict] = []
     handle = _capture_grads(model, grads)
     cfg = dataclasses.replace(CONFIG, batch_size=job.rows, grad_accum=ROWS_PER_STEP // (world * job.rows),
@@ -219,7 +220,7 @@ def _references(jobs: list[Job], tmp: Path) -> list[Job]:
     return list(refs.values()) + [balance]
 
 
-def tier3(spec: dict, weight_map: dict, source: Path, lora_plan: Path, progress: Progress | None = None) -> list[Check]:
+def tier3(spec: ModelSpec, weight_map: dict, source: Path, lora_plan: Path, progress: Progress | None = None) -> list[Check]:
     progress = progress or Progress()
     progress.plan(3)
     inputs = dict(spec=spec, weight_map=weight_map, source=Path(source),

@@ -20,7 +20,8 @@ from onboard import package_io
 from onboard.errors import BadInput
 from onboard.memory import DTYPE_BYTES, GIB
 from onboard.plan import Cluster, Workload, search
-from onboard.spec import ModelSpec
+from runtime import defaults
+from runtime.spec import ModelSpec
 from runtime.model import HybridDecoder
 from runtime.parallel.placement import (MeshShape, loads_by_rank, model_targets, moe_layers, owned_experts,
                                         shard_numel)
@@ -46,7 +47,7 @@ def tier4_target(pkg: Path, cluster: Cluster | None, mesh: MeshShape | None) -> 
 def plan_workload(path: Path) -> Workload:
     """The sequence length and LoRA rank plan.yaml was made for (the planner's defaults without one)."""
     if not path.exists():
-        return Workload(4096, 16, None)
+        return Workload(defaults.SEQ_LEN, defaults.LORA_RANK, None)
     workload = yaml.safe_load(package_io.read_text(path.parent, path))
     workload = workload.get("workload") if isinstance(workload, dict) else None
     if not isinstance(workload, dict) or not all(isinstance(workload.get(k), int) for k in ("seq_len", "lora_rank")):
@@ -54,10 +55,10 @@ def plan_workload(path: Path) -> Workload:
     return Workload(workload["seq_len"], workload["lora_rank"], None)
 
 
-def tier4(spec: dict, weight_map: dict, source: Path, goal: Target, progress: Progress | None = None) -> list[Check]:
+def tier4(spec: ModelSpec, weight_map: dict, source: Path, goal: Target, progress: Progress | None = None) -> list[Check]:
     """Checks for the plan's best candidate on the target cluster (or for the target's mesh)."""
     progress = progress or Progress()
-    plan = search(ModelSpec.model_validate(spec), goal.cluster, goal.workload, find_smallest=False, only=goal.mesh)
+    plan = search(spec, goal.cluster, goal.workload, find_smallest=False, only=goal.mesh)
     if plan.chosen is None:
         return [_check("plan", 0, 1, False, "fitting_candidates", plan.reason)]
     mesh, cluster = MeshShape(plan.chosen.dp_shard, plan.chosen.ep), goal.cluster
@@ -140,11 +141,11 @@ def _targets_filled(targets: dict, loads: dict) -> Check:
                   f"{len(targets)} runtime tensors" + (f"; unfilled: {empty[:3]}" if empty else ""))
 
 
-def _memory(spec: dict, targets: dict, experts: dict, mesh: MeshShape, chosen) -> Check:
+def _memory(spec: ModelSpec, targets: dict, experts: dict, mesh: MeshShape, chosen) -> Check:
     """The exact per-rank weight shard (padded, from the meta model) in place of the plan's estimate."""
-    b = DTYPE_BYTES.get(spec["dtype"], 2)
+    b = DTYPE_BYTES.get(spec.dtype, 2)
     shard = sum(shard_numel(shape, name, buf, experts, mesh) for name, (shape, buf) in targets.items()) * b
-    vision = (spec["vision"]["num_params"] if spec.get("vision") else 0) * b
+    vision = (spec.vision.num_params if spec.vision else 0) * b
     m = chosen.memory
     total = m.total - m.weights + (shard + vision) / GIB
     return _check("memory_within_capacity", total, m.capacity, total <= m.capacity, "gib_per_rank",

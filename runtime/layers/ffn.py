@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.config import MoEConfig
+from runtime.spec import MoEFFN
 from runtime.dispatch import op
 from runtime.layers.lora_linear import weight_of
 from runtime.ops.moe import SCORINGS, router_logits
@@ -33,7 +33,7 @@ class GatedMLP(nn.Module):
 
 
 class Router(nn.Module):
-    def __init__(self, config: MoEConfig, hidden_size: int):
+    def __init__(self, config: MoEFFN, hidden_size: int):
         super().__init__()
         self.config, self.top_k = config.router, config.top_k
         num_experts = config.num_experts
@@ -85,7 +85,7 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, config: MoEConfig, hidden_size: int):
+    def __init__(self, config: MoEFFN, hidden_size: int):
         super().__init__()
         E, width = config.num_experts, config.expert_intermediate_size
         self.w_gate_up = nn.Parameter(torch.zeros(E, 2 * width, hidden_size))
@@ -118,7 +118,7 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: MoEConfig, hidden_size: int):
+    def __init__(self, config: MoEFFN, hidden_size: int):
         super().__init__()
         self.router = Router(config, hidden_size)
         self.experts = Experts(config, hidden_size)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.config import GatedDeltaConfig, KDAConfig, LightningConfig
+from runtime.spec import GatedDeltaAttention, KDAAttention, LightningAttention as LightningAttentionSpec
 from runtime.dispatch import op
 from runtime.layers.norm import GatedRMSNorm, RMSNorm, Weight
 from runtime.ops.gated_delta import DECAYS
@@ -24,7 +24,7 @@ def _conv(x_BTC: torch.Tensor, weight_CW: torch.Tensor, cu_seqlens: torch.Tensor
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config: GatedDeltaConfig, hidden_size: int, norm_eps: float):
+    def __init__(self, config: GatedDeltaAttention, hidden_size: int, norm_eps: float):
         super().__init__()
         self.J, self.H = config.num_k_heads, config.num_v_heads
         self.K, self.V = config.head_k_dim, config.head_v_dim
@@ -80,7 +80,7 @@ class GatedDeltaNet(nn.Module):
 class KimiDeltaAttention(nn.Module):
     """KDA: per-channel decay from a low-rank forget gate; output gate through a low-rank projection."""
 
-    def __init__(self, config: KDAConfig, hidden_size: int, norm_eps: float):
+    def __init__(self, config: KDAAttention, hidden_size: int, norm_eps: float):
         super().__init__()
         self.H, self.K = config.num_heads, config.head_dim
         width, conv = self.H * self.K, config.conv_kernel_size
@@ -124,7 +124,7 @@ class LightningAttention(nn.Module):
     slope is a release buffer (`slope_rate`, it depends on the layer's depth); the decay tables the
     release also stores are derived from it and kept only so the weight map is complete."""
 
-    def __init__(self, config: LightningConfig, hidden_size: int, norm_eps: float):
+    def __init__(self, config: LightningAttentionSpec, hidden_size: int, norm_eps: float):
         super().__init__()
         self.H, self.K, block = config.num_heads, config.head_dim, config.block_size
         width = self.H * self.K

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.config import DSAIndexerConfig, MLAConfig
+from runtime.spec import DSAIndexer as DSAIndexerSpec, MLAAttention as MLAAttentionSpec
 from runtime.dispatch import op
 from runtime.layers.lora_linear import weight_of
 from runtime.layers.norm import RMSNorm
@@ -20,7 +20,7 @@ from runtime.segments import per_segment
 
 
 class DSAIndexer(nn.Module):
-    def __init__(self, config: DSAIndexerConfig, hidden_size: int, q_in: int):
+    def __init__(self, config: DSAIndexerSpec, hidden_size: int, q_in: int):
         super().__init__()
         self.I, self.J, self.topk = config.num_heads, config.head_dim, config.topk
         self.wq_b = nn.Linear(q_in, self.I * self.J, bias=False)
@@ -48,7 +48,7 @@ class DSAIndexer(nn.Module):
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, config: MLAConfig, hidden_size: int, norm_eps: float):
+    def __init__(self, config: MLAAttentionSpec, hidden_size: int, norm_eps: float):
         super().__init__()
         self.H, self.N, self.R, self.V = config.num_heads, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.L, self.q_lora_rank, self.rope, self.eps = config.kv_lora_rank, config.q_lora_rank, config.rope, norm_eps

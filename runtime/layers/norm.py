@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.config import NormConfig
+from runtime.spec import NormSpec
 from runtime.dispatch import op
 from runtime.ops.norms import NORMS
 
@@ -35,7 +35,7 @@ class GeneratedNorm(nn.Module):
         return NORMS[self.kind](x, self.weight)
 
 
-def make_norm(width: int, norm: NormConfig) -> nn.Module:
+def make_norm(width: int, norm: NormSpec) -> nn.Module:
     """The norm the spec names: RMSNorm for the built-in kinds, else the package's generated one."""
     if norm.kind in ("rms", "rms_1p"):
         return RMSNorm(width, norm.eps, norm.offset)

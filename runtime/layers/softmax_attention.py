@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from runtime.config import SoftmaxAttentionConfig
+from runtime.spec import SoftmaxAttention as SoftmaxAttentionSpec
 from runtime.dispatch import op
 from runtime.layers.norm import RMSNorm
 from runtime.ops.rope import apply_rope
@@ -16,7 +16,7 @@ from runtime.segments import per_segment
 
 
 class SoftmaxAttention(nn.Module):
-    def __init__(self, config: SoftmaxAttentionConfig, hidden_size: int, norm_eps: float, norm_offset: float):
+    def __init__(self, config: SoftmaxAttentionSpec, hidden_size: int, norm_eps: float, norm_offset: float):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.rope, self.window, self.output_gate = config.rope, config.sliding_window, config.output_gate

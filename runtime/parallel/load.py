@@ -15,13 +15,14 @@ from runtime.lora import LoraConfig, apply_lora, initial_value, is_lora_name
 from runtime.model import HybridDecoder
 from runtime.parallel.parallelize import ParallelPlan, local_part, parallelize
 from runtime.parallel.placement import moe_layers, rows_held
+from runtime.spec import ModelSpec
 from runtime.weights import load_release
 
 
-def build_sharded_model(spec: dict, weight_map: dict, release: Path, lora_config: LoraConfig, plan: ParallelPlan,
+def build_sharded_model(spec: ModelSpec | dict, weight_map: dict, release: Path, lora_config: LoraConfig, plan: ParallelPlan,
                         mesh, rank: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
                         skip_prefixes=(), num_layers: int | None = None) -> nn.Module:
-    """The model of `spec` with LoRA, parallelized by `plan` over `mesh`, holding only rank `rank`'s slices."""
+    """The model of `spec` (a ModelSpec or spec.json's data) with LoRA, parallelized by `plan` over `mesh`, holding only rank `rank`'s slices."""
     with torch.device("meta"):
         model = HybridDecoder(spec, num_layers).to(dtype)
         apply_lora(model, lora_config)

@@ -15,7 +15,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from runtime.config import ModelConfig
+from runtime.spec import ModelSpec
 
 EXPERT_TARGET = re.compile(r"^layers\.(\d+)\.ffn\.experts\.")
 
@@ -94,12 +94,12 @@ def expert_owner_ep(num_experts: int, ep: int, expert: int) -> int:
     return expert // experts_per_rank(num_experts, ep)
 
 
-def moe_layers(config: ModelConfig) -> dict[int, int]:
+def moe_layers(config: ModelSpec) -> dict[int, int]:
     """MoE layer index -> routed experts."""
     return {i: layer.ffn.num_experts for i, layer in enumerate(config.layers) if layer.ffn.kind == "moe"}
 
 
-def check_mesh(config: ModelConfig, mesh: MeshShape) -> None:
+def check_mesh(config: ModelSpec, mesh: MeshShape) -> None:
     """PlacementError unless every MoE layer's experts split evenly over ep (ep 1 for a dense model)."""
     if mesh.dp_shard < 1 or mesh.ep < 1:
         raise PlacementError(f"mesh {mesh} needs positive dp_shard and ep")

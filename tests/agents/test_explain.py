@@ -20,7 +20,7 @@ from onboard import cli
 from onboard.gap import analyze
 from onboard.manifest import read_manifest
 from onboard.recognize import recognize
-from onboard.spec import Unrecognized
+from runtime.spec import Unrecognized
 
 RIGHT = {"op": "none", "meaning": "multi-token-prediction layers, an alias of num_nextn_predict_layers",
          "parameter": None, "value": None, "rationale": "the causal LM does not run the MTP head"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 
 from agents.tasks import tasks_for
-from onboard.spec import ModelSpec
+from runtime.spec import ModelSpec
 
 
 def _spec(example_spec, family: str, edit) -> ModelSpec:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from onboard import memory
-from onboard.spec import ModelSpec
+from runtime.spec import ModelSpec
 from runtime.dispatch import force
 from runtime.lora import apply_lora
 from runtime.lora_file import read_lora_yaml

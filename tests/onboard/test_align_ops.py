@@ -7,8 +7,11 @@ import torch
 from onboard.align import tier0_ops
 from onboard.align.cases import build_case
 from runtime.ops.dsa import indexer_topk
+from runtime.spec import DSAIndexer, MLAAttention, NormSpec
 
-INDEXER_LAYER = {"kind": "mla", "indexer": {"num_heads": 2, "head_dim": 16, "topk": 8}}
+# the indexer's case reads only the indexer; the MLA widths around it are the tiny example's
+INDEXER_LAYER = MLAAttention(num_heads=2, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                             v_head_dim=16, rope=None, indexer=DSAIndexer(num_heads=2, head_dim=16, topk=8))
 
 
 def test_selection_metric_accepts_the_fallback_and_rejects_the_worst_keys():
@@ -27,6 +30,6 @@ def test_a_wrong_op_fails_tier0(monkeypatch):
 
     real = norms.rms_norm
     monkeypatch.setattr(norms, "rms_norm", lambda x, weight, eps, offset=0.0: real(x, weight, eps, 0.0))
-    checks = tier0_ops.check_op("rms_norm", {"kind": "rms_1p", "eps": 1e-6}, 64, 17, "fallback")
+    checks = tier0_ops.check_op("rms_norm", NormSpec(kind="rms_1p", eps=1e-6), 64, 17, "fallback")
     assert any(c.verdict == "fail" and c.name.endswith("/out0") for c in checks)
     assert any(c.verdict == "fail" and "/grad:" in c.name for c in checks)

@@ -28,9 +28,9 @@ def test_the_summary_counts_each_verdict_apart():
 
 def test_plain_lines_name_every_op_group_of_tier0(example_package):
     """Tier 0 of a real spec announces its groups up front and names each as it starts."""
-    import json
+    from runtime.spec import ModelSpec
 
-    spec = json.loads((example_package("mixtral") / "spec.json").read_text())
+    spec = ModelSpec.model_validate_json((example_package("mixtral") / "spec.json").read_text())
     lines = []
     progress = Progress(lines.append)
     progress.start_tier(0)

@@ -19,6 +19,7 @@ from onboard.recognize import recognize
 from runtime.lora import apply_lora
 from runtime.lora_file import read_lora_yaml
 from runtime.model import causal_lm_loss
+from runtime.spec import read_spec
 from runtime.tolerances import compare, tolerance_for
 
 
@@ -28,7 +29,7 @@ def _runtime(pkg, dtype=torch.float32):
 
 
 def _logits_match(inputs, model) -> bool:
-    ids = random_tokens(inputs.spec, 2, 11, seed=0)
+    ids = random_tokens(read_spec(inputs.spec), 2, 11, seed=0)
     with torch.no_grad():
         theirs = load_reference(inputs.source, inputs.spec["family"], torch.float32)(input_ids=ids, use_cache=False).logits
         return compare(model(ids), theirs.float(), tolerance_for("model_logits", torch.float32)).passed
@@ -48,7 +49,7 @@ def _lora_trains(inputs, model, pkg) -> list[str]:
     """The package's LoRA plan on the model, one backward; returns the adapted modules, asserting every
     B factor got a gradient (A's is zero while B starts at zero)."""
     adapted = apply_lora(model, read_lora_yaml(pkg / "lora.yaml", inputs.weight_map))
-    ids = random_tokens(inputs.spec, 2, 9, seed=1)
+    ids = random_tokens(read_spec(inputs.spec), 2, 9, seed=1)
     causal_lm_loss(model(ids), ids).backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)
     return adapted
@@ -104,7 +105,7 @@ def test_an_own_layer_gets_what_its_decoder_passes_it(tiny_family):
     release, pkg = tiny_family("beam")
     inputs, model = _runtime(pkg)
     assert all(layer["own_layer"] for layer in inputs.spec["layers"])
-    ids = random_tokens(inputs.spec, 1, 11, seed=0)
+    ids = random_tokens(read_spec(inputs.spec), 1, 11, seed=0)
     with torch.no_grad():
         ref = load_reference(inputs.source, inputs.spec["family"], torch.float32)
         hidden = ref(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
@@ -163,8 +164,8 @@ def _peft_export_matches(inputs, model, pkg, out) -> bool:
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-    write_peft(out, lora_state_dict(model), config, inputs.spec, inputs.weight_map, inputs.source)
-    ids = random_tokens(inputs.spec, 2, 11, seed=0)
+    write_peft(out, lora_state_dict(model), config, inputs.spec["family"], inputs.weight_map, inputs.source)
+    ids = random_tokens(read_spec(inputs.spec), 2, 11, seed=0)
     with torch.no_grad():
         theirs = PeftModel.from_pretrained(load_reference(inputs.source, inputs.spec["family"], torch.float32), out)
         return compare(model(ids), theirs.eval()(input_ids=ids, use_cache=False).logits.float(),
@@ -213,7 +214,7 @@ def test_a_model_run_whole_as_its_own_takes_lora_on_its_text_attention(tiny_fami
     release, pkg = tiny_family("kimi_k25")
     inputs, model = _runtime(pkg)
     # token ids run through the multimodal model's own path, which maps image/video placeholders to a plain token
-    ids = random_tokens(inputs.spec, 2, 11, seed=0)
+    ids = random_tokens(read_spec(inputs.spec), 2, 11, seed=0)
     ids[:, 3] = json.loads((release / "config.json").read_text())["image_token_id"]
     with torch.no_grad():
         theirs = load_reference(inputs.source, inputs.spec["family"], torch.float32)(input_ids=ids, use_cache=False).logits
@@ -280,7 +281,7 @@ def test_a_final_logit_softcap_caps_the_logits_and_the_training_loss(tiny_family
     cap = inputs.spec["final_logit_softcapping"]
     assert cap == json.loads((release / "config.json").read_text())["final_logit_softcapping"]
     assert _logits_match(inputs, model)
-    ids = random_tokens(inputs.spec, 1, 13, seed=2)
+    ids = random_tokens(read_spec(inputs.spec), 1, 13, seed=2)
     with torch.no_grad():
         theirs = load_reference(inputs.source, inputs.spec["family"], torch.float32)(input_ids=ids, use_cache=False).logits
         uncapped = torch.nn.functional.linear(model.hidden_states(ids), model.head_weight())
@@ -301,7 +302,7 @@ def test_the_bf16_check_pins_expert_choices_inside_own_modules(tiny_family):
 
     release, pkg = tiny_family("minimax_m2")
     inputs = read_package(pkg)
-    ids, fp32, free, pinned = random_tokens(inputs.spec, 2, 24, seed=1), {}, {}, {}
+    ids, fp32, free, pinned = random_tokens(read_spec(inputs.spec), 2, 24, seed=1), {}, {}, {}
     for dtype, seen, pin in ((torch.float32, fp32, False), (torch.bfloat16, free, False), (torch.bfloat16, pinned, True)):
         model = _runtime(pkg, dtype)[1]
         hooks = (own_choices.pin(model, fp32) if pin else []) + own_choices.record(model, seen)
@@ -312,5 +313,5 @@ def test_the_bf16_check_pins_expert_choices_inside_own_modules(tiny_family):
     assert fp32 and fp32.keys() == pinned.keys()
     assert not all(same(free[n], fp32[n]) for n in fp32), "no choice flips free: the pin is not exercised"
     assert all(same(pinned[n], fp32[n]) for n in fp32)
-    checks = {c.name: c for c in tier2(inputs.spec, inputs.weight_map, inputs.source, inputs.spec["num_layers"])[0]}
+    checks = {c.name: c for c in tier2(read_spec(inputs.spec), inputs.weight_map, inputs.source, inputs.spec["num_layers"])[0]}
     assert checks["logits/bfloat16"].verdict == "pass" and checks["logits/bfloat16"].value <= 2e-2

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from onboard.cli import main
 from onboard.package import write_package
-from onboard.spec import ModelSpec
+from runtime.spec import ModelSpec
 from tests.onboard.conftest import copy_release
 
 FAMILY = "qwen3_next"

@@ -166,7 +166,7 @@ def test_a_multimodal_rope_without_mrope_section_takes_the_split_transformers_ap
     from onboard.package_reader import read_package
     from onboard.align.reference import load_reference
     from onboard.align.vision import vision_checks
-    from runtime.config import ModelConfig
+    from runtime.spec import read_spec
     from runtime.own_modules import text_decoder
     from runtime.rotary import cos_sin
     from runtime.tolerances import assert_close
@@ -175,12 +175,13 @@ def test_a_multimodal_rope_without_mrope_section_takes_the_split_transformers_ap
     assert "mrope_section" not in json.loads((release / "config.json").read_text())["text_config"]["rope_parameters"]
     inputs = read_package(pkg)
     assert all(layer["attention"]["kind"] != "own_module" for layer in inputs.spec["layers"])
-    rope = next(layer.attention.rope for layer in ModelConfig.from_spec(inputs.spec).layers if layer.attention.kind == "softmax")
+    rope = next(layer.attention.rope for layer in read_spec(inputs.spec).layers if layer.attention.kind == "softmax")
     positions_3BT = torch.randint(0, 50, (3, 1, 9), generator=torch.Generator().manual_seed(0))
     rotary = text_decoder(load_reference(inputs.source, inputs.spec["family"], torch.float32)).rotary_emb
     theirs = rotary(torch.zeros(1, 9, 1), positions_3BT)
     ours = cos_sin(rope, positions_3BT)
     for name, a, b in zip(("cos", "sin"), ours, theirs):
         assert_close(a, b, "mrope_cos_sin", torch.float32, name=name)
-    checks = vision_checks(inputs.spec, inputs.weight_map, inputs.source, inputs.vision_config, inputs.spec["num_layers"])
+    checks = vision_checks(read_spec(inputs.spec), inputs.weight_map, inputs.source, inputs.vision_config,
+                           inputs.spec["num_layers"])
     assert all(c.verdict == "pass" for c in checks), [(c.name, c.value) for c in checks]

@@ -43,7 +43,7 @@ def test_seed_package_from_its_index_passes_tier4(seed_dir, tmp_path):
 def tiny(example_release):
     source = example_release("qwen3_moe")
     spec = recognize(read_manifest(source))
-    return json.loads(spec.model_dump_json()), build_weight_map(spec), source
+    return spec, build_weight_map(spec), source
 
 
 def _failed(checks) -> set[str]:

@@ -6,7 +6,7 @@ import json
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from runtime.config import SoftmaxAttentionConfig
+from runtime.spec import SoftmaxAttention
 from runtime.flops import mixing_flops, projection_flops_per_token
 from runtime.lora import LoraConfig, apply_lora
 from runtime.model import HybridDecoder
@@ -38,6 +38,6 @@ def test_projection_count_equals_torchs_matmul_count(example_package):
 
 
 def test_softmax_pairs_follow_the_window():
-    attention = SoftmaxAttentionConfig(num_heads=3, num_kv_heads=1, head_dim=8, rope=None, sliding_window=5)
+    attention = SoftmaxAttention(num_heads=3, num_kv_heads=1, head_dim=8, rope=None, sliding_window=5)
     visible = int(visible_mask(37, True, 5, torch.device("cpu")).sum())
     assert mixing_flops(attention, 37) == (2 * 2 * 8 * 3 * visible, 0.0)

@@ -8,7 +8,6 @@ picks per device type and by compiling a candidate for real on CPU. Last, what a
 unapproved, change after its hash was checked, replace a built-in op, or be anything but Python files."""
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 import os
@@ -18,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime import package_ops, registry
-from runtime.config import ModelConfig, MoEConfig, NormConfig, RopeConfig, RouterConfig
+from runtime.spec import ModelSpec, MoEFFN, NormSpec, RopeSpec, RouterSpec, read_spec
 from runtime.layers.ffn import Router
 from runtime.layers.linear_attention import GatedDeltaNet
 from runtime.layers.norm import GeneratedNorm, make_norm
@@ -58,9 +57,9 @@ def _randomize(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 def test_a_generated_router_scoring_is_what_the_router_scores_with(load):
     load("router_scoring", "sqrtsoftplus", "def op(logits_TE):\n    return F.softplus(logits_TE).sqrt()\n")
-    moe = MoEConfig(num_experts=8, top_k=2, expert_intermediate_size=4,
-                    router=RouterConfig(scoring="sqrtsoftplus", norm_topk_prob=True))
-    assert registry.OPS["moe_router"].supports({"router": {"scoring": "sqrtsoftplus"}}) == "variant"
+    moe = MoEFFN(num_experts=8, top_k=2, expert_intermediate_size=4,
+                 router=RouterSpec(scoring="sqrtsoftplus", norm_topk_prob=True))
+    assert registry.OPS["moe_router"].supports(moe) == "variant"
     router = _randomize(Router(moe, 16))
     x_TD = torch.randn(5, 16, generator=torch.Generator().manual_seed(1))
     weights_Tk, idx_Tk = router(x_TD)
@@ -75,8 +74,9 @@ def test_a_generated_router_scoring_is_what_the_router_scores_with(load):
 def test_a_generated_norm_kind_is_the_norm_the_model_builds(load):
     load("norm", "rms_1p_eps5", "def op(x_TD, weight_D):\n    x = x_TD.float()\n"
          "    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * (1.0 + weight_D.float())).to(x_TD.dtype)\n")
-    assert registry.OPS["rms_norm"].supports({"kind": "rms_1p_eps5"}) == "variant"
-    generated, builtin = make_norm(12, NormConfig(kind="rms_1p_eps5", eps=0.0)), make_norm(12, NormConfig(kind="rms_1p", eps=1e-5))
+    norm = NormSpec(kind="rms_1p_eps5", eps=0.0)
+    assert registry.OPS["rms_norm"].supports(norm) == "variant"
+    generated, builtin = make_norm(12, norm), make_norm(12, NormSpec(kind="rms_1p", eps=1e-5))
     assert isinstance(generated, GeneratedNorm)
     with torch.no_grad():
         generated.weight.copy_(builtin.weight.copy_(torch.randn(12) * 0.1))
@@ -86,15 +86,16 @@ def test_a_generated_norm_kind_is_the_norm_the_model_builds(load):
 
 def test_a_norm_kind_nobody_generated_is_a_clear_error():
     with pytest.raises(KeyError, match="no generated op of that name"):
-        make_norm(4, NormConfig(kind="nonesuch", eps=1e-6))
+        make_norm(4, NormSpec(kind="nonesuch", eps=1e-6))
 
 
 def test_a_generated_rope_type_gives_the_rotary_tables(load):
     load("rope", "quarter", "def op(positions_T, inv_freq_R):\n    angles = positions_T[:, None] * (inv_freq_R / 4.0)[None, :]\n"
          "    return torch.stack([angles.cos(), angles.sin()], dim=-1)\n")
-    assert registry.OPS["rope"].supports({"scaling": {"rope_type": "quarter"}}) == "variant"
+    rope = RopeSpec(theta=10000.0, rotary_dim=16, scaling={"rope_type": "quarter"})
+    assert registry.OPS["rope"].supports(rope) == "variant"
     positions = torch.arange(37).expand(2, -1)
-    cos, sin = cos_sin(RopeConfig(theta=10000.0, rotary_dim=16, scaling={"rope_type": "quarter"}), positions)
+    cos, sin = cos_sin(rope, positions)
     inv_freq, _ = rope_inv_freq(16, 10000.0, {"rope_type": "linear", "factor": 4.0})
     expected_cos, expected_sin = rope_cos_sin(positions, inv_freq)
     torch.testing.assert_close(cos, expected_cos)
@@ -102,17 +103,18 @@ def test_a_generated_rope_type_gives_the_rotary_tables(load):
 
 
 @pytest.fixture(scope="module")
-def next_config(example_spec) -> ModelConfig:
+def next_config(example_spec) -> ModelSpec:
     """Qwen3-Next's tiny spec: layers 0-2 gated delta + MoE, layer 3 softmax + MoE."""
-    return ModelConfig.from_spec(example_spec("qwen3_next"))
+    return read_spec(example_spec("qwen3_next"))
 
 
 def test_a_generated_decay_is_the_gated_delta_layers_decay(load, next_config):
     load("linear_attention_decay", "twice", "def op(a_BTH, A_log_H, dt_bias_H):\n"
          "    return -torch.exp(A_log_H.float()) * (2.0 * F.softplus(a_BTH.float() + dt_bias_H.float()))\n")
     attention = next_config.layers[0].attention
-    assert registry.OPS["gated_delta_rule"].supports({"decay": "twice"}) == "variant"
-    generated = _randomize(GatedDeltaNet(dataclasses.replace(attention, decay="twice"), next_config.hidden_size, 1e-6))
+    twice = attention.model_copy(update={"decay": "twice"})
+    assert registry.OPS["gated_delta_rule"].supports(twice) == "variant"
+    generated = _randomize(GatedDeltaNet(twice, next_config.hidden_size, 1e-6))
     builtin = GatedDeltaNet(attention, next_config.hidden_size, 1e-6)
     builtin.load_state_dict(generated.state_dict())
     with torch.no_grad():
@@ -124,9 +126,9 @@ def test_a_generated_decay_is_the_gated_delta_layers_decay(load, next_config):
 def test_a_generated_residual_mixing_joins_the_blocks(load, next_config):
     load("residual_mixing", "half_skip", "def op(skip_BTD, sublayer_BTD):\n    return 0.5 * skip_BTD + 2.0 * sublayer_BTD\n")
     layer = next_config.layers[3]
-    mixed = dataclasses.replace(layer, residual=dataclasses.replace(layer.residual, mixing="half_skip"))
-    scaled = dataclasses.replace(layer, residual=dataclasses.replace(layer.residual, attn_alpha=0.5, attn_beta=2.0,
-                                                                      ffn_alpha=0.5, ffn_beta=2.0))
+    mixed = layer.model_copy(update={"residual": layer.residual.model_copy(update={"mixing": "half_skip"})})
+    scaled = layer.model_copy(update={"residual": layer.residual.model_copy(update=dict(
+        attn_alpha=0.5, attn_beta=2.0, ffn_alpha=0.5, ffn_beta=2.0))})
     generated = _randomize(DecoderLayer(mixed, next_config.hidden_size, next_config.norm, 3))
     builtin = DecoderLayer(scaled, next_config.hidden_size, next_config.norm, 3)
     builtin.load_state_dict(generated.state_dict())

@@ -26,6 +26,7 @@ from runtime.ops.moe import sort_by_expert
 from runtime.parallel.expert_parallel import _capacity
 from runtime.parallel.parallelize import ParallelPlan, parallelize
 from runtime.parallel.placement import MeshShape, PlacementError
+from runtime.spec import read_spec
 from runtime.train import loss_sum
 from runtime.weights import load_release
 
@@ -113,7 +114,7 @@ def test_tier3_passes(example_package):
     """World 1, 2, 4 (dp2, ep2, ep4, dp2 x ep2), 4 steps, every step's gradients, the ep2 checkpoint resumed at ep1
     and ep4, ep2 and ep4 with the aux loss."""
     spec, weight_map, source = _package(example_package("qwen3_moe"))
-    checks = tier3(spec, weight_map, source, example_package("qwen3_moe") / "lora.yaml")
+    checks = tier3(read_spec(spec), weight_map, source, example_package("qwen3_moe") / "lora.yaml")
     failed = [(c.name, c.value) for c in checks if c.verdict != "pass"]
     assert not failed
     names = {c.name for c in checks}

@@ -11,7 +11,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 from onboard.weight_map import build_weight_map
 from onboard.recognize import recognize
 from onboard.manifest import read_manifest
-from runtime.config import ModelConfig
+from runtime.spec import read_spec
 from runtime.model import HybridDecoder
 from runtime.parallel.placement import (MeshShape, PlacementError, check_mesh, experts_per_rank, fsdp_rows,
                                         loads_by_rank, model_targets, moe_layers, owned_experts)
@@ -87,7 +87,7 @@ def test_a_rank_reads_only_its_share(release):
 
 
 def test_check_mesh_rejects_uneven_ep(example_spec):
-    config = ModelConfig.from_spec(example_spec("qwen3_moe"))
+    config = read_spec(example_spec("qwen3_moe"))
     check_mesh(config, MeshShape(2, 4))
     with pytest.raises(PlacementError, match="ep=3"):
         check_mesh(config, MeshShape(1, 3))

@@ -1,16 +1,35 @@
 """ModelSpec: the normalized architecture of a release, as recognized from config keys and weight names.
 
-Everything downstream (gap report, planning, runtime assembly, alignment) reads this and never the
-raw config. Widths are in elements; parameter counts in parameters (not bytes).
+Written once, read by both sides: onboard/ builds it (recognition) and judges it (gap report, planning,
+alignment); the runtime builds its model from it (runtime/model.py), reading a package's spec.json with
+`read_spec`. Everything downstream reads this and never the raw config. Widths are in elements; parameter
+counts in parameters (not bytes).
 """
 from __future__ import annotations
 
 import hashlib
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from onboard.naming import WeightNaming
+
+class WeightNaming(BaseModel):
+    """How a release names its tensors: detected from the weight names (onboard/naming.py), then used to list
+    the tensors the spec expects and to map them to the runtime's names."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prefix: str  # text decoder prefix, e.g. "model." or "model.language_model."
+    softmax_module: str = "self_attn"
+    linear_module: str = "self_attn"  # Qwen3-Next names its gated delta net "linear_attn"
+    ffn_module: str = "mlp"
+    expert_style: Literal["gate_up_down", "w1_w3_w2", "fused_gate_up"] = "gate_up_down"
+    router_module: str = "gate"
+    correction_bias: Optional[str] = None  # path under the FFN module
+    shared_module: str = "shared_experts"
+    kda_gate_prefix: str = ""  # the seed release nests A_log/dt_bias/f_a/f_b under "forget_gate."
+    final_norm: str = "norm"  # the decoder's last norm, under prefix (Jamba: "final_layernorm")
+    embedding: str = "embed_tokens"  # the token embedding, under prefix (Ling: "word_embeddings")
+    vision_prefix: Optional[str] = None
 
 
 class _Spec(BaseModel):
@@ -155,8 +174,15 @@ FFN = Annotated[Union[DenseFFN, MoEFFN, OwnModule], Field(discriminator="kind")]
 
 
 class NormSpec(_Spec):
-    kind: Literal["rms", "rms_1p", "layer"]  # rms_1p: weight stored as w, applied as (1 + w)
+    # "rms"; "rms_1p": weight stored as w, applied as (1 + w); "layer": LayerNorm (the registry has no op for
+    # it: a gap); another name: a norm the package generated (runtime/ops/norms.py), as for decay and mixing
+    kind: str
     eps: float
+
+    @property
+    def offset(self) -> float:
+        """What the stored weight is offset by when applied: (offset + w)."""
+        return 1.0 if self.kind == "rms_1p" else 0.0
 
 
 class ResidualSpec(_Spec):
@@ -257,3 +283,72 @@ def layer_kind_name(layer: LayerSpec) -> str:
     if attn == "softmax" and layer.attention.sliding_window:
         attn = "softmax_window"
     return f"{attn}+{layer.ffn.kind}"
+
+
+class SpecError(ValueError):
+    """spec.json does not have the shape of a ModelSpec (the CLI reports it as bad input, exit 2)."""
+
+
+def read_spec(data, source: str = "spec.json") -> ModelSpec:
+    """spec.json's data as a ModelSpec. Validated strictly, as JSON types are: "8" is not 8 and 1 is not true
+    (an integer is a number). A malformed spec raises one SpecError naming `source` and the key path of its
+    first problem, e.g. "spec.json: layers[3].attention.num_heads: missing"."""
+    try:
+        return ModelSpec.model_validate(data, strict=True)
+    except ValidationError as error:
+        raise SpecError(f"{source}: {_problem(error.errors()[0], data)}") from None
+
+
+EXPECTED = {"int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+            "float_type": "a number", "float_parsing": "a number", "bool_type": "true or false",
+            "bool_parsing": "true or false", "string_type": "a string", "dict_type": "an object",
+            "model_type": "an object", "model_attributes_type": "an object", "list_type": "a list"}
+JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "object"}
+
+
+def _problem(error: dict, data) -> str:
+    """'key.path: what is wrong' for one of pydantic's errors."""
+    path, kind = _key_path(error["loc"], data), error["type"]
+    if kind == "union_tag_invalid":
+        path = f"{path}.kind".lstrip(".")
+        tags = [tag.strip().strip("'") for tag in error["ctx"]["expected_tags"].split(",")]
+        problem = f"expected one of {tags}, got {error['ctx']['tag']!r}"
+    elif kind == "union_tag_not_found":
+        path, problem = f"{path}.kind".lstrip("."), "missing"
+    elif kind == "missing":
+        problem = "missing"
+    elif kind == "extra_forbidden":
+        problem = "not a key of the spec"
+    elif kind == "literal_error":
+        problem = f"expected one of {_choices(error['ctx']['expected'])}, got {error['input']!r}"
+    elif kind in EXPECTED:
+        problem = f"expected {EXPECTED[kind]}, got {_json_value(error['input'])}"
+    else:
+        problem = error["msg"][0].lower() + error["msg"][1:]
+    return f"{path}: {problem}" if path else problem
+
+
+def _key_path(loc: tuple, data) -> str:
+    """pydantic's location as a key path into the data: 'layers[3].attention.num_heads'. The location also
+    names the member a discriminated union chose (layers.3.attention.softmax.num_heads), which is no key of
+    the data: a part equal to the `kind` of the object it would index is left out."""
+    path, node = "", data
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+            node = node[part] if isinstance(node, list) and 0 <= part < len(node) else None
+        elif isinstance(node, dict) and part not in node and node.get("kind") == part:
+            continue
+        else:
+            path = f"{path}.{part}" if path else str(part)
+            node = node.get(part) if isinstance(node, dict) else None
+    return path
+
+
+def _choices(expected: str) -> list:
+    """pydantic's "'a' or 'b'" of a Literal, as the list ['a', 'b']."""
+    return [choice.strip().strip("'") for choice in expected.replace(" or ", ",").split(",")]
+
+
+def _json_value(value) -> str:
+    return "null" if value is None else f"{JSON_TYPES.get(type(value), type(value).__name__)} {value!r}"
