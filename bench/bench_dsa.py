@@ -29,7 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from bench.timing import peak_gib, time_ms  # noqa: E402
 from reference_ops import dsa as ref  # noqa: E402
-from runtime.kernels.dsa import attention, indexer  # noqa: E402
+from runtime.ops.dsa import attention, indexer  # noqa: E402
 from runtime.tolerances import compare, tolerance_for  # noqa: E402
 
 H, K, V, QK, VD, I, J, TOPK = 128, 576, 512, 192, 128, 64, 128, 2048

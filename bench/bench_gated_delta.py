@@ -26,9 +26,9 @@ import traceback
 import torch
 import torch.nn.functional as F
 
-import runtime.kernels.gated_delta as kernels
-import runtime.ops.gated_delta as chunked_gdn
-import runtime.ops.kda as chunked_kda
+import runtime.ops.gated_delta.kernel as kernels
+import runtime.ops.gated_delta.torch_form as chunked_gdn
+import runtime.ops.gated_delta.kda_torch_form as chunked_kda
 from bench.timing import kernel_ms, peak_gib, steady_graph_ms, time_ms
 from runtime.tolerances import compare, tolerance_for
 

@@ -8,7 +8,7 @@ steps to bring the GPU to its sustained clocks, then the mean of 10 (the mean of
 as `fresh_seconds`).
 Parts: `attention` LoRA (r16 alpha32 on the attention and linear-attention projections), `experts` (also the routed
 experts: PEFT `target_parameters`), `longest` (the longest power-of-two sequence one step trains under each memory
-policy), `profile` (our step's GPU time per op kind). MFU: runtime/flops.py's count over 790 TFLOP/s.
+policy), `profile` (our step's GPU time per op kind). MFU: runtime/train/flops.py's count over 790 TFLOP/s.
 
     python bench/bench_lora_step.py --out $OUT [--parts attention,experts,longest,profile]
 """
@@ -139,15 +139,15 @@ def ours_setup(work: Path, experts: bool, seq_len: int, policy: str | None = Non
 
     import torch
     from onboard.trainer_build import build_model, read_lora
-    from runtime.data import Document, pack
+    from runtime.train.data import Document, pack
     from runtime.memory import MemoryPolicy
-    from runtime.train import TrainConfig, micro_batch, micro_step_for, optimizer_for
+    from runtime.train.loop import TrainConfig, micro_batch, micro_step_for, optimizer_for
     spec, weight_map = (json_.loads((work / "pkg" / name).read_text()) for name in ("spec.json", "weight_map.json"))
     lora = dataclasses.replace(read_lora(work / "pkg", weight_map), rank=RANK, alpha=ALPHA, experts=experts)
     model = build_model(spec, weight_map, work / "release", lora, MemoryPolicy(**POLICIES[policy or "none"]), DEVICE)
     params = [p for p in model.parameters() if p.requires_grad]
     device = torch.device(DEVICE)
-    # the trainer's own pieces (runtime/train.py): its fused AdamW and its micro-step
+    # the trainer's own pieces (runtime/train/loop.py): its fused AdamW and its micro-step
     cfg = TrainConfig(lr=1e-4)
     optimizer = optimizer_for(params, cfg, device)
     ids = token_batch(seq_len, model.config.vocab_size)
@@ -170,7 +170,7 @@ def ours_setup(work: Path, experts: bool, seq_len: int, policy: str | None = Non
 
 def ours_part(work: Path, experts: bool, seq_len: int, policy: str | None = None, graph: bool = True) -> dict:
     """Our step timed eagerly, then graphed (the trainer's default) unless graph is False."""
-    from runtime.flops import step_flops
+    from runtime.train.flops import step_flops
     steps, model, params = ours_setup(work, experts, seq_len, policy)
     eager = timed_steps(steps[False])
     flops = step_flops(model, [seq_len])
@@ -188,7 +188,7 @@ def ours_part(work: Path, experts: bool, seq_len: int, policy: str | None = None
 def profile_part(work: Path, seq_len: int) -> dict:
     """Our step's GPU time per kernel and op kind (eager), and the graphed step's total GPU time."""
     from bench.timing import kernel_ms
-    from runtime.profile_kinds import op_kind
+    from runtime.train.profile_kinds import op_kind
     steps, _, _ = ours_setup(work, False, seq_len)
     per_kernel = kernel_ms(steps[False], warmup=3)
     graphed = kernel_ms(steps[True], warmup=3)

@@ -1,4 +1,4 @@
-"""MoE block benchmark: the runtime's MoE layer (runtime/layers/ffn.py: router, fused Triton experts
+"""MoE block benchmark: the runtime's MoE layer (runtime/model/layers/ffn.py: router, fused Triton experts
 whose down projection is Gluon on Hopper, gated shared expert) vs transformers' Qwen3NextSparseMoeBlock
 with grouped_mm experts, same weights (the layer is built over transformers' Parameter objects), bf16,
 one GPU.
@@ -34,12 +34,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.timing import kernel_ms, peak_gib, steady_graph_ms, time_ms  # noqa: E402
 from reference_ops import moe as reference_moe  # noqa: E402
-from runtime.kernels import mlp as mlp_kernels  # noqa: E402
+from runtime.ops.mlp import kernel as mlp_kernels  # noqa: E402
 from runtime.spec import MoEFFN, RouterSpec
-from runtime.kernels import moe as kernels  # noqa: E402
-from runtime.layers.ffn import MoE  # noqa: E402
-from runtime.ops import mlp as mlp_fallback  # noqa: E402
-from runtime.ops import moe as fallback  # noqa: E402
+from runtime.ops.moe import kernel as kernels  # noqa: E402
+from runtime.model.layers.ffn import MoE  # noqa: E402
+from runtime.ops.mlp import torch_form as mlp_fallback  # noqa: E402
+from runtime.ops.moe import torch_form as fallback  # noqa: E402
 from runtime.tolerances import compare, tolerance_for  # noqa: E402
 
 D, E, K_TOP, F_EXPERT, F_SHARED, RANK = 2048, 512, 10, 512, 512, 16

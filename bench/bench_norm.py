@@ -1,4 +1,4 @@
-"""RMSNorm benchmark: the runtime's fused kernels (runtime/kernels/norm.py) vs the torch form (runtime/ops/norms.py,
+"""RMSNorm benchmark: the runtime's fused kernels (runtime/ops/norm/kernel.py) vs the torch form (runtime/ops/norm/torch_form.py,
 what every norm ran before) and fla 0.6.0's fused norms, bf16, one GPU, at the LoRA slice's shapes.
 
     PYTHONUNBUFFERED=1 python bench/bench_norm.py [--out DIR]
@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.timing import captured, time_ms
 from reference_ops import norms as reference
-from runtime.kernels import norm as kernels
-from runtime.ops import norms as torch_form
+from runtime.ops.norm import kernel as kernels
+from runtime.ops.norm import torch_form
 from runtime.tolerances import compare, tolerance_for
 
 EPS = 1e-6

@@ -1,9 +1,9 @@
 """The causal conv1d and the cross-entropy rows on CUDA: time and precision of the fused kernels against torch.
 
 Causal conv (+ silu) at the Qwen3-Next slice's GDN width (B1 T4096 C8192 W4, bf16), fwd+bwd ms: the kernel
-(runtime/kernels/conv.py), the torch fallback (fp32 depthwise conv, casts and transposes around it), torch's
+(runtime/ops/conv/kernel.py), the torch fallback (fp32 depthwise conv, casts and transposes around it), torch's
 depthwise conv1d in bf16, and a bf16 sum of W shifted products; each output's relative RMS error against fp64,
-and the kernel's input gradient's. The cross-entropy rows kernel (runtime/kernels/loss.py) on 256 rows of a
+and the kernel's input gradient's. The cross-entropy rows kernel (runtime/ops/loss/kernel.py) on 256 rows of a
 151936-word vocabulary in bf16: loss and gradient against fp64.
 
     python bench/bench_short_ops.py [--out DIR]
@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from reference_ops.conv import causal_conv1d as reference_conv  # noqa: E402
 from reference_ops.loss import cross_entropy_rows as reference_rows  # noqa: E402
-from runtime.kernels.conv import causal_conv1d as kernel_conv  # noqa: E402
-from runtime.kernels.loss import cross_entropy_rows as kernel_rows  # noqa: E402
-from runtime.ops.conv import causal_conv1d as fallback_conv  # noqa: E402
+from runtime.ops.conv.kernel import causal_conv1d as kernel_conv  # noqa: E402
+from runtime.ops.loss.kernel import cross_entropy_rows as kernel_rows  # noqa: E402
+from runtime.ops.conv.torch_form import causal_conv1d as fallback_conv  # noqa: E402
 
 REPS = 20
 

@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from bench import bench_dsa as dsa
-from runtime.kernels.dsa import attention, indexer
+from runtime.ops.dsa import attention, indexer
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()

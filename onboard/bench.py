@@ -1,13 +1,13 @@
 """`onboard bench PKG [--check]`: the package's LoRA training step, measured on this machine.
 
-The step is the trainer's own (runtime/train.py `train_step`: forward, chunked loss, backward, clipping,
+The step is the trainer's own (runtime/train/loop.py `train_step`: forward, chunked loss, backward, clipping,
 AdamW on the LoRA factors) on the model `onboard train` builds (bf16 base weights, fp32 LoRA, plan.yaml's
 memory policy), over one packed row of --seq-len seeded random tokens: WARMUP steps, then --steps timed
-one by one. Metrics: tokens/s, MFU (runtime/flops.py's count over the device's bf16 peak; null on CPU and
+one by one. Metrics: tokens/s, MFU (runtime/train/flops.py's count over the device's bf16 peak; null on CPU and
 unlisted GPUs, the achieved TFLOP/s beside it), step latency, peak memory over the warm-up and timed steps
 (CUDA: max_memory_allocated; CPU: the peak resident set above the one with the model built, i.e. what a
 step adds to the weights), and time per op kind (torch.profiler self time over PROFILED_STEPS more steps,
-runtime/profile_kinds.py).
+runtime/train/profile_kinds.py).
 Writes PKG/alignment/bench.json. --check measures again at the seq_len and step count of the committed
 PKG/alignment/bench_baseline.json (a bench.json saved under that name) and exits 3 when a metric is worse
 than the baseline by more than its noise band (NOISE_BAND).
@@ -99,7 +99,7 @@ def _settings(args, baseline: dict | None) -> tuple[int, int]:
 def measure(pkg: Path, seq_len: int, steps: int, model_dir: Path | None) -> dict:
     import torch
 
-    from runtime.flops import peak_flops, step_flops
+    from runtime.train.flops import peak_flops, step_flops
 
     setup = _setup(pkg, seq_len, model_dir)
     with _PeakMemory(setup.device) as memory:
@@ -122,8 +122,8 @@ class _Setup:
     """The package's model, its optimizer and one packed row, with the trainer's step over them."""
 
     def __init__(self, model, data, release: Path, device):
-        from runtime.lora import lora_parameters
-        from runtime.train import TrainConfig, micro_step_for, optimizer_for
+        from runtime.lora.factors import lora_parameters
+        from runtime.train.loop import TrainConfig, micro_step_for, optimizer_for
 
         self.model, self.data, self.release, self.device = model, data, release, device
         self.params = lora_parameters(model)
@@ -132,7 +132,7 @@ class _Setup:
         self.micro_step = micro_step_for(model, self.params, self.config, device, model.offloads_activations)
 
     def step(self) -> None:
-        from runtime.train import train_step
+        from runtime.train.loop import train_step
 
         train_step(self.model, self.optimizer, self.params, self.data, self.config, 0, self.device, self.micro_step)
 
@@ -142,10 +142,10 @@ def _setup(pkg: Path, seq_len: int, model_dir: Path | None) -> _Setup:
 
     from onboard.package_reader import read_package
     from onboard.trainer_build import build_model, memory_policy_for
-    from runtime.data import Document, pack
+    from runtime.train.data import Document, pack
     from onboard.approved_ops import approved_hashes
     from runtime.package_ops import load_package_ops
-    from runtime.train import TrainData
+    from runtime.train.loop import TrainData
 
     package = read_package(pkg, model_dir)
     load_package_ops(pkg, approved_hashes())
@@ -184,10 +184,10 @@ def _device_name(device) -> str:
 
 def _mfu_note(device, peak: float | None) -> str:
     if peak is not None:
-        return f"runtime/flops.py's count over the {_device_name(device)} bf16 peak of {peak / 1e12:.0f} TFLOP/s"
+        return f"runtime/train/flops.py's count over the {_device_name(device)} bf16 peak of {peak / 1e12:.0f} TFLOP/s"
     if device.type == "cpu":
         return "null on CPU: no bf16 peak is claimed for a CPU (achieved_tflops is the count over the mean step)"
-    return f"null: runtime/flops.py lists no bf16 peak for {_device_name(device)}"
+    return f"null: runtime/train/flops.py lists no bf16 peak for {_device_name(device)}"
 
 
 class _PeakMemory:
@@ -211,7 +211,7 @@ class _PeakMemory:
         return self
 
     def __exit__(self, *exc):
-        from runtime.metrics import peak_memory_gib
+        from runtime.train.metrics import peak_memory_gib
 
         self.gib = (_status_kib("VmHWM") - self.start) / 2**20 if self.reset_rss else peak_memory_gib(self.device)
 
@@ -226,7 +226,7 @@ def profile_ops(step, device) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from runtime.profile_kinds import op_kind
+    from runtime.train.profile_kinds import op_kind
 
     cuda = device.type == "cuda"
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:

@@ -130,8 +130,8 @@ def adapter_check(paths: Paths) -> AdapterCheck:
 
     from onboard.align.reference import load_reference, load_runtime
     from onboard.package_reader import read_package
-    from runtime.lora import apply_lora, load_lora_state_dict
-    from runtime.run_folder import read_adapter
+    from runtime.lora.factors import apply_lora, load_lora_state_dict
+    from runtime.train.run_folder import read_adapter
     from runtime.tolerances import tolerance_for
 
     package = read_package(paths.package)

@@ -22,9 +22,9 @@ from safetensors.torch import save_file
 from onboard.errors import BadInput
 from onboard.package_reader import read_package
 from onboard.peft_format import ExportGap, adapter_file_state, hf_skeleton, key_pairs, peft_config
-from runtime.lora import delta_for
-from runtime.run_folder import read_adapter, read_biases, read_run
-from runtime.weights import shard_order
+from runtime.lora.factors import delta_for
+from runtime.train.run_folder import read_adapter, read_biases, read_run
+from runtime.model.weights import shard_order
 
 INDEX = "model.safetensors.index.json"
 

@@ -13,7 +13,7 @@ from onboard.transformers_classes import transformers_knows
 from runtime import defaults
 from runtime.spec import ModelSpec, Unrecognized
 from onboard.weight_layout import expected_tensors
-from runtime.kernels.available import kernels_available
+from runtime.ops.common.available import kernels_available
 from runtime.registry import OPS, ops_for_layer
 
 Status = Literal["covered", "variant", "generated", "fallback", "missing"]

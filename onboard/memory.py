@@ -3,7 +3,7 @@
 Estimates, per the usual accounting: frozen base weights in the release dtype, sharded over every
 GPU (FSDP x EP); LoRA parameters, gradients and AdamW moments in fp32 (16 bytes per parameter);
 activations per token per GPU (what autograd keeps, per layer part, counted on the runtime model:
-runtime/saved_bytes.py), the attention state a sequence carries; one chunk of the chunked loss's fp32 logits.
+runtime/train/saved_bytes.py), the attention state a sequence carries; one chunk of the chunked loss's fp32 logits.
 bench/bench_plan_memory.py compares the total with a measured peak.
 """
 from __future__ import annotations
@@ -62,19 +62,19 @@ def _part_bytes(spec: ModelSpec, layer, b: int, lora_rank: int) -> tuple[int, in
 
 
 def _lora_saved(spec: ModelSpec, layer, b: int, lora_rank: int) -> int:
-    """Each adapted projection keeps x @ A [r] (runtime/layers/lora_linear.py)."""
+    """Each adapted projection keeps x @ A [r] (runtime/model/layers/lora_linear.py)."""
     rx = re.compile(DEFAULT_LORA_TARGETS)
     return b * lora_rank * sum(len(s) == 2 and bool(rx.search(n)) for n, s in _attention_shapes(layer, spec).items())
 
 
 def _attention_saved(spec: ModelSpec, layer, b: int, lora_rank: int) -> int:
     """What the attention part saves per token. Softmax and gated delta: counted from the runtime (the
-    tensor list in tests/kernels/test_saved_bytes.py); other kinds: every projection's input and output."""
+    tensor list in tests/runtime/test_saved_bytes.py); other kinds: every projection's input and output."""
     a, d = layer.attention, spec.hidden_size
     lora = _lora_saved(spec, layer, b, lora_rank)
     if a.kind == "softmax":
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        # qk norms keep their inputs and an fp32 rstd per head (runtime/kernels/norm.py); rope keeps fp32 cos and
+        # qk norms keep their inputs and an fp32 rstd per head (runtime/ops/norm/kernel.py); rope keeps fp32 cos and
         # sin; lse is fp32
         norms = _norms(q + kv, b, a.num_heads + a.num_kv_heads) if a.qk_norm != "none" else 0
         # x, q, k, v, the output (and its gate), o_proj's input
@@ -91,8 +91,8 @@ def _attention_saved(spec: ModelSpec, layer, b: int, lora_rank: int) -> int:
 
 
 def _ffn_saved(d: int, ffn, b: int) -> int:
-    """What the FFN part saves per token: its input, then the fused kernels' (runtime/kernels/moe/experts.py,
-    runtime/kernels/mlp.py): per routed choice the fp32 weight, int64 index, gate-up [2F] and h [F]; the
+    """What the FFN part saves per token: its input, then the fused kernels' (runtime/ops/moe/experts.py,
+    runtime/ops/mlp/kernel.py): per routed choice the fp32 weight, int64 index, gate-up [2F] and h [F]; the
     shared or dense MLP's gate-up rows (with the shared gate's one, padded to 8) and h."""
     if isinstance(ffn, MoEFFN):
         routed = ffn.top_k * (12 + 3 * b * ffn.expert_intermediate_size)
@@ -111,7 +111,7 @@ def _pad8(n: int) -> int:
 
 def _chunk_kernel_bytes(a, b: int) -> int:
     """Per token: the tiles the chunked GDN kernel holds on its ctx for backward
-    (runtime/kernels/gated_delta/function.py: w and v_new, P and Tinv in the activation dtype; u, the norms and qg's
+    (runtime/ops/gated_delta/function.py: w and v_new, P and Tinv in the activation dtype; u, the norms and qg's
     and kbar's factors by row in fp32; every chunk's state h [H, K, V]). Held on ctx, so recompute does not drop
     them."""
     if a.kind != "gated_delta":
@@ -144,26 +144,26 @@ def _state_bytes(spec: ModelSpec, b: int) -> tuple[int, int]:
 # Activation policies: keep everything; recompute each layer part in backward from its kept input; recompute with
 # the layer inputs offloaded to host memory (the current and the next one in flight stay on the GPU).
 POLICIES = ("none", "recompute", "offload")
-# Chunked linear attention's chunk (runtime/kernels/gated_delta/function.py CHUNK_SIZE)
+# Chunked linear attention's chunk (runtime/ops/gated_delta/function.py CHUNK_SIZE)
 LINEAR_CHUNK = 64
-# The trainer's LM-head chunk (runtime/train.py TrainConfig.loss_chunk): the [chunk, vocab] fp32 logits and
-# their gradient are the only logits alive (runtime/loss.py)
+# The trainer's LM-head chunk (runtime/train/loop.py TrainConfig.loss_chunk): the [chunk, vocab] fp32 logits and
+# their gradient are the only logits alive (runtime/model/loss.py)
 LOSS_CHUNK = 1024
-# Tokens per chunk of the sparse attention backward (runtime/kernels/dsa/attention.py BWD_CHUNK_TOKENS): its
+# Tokens per chunk of the sparse attention backward (runtime/ops/dsa/attention.py BWD_CHUNK_TOKENS): its
 # probabilities and score gradients are two [chunk, H, top-k] buffers, alive while one layer's backward runs
 DSA_BWD_CHUNK = 2048
 
 
 def _norms(d: int, b: int, rows: int = 1) -> int:
     """Per token, RMSNorms over `rows` rows of d // rows: their input (b bytes an element) and an fp32 rstd per row
-    (runtime/kernels/norm.py)."""
+    (runtime/ops/norm/kernel.py)."""
     return b * d + 4 * rows
 
 
 def _kept_and_backward(spec: ModelSpec, policy: str, lora_rank: int) -> tuple[int, int]:
     """Per token: (kept from the forward to the backward, what the backward adds at its peak), all layers.
-    The terms are what autograd keeps, counted on the runtime model (runtime/saved_bytes.py;
-    tests/kernels/test_saved_bytes.py recounts them on a tiny config): without recompute every part's saved
+    The terms are what autograd keeps, counted on the runtime model (runtime/train/saved_bytes.py;
+    tests/runtime/test_saved_bytes.py recounts them on a tiny config): without recompute every part's saved
     tensors; with it each part's input, the norms (outside the parts) and the GDN tiles held on ctx, and in
     backward one part rebuilt (the largest). Autograd frees a node's saved tensors once it has run, so the
     backward adds the gradients in flight, a layer input's and output's (2 widths D)."""
@@ -186,7 +186,7 @@ def activation_bytes_per_token(spec: ModelSpec, policy: str, lora_rank: int = de
 def activations(spec: ModelSpec, seq_len: int, policy: str = "recompute", lora_rank: int = defaults.LORA_RANK) -> int:
     """Bytes one sequence of seq_len needs on a GPU at the step's peak: what the forward keeps (activations,
     attention state, the loss's gradient of its input, the final norm), plus the larger of the loss's one chunk
-    of logits (alive only in the forward: runtime/loss.py forms the gradient there) and the backward's peak."""
+    of logits (alive only in the forward: runtime/model/loss.py forms the gradient there) and the backward's peak."""
     b, d = DTYPE_BYTES.get(spec.dtype, 2), spec.hidden_size
     per_token_state, per_sequence_state = _state_bytes(spec, b)
     kept, backward = _kept_and_backward(spec, policy, lora_rank)

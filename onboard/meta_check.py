@@ -78,7 +78,7 @@ def transformers_tensors(manifest: Manifest) -> Optional[dict[str, tuple[int, ..
 
 def _decoder_layers(model):
     try:
-        from runtime.own_modules import text_decoder
+        from runtime.model.own_modules import text_decoder
 
         return list(text_decoder(model).layers)
     except StopIteration:
@@ -192,7 +192,7 @@ def glue_reshapes(manifest: Manifest) -> Optional[str]:
     import torch
     from torch import nn
 
-    from runtime.own_modules import text_decoder
+    from runtime.model.own_modules import text_decoder
 
     model = _build_on_meta(manifest)
     try:
@@ -230,7 +230,7 @@ def rope_pairs_interleaved(manifest: Manifest) -> Optional[bool]:
 
     import torch
 
-    from runtime.own_modules import text_decoder
+    from runtime.model.own_modules import text_decoder
 
     try:
         decoder = text_decoder(_build_on_meta(manifest))
@@ -264,7 +264,7 @@ def _rotated(rotate, tables: tuple, channel: int, width: int):
 def transformers_layer_count(manifest: Manifest) -> Optional[int]:
     """How many decoder layers transformers' model of this release has (its config may say it otherwise than by
     a layer-count key, e.g. by a list of block types); None when transformers cannot build it."""
-    from runtime.own_modules import text_decoder
+    from runtime.model.own_modules import text_decoder
 
     if not transformers_may_know(str(manifest.config.get("model_type"))):
         return None
@@ -278,7 +278,7 @@ def transformers_layer_count(manifest: Manifest) -> Optional[int]:
 
 def transformers_decoder_layers(manifest: Manifest) -> str:
     """transformers' name of its text decoder's layer list, e.g. "model.language_model.layers"."""
-    from runtime.own_modules import text_decoder
+    from runtime.model.own_modules import text_decoder
 
     model = _build_on_meta(manifest)
     decoder = text_decoder(model)

@@ -31,7 +31,7 @@ from onboard.release_hashes import shard_records
 from onboard.render import gap_markdown
 from onboard.workflow import model_slug, write_workflow
 from runtime import defaults
-from runtime.lora_file import default_lora_file, lora_yaml_text
+from runtime.lora.plan import default_lora_file, lora_yaml_text
 
 
 def _sha256(path: Path) -> str:

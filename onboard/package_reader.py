@@ -131,7 +131,7 @@ def read_lora_plan(pkg: Path, weight_map: dict[str, dict], hidden_size: int | No
     """lora.yaml as a runtime LoraConfig; a rank beyond the model's hidden size is refused before any factor
     is allocated (it adds nothing a full-width update would not, and a huge one only exhausts memory)."""
     from runtime.errors import InputFileError
-    from runtime.lora_file import lora_config
+    from runtime.lora.plan import lora_config
 
     path = pkg / "lora.yaml"
     try:

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from onboard.transformers_classes import model_class
-from runtime.lora import LoraConfig
-from runtime.lora_file import module_map
+from runtime.lora.factors import LoraConfig
+from runtime.lora.plan import module_map
 
 LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 EXPERT_PARAMS = {"gate_up_proj": "lora_gate_up", "down_proj": "lora_down"}

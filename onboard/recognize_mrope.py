@@ -4,7 +4,7 @@ Its vision path gives the text model positions on three axes (time, height, widt
 `mrope_section` leaves the split to the model code's default. For a family transformers knows, its own
 rotary module is then the oracle: run on one token whose three positions differ (1, 2, 3), each pair's angle divided by its
 frequency says which axis drives it. The split is kept when it is one of the runtime's layouts
-(contiguous sections or interleaved, runtime/ops/rope.py), else the rope is not recognized.
+(contiguous sections or interleaved, runtime/ops/rope/torch_form.py), else the rope is not recognized.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from onboard.manifest import Manifest
 def _rotary_module(manifest: Manifest):
     """transformers' rotary module of the text decoder, built on the CPU (it holds only frequencies)."""
     from onboard.meta_check import _build_on_meta
-    from runtime.own_modules import text_decoder
+    from runtime.model.own_modules import text_decoder
 
     meta = getattr(text_decoder(_build_on_meta(manifest)), "rotary_emb", None)
     return None if meta is None else type(meta)(meta.config)
@@ -33,7 +33,7 @@ def _axes(rotary, num_pairs: int) -> list[int]:
 
 def probed_mrope(manifest: Manifest, num_pairs: int, key: str) -> tuple[list[int], bool]:
     """(mrope_section, interleaved) as transformers' rotary module applies them; NotRecognized otherwise."""
-    from runtime.ops.rope import mrope_axes
+    from runtime.ops.rope.torch_form import mrope_axes
 
     try:
         rotary = _rotary_module(manifest)

@@ -100,14 +100,14 @@ def _train(args) -> int:
 
     from onboard.package_reader import read_package
     from onboard.trainer_build import build_model, build_parallel_model, load_tokenizer, memory_policy_for, prepare_data
-    from runtime import balance
-    from runtime.data import ChatTemplateError
+    from runtime.train import balance
+    from runtime.train.data import ChatTemplateError
     from runtime.parallel.process import finish, full_lora_state_dict, is_main, start
-    from runtime.run_folder import save_adapter, write_run_json
+    from runtime.train.run_folder import save_adapter, write_run_json
     from onboard.approved_ops import approved_hashes
     from onboard.model_references import package_references
     from runtime.package_ops import arm_spot_checks, load_package_ops
-    from runtime.train import TrainConfig, TrainingAborted, train
+    from runtime.train.loop import TrainConfig, TrainingAborted, train
 
     pkg = Path(args.pkg)
     package = read_package(pkg, Path(args.model_dir) if args.model_dir else None)

@@ -1,6 +1,6 @@
 """The trainer's model, built from a read package: what `train`, `bench` and the tests share, below the commands.
 
-bf16 base weights from the release (runtime/weights.py), fp32 LoRA factors from lora.yaml, plan.yaml's memory
+bf16 base weights from the release (runtime/model/weights.py), fp32 LoRA factors from lora.yaml, plan.yaml's memory
 policy (or the --recompute / --offload flags over it); on one process the whole model, on several this
 rank's part of it parallelized by the plan (runtime/parallel/). torch and the runtime are imported when a
 function runs, so the commands that never build a model start fast.
@@ -38,10 +38,10 @@ def build_model(spec: dict, weight_map: dict, release: Path, lora_config, policy
     """The runtime model: bf16 base weights from the release, fp32 LoRA factors, the memory policy."""
     import torch
 
-    from runtime.lora import apply_lora
+    from runtime.lora.factors import apply_lora
     from runtime.memory import apply_memory_policy
-    from runtime.model import HybridDecoder
-    from runtime.weights import load_release
+    from runtime.model.decoder import HybridDecoder
+    from runtime.model.weights import load_release
 
     with torch.device(device):
         model = HybridDecoder(spec).to(torch.bfloat16)
@@ -75,8 +75,8 @@ def load_tokenizer(release: Path):
 
 def prepare_data(data_path: Path, tokenizer, seq_len: int, eval_fraction: float, seed: int):
     """Read, check and pack the data before the model is built, so a malformed line fails before any step."""
-    from runtime.data import pack, read_jsonl, split_eval, tokenize
-    from runtime.train import TrainData
+    from runtime.train.data import pack, read_jsonl, split_eval, tokenize
+    from runtime.train.loop import TrainData
 
     documents = tokenize(read_jsonl(data_path), tokenizer)
     try:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 def model_class(family: str):
     """The transformers class for config model_type `family` (None when transformers does not know it)."""
-    from runtime.own_modules import transformers_class
+    from runtime.model.own_modules import transformers_class
 
     return transformers_class(family)
 
@@ -29,7 +29,7 @@ def transformers_may_know(model_type: str) -> bool:
 
 def transformers_class_names() -> dict[str, str]:
     """family -> the transformers class a release of it loads with (image-text-to-text over causal LM)."""
-    from runtime.own_modules import transformers_class_names as names
+    from runtime.model.own_modules import transformers_class_names as names
 
     return names()
 

@@ -1,6 +1,6 @@
 """Released tensor name -> runtime parameter name, with the steps that turn one into the other.
 
-Entries are plain dicts (written to the package's weight_map.json, read by runtime/weights.py):
+Entries are plain dicts (written to the package's weight_map.json, read by runtime/model/weights.py):
   {"target": "layers.3.ffn.experts.w_gate_up", "expert": 7, "rows": [0, 512], "transpose": false, "flatten": false}
 `expert` writes into one slice of a stacked [E, ...] tensor, `rows` into a row range of it (gate and
 up halves of w_gate_up), `transpose` swaps the last two dims (gpt-oss stores experts as [E, in, out]),

@@ -65,7 +65,7 @@ def apply_memory_policy(model: nn.Module, policy: MemoryPolicy) -> list[str]:
             elif offload is not None and kinds & set(policy.offload):
                 module.forward = functools.partial(_offloaded, offload, module.forward)
                 applied.append(f"layers.{i}.{part}: offload")
-    # offload's pinned buffers live for one step only, so a captured step (runtime/step_graph.py) may not hold them
+    # offload's pinned buffers live for one step only, so a captured step (runtime/train/step_graph.py) may not hold them
     model.offloads_activations = offload is not None and any(line.endswith("offload") for line in applied)
     return applied
 

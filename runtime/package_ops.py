@@ -24,12 +24,12 @@ from typing import AbstractSet, Callable, Iterator
 import torch
 
 from runtime.errors import GeneratedOpMismatch, PackageOpRefused
-from runtime.ops.gated_delta import DECAYS
-from runtime.ops.mlp import ACTIVATIONS
-from runtime.ops.moe import SCORINGS
-from runtime.ops.norms import NORMS
-from runtime.ops.residual import MIXINGS
-from runtime.ops.rope import ROPES
+from runtime.ops.gated_delta.torch_form import DECAYS
+from runtime.ops.mlp.torch_form import ACTIVATIONS
+from runtime.ops.moe.torch_form import SCORINGS
+from runtime.ops.norm.torch_form import NORMS
+from runtime.ops.residual.torch_form import MIXINGS
+from runtime.ops.rope.torch_form import ROPES
 from runtime.tolerances import compare, tolerance_for
 
 # Kind -> the table its runtime layer looks the op up in, by the name the spec gives it: hidden_act, router

@@ -69,14 +69,14 @@ def _norm(norm: NormSpec) -> Support:
     kind = norm.kind
     if kind in ("rms", "rms_1p"):
         return "exact"
-    return "variant" if _generated("runtime.ops.norms", "NORMS", kind) else "unsupported"
+    return "variant" if _generated("runtime.ops.norm.torch_form", "NORMS", kind) else "unsupported"
 
 
 def _rope(rope: RopeSpec) -> Support:
     scaling = rope.scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        return "variant" if _generated("runtime.ops.rope", "ROPES", rope_type) and not rope.mrope_section \
+        return "variant" if _generated("runtime.ops.rope.torch_form", "ROPES", rope_type) and not rope.mrope_section \
             else "unsupported"
     return "variant" if rope_type == "dynamic" else "exact"
 
@@ -85,7 +85,7 @@ def _gated_delta(attention: GatedDeltaAttention) -> Support:
     decay = attention.decay
     if decay == "softplus":
         return "exact"
-    return "variant" if _generated("runtime.ops.gated_delta", "DECAYS", decay) else "unsupported"
+    return "variant" if _generated("runtime.ops.gated_delta.torch_form", "DECAYS", decay) else "unsupported"
 
 
 def _softmax(attention: Attention) -> Support:
@@ -108,10 +108,10 @@ def _router(ffn: MoEFFN) -> Support:
     scoring = ffn.router.scoring
     if scoring in BUILTIN_SCORINGS:
         return "exact"
-    return "variant" if _generated("runtime.ops.moe", "SCORINGS", scoring) else "unsupported"
+    return "variant" if _generated("runtime.ops.moe.torch_form", "SCORINGS", scoring) else "unsupported"
 
 
-# the activations runtime/ops/mlp.py's ACTIVATIONS holds before any package registers generated ones; named here
+# the activations runtime/ops/mlp/torch_form.py's ACTIVATIONS holds before any package registers generated ones; named here
 # so that reading the table imports no torch (`inspect` stays light); a test keeps the two equal
 BUILTIN_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 
@@ -121,42 +121,42 @@ def _activation(ffn: Union[DenseFFN, MoEFFN]) -> Support:
     name = ffn.activation
     if name == "silu":
         return "exact"
-    # generated activations are registered into runtime.ops.mlp, so it is loaded whenever there are any
-    mlp = sys.modules.get("runtime.ops.mlp")
+    # generated activations are registered into runtime.ops.mlp.torch_form, so it is loaded whenever there are any
+    mlp = sys.modules.get("runtime.ops.mlp.torch_form")
     known = mlp.ACTIVATIONS if mlp is not None else BUILTIN_ACTIVATIONS
     return "variant" if name in known else "unsupported"
 
 
 OPS: dict[str, OpFamily] = {op.name: op for op in [
-    OpFamily("rms_norm", "norm", "reference_ops.norms:rms_norm", "runtime.ops.norms:rms_norm",
-             "runtime.kernels.norm:rms_norm", _norm),
+    OpFamily("rms_norm", "norm", "reference_ops.norms:rms_norm", "runtime.ops.norm.torch_form:rms_norm",
+             "runtime.ops.norm.kernel:rms_norm", _norm),
     OpFamily("gated_rms_norm", "attention:linear_output_norm", "reference_ops.norms:gated_rms_norm",
-             "runtime.ops.norms:gated_rms_norm", "runtime.kernels.norm:gated_rms_norm", _always),
-    OpFamily("rope", "rope", "reference_ops.rope:apply_rope", "runtime.ops.rope:apply_rope", None, _rope),
+             "runtime.ops.norm.torch_form:gated_rms_norm", "runtime.ops.norm.kernel:gated_rms_norm", _always),
+    OpFamily("rope", "rope", "reference_ops.rope:apply_rope", "runtime.ops.rope.torch_form:apply_rope", None, _rope),
     OpFamily("softmax_attention", "attention:softmax", "reference_ops.attention:softmax_attention",
-             "runtime.ops.attention:softmax_attention", None, _softmax),
-    OpFamily("mla_attention", "attention:mla", "reference_ops.mla:mla_attention", "runtime.ops.mla:mla_attention",
+             "runtime.ops.attention.torch_form:softmax_attention", None, _softmax),
+    OpFamily("mla_attention", "attention:mla", "reference_ops.mla:mla_attention", "runtime.ops.mla.torch_form:mla_attention",
              None, _mla),
-    OpFamily("dsa_indexer", "attention:mla_dsa", "reference_ops.dsa:indexer_topk", "runtime.ops.dsa:indexer_topk",
-             "runtime.kernels.dsa:indexer_topk", _dsa),
+    OpFamily("dsa_indexer", "attention:mla_dsa", "reference_ops.dsa:indexer_topk", "runtime.ops.dsa.torch_form:indexer_topk",
+             "runtime.ops.dsa.kernel:indexer_topk", _dsa),
     OpFamily("dsa_attention", "attention:mla_dsa", "reference_ops.dsa:sparse_attention",
-             "runtime.ops.dsa:sparse_attention", "runtime.kernels.dsa:sparse_attention", _dsa),
+             "runtime.ops.dsa.torch_form:sparse_attention", "runtime.ops.dsa.kernel:sparse_attention", _dsa),
     OpFamily("causal_conv1d", "attention:short_conv", "reference_ops.conv:causal_conv1d",
-             "runtime.ops.conv:causal_conv1d", "runtime.kernels.conv:causal_conv1d", _always),
+             "runtime.ops.conv.torch_form:causal_conv1d", "runtime.ops.conv.kernel:causal_conv1d", _always),
     OpFamily("gated_delta_rule", "attention:gated_delta", "reference_ops.gated_delta:gated_delta_rule",
-             "runtime.ops.gated_delta:gated_delta_rule", "runtime.kernels.gated_delta:gated_delta_rule", _gated_delta),
-    OpFamily("kda", "attention:kda", "reference_ops.kda:kda", "runtime.ops.kda:kda",
-             "runtime.kernels.gated_delta:kda", _always),
+             "runtime.ops.gated_delta.torch_form:gated_delta_rule", "runtime.ops.gated_delta.kernel:gated_delta_rule", _gated_delta),
+    OpFamily("kda", "attention:kda", "reference_ops.kda:kda", "runtime.ops.gated_delta.kda_torch_form:kda",
+             "runtime.ops.gated_delta.kernel:kda", _always),
     OpFamily("lightning_attention", "attention:lightning", "reference_ops.lightning:lightning_attention",
-             "runtime.ops.lightning:lightning_attention", None, _always),
-    OpFamily("moe_router", "ffn:moe", "reference_ops.moe:route", "runtime.ops.moe:route", "runtime.kernels.moe:route",
+             "runtime.ops.lightning.torch_form:lightning_attention", None, _always),
+    OpFamily("moe_router", "ffn:moe", "reference_ops.moe:route", "runtime.ops.moe.torch_form:route", "runtime.ops.moe.kernel:route",
              _router),
-    OpFamily("moe_experts", "ffn:moe", "reference_ops.moe:swiglu_experts", "runtime.ops.moe:swiglu_experts",
-             "runtime.kernels.moe:swiglu_experts", _activation),
+    OpFamily("moe_experts", "ffn:moe", "reference_ops.moe:swiglu_experts", "runtime.ops.moe.torch_form:swiglu_experts",
+             "runtime.ops.moe.kernel:swiglu_experts", _activation),
     OpFamily("cross_entropy_rows", "head:loss", "reference_ops.loss:cross_entropy_rows",
-             "runtime.ops.loss:cross_entropy_rows", "runtime.kernels.loss:cross_entropy_rows", _always),
-    OpFamily("swiglu_mlp", "ffn:dense", "reference_ops.mlp:swiglu_mlp", "runtime.ops.mlp:swiglu_mlp",
-             "runtime.kernels.mlp:swiglu_mlp", _activation),
+             "runtime.ops.loss.torch_form:cross_entropy_rows", "runtime.ops.loss.kernel:cross_entropy_rows", _always),
+    OpFamily("swiglu_mlp", "ffn:dense", "reference_ops.mlp:swiglu_mlp", "runtime.ops.mlp.torch_form:swiglu_mlp",
+             "runtime.ops.mlp.kernel:swiglu_mlp", _activation),
 ]}
 
 

@@ -1,7 +1,7 @@
 """ModelSpec: the normalized architecture of a release, as recognized from config keys and weight names.
 
 Written once, read by both sides: onboard/ builds it (recognition) and judges it (gap report, planning,
-alignment); the runtime builds its model from it (runtime/model.py), reading a package's spec.json with
+alignment); the runtime builds its model from it (runtime/model/decoder.py), reading a package's spec.json with
 `read_spec`. Everything downstream reads this and never the raw config. Widths are in elements; parameter
 counts in parameters (not bytes).
 """
@@ -151,7 +151,7 @@ class RouterSpec(_Spec):
     topk_before_softmax: bool = False  # Mixtral / gpt-oss: softmax over the chosen k logits
     bias: bool = False  # router linear has a bias (gpt-oss)
     norm_min: Optional[float] = None  # Ernie: clamp on the renormalization denominator
-    aux_loss_coef: Optional[float] = None  # training only: the config's router_aux_loss_coef (runtime/balance.py)
+    aux_loss_coef: Optional[float] = None  # training only: the config's router_aux_loss_coef (runtime/train/balance.py)
 
 
 class MoEFFN(_Spec):
@@ -175,7 +175,7 @@ FFN = Annotated[Union[DenseFFN, MoEFFN, OwnModule], Field(discriminator="kind")]
 
 class NormSpec(_Spec):
     # "rms"; "rms_1p": weight stored as w, applied as (1 + w); "layer": LayerNorm (the registry has no op for
-    # it: a gap); another name: a norm the package generated (runtime/ops/norms.py), as for decay and mixing
+    # it: a gap); another name: a norm the package generated (runtime/ops/norm/torch_form.py), as for decay and mixing
     kind: str
     eps: float
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.kernels.available import kernels_available
+from runtime.ops.common.available import kernels_available
 
 # Triton picks the interpreter when a kernel is defined, at its module's import: without a CUDA GPU the flag is
 # set here, before any test file (or what it imports) defines a kernel, whatever order the files load in

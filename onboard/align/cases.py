@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel
 
-from runtime.ops.rope import rope_cos_sin, rope_inv_freq
+from runtime.ops.rope.torch_form import rope_cos_sin, rope_inv_freq
 
 MAX_EXPERTS = 8
 

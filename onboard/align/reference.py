@@ -9,7 +9,7 @@ from torch import nn
 
 from onboard.errors import BadInput
 from onboard.transformers_classes import model_class
-from runtime.own_modules import text_decoder, truncated_config
+from runtime.model.own_modules import text_decoder, truncated_config
 from runtime.spec import ModelSpec
 
 
@@ -46,8 +46,8 @@ def _refresh_derived_buffers(model: nn.Module) -> None:
 def load_runtime(spec: ModelSpec | dict, weight_map: dict, source: Path, dtype: torch.dtype,
                  num_layers: int | None = None):
     """Our model with the release's weights; spec: a ModelSpec or spec.json's data (HybridDecoder reads it)."""
-    from runtime.model import HybridDecoder
-    from runtime.weights import load_release
+    from runtime.model.decoder import HybridDecoder
+    from runtime.model.weights import load_release
 
     model = HybridDecoder(spec, num_layers).to(dtype)
     vision = model.config.naming.vision_prefix

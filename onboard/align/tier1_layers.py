@@ -14,8 +14,8 @@ from onboard.align.progress import Progress
 from onboard.align.reference import (Recorder, attention_module, decoder_layers, ffn_module, first_tensor, load_reference,
                                      load_runtime, random_tokens)
 from onboard.align.report import Check
-from runtime.own_modules import OwnModule
-from runtime.rotary import RotaryCache
+from runtime.model.own_modules import OwnModule
+from runtime.model.rotary import RotaryCache
 from runtime.spec import LayerSpec, ModelSpec
 from runtime.tolerances import compare, tolerance_for
 

@@ -14,9 +14,9 @@ from onboard.align import own_choices
 from onboard.align.progress import Progress
 from onboard.align.reference import Recorder, load_reference, load_runtime, random_tokens
 from onboard.align.report import Check, Divergence
-from runtime.own_modules import runs_own_code
+from runtime.model.own_modules import runs_own_code
 from runtime.registry import ops_for_layer
-from runtime.rotary import RotaryCache
+from runtime.model.rotary import RotaryCache
 from runtime.spec import ModelSpec
 from runtime.tolerances import Tolerance, compare, tolerance_for
 
@@ -142,7 +142,7 @@ def logits_check(name: str, c, dtype, note: str = "") -> Check:
 
 
 def _loss_check(tag: str, ours, theirs, ids, dtype) -> Check:
-    from runtime.model import causal_lm_loss
+    from runtime.model.decoder import causal_lm_loss
 
     a, b = causal_lm_loss(ours, ids).item(), causal_lm_loss(theirs, ids).item()
     tol = tolerance_for("model_loss", dtype).rel_rms

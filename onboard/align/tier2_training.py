@@ -1,6 +1,6 @@
 """Tier 2, training: LoRA steps in our runtime and in transformers + PEFT, then both exports.
 
-Both sides start from the same LoRA factors (ours, drawn by runtime/lora.py and handed to PEFT in
+Both sides start from the same LoRA factors (ours, drawn by runtime/lora/factors.py and handed to PEFT in
 its own format), see the same batches and step AdamW (fp32, CPU, both models in eval mode so no
 dropout or router noise differs). The package's lora.yaml sets rank, alpha and the dense targets;
 the routed experts are trained too (and the router stays off), so the expert LoRA path is aligned
@@ -21,9 +21,9 @@ from onboard.align.reference import load_reference, load_runtime
 from onboard.align.report import Check
 from onboard.align.tier2_model import logits_check
 from onboard.peft_format import adapter_file_state, key_pairs, peft_config
-from runtime.lora import LoraConfig, apply_lora, lora_parameters, lora_state_dict
-from runtime.lora_file import read_lora_yaml
-from runtime.model import causal_lm_loss
+from runtime.lora.factors import LoraConfig, apply_lora, lora_parameters, lora_state_dict
+from runtime.lora.plan import read_lora_yaml
+from runtime.model.decoder import causal_lm_loss
 from runtime.spec import ModelSpec
 from runtime.tolerances import compare, tolerance_for
 

@@ -9,7 +9,7 @@ elements with |g| near its eps move by a large fraction of lr on a 1e-7 change):
 forward differs from 1 row per forward by 1.65e-5 at step 2, as ep2 does (bench/NOTES.md). Then the ep2 run's
 step-2 checkpoint is resumed at ep1 (one process) and at ep4: steps 3 and 4 must repeat the straight losses
 (DCP reshards the expert factors and their AdamW state). The routed experts are trained (as in tier 2).
-Load balancing (runtime/balance.py): one process, ep2 and ep4 train with the aux loss and, where the routers
+Load balancing (runtime/train/balance.py): one process, ep2 and ep4 train with the aux loss and, where the routers
 have a correction bias, its update on, one micro-batch of all 4 rows over all ranks (the aux loss is per
 micro-batch over all ranks): losses, aux losses, gradients and biases of every step must match.
 Each world size is one torch.multiprocessing spawn running its meshes in turn.
@@ -32,13 +32,13 @@ from onboard.align.progress import Progress
 from onboard.align.reference import load_runtime
 from onboard.align.report import Check
 from onboard.align.tier2_training import alignment_lora_config
-from runtime.data import Document, pack
-from runtime.lora import apply_lora
-from runtime.metrics import read_metrics
+from runtime.train.data import Document, pack
+from runtime.lora.factors import apply_lora
+from runtime.train.metrics import read_metrics
 from runtime.parallel.placement import MeshShape
 from runtime.spec import ModelSpec
 from runtime.tolerances import tolerance_for
-from runtime.train import TrainConfig, TrainData, train
+from runtime.train.loop import TrainConfig, TrainData, train
 
 CONFIG = TrainConfig(steps=4, batch_size=1, lr=1e-3, warmup_steps=1, eval_every=4, checkpoint_every=2, keep_last=2)
 # rows per optimizer step over all ranks (world 1: 4 micro-batches; world 4: one each)

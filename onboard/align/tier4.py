@@ -22,10 +22,10 @@ from onboard.memory import DTYPE_BYTES, GIB
 from onboard.plan import Cluster, Workload, search
 from runtime import defaults
 from runtime.spec import ModelSpec
-from runtime.model import HybridDecoder
+from runtime.model.decoder import HybridDecoder
 from runtime.parallel.placement import (MeshShape, loads_by_rank, model_targets, moe_layers, owned_experts,
                                         shard_numel)
-from runtime.weights import shard_order
+from runtime.model.weights import shard_order
 
 TIER = 4
 

@@ -12,7 +12,7 @@ from onboard.align.report import Check
 from onboard.align.tier2_model import logits_check
 from runtime.spec import ModelSpec
 from runtime.tolerances import compare, tolerance_for
-from runtime.vision import VisionTower, multimodal_embeddings, multimodal_positions
+from runtime.model.vision import VisionTower, multimodal_embeddings, multimodal_positions
 
 
 def _image_input(spec: ModelSpec, vision_config: dict, seed: int):

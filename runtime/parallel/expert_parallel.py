@@ -23,8 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from runtime.dispatch import op
-from runtime.layers.ffn import Experts, MoE
-from runtime.ops.moe import sort_by_expert
+from runtime.model.layers.ffn import Experts, MoE
+from runtime.ops.moe.torch_form import sort_by_expert
 from runtime.parallel.placement import experts_per_rank
 
 EXPERT_TENSORS = ("w_gate_up", "w_down", "b_gate_up", "b_down",

@@ -11,12 +11,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from runtime.lora import LoraConfig, apply_lora, initial_value, is_lora_name
-from runtime.model import HybridDecoder
+from runtime.lora.factors import LoraConfig, apply_lora, initial_value, is_lora_name
+from runtime.model.decoder import HybridDecoder
 from runtime.parallel.parallelize import ParallelPlan, local_part, parallelize
 from runtime.parallel.placement import moe_layers, rows_held
 from runtime.spec import ModelSpec
-from runtime.weights import load_release
+from runtime.model.weights import load_release
 
 
 def build_sharded_model(spec: ModelSpec | dict, weight_map: dict, release: Path, lora_config: LoraConfig, plan: ParallelPlan,

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
-from runtime.layers.ffn import MoE
+from runtime.model.layers.ffn import MoE
 from runtime.memory import MemoryPolicy, apply_memory_policy
 from runtime.parallel.expert_parallel import apply_expert_parallel
 from runtime.parallel.placement import MeshShape, check_mesh

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.lora import is_lora_name
+from runtime.lora.factors import is_lora_name
 
 
 def start() -> tuple[int, int, torch.device]:

@@ -96,9 +96,9 @@ def test_pr_md_shows_the_generated_op_its_evidence_and_its_diff(onboarded):
     text = (pkg / "PR.md").read_text()
     section = text[text.index("### activation `relu2` (`ops/activation_relu2.py`)"):text.index("## Alignment")]
     assert "5 seeds x float32, bfloat16" in section and "2 attempt(s)" in section and "0: " in section
-    assert "the closest registry op, `swiglu_mlp` (its torch fallback `runtime.ops.mlp:swiglu_mlp`" in section
+    assert "the closest registry op, `swiglu_mlp` (its torch fallback `runtime.ops.mlp.torch_form:swiglu_mlp`" in section
     diff = section[section.index("```diff\n"):]
-    assert "--- runtime.ops.mlp:swiglu_mlp\n+++ ops/activation_relu2.py\n" in diff
+    assert "--- runtime.ops.mlp.torch_form:swiglu_mlp\n+++ ops/activation_relu2.py\n" in diff
     assert "+    return torch.relu(x) ** 2\n" in diff and "-def swiglu_mlp(\n" in diff
 
 
@@ -113,7 +113,7 @@ def test_training_steps_run_through_the_generated_op(onboarded):
     from onboard.package_reader import read_package
     from onboard.align.reference import load_runtime
     from onboard.approved_ops import approved_hashes
-    from runtime.model import causal_lm_loss
+    from runtime.model.decoder import causal_lm_loss
     from runtime.package_ops import load_package_ops
 
     _, pkg, _ = onboarded

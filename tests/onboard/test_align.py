@@ -72,8 +72,8 @@ SCRIPT = r"""
 import json, sys
 from pathlib import Path
 import torch
-from runtime.model import HybridDecoder
-from runtime.weights import load_release
+from runtime.model.decoder import HybridDecoder
+from runtime.model.weights import load_release
 pkg = Path(sys.argv[1]); source = Path(sys.argv[2])
 spec = json.loads((pkg / "spec.json").read_text())
 model = HybridDecoder(spec)

@@ -6,7 +6,7 @@ import torch
 
 from onboard.align import tier0_ops
 from onboard.align.cases import build_case
-from runtime.ops.dsa import indexer_topk
+from runtime.ops.dsa.torch_form import indexer_topk
 from runtime.spec import DSAIndexer, MLAAttention, NormSpec
 
 # the indexer's case reads only the indexer; the MLA widths around it are the tiny example's
@@ -26,7 +26,7 @@ def test_selection_metric_accepts_the_fallback_and_rejects_the_worst_keys():
 
 def test_a_wrong_op_fails_tier0(monkeypatch):
     """A runtime rms_norm that forgets the (1 + w) offset is caught, forward and backward."""
-    from runtime.ops import norms
+    from runtime.ops.norm import torch_form as norms
 
     real = norms.rms_norm
     monkeypatch.setattr(norms, "rms_norm", lambda x, weight, eps, offset=0.0: real(x, weight, eps, 0.0))

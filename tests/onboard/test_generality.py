@@ -96,7 +96,7 @@ def test_fallback_aligns_and_trains(example_release, tmp_path):
     pass (exit 0); the own module's parameters get gradients from the loss like the rest."""
     from onboard.package_reader import read_package
     from onboard.align.reference import load_runtime
-    from runtime.model import causal_lm_loss
+    from runtime.model.decoder import causal_lm_loss
 
     release = _with_extra_tensor(example_release, tmp_path, "model.layers.0.mlp.gate.e_score_correction_bias")
     pkg = tmp_path / "pkg"

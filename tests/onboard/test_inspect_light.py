@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from runtime.kernels.available import kernels_available
+from runtime.ops.common.available import kernels_available
 
 PROBE = """
 import sys
@@ -43,7 +43,7 @@ def test_the_light_gate_never_hides_a_family_transformers_knows():
     """transformers_may_know reads transformers' sources instead of importing it: it must pass every family
     transformers maps to a model class, and refuse one it does not know (the seed's hybrid_moe_vl)."""
     from onboard.transformers_classes import transformers_may_know
-    from runtime.own_modules import transformers_class_names
+    from runtime.model.own_modules import transformers_class_names
 
     assert [f for f in transformers_class_names() if not transformers_may_know(f)] == []
     assert not transformers_may_know("hybrid_moe_vl")

@@ -16,9 +16,9 @@ from onboard.gap import analyze
 from onboard.manifest import read_manifest
 from onboard.package import write_package
 from onboard.recognize import recognize
-from runtime.lora import apply_lora
-from runtime.lora_file import read_lora_yaml
-from runtime.model import causal_lm_loss
+from runtime.lora.factors import apply_lora
+from runtime.lora.plan import read_lora_yaml
+from runtime.model.decoder import causal_lm_loss
 from runtime.spec import read_spec
 from runtime.tolerances import compare, tolerance_for
 
@@ -100,7 +100,7 @@ def test_an_own_layer_gets_what_its_decoder_passes_it(tiny_family):
     """Beam's decoder passes each layer its layer type's rotary table (or none, for NoPE layers, with an
     attention scaling instead): recorded from the decoder's own forward, each own layer gives what the layer
     gives inside transformers' model, and packed documents still run apart."""
-    from runtime.rotary import RotaryCache
+    from runtime.model.rotary import RotaryCache
 
     release, pkg = tiny_family("beam")
     inputs, model = _runtime(pkg)
@@ -155,7 +155,7 @@ def _peft_export_matches(inputs, model, pkg, out) -> bool:
     from peft import PeftModel
 
     from onboard.export import write_peft
-    from runtime.lora import lora_state_dict
+    from runtime.lora.factors import lora_state_dict
 
     config = read_lora_yaml(pkg / "lora.yaml", inputs.weight_map)
     apply_lora(model, config)
@@ -273,8 +273,8 @@ def test_a_final_logit_softcap_caps_the_logits_and_the_training_loss(tiny_family
     """Inkling-2 caps its logits (c * tanh(z / c), config final_logit_softcapping) after the LM head: the spec
     carries the cap, and the runtime's logits and its chunked training loss apply it as transformers does
     (at this size the uncapped logits miss the fp32 bar)."""
-    from runtime.data import IGNORE
-    from runtime.train import loss_sum
+    from runtime.train.data import IGNORE
+    from runtime.train.loop import loss_sum
 
     release, pkg = tiny_family("inkling2_text")
     inputs, model = _runtime(pkg)

@@ -85,7 +85,7 @@ def test_activations_count_the_sparse_attention_backward_buffers(seed_spec, monk
     """The seed's DSA layers: the sparse attention backward's p and ds of one chunk of tokens (two [chunk, heads,
     top-k] buffers) are part of the backward's peak, with the kernel's chunk size."""
     from onboard import memory
-    from runtime.kernels.dsa import attention
+    from runtime.ops.dsa import attention
 
     assert memory.DSA_BWD_CHUNK == attention.BWD_CHUNK_TOKENS
     dsa = [layer.attention for layer in seed_spec.layers if layer.attention.kind == "mla" and layer.attention.indexer]

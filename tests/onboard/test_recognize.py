@@ -167,8 +167,8 @@ def test_a_multimodal_rope_without_mrope_section_takes_the_split_transformers_ap
     from onboard.align.reference import load_reference
     from onboard.align.vision import vision_checks
     from runtime.spec import read_spec
-    from runtime.own_modules import text_decoder
-    from runtime.rotary import cos_sin
+    from runtime.model.own_modules import text_decoder
+    from runtime.model.rotary import cos_sin
     from runtime.tolerances import assert_close
 
     release, pkg = tiny_family("qwen3_5_moe")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from runtime import checkpoint
+from runtime.train import checkpoint
 from onboard.train_cli import main
 
 

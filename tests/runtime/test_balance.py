@@ -1,4 +1,4 @@
-"""Load balancing in training (runtime/balance.py): the aux loss against transformers' own and against a plain
+"""Load balancing in training (runtime/train/balance.py): the aux loss against transformers' own and against a plain
 fp64 reference of the formula on the runtime's router outputs (value and gradients); the correction-bias update
 step by step against its formula on the logged global counts, and a resume that restores the biases; the
 `onboard train` defaults (off) and a real run that updated biases: saved beside the adapter, refused by the PEFT
@@ -22,15 +22,15 @@ import torch.multiprocessing as mp
 from onboard.package_reader import read_package
 from onboard.align.reference import load_runtime
 from onboard.train_cli import OptionGap, balance_options
-from runtime import balance
-from runtime.data import Document, pack
-from runtime.lora import LoraConfig, apply_lora
+from runtime.train import balance
+from runtime.train.data import Document, pack
+from runtime.lora.factors import LoraConfig, apply_lora
 from runtime.memory import MemoryPolicy, apply_memory_policy
-from runtime.metrics import expert_counts, moe_layers, read_metrics
-from runtime.ops.moe import router_logits
-from runtime.run_folder import read_biases
+from runtime.train.metrics import expert_counts, moe_layers, read_metrics
+from runtime.ops.moe.torch_form import router_logits
+from runtime.train.run_folder import read_biases
 from runtime.parallel.placement import MeshShape
-from runtime.train import TrainConfig, TrainData, train
+from runtime.train.loop import TrainConfig, TrainData, train
 
 LORA = LoraConfig(rank=4, alpha=8, targets=("layers.*.attn.q_proj",), experts=True)
 T = 48

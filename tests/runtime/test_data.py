@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from onboard.example_tokenizer import write_example_tokenizer
-from runtime.data import IGNORE, Document, chat_document, cu_seqlens_of, pack, read_jsonl, text_document
+from runtime.train.data import IGNORE, Document, chat_document, cu_seqlens_of, pack, read_jsonl, text_document
 from runtime.errors import InputFileError
 
 CONVERSATION = [

@@ -7,10 +7,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from runtime.spec import SoftmaxAttention
-from runtime.flops import mixing_flops, projection_flops_per_token
-from runtime.lora import LoraConfig, apply_lora
-from runtime.model import HybridDecoder
-from runtime.ops.attention import visible_mask
+from runtime.train.flops import mixing_flops, projection_flops_per_token
+from runtime.lora.factors import LoraConfig, apply_lora
+from runtime.model.decoder import HybridDecoder
+from runtime.ops.attention.torch_form import visible_mask
 
 
 def _grouped_mm_flops(a_shape, b_shape, *args, **kwargs) -> int:

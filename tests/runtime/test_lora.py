@@ -9,11 +9,11 @@ from torch import nn
 from onboard.package_reader import read_package
 from onboard.align.reference import load_runtime
 from runtime.dispatch import force
-from runtime.layers.ffn import Experts
-from runtime.layers.lora_linear import LoraLinear, weight_of
-from runtime.lora import (LoraConfig, apply_lora, load_lora_state_dict, lora_parameters, lora_state_dict, merge_lora,
+from runtime.model.layers.ffn import Experts
+from runtime.model.layers.lora_linear import LoraLinear, weight_of
+from runtime.lora.factors import (LoraConfig, apply_lora, load_lora_state_dict, lora_parameters, lora_state_dict, merge_lora,
                           unmerge_lora)
-from runtime.ops.moe import glu
+from runtime.ops.moe.torch_form import glu
 from runtime.tolerances import assert_close
 
 ATTENTION = ("layers.*.attn.*",)

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from runtime.errors import InputFileError
-from runtime.lora_file import read_lora_yaml
+from runtime.lora.plan import read_lora_yaml
 
 
 def test_new_model_plans_every_attention_projection_by_release_name(example_package):

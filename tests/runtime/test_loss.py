@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime.loss import IGNORE, chunked_cross_entropy
+from runtime.model.loss import IGNORE, chunked_cross_entropy
 from runtime.tolerances import compare, tolerance_for
 
 

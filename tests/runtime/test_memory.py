@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from onboard.trainer_build import build_model, read_lora
-from runtime.data import Document, pack
-from runtime.lora import lora_parameters
+from runtime.train.data import Document, pack
+from runtime.lora.factors import lora_parameters
 from runtime.memory import MemoryPolicy
-from runtime.train import loss_sum, micro_batch
+from runtime.train.loop import loss_sum, micro_batch
 
 EVERY_KIND = ("attention", "linear_attention", "moe", "mlp")
 

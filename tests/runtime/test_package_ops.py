@@ -18,13 +18,13 @@ import torch.nn.functional as F
 
 from runtime import package_ops, registry
 from runtime.spec import ModelSpec, MoEFFN, NormSpec, RopeSpec, RouterSpec, read_spec
-from runtime.layers.ffn import Router
-from runtime.layers.linear_attention import GatedDeltaNet
-from runtime.layers.norm import GeneratedNorm, make_norm
-from runtime.model import DecoderLayer
-from runtime.ops.moe import route
-from runtime.ops.rope import rope_cos_sin, rope_inv_freq
-from runtime.rotary import RotaryCache, cos_sin
+from runtime.model.layers.ffn import Router
+from runtime.model.layers.linear_attention import GatedDeltaNet
+from runtime.model.layers.norm import GeneratedNorm, make_norm
+from runtime.model.decoder import DecoderLayer
+from runtime.ops.moe.torch_form import route
+from runtime.ops.rope.torch_form import rope_cos_sin, rope_inv_freq
+from runtime.model.rotary import RotaryCache, cos_sin
 
 HEADER = "import math\nimport torch\nimport torch.nn.functional as F\nKIND = {kind!r}\nNAME = {name!r}\n\n"
 

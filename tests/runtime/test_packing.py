@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from runtime.data import IGNORE, Document, cu_seqlens_of, pack
-from runtime.loss import chunked_cross_entropy
-from runtime.model import HybridDecoder
+from runtime.train.data import IGNORE, Document, cu_seqlens_of, pack
+from runtime.model.loss import chunked_cross_entropy
+from runtime.model.decoder import HybridDecoder
 from runtime.tolerances import compare, tolerance_for
-from runtime.weights import load_release
+from runtime.model.weights import load_release
 
 
 def runtime_model(package) -> HybridDecoder:

@@ -12,7 +12,7 @@ from onboard.weight_map import build_weight_map
 from onboard.recognize import recognize
 from onboard.manifest import read_manifest
 from runtime.spec import read_spec
-from runtime.model import HybridDecoder
+from runtime.model.decoder import HybridDecoder
 from runtime.parallel.placement import (MeshShape, PlacementError, check_mesh, experts_per_rank, fsdp_rows,
                                         loads_by_rank, model_targets, moe_layers, owned_experts)
 

@@ -25,7 +25,7 @@ def test_the_registry_names_the_activations_and_scorings_the_runtime_has():
     import subprocess
     import sys
 
-    probe = ("import runtime.registry as r, runtime.ops.mlp as m, runtime.ops.moe as moe; import sys; "
+    probe = ("import runtime.registry as r, runtime.ops.mlp.torch_form as m, runtime.ops.moe.torch_form as moe; import sys; "
              "sys.exit(0 if set(r.BUILTIN_ACTIVATIONS) == set(m.ACTIVATIONS) "
              "and set(r.BUILTIN_SCORINGS) == set(moe.SCORINGS) else 1)")
     assert subprocess.run([sys.executable, "-c", probe]).returncode == 0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from onboard.example_models import FAMILIES
-from runtime.model import HybridDecoder
+from runtime.model.decoder import HybridDecoder
 from runtime.spec import MLAAttention, ModelSpec, SpecError, read_spec
 
 

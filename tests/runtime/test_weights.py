@@ -14,8 +14,8 @@ from onboard.package_reader import read_package
 from onboard.example_models import example_config
 from onboard.transformers_classes import model_class
 from onboard.package import write_package
-from runtime.model import HybridDecoder
-from runtime.weights import load_release
+from runtime.model.decoder import HybridDecoder
+from runtime.model.weights import load_release
 
 
 def _held(name: str, F: int):
@@ -67,8 +67,8 @@ PEAK_SCRIPT = """
 import json, sys, torch
 from pathlib import Path
 from onboard.package_reader import read_package
-from runtime.model import HybridDecoder
-from runtime.weights import load_release
+from runtime.model.decoder import HybridDecoder
+from runtime.model.weights import load_release
 
 def status(key):
     line = next(l for l in open("/proc/self/status") if l.startswith(key))

@@ -1,6 +1,0 @@
-"""Fused Triton kernels for MoE: the router (router.py) and the routed experts over grouped GEMMs (experts.py).
-The dense MLP and shared expert are runtime/kernels/mlp.py. Contracts are those of reference_ops/moe.py."""
-from runtime.kernels.moe.experts import swiglu_experts
-from runtime.kernels.moe.router import route
-
-__all__ = ["route", "swiglu_experts"]

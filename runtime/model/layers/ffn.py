@@ -1,0 +1,144 @@
+"""FFN layers: the dense gated MLP and the MoE block (router, routed experts, shared expert).
+
+Shape legend: B batch, T tokens, D model width, E experts, F expert width, k experts per token.
+Experts are stored stacked ([E, 2F, D] gate rows then up rows, [E, D, F]) for grouped GEMMs; the
+weight map stacks the release's per-expert tensors into them.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from runtime.spec import MoEFFN
+from runtime.dispatch import op
+from runtime.model.layers.lora_linear import weight_of
+from runtime.ops.moe.torch_form import SCORINGS, router_logits
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, width: int, activation: str = "silu"):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, hidden_size, bias=False)
+        self.activation = activation
+
+    def forward(self, x_BTD: torch.Tensor, gate_1D: torch.Tensor | None = None,
+                residual_BTD: torch.Tensor | None = None) -> torch.Tensor:
+        """down(act(gate(x)) * up(x)), times sigmoid(x @ gate_1D^T) and plus residual_BTD when given
+        (the shared expert: the kernel folds both into its passes; it may write residual_BTD in place)."""
+        mlp = op("swiglu_mlp", x_BTD.device)
+        return mlp(x_BTD, weight_of(self.gate_proj), weight_of(self.up_proj), weight_of(self.down_proj), self.activation,
+                   gate_1D=gate_1D, residual_TD=residual_BTD)
+
+
+class Router(nn.Module):
+    def __init__(self, config: MoEFFN, hidden_size: int):
+        super().__init__()
+        self.config, self.top_k = config.router, config.top_k
+        num_experts = config.num_experts
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(num_experts)) if self.config.bias else None
+        if self.config.correction_bias:
+            self.register_buffer("correction_bias", torch.zeros(num_experts))
+        else:
+            self.correction_bias = None
+        # LoRA on the router (runtime/lora/factors.py, off by default): A [r, D], B [E, r], fp32
+        self.lora_A: nn.Parameter | None = None
+        self.lora_B: nn.Parameter | None = None
+        self.lora_scale, self.lora_merged = 0.0, False
+        # Alignment pins the expert choice of a bf16 run to the fp32 run's, to measure bf16 numerics
+        # apart from discrete routing flips (which it counts separately).
+        self.pinned_idx: torch.Tensor | None = None
+        # the auxiliary load-balancing loss (runtime/train/balance.py) reads each forward's sum over tokens of
+        # softmax(logits) [E], with its graph; kept only while that loss is on
+        self.keep_prob_sum = False
+        self.last_prob_sum: torch.Tensor | None = None
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights_Tk fp32, idx_Tk). Logits in fp32: routing decisions are precision-sensitive."""
+        logits_TE = router_logits(x_TD, self.effective_weight(), self.bias)
+        self.last_prob_sum = logits_TE.softmax(-1).sum(0) if self.keep_prob_sum else None
+        if self.pinned_idx is not None:
+            return self._weights_for(logits_TE, self.pinned_idx), self.pinned_idx
+        r = self.config
+        return op("moe_router", x_TD.device)(
+            logits_TE, self.top_k, scoring=r.scoring, norm_topk_prob=r.norm_topk_prob,
+            routed_scaling_factor=r.routed_scaling_factor, correction_bias_E=self.correction_bias,
+            num_groups=r.num_groups, topk_groups=r.topk_groups, topk_before_softmax=r.topk_before_softmax)
+
+    def effective_weight(self) -> torch.Tensor:
+        if self.lora_A is None or self.lora_merged:
+            return self.weight
+        return self.weight + (self.lora_scale * (self.lora_B @ self.lora_A)).to(self.weight.dtype)
+
+    def _weights_for(self, logits_TE: torch.Tensor, idx_Tk: torch.Tensor) -> torch.Tensor:
+        """The routing weights the router gives experts idx_Tk (same scoring and normalization rules)."""
+        r = self.config
+        if r.topk_before_softmax:
+            return logits_TE.gather(1, idx_Tk).softmax(-1) * r.routed_scaling_factor
+        scores_TE = SCORINGS[r.scoring](logits_TE)
+        weights_Tk = scores_TE.gather(1, idx_Tk)
+        if r.norm_topk_prob:
+            weights_Tk = weights_Tk / weights_Tk.sum(-1, keepdim=True)
+        return weights_Tk * r.routed_scaling_factor
+
+
+class Experts(nn.Module):
+    def __init__(self, config: MoEFFN, hidden_size: int):
+        super().__init__()
+        E, width = config.num_experts, config.expert_intermediate_size
+        self.w_gate_up = nn.Parameter(torch.zeros(E, 2 * width, hidden_size))
+        self.w_down = nn.Parameter(torch.zeros(E, hidden_size, width))
+        self.b_gate_up = nn.Parameter(torch.zeros(E, 2 * width)) if config.expert_bias else None
+        self.b_down = nn.Parameter(torch.zeros(E, hidden_size)) if config.expert_bias else None
+        self.options = dict(activation=config.activation, clamp=config.swiglu_limit, glu_alpha=config.swiglu_alpha,
+                            interleaved_gate_up=config.interleaved_gate_up)
+        # LoRA on the routed experts (runtime/lora/factors.py): stacked fp32 factors for the grouped GEMMs,
+        # A_gu [E, r, D], B_gu [E, 2F, r], A_d [E, r, F], B_d [E, D, r]
+        self.lora_gate_up_A: nn.Parameter | None = None
+        self.lora_gate_up_B: nn.Parameter | None = None
+        self.lora_down_A: nn.Parameter | None = None
+        self.lora_down_B: nn.Parameter | None = None
+        self.lora_scale, self.lora_merged = 0.0, False
+
+    def forward(self, x_TD, weights_Tk, idx_Tk) -> torch.Tensor:
+        experts = op("moe_experts", x_TD.device)
+        return experts(x_TD, weights_Tk, idx_Tk, self.w_gate_up, self.w_down, b_gate_up_E2F=self.b_gate_up,
+                       b_down_ED=self.b_down, **self.options, **self._lora_args(x_TD.dtype))
+
+    def _lora_args(self, dtype: torch.dtype, view=lambda t: t) -> dict:
+        """The op's LoRA arguments; view maps each factor first (expert parallelism: to its local part)."""
+        # the grouped GEMMs take one dtype: the fp32 factors are cast to the activations' (autograd casts back)
+        if self.lora_gate_up_A is None or self.lora_merged:
+            return {}
+        factors = (self.lora_gate_up_A, self.lora_gate_up_B, self.lora_down_A, self.lora_down_B)
+        A_gu, B_gu, A_d, B_d = (view(t).to(dtype) for t in factors)
+        return dict(lora_gate_up=(A_gu, B_gu), lora_down=(A_d, B_d), lora_scale=self.lora_scale)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: MoEFFN, hidden_size: int):
+        super().__init__()
+        self.router = Router(config, hidden_size)
+        self.experts = Experts(config, hidden_size)
+        self.shared = GatedMLP(hidden_size, config.shared_intermediate_size, config.activation) \
+            if config.num_shared_experts else None
+        self.shared_gate = nn.Linear(hidden_size, 1, bias=False) if config.shared_expert_gate else None
+        self.last_routing: torch.Tensor | None = None  # idx_Tk of the last forward, for routing-flip counts
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        B, T, D = x_BTD.shape
+        x_TD = x_BTD.reshape(B * T, D)
+        weights_Tk, idx_Tk = self.router(x_TD)
+        self.last_routing = idx_Tk.detach()
+        y_TD = self.experts(x_TD, weights_Tk, idx_Tk)
+        return self.add_shared(x_TD, y_TD).view(B, T, D)
+
+    def add_shared(self, x_TD: torch.Tensor, routed_TD: torch.Tensor) -> torch.Tensor:
+        """routed + (sigmoid-gated) shared expert of x; routed_TD may be overwritten with the sum.
+        (bench/bench_moe.py times the block through this too.)"""
+        if self.shared is None:
+            return routed_TD
+        gate_1D = None if self.shared_gate is None else weight_of(self.shared_gate)
+        return self.shared(x_TD, gate_1D, routed_TD)
