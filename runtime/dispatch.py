@@ -1,24 +1,25 @@
-"""Pick each op's implementation: the fused kernel on CUDA when it exists, the torch fallback elsewhere.
+"""Pick each op's implementation through its backend selector: the fused kernel where the selector says so, the
+torch form elsewhere.
 
-Every layer gets its ops through `op(name)`, so one switch (`force`) runs the whole model through
-the fallbacks or the kernels, which is how alignment tier 0 checks both.
+Every layer gets its ops through `op(name)`. An op with a kernel has its selector in backend.py beside its kernel
+module (runtime/ops/<op>/backend.py); `runtime.ops.common.backend.force` pins every selector at once, which is how
+alignment tier 0 runs the whole model through the torch forms or the kernels.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Callable, Literal, Optional
+import functools
+import importlib
+from typing import Callable
 
 import torch
 
-from runtime.registry import OPS
-
-_forced: Optional[Literal["fallback", "kernel"]] = None
+from runtime.ops.common.backend import Selector
+from runtime.registry import OPS, OpFamily
 
 
 def op(name: str, device: torch.device | None = None) -> Callable:
     family = OPS[name]
-    on_cuda = device is not None and device.type == "cuda"
-    if _forced != "fallback" and (on_cuda or _forced == "kernel"):
+    if family.kernel is not None and selector(family).choose(device) != "torch":
         kernel = family.resolve("kernel")
         if kernel is not None:
             return kernel
@@ -28,12 +29,8 @@ def op(name: str, device: torch.device | None = None) -> Callable:
     return fallback
 
 
-@contextlib.contextmanager
-def force(which: Literal["fallback", "kernel"] | None):
-    """Run everything inside through one kind of implementation."""
-    global _forced
-    previous, _forced = _forced, which
-    try:
-        yield
-    finally:
-        _forced = previous
+@functools.cache
+def selector(family: OpFamily) -> Selector:
+    """The SELECTOR of the backend.py beside the family's kernel module."""
+    folder = family.kernel.split(":")[0].rsplit(".", 1)[0]
+    return importlib.import_module(f"{folder}.backend").SELECTOR

@@ -13,6 +13,8 @@ import torch
 from onboard.align.cases import build_case
 from onboard.align.progress import Progress
 from onboard.align.report import Check
+from runtime import dispatch
+from runtime.ops.common.backend import force
 from runtime.registry import OPS, SpecPart, ops_for_layer
 from runtime.spec import ModelSpec
 from runtime.tolerances import compare, tolerance_for
@@ -20,6 +22,9 @@ from runtime.tolerances import compare, tolerance_for
 SEEDS = (0, 1, 2)
 COTANGENT_SEED_OFFSET = 7919
 DTYPES = (torch.float32, torch.bfloat16)
+# tier 0's two runs of an op, as the backend selectors name them: its torch form, and the fastest fused path this
+# device has (the Triton kernels, with their Gluon twins on a Hopper GPU)
+BACKEND_OF = {"fallback": "torch", "kernel": "hopper"}
 # Ops whose output is a selection (indices): compared as sets, not numerically.
 SELECTION_OPS = {"dsa_indexer"}
 
@@ -98,8 +103,14 @@ def _dtypes_for(which: str) -> tuple[torch.dtype, ...]:
 
 
 def check_op(op: str, part: SpecPart, hidden: int, T: int, which: str) -> list[Check]:
-    family = OPS[op]
-    fn, ref = family.resolve(which), family.resolve("reference")
+    """The checks of one run of the op, its implementation picked by its backend selector, forced to BACKEND_OF[which]
+    for the whole run (so that a kernel's Gluon twins follow the same choice)."""
+    with force(BACKEND_OF[which]):
+        return _checks_of(op, part, hidden, T, which, dispatch.op(op, torch.device(_device(which))))
+
+
+def _checks_of(op: str, part: SpecPart, hidden: int, T: int, which: str, fn) -> list[Check]:
+    ref = OPS[op].resolve("reference")
     checks = []
     if _dtypes_for(which) != DTYPES:
         checks.append(Check(tier=0, name=f"{op}/{which}/bfloat16", metric="-", value=0.0, tolerance=0.0, verdict="skip",

@@ -8,7 +8,7 @@ from torch import nn
 
 from onboard.package_reader import read_package
 from onboard.align.reference import load_runtime
-from runtime.dispatch import force
+from runtime.ops.common.backend import force
 from runtime.model.layers.ffn import Experts
 from runtime.model.layers.lora_linear import LoraLinear, weight_of
 from runtime.lora.factors import (LoraConfig, apply_lora, load_lora_state_dict, lora_parameters, lora_state_dict, merge_lora,
@@ -118,7 +118,7 @@ def test_expert_lora_grouped_matches_a_per_expert_loop(example_package):
     weights_Tk, idx_Tk = model.layers[0].ffn.router(x)
     grads = []
     for run in (lambda: experts(x, weights_Tk, idx_Tk), lambda: _expert_loop(x, weights_Tk, idx_Tk, experts)):
-        with force("fallback"):
+        with force("torch"):
             out = run()
         (out * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
         grads.append((out.detach(), *(f.grad.clone() for f in factors)))

@@ -12,7 +12,7 @@ import torch
 
 from onboard import memory
 from runtime.spec import ModelSpec
-from runtime.dispatch import force
+from runtime.ops.common.backend import force
 from runtime.lora.factors import apply_lora
 from runtime.lora.plan import read_lora_yaml
 from runtime.memory import MemoryPolicy, apply_memory_policy
@@ -39,7 +39,7 @@ def _per_token(spec: dict, lora, policy: MemoryPolicy) -> dict[str, float]:
         model = HybridDecoder(spec).to(torch.bfloat16)
         apply_lora(model, lora)
         apply_memory_policy(model, policy)
-        with force("kernel"), counting(model) as counter:
+        with force("triton"), counting(model) as counter:
             model.hidden_states(torch.randint(0, spec["vocab_size"], (1, T)))
         counts.append(counter.bytes)
     return {part: (counts[1][part] - counts[0][part]) / 64 for part in counts[1]}

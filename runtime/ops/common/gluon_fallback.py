@@ -1,7 +1,7 @@
-"""What the Gluon kernels for Hopper (the hopper*.py modules of dsa/, gated_delta/ and moe/) share: whether a device
-is Hopper, its SM count (their persistent grids), and the fallback to their Triton twins where a Gluon kernel does not
-compile with the installed triton (Gluon is experimental: its calls move between releases, so a moved API costs
-speed, not the run)."""
+"""What the Gluon kernels for Hopper (the gluon/ folders of the ops) share: the device's
+SM count (their persistent grids), and the fallback to their Triton twins where a Gluon kernel does not compile with
+the installed triton (Gluon is experimental: its calls move between releases, so a moved API costs speed, not the
+run). Whether a device runs them at all is its op's backend selector's call (runtime/ops/common/backend.py)."""
 from __future__ import annotations
 
 import functools
@@ -13,11 +13,6 @@ from triton.compiler.errors import CompilationError
 
 # the Gluon kernels that did not compile in this process: the Triton kernels run in their place
 FAILED: set[str] = set()
-
-
-@functools.cache
-def is_hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
 @functools.cache

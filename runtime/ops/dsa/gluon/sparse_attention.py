@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from runtime.ops.common.gluon_fallback import compiles, is_hopper
-from runtime.ops.common.launch import fast, interpreting
+from runtime.ops.common.gluon_fallback import compiles
+from runtime.ops.common.launch import fast
+from runtime.ops.dsa.backend import SELECTOR
 
 try:
     from triton.experimental import gluon
@@ -57,8 +58,8 @@ LOG2E = 1.4426950408889634
 
 
 def _on_hopper(*tensors: torch.Tensor) -> bool:
-    return (gluon is not None and not interpreting() and all(t.is_cuda for t in tensors)
-            and is_hopper(tensors[0].device.index or 0))
+    return (gluon is not None and all(t.is_cuda for t in tensors)
+            and SELECTOR.choose(tensors[0].device) == "hopper")
 
 
 def _power_of_two(n: int) -> bool:

@@ -57,8 +57,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.ops.common.gluon_fallback import compiles, is_hopper, num_sms
-from runtime.ops.common.launch import interpreting
+from runtime.ops.common.gluon_fallback import compiles, num_sms
+from runtime.ops.gated_delta.backend import SELECTOR
 
 try:
     from triton.experimental import gluon
@@ -89,8 +89,7 @@ def state_grad_fits(K: int, V: int, C: int, key_block: int, dtype: torch.dtype, 
 
 def use_state_grad(q_THK: torch.Tensor, h: torch.Tensor, C: int, key_block: int, per_channel: bool) -> bool:
     """A Hopper GPU runs the tensors, this triton has Gluon, and state_grad_fits."""
-    return (gluon is not None and not interpreting() and q_THK.is_cuda
-            and is_hopper(q_THK.device.index or 0) and q_THK.dtype == h.dtype
+    return (gluon is not None and q_THK.is_cuda and SELECTOR.choose(q_THK.device) == "hopper" and q_THK.dtype == h.dtype
             and state_grad_fits(q_THK.shape[-1], h.shape[-1], C, key_block, h.dtype, per_channel))
 
 

@@ -36,8 +36,8 @@ import torch
 
 from runtime.ops.gated_delta.gluon import state_grad as hopper
 from runtime.ops.gated_delta.gluon.state_grad import CHUNK, KEY_DIM, VALUE_DIM, gluon
-from runtime.ops.common.gluon_fallback import compiles, is_hopper, num_sms
-from runtime.ops.common.launch import interpreting
+from runtime.ops.common.gluon_fallback import compiles, num_sms
+from runtime.ops.gated_delta.backend import SELECTOR
 
 # programs an SM: each of one warpgroup, its stages its own
 PROGRAMS_PER_SM = 2
@@ -54,8 +54,8 @@ def prep_fits(K: int, V: int, C: int, dtype: torch.dtype, per_channel: bool) -> 
 
 def use_prep(q_THK: torch.Tensor, v_THV: torch.Tensor, C: int, per_channel: bool) -> bool:
     """A Hopper GPU runs the tensors, this triton has Gluon, and prep_fits (q and v in one dtype)."""
-    return (gluon is not None and not interpreting() and q_THK.is_cuda
-            and is_hopper(q_THK.device.index or 0) and q_THK.dtype == v_THV.dtype
+    return (gluon is not None and q_THK.is_cuda and SELECTOR.choose(q_THK.device) == "hopper"
+            and q_THK.dtype == v_THV.dtype
             and prep_fits(q_THK.shape[-1], v_THV.shape[-1], C, q_THK.dtype, per_channel))
 
 

@@ -62,8 +62,8 @@ import torch
 
 from runtime.ops.gated_delta.gluon import state_grad as hopper
 from runtime.ops.gated_delta.gluon.state_grad import CHUNK, KEY_DIM, VALUE_DIM, gluon
-from runtime.ops.common.gluon_fallback import compiles, is_hopper, num_sms
-from runtime.ops.common.launch import interpreting
+from runtime.ops.common.gluon_fallback import compiles, num_sms
+from runtime.ops.gated_delta.backend import SELECTOR
 
 # programs an SM: each of one warpgroup, its own stage and 255 registers a thread
 PROGRAMS_PER_SM = 2
@@ -77,8 +77,8 @@ def wy_grad_fits(K: int, V: int, C: int, dtype: torch.dtype, per_channel: bool) 
 
 def use_wy_grad(q_THK: torch.Tensor, v_THV: torch.Tensor, dv_new: torch.Tensor, C: int, per_channel: bool) -> bool:
     """A Hopper GPU runs the tensors, this triton has Gluon, and wy_grad_fits (q, v and dv_new in one dtype)."""
-    return (gluon is not None and not interpreting() and q_THK.is_cuda
-            and is_hopper(q_THK.device.index or 0) and q_THK.dtype == v_THV.dtype == dv_new.dtype
+    return (gluon is not None and q_THK.is_cuda and SELECTOR.choose(q_THK.device) == "hopper"
+            and q_THK.dtype == v_THV.dtype == dv_new.dtype
             and wy_grad_fits(q_THK.shape[-1], v_THV.shape[-1], C, dv_new.dtype, per_channel))
 
 

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.ops.common.gluon_fallback import compiles, is_hopper, num_sms
-from runtime.ops.common.launch import interpreting
+from runtime.ops.common.gluon_fallback import compiles, num_sms
+from runtime.ops.moe.backend import SELECTOR
 
 # Gluon's names, None without its Hopper modules (experts._down keeps the Triton kernel)
 from runtime.ops.moe.gluon.language import SHARED_BYTES
@@ -212,7 +212,7 @@ def fits_shape(K: int, N: int, dtype: torch.dtype, block_m: int) -> bool:
 def fits(h_SK: torch.Tensor, w_ENK: torch.Tensor, y: torch.Tensor, block_m: int) -> bool:
     """Whether the Gluon kernel takes this down projection: on a Hopper GPU, h, W and y contiguous, one dtype, and
     the tile rules."""
-    if gluon is None or interpreting() or not (h_SK.is_cuda and is_hopper(h_SK.device.index or 0)):
+    if gluon is None or not h_SK.is_cuda or SELECTOR.choose(h_SK.device) != "hopper":
         return False
     return (h_SK.dtype == w_ENK.dtype == y.dtype and h_SK.is_contiguous() and w_ENK.is_contiguous()
             and y.is_contiguous() and y.shape[1] == w_ENK.shape[1]

@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import torch
 
-from runtime.ops.common.gluon_fallback import compiles, is_hopper, num_sms
-from runtime.ops.common.launch import interpreting
+from runtime.ops.common.gluon_fallback import compiles, num_sms
+from runtime.ops.moe.backend import SELECTOR
 
 # Gluon's names, None without its Hopper modules (experts._gate_up keeps the Triton kernel)
 from runtime.ops.moe.gluon.language import (
@@ -235,7 +235,7 @@ def fits_shape(K: int, F: int, dtype: torch.dtype, block_m: int) -> bool:
 def fits(x_TK: torch.Tensor, w_E2FK: torch.Tensor, block_m: int) -> bool:
     """Whether the Gluon kernel takes this gate/up projection: on a Hopper GPU, x and W contiguous, one dtype, and
     the tile rules."""
-    if gluon is None or interpreting() or not (x_TK.is_cuda and is_hopper(x_TK.device.index or 0)):
+    if gluon is None or not x_TK.is_cuda or SELECTOR.choose(x_TK.device) != "hopper":
         return False
     return (x_TK.dtype == w_E2FK.dtype and x_TK.is_contiguous() and w_E2FK.is_contiguous()
             and x_TK.shape[1] == w_E2FK.shape[2]

@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 
 from runtime.ops.common import buffers
-from runtime.ops.common.gluon_fallback import compiles, is_hopper, num_sms
-from runtime.ops.common.launch import interpreting
+from runtime.ops.common.gluon_fallback import compiles, num_sms
+from runtime.ops.moe.backend import SELECTOR
 
 # Gluon's names, None without its Hopper modules (experts keeps torch._grouped_mm)
 from runtime.ops.moe.gluon.language import (
@@ -251,7 +251,7 @@ def fits_shape(M: int, N: int, dtype: torch.dtype) -> bool:
 def takes(a: torch.Tensor, n: int) -> bool:
     """Whether the Gluon kernel takes a^T b for a b of n columns in a's dtype, contiguous: on a Hopper GPU, a
     contiguous, and the tile rules (either orientation of the output)."""
-    if gluon is None or interpreting() or not (a.is_cuda and is_hopper(a.device.index or 0)):
+    if gluon is None or not a.is_cuda or SELECTOR.choose(a.device) != "hopper":
         return False
     return a.is_contiguous() and fits_shape(a.shape[1], n, a.dtype)
 
