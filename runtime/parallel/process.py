@@ -41,8 +41,7 @@ def exit_without_teardown() -> NoReturn:
     interpreter's teardown. A gloo worker thread releases a finished collective's work (a barrier's holds the
     all-gathers before it, FSDP2's, whose tensors Python owns) just after the rank's wait on it returns; when that
     release comes while Python is finalizing, freeing the tensors takes the GIL, the thread is made to exit, and
-    std::terminate aborts the rank ("terminate called without an active exception"; the core dumps' stacks are in
-    bench/NOTES.md)."""
+    std::terminate aborts the rank ("terminate called without an active exception")."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

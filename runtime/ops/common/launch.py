@@ -2,8 +2,8 @@
 
 `kernel[grid](*args, **kwargs)` binds every argument, builds a cache key from its specialization,
 looks the compiled kernel up and checks the kernel's globals on every call: more than twice the
-host time of a launch through the compiled kernel's own launcher (bench/launch_overhead.py,
-bench/NOTES.md). That host work shows in a step's wall time wherever the host falls behind the GPU.
+host time of a launch through the compiled kernel's own launcher (bench/launch_overhead.py measures
+both). That host work shows in a step's wall time wherever the host falls behind the GPU.
 
 `fast(kernel)[grid](*args, **kwargs)` launches the same compiled kernel Triton would: the first call
 with a given key goes through `kernel[grid]` (compiling if needed) and keeps what it returns, later

@@ -13,8 +13,8 @@ scale * ds of the chunk; the dq pass, one program per (token, BH heads, BC of th
 columns), reduces over all the token's heads on tensor cores, (scale * ds)^T q + p^T dO for value columns and
 (scale * ds)^T q for the rope tail, and scatter-adds that [BS, BC] block of dkv rows into an fp32 buffer with
 atomics (several tokens select the same key row). Apart, each pass runs its products on warpgroup tiles: with
-dq accumulated in the scores pass, its [heads, 576] fp32 accumulator held that pass to 16 heads a program
-(bench/NOTES.md). On Hopper, for bf16 shapes its tiles take, the forward and the dkv pass run as hopper.py's Gluon
+dq accumulated in the scores pass, its [heads, 576] fp32 accumulator held that pass to 16 heads a program.
+On Hopper, for bf16 shapes its tiles take, the forward and the dkv pass run as gluon/sparse_attention.py's Gluon
 kernels (the same contracts); these Triton kernels run everywhere else, and under the CPU interpreter.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from runtime.ops.common import buffers
-from runtime.ops.dsa.gluon import sparse_attention as hopper
+from runtime.ops.dsa.gluon import sparse_attention as gluon_attention
 from runtime.ops.common.launch import fast
 
 LOG2E = 1.4426950408889634
@@ -32,22 +32,22 @@ LOG2E = 1.4426950408889634
 # kv rows, so more heads per program means fewer gathers.
 FWD_HEADS, FWD_KEYS = 64, 64
 # The backward's scores pass: p and ds of SCORE_HEADS heads, holding their q and dO. 64 heads is one warpgroup
-# tile; 32 keys a step leave shared memory for 3 stages (64 keys: 1 stage fits, 87 ms against 81 at 32768 tokens).
+# tile; 32 keys a step leave shared memory for 3 stages (64 keys: 1 stage fits, and that is slower).
 SCORE_HEADS, SCORE_KEYS, SCORE_WARPS, SCORE_STAGES = 64, 32, 4, 3
 # The dq pass: DQ_HEADS heads x DQ_COLUMNS of the K columns per program, the token's selected rows walked
-# DQ_KEYS at a time as the product's reduction (22.5 ms at 32768 tokens; bench/NOTES.md has the configs timed).
+# DQ_KEYS at a time as the product's reduction (the fastest of the configs tried).
 DQ_HEADS, DQ_KEYS, DQ_COLUMNS, DQ_WARPS, DQ_STAGES = 128, 64, 128, 8, 5
 # The dkv pass: DKV_KEYS selected rows of one token and DKV_COLUMNS of their K columns per program, the token's
 # heads walked DKV_HEADS at a time as the products' reduction. Programs over all 576 columns fit only 32 rows
-# (64 rows spill their [64, 512] fp32 accumulator) and each re-reads the token's whole q and dO: 201 ms at 32768
-# tokens. In column blocks a token's programs read p and ds once per column block and q and dO once per slot
-# block: 64 rows x 128 columns at 4 warps took 150 ms with 64 heads a step, 126 with 32 heads and 3 stages;
-# 128 x 64 at 8 warps 168, 128 x 32 279 (bench/NOTES.md).
+# (64 rows do not fit their [64, 512] fp32 accumulator in registers) and each re-reads the token's whole q and dO.
+# In column blocks a token's programs read p and ds once per column block and q and dO once per slot block:
+# 64 rows x 128 columns at 4 warps with 32 heads a step and 3 stages was the fastest of the blockings tried
+# (64 heads a step, 128 x 64 and 128 x 32 at 8 warps were slower).
 DKV_HEADS, DKV_KEYS, DKV_COLUMNS, DKV_WARPS, DKV_STAGES = 32, 64, 128, 4, 3
 # Tokens per backward chunk: p and ds of a chunk are two [chunk, H, S] buffers in q's dtype (2.1 GB at 128
 # heads and 2048 keys in bf16; onboard/memory.py counts them)
 BWD_CHUNK_TOKENS = 2048
-# the forward's warps and pipeline stages: the fastest timed (bench/NOTES.md)
+# the forward's warps and pipeline stages: the fastest of those tried
 NUM_WARPS, NUM_STAGES = 8, 2
 
 
@@ -225,7 +225,7 @@ def _bwd_dkv_kernel(q_ptr, idx_ptr, do_ptr, p_ptr, ds_ptr, dkv_ptr, tok0, T, H, 
         offs_h = h0 + tl.arange(0, BH)
         at = ((tok - tok0) * H + offs_h[:, None]) * S + offs_s[None, :]
         keep = (offs_h < H)[:, None] & valid[None, :]
-        # every load of the step before its products (each product after its own loads took 140 ms against 123)
+        # every load of the step before its products (faster than each product after its own loads)
         if not ROPE:
             p = tl.load(p_ptr + at, mask=keep, other=0.0)
         ds = tl.load(ds_ptr + at, mask=keep, other=0.0)
@@ -269,7 +269,7 @@ def sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, scale, v_dim):
     S, R = idx_BTS.shape[-1], K - v_dim
     o_BTHV = buffers.empty(B, T, H, v_dim, dtype=q_BTHK.dtype, device=q_BTHK.device)
     lse_BTH = buffers.empty(B, T, H, dtype=torch.float32, device=q_BTHK.device)
-    if hopper.use_forward(q_BTHK, kv_BTK, v_dim) and hopper.sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV,
+    if gluon_attention.use_forward(q_BTHK, kv_BTK, v_dim) and gluon_attention.sparse_attention_fwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV,
                                                                                   lse_BTH, scale):
         return o_BTHV, lse_BTH
     _launch(_fwd_kernel, B, T, H, v_dim, R, FWD_HEADS, FWD_KEYS,
@@ -295,7 +295,7 @@ def sparse_attention_bwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, do_BTHV, scal
     dkv_tiles = _column_tiles(H, S, R, DKV_HEADS, DKV_KEYS, DKV_COLUMNS)
     dq_programs = triton.cdiv(H, dq_tiles["BH"]) * _num_column_blocks(V, R, dq_tiles)
     dkv_slot_blocks = triton.cdiv(S, dkv_tiles["BS"])
-    dkv_in_gluon = hopper.use_dkv(q_BTHK, do_BTHV, S)
+    dkv_in_gluon = gluon_attention.use_dkv(q_BTHK, do_BTHV, S)
     for tok0 in range(0, B * T, chunk):
         n = min(chunk, B * T - tok0)
         fast(_bwd_scores_kernel)[(n * triton.cdiv(H, score_tiles["BH"]),)](
@@ -304,10 +304,10 @@ def sparse_attention_bwd(q_BTHK, kv_BTK, idx_BTS, o_BTHV, lse_BTH, do_BTHV, scal
         fast(_bwd_dq_kernel)[(n * dq_programs,)](
             kv_BTK, idx_BTS, ds_CHS, dq_BTHK, tok0, T, H, S, V, R, **dq_tiles,
             num_warps=DQ_WARPS, num_stages=DQ_STAGES)
-        if dkv_in_gluon and hopper.dkv_pass(q_BTHK, idx_BTS, do_BTHV, p_CHS, ds_CHS, dkv32_BTK, tok0, n):
+        if dkv_in_gluon and gluon_attention.dkv_pass(q_BTHK, idx_BTS, do_BTHV, p_CHS, ds_CHS, dkv32_BTK, tok0, n):
             continue
         # the rope tail in its own launch of narrower blocks without the p^T dO product (a branch between the two
-        # block shapes inside one kernel slowed the value blocks: 174 ms against 126 for full-width rope blocks)
+        # block shapes inside one kernel slowed the value blocks, more than full-width rope blocks cost)
         for rope, width, columns in ((False, V, dkv_tiles["BC"]), (True, R, dkv_tiles["BCR"])):
             fast(_bwd_dkv_kernel)[(n * dkv_slot_blocks * triton.cdiv(width, columns),)](
                 q_BTHK, idx_BTS, do_BTHV, p_CHS, ds_CHS, dkv32_BTK, tok0, T, H, S, V, R, BH=dkv_tiles["BH"],

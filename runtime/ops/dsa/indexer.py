@@ -17,10 +17,9 @@ import triton.language as tl
 from runtime.ops.common import buffers
 from runtime.ops.common.launch import fast
 
-# Queries and keys per program of the scoring kernel: 64 x 128 at 4 warps was the fastest of 23 configs timed on
-# the last 4096-query block (3.25-3.45 ms at T=32768 against 3.95 at 8 warps), and 2 stages the fastest for the
-# whole indexer (22.8 ms against 23.6-24.2 at 3 and 4 stages; bench/NOTES.md); queries per block of
-# indexer_topk: its [B, block, T] fp32 scores bound the memory.
+# Queries and keys per program of the scoring kernel: 64 x 128 at 4 warps, the fastest of the configs tried on the
+# last (longest) query block, ahead of 8 warps; 2 stages, the fastest for the whole indexer against 3 and 4;
+# queries per block of indexer_topk: its [B, block, T] fp32 scores bound the memory.
 BLOCK_Q, BLOCK_T, NUM_WARPS, NUM_STAGES = 64, 128, 4, 2
 QUERY_BLOCK = 4096
 

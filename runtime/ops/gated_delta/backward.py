@@ -6,8 +6,8 @@ V block, chunks in reverse: dh leaving each chunk, dv_new = P^T do + kbar dh), t
 dw = -dv_new h^T, dgc and dgc_last shares) and `wy_grad_kernel` (per chunk and head: dv, dbeta, dTinv -> dL
 and their share of dk and dgc; GDN's also finishes dq, dk through the l2norm and dg). KDA's per-channel
 decayed Gram backward runs apart in `gram_grad_kernel` (per sub-chunk and head, off-diagonal blocks), then
-diagonal.py's kernels. Partials go through HBM (dq and dk in the storage dtype, the rest fp32): cheaper than the
-spills of one kernel holding them all.
+diagonal.py's kernels. Partials go through HBM (dq and dk in the storage dtype, the rest fp32): cheaper than one
+kernel holding them all in more registers than it has.
 
 Chunk algebra (runtime/ops/gated_delta/torch_form.py): L = beta * gram(k, k), Tinv = (I + L)^-1, w = Tinv (beta k e^gc),
 u = Tinv (beta v), v_new = u - w h, o = q e^gc h + P v_new, h_next = e^gc_last h + kbar^T v_new.
@@ -229,7 +229,8 @@ def wy_grad_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, dvnew_ptr, dw
         db, dgc_rows = scalar_dl_grad(k_ptr, dk_ptr, dw_ptr, dl, tinv, beta, k_inv, gc_rows, db, start, valid, head,
                                       H, K, C, BK, PREC, GRAD_DOTS)
         tl.store(db_ptr + tok.to(tl.int64) * H + head, db.to(db_ptr.dtype.element_ty), mask=valid)
-        # state_grad's dg shares load during the barrier and the dk round (not held over the loops: spills)
+        # state_grad's dg shares load during the barrier and the dk round (not held over the loops: no registers
+        # left there)
         state_dgc, dgl = state_dg_shares(dgc_ptr, dgl_ptr, tok, valid, chunk, head, H, SLOT)
         # the dk partial re-read whole below was stored by the key loop's threads in other layouts
         tl.debug_barrier()

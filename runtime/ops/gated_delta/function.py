@@ -7,9 +7,9 @@ also finishes dq, dk and dg). KDA (per-channel decay) first computes the exact d
 decayed Gram matrices token-parallel (diag_token) before prep, and in the backward adds
 gram_grad (the off-diagonal decayed Gram backward), diag_grad_token and dg_finish: the per-channel decay
 makes those products too heavy to share a kernel with the rest. On Hopper GDN's prep, state_grad and wy_grad run as
-Gluon kernels with the same contracts (hopper_prep.py, hopper.py, hopper_wy.py) where the shapes fit. The forward
-keeps its chunk tiles, Tinv and states for the backward whenever grad is enabled; intermediates are stored as
-Storage says.
+Gluon kernels with the same contracts (gluon/wy_representation.py, state_grad.py, wy_representation_grad.py) where
+the shapes fit and the backend selector (backend.py) chose "hopper". The forward keeps its chunk tiles, Tinv and
+states for the backward whenever grad is enabled; intermediates are stored as Storage says.
 
 Shape legend: B batch, T tokens, H heads, K key dim, V value dim, N sequences, NC chunks over all
 sequences, C chunk size, S sub-chunk size, X 1 (GDN) or K (KDA).
@@ -24,7 +24,7 @@ import torch
 from runtime.ops.common import buffers
 from runtime.ops.gated_delta import backward, diagonal, forward
 from runtime.ops.gated_delta.gluon import (
-    state_grad as hopper, wy_representation as hopper_prep, wy_representation_grad as hopper_wy,
+    state_grad as gluon_state_grad, wy_representation as gluon_wy, wy_representation_grad as gluon_wy_grad,
 )
 from runtime.ops.common.launch import fast, interpreting
 
@@ -35,16 +35,17 @@ DOT_PRECISION = "tf32"
 # prep_blocked_kernel's column block: no [C, K] fp32 tile stays live across the chunk's matrices
 PREP_BLOCK = 64
 # KDA's: its keys weighed per target sub-chunk ([C / S, C, BD] fp32, common.decayed_grams) fit registers at 16
-# columns (sm_90a: 168 registers, no spill, three programs an SM)
+# columns, with three programs an SM
 DECAYED_GRAM_BLOCK = 16
-# 4-warp prep programs: faster than one 8-warp program (bench/NOTES.md)
+# 4-warp prep programs: faster than one 8-warp program
 PREP_WARPS = 4
 # KDA's column outputs in prep_blocked_kernel, after Tinv: 64 columns a block take fewer dependent load rounds than
-# 32 or 16 (sm_90a, triton 3.6: 52 bytes spilled under the cap below)
+# 32 or 16 (under the register cap below)
 PREP_COLUMN_BLOCK = 64
 # prep_blocked_kernel's register cap by (per_channel, for a backward): three 4-warp KDA programs an SM (168 x 128
-# threads x 3 of 65536; uncapped its column tiles take it to two); GDN's forward without grad four programs (128;
-# ~110 bytes spilled, faster than three), with grad three (storing Tinv and the norms spills ~410 bytes at 128)
+# threads x 3 of 65536; uncapped its column tiles take it to two); GDN's forward without grad four programs
+# (faster than three, though a little of it goes to local memory), with grad three (storing Tinv and the norms
+# does not fit the cap of four)
 PREP_REGISTERS = {(True, False): 168, (True, True): 168, (False, False): 128, (False, True): 168}
 # value block of both scans: a smaller block runs more programs (V / block per sequence and head)
 SCAN_VALUE_BLOCK = 32
@@ -76,8 +77,8 @@ GRAD_STAGES = 1
 # gram_grad_kernel at 4 warps fits two programs per SM
 GRAM_GRAD_WARPS = 4
 # register caps of KDA's state_grad_kernel and gram_grad_kernel: three 4-warp programs an SM at 168 (168 x 128
-# threads x 3 of 65536) where uncapped they take 230 and 233 and run two; sm_90a, triton 3.6: 44 and 132 bytes
-# spilled, faster than two programs without. GDN's state_grad takes 166 uncapped and keeps them
+# threads x 3 of 65536) where uncapped they run two; faster so, though a little goes to local memory. GDN's
+# state_grad fits the cap uncapped
 STATE_GRAD_REGISTERS = {True: 168, False: None}
 GRAM_GRAD_REGISTERS = 168
 
@@ -193,17 +194,17 @@ def _prep(q, k, v, g, beta, layout, scale, per_channel, l2norm, for_backward, st
 
 def _prep_launches(q, k, v, g, beta, layout, scale, per_channel, l2norm, out):
     """forward.prep_blocked_kernel writing the buffers of out, for KDA after its diagonal blocks; on Hopper GDN's Gluon
-    twin (hopper_prep.prep) where the shapes fit and it compiles."""
+    twin (gluon_wy.prep) where the shapes fit and it compiles."""
     num_heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[-1]
-    if (hopper_prep.use_prep(q, v, CHUNK_SIZE, per_channel)
-            and hopper_prep.prep(q, k, v, g, beta, layout.chunk_start, layout.chunk_end, out["w"], out["u"], out["p"],
+    if (gluon_wy.use_prep(q, v, CHUNK_SIZE, per_channel)
+            and gluon_wy.prep(q, k, v, g, beta, layout.chunk_start, layout.chunk_end, out["w"], out["u"], out["p"],
                                  out["glast"], out["row_scales"], out["tinv"], out["norms"], scale, l2norm)):
         return
     diags = _token_diagonals(q, k, g, layout) if per_channel else (None, None)
     block = DECAYED_GRAM_BLOCK if per_channel else PREP_BLOCK
     columns = PREP_COLUMN_BLOCK if per_channel else PREP_BLOCK
     # bf16 operands: exact for the raw Gram products of bf16 inputs; w's and u's (Tinv times a column block) round
-    # Tinv as a stored tile would be, and move half the operand bytes through shared memory (bench/NOTES.md)
+    # Tinv as a stored tile would be, and move half the operand bytes through shared memory
     tiles = _bf16_dots() if q.dtype == torch.bfloat16 else DOT_PRECISION
     fast(forward.prep_blocked_kernel)[(layout.num_chunks, num_heads)](
         q, k, v, g, beta, layout.chunk_start, layout.chunk_end,
@@ -281,13 +282,13 @@ def _input_grads(q, k, v, g, beta, do, prep, h, dh, v_new, dv_new, layout, scale
 
 def _state_grad(q, k, g, h, dh, v_new, dv_new, do, layout, scale, per_channel, l2norm, norms, s, storage):
     """backward.state_grad_kernel into the scratch s (_grad_scratch's), or on Hopper its Gluon twin (GDN's or
-    KDA's, hopper.state_grad) where the shapes fit and it compiles."""
+    KDA's, gluon_state_grad.state_grad) where the shapes fit and it compiles."""
     num_heads, key_dim, value_dim = q.shape[1], q.shape[2], v_new.shape[-1]
     key_block = min(STATE_GRAD_KEY_BLOCK, key_dim)
     bounds = (layout.chunk_start, layout.chunk_end)
     scratch = (s["dq"], s["dk"], s["dw"], s["dgc"], s["dgl"], s["dpdiag"], s["dpfull"], s["gcs"])
-    if (hopper.use_state_grad(q, h, CHUNK_SIZE, key_block, per_channel)
-            and hopper.state_grad(q, k, g, h, dh, v_new, dv_new, do, *bounds, norms, *scratch, scale, l2norm,
+    if (gluon_state_grad.use_state_grad(q, h, CHUNK_SIZE, key_block, per_channel)
+            and gluon_state_grad.state_grad(q, k, g, h, dh, v_new, dv_new, do, *bounds, norms, *scratch, scale, l2norm,
                                   per_channel)):
         return
     fast(backward.state_grad_kernel)[(layout.num_chunks * (key_dim // key_block), num_heads)](
@@ -305,12 +306,12 @@ def _state_grad_key_blocks(key_dim: int) -> int:
 def _wy_grad(q, k, v, g, beta, tinv, dv_new, layout, scale, per_channel, l2norm, norms, s, storage, grads):
     """backward.wy_grad_kernel from the scratch s (_grad_scratch's, after _state_grad) into grads (dq, dk, dv, dg,
     dbeta: _input_grads' buffers; KDA's dq, dk, dg, dbeta are written later, by _diagonal_grads), or on Hopper its
-    Gluon twin for GDN (hopper_wy.wy_grad) where the shapes fit and it compiles."""
+    Gluon twin for GDN (gluon_wy_grad.wy_grad) where the shapes fit and it compiles."""
     dq, dk, dv, dg, dbeta = grads
     num_heads, key_dim, value_dim = q.shape[1], q.shape[2], v.shape[-1]
     bounds = (layout.chunk_start, layout.chunk_end)
-    if (hopper_wy.use_wy_grad(q, v, dv_new, CHUNK_SIZE, per_channel)
-            and hopper_wy.wy_grad(q, k, v, g, beta, tinv, dv_new, s["dw"], s["dq"], s["dk"], s["dgc"], s["dgl"], norms,
+    if (gluon_wy_grad.use_wy_grad(q, v, dv_new, CHUNK_SIZE, per_channel)
+            and gluon_wy_grad.wy_grad(q, k, v, g, beta, tinv, dv_new, s["dw"], s["dq"], s["dk"], s["dgc"], s["dgl"], norms,
                                   *bounds, dv, dq, dk, dbeta, dg, scale, l2norm)):
         return
     fast(backward.wy_grad_kernel)[(layout.num_chunks, num_heads)](

@@ -25,7 +25,7 @@ from runtime.ops.mlp import torch_form as torch_ops
 
 
 # Tiles of the activation passes: [32 rows, 128 units] forward, 16 rows walking all units backward;
-# 8 warps keep both free of register spills (the register counts are in bench/NOTES.md)
+# 8 warps leave both enough registers that nothing goes to local memory
 FWD_BLOCK_T, BWD_BLOCK_T, MAX_BLOCK_F, NUM_WARPS = 32, 16, 128, 8
 
 

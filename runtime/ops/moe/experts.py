@@ -2,13 +2,13 @@
 
 Forward: gate/up grouped GEMM with the GLU in its epilogue, reading x gathered by token (plus a copy of x in
 expert order when a weight gradient will read those rows again and cannot gather them itself: on Hopper written by
-the Gluon kernel of hopper_glu.py from the rows it gathers, where it applies); down grouped GEMM with the routing
-weight and the scatter to pair order in its epilogue (on Hopper the Gluon kernel of hopper_down.py where it
+the Gluon kernel of gluon/glu_gemm.py from the rows it gathers, where it applies); down grouped GEMM with the routing
+weight and the scatter to pair order in its epilogue (on Hopper the Gluon kernel of gluon/down_gemm.py where it
 applies); one pass summing each token's k rows. Backward: one GEMM gives dy @ W_down per sorted row, one pass over those
 rows the GLU backward (d(gate/up) and d(routing weight), glu_backward.py), one GEMM dx (scattered, then summed
 over k), and the per-expert weight gradients run only for the tensors that require grad, so frozen experts
 under LoRA skip them. The GEMMs read dy gathered by token, and so do the Gluon weight gradients on Hopper (x's
-rows too, hopper_wgrad.py); elsewhere the weight gradients read copies in expert order (dy's scaled by the routing
+rows too, gluon/weight_grad.py); elsewhere the weight gradients read copies in expert order (dy's scaled by the routing
 weight) for torch._grouped_mm. The routing weights are read in the router's [T * k] order and the token of a
 sorted row is pair // k, so neither is permuted.
 
@@ -31,15 +31,15 @@ from runtime.ops.moe.grouped_gemm import (
     Weight,
     grouped_gemm,
 )
-from runtime.ops.moe.gluon import down_gemm as hopper_down, glu_gemm as hopper_glu, weight_grad as hopper_wgrad
+from runtime.ops.moe.gluon import down_gemm as gluon_down, glu_gemm as gluon_glu, weight_grad as gluon_wgrad
 from runtime.ops.moe.glu_backward import routed_glu_backward
 from runtime.ops.moe.grouped_wgrad import grouped_mm_takes, grouped_wgrad, sorted_rows_wgrad
 from runtime.ops.moe.schedule import Schedule, build_schedule
 
 
-# Row tile of every grouped GEMM. Tiles are padded per expert, so smaller ones waste fewer rows, but on the H200
-# 128 rows beat 64 both at ~80 rows per expert (4096 tokens, where 64 also reads every expert's weights twice) and
-# at ~320 (16384 tokens), for the GLU backward too (bench/NOTES.md).
+# Row tile of every grouped GEMM. Tiles are padded per expert, so smaller ones waste fewer rows, but 128 rows beat
+# 64 both at ~80 rows per expert (4096 tokens, where 64 also reads every expert's weights twice) and at ~320
+# (16384 tokens), for the GLU backward too.
 BLOCK_M = 128
 
 
@@ -68,11 +68,11 @@ def _gate_up(x_TD, keep_x: bool, w_gu, b_gu, lora: Lora, sched: Schedule, glu: G
     S, two_f, dtype, device = sched.pair_S.numel(), w_gu.shape[1], x_TD.dtype, x_TD.device
     gate_up = buffers.empty(S, two_f, dtype=dtype, device=device)
     h = buffers.empty(S, two_f // 2, dtype=dtype, device=device)
-    # the Gluon kernel on Hopper where it takes the shapes, and compiles (hopper_glu.py): it writes the copy of x
+    # the Gluon kernel on Hopper where it takes the shapes, and compiles (gluon/glu_gemm.py): it writes the copy of x
     # from the rows it gathers
-    if b_gu is None and lora.A_gu_ErD is None and glu == Glu() and hopper_glu.fits(x_TD, w_gu, sched.block_m):
+    if b_gu is None and lora.A_gu_ErD is None and glu == Glu() and gluon_glu.fits(x_TD, w_gu, sched.block_m):
         x_sorted = buffers.empty(S, x_TD.shape[1], dtype=dtype, device=device) if keep_x else None
-        if hopper_glu.glu_gemm(x_TD, w_gu, sched, gate_up, h, x_sorted):
+        if gluon_glu.glu_gemm(x_TD, w_gu, sched, gate_up, h, x_sorted):
             return (Rows(x_sorted, False) if keep_x else Rows(x_TD, True)), gate_up, h, None
     x = Rows(gather_tokens(x_TD, sched), False) if keep_x else Rows(x_TD, True)
     xa, low_rank = _low_rank(x, lora.A_gu_ErD, lora.B_gu_E2Fr, lora.scale, sched)
@@ -86,9 +86,9 @@ def _down(h_SF, w_d, b_d, w_P, lora: Lora, sched: Schedule):
     S, D = h_SF.shape[0], w_d.shape[1]
     ha, low_rank = _low_rank(Rows(h_SF, False), lora.A_d_ErF, lora.B_d_EDr, lora.scale, sched)
     y_pairs = buffers.empty(S, D, dtype=h_SF.dtype, device=h_SF.device)
-    # the Gluon kernel on Hopper where it takes the shapes, and compiles (hopper_down.py)
-    gluon_done = (b_d is None and low_rank is None and hopper_down.fits(h_SF, w_d, y_pairs, sched.block_m)
-                  and hopper_down.down_gemm(h_SF, w_d, sched, y_pairs, w_P))
+    # the Gluon kernel on Hopper where it takes the shapes, and compiles (gluon/down_gemm.py)
+    gluon_done = (b_d is None and low_rank is None and gluon_down.fits(h_SF, w_d, y_pairs, sched.block_m)
+                  and gluon_down.down_gemm(h_SF, w_d, sched, y_pairs, w_P))
     if not gluon_done:
         grouped_gemm(h_SF, Weight(w_d), sched, y_pairs, scatter_out=True, row_scale_P=w_P, bias_EN=b_d,
                      low_rank=low_rank)
@@ -111,8 +111,8 @@ class _SwigluExperts(torch.autograd.Function):
         # The gate/up GEMM gathers x's rows by token as fast as it reads a copy, but the gradients of
         # the gate/up weights and of LoRA's A there reduce over x's rows and run faster on a copy in
         # expert order: copy only for those readers, and not for the gate/up weights' where the Gluon
-        # kernel gathers x's rows itself (bench/NOTES.md).
-        wgu_by_token = need["w_gu"] and hopper_wgrad.takes(x_TD, w_gu.shape[1])
+        # kernel gathers x's rows itself.
+        wgu_by_token = need["w_gu"] and gluon_wgrad.takes(x_TD, w_gu.shape[1])
         keep_x = (need["w_gu"] and not wgu_by_token) or need["A_gu"]
         x, gate_up, h, xa = _gate_up(x_TD, keep_x, w_gu, b_gu, lora, sched, glu)
         y_TD, ha = _down(h, w_d, b_d, w_P, lora, sched)
@@ -132,7 +132,7 @@ class _SwigluExperts(torch.autograd.Function):
         dy = Rows(dy_TD.contiguous().to(ctx.dtypes["x"]), True)
         lora = Lora(A_gu, B_gu, A_d, B_d, ctx.scale)
         # the down weight gradient in Gluon reads dy by token against the rows w * h, which the GLU pass writes
-        wh_for_wd = need["w_d"] and hopper_wgrad.fits(dy.data, h)
+        wh_for_wd = need["w_d"] and gluon_wgrad.fits(dy.data, h)
         d_gate_up, dw_P, dyb, wh = _backward_glu(dy, w_d, w_P, gate_up, lora, sched, ctx.glu, need["weights"],
                                                  wh_for_wd)
         # d_gate_up @ B_gu per sorted row: the rank-r signal reaching A_gu and, through it, x
@@ -182,12 +182,12 @@ def _weight_grads(x: Rows, dy: Rows, d_gate_up, w_P, idx_Tk, h, wh, xa, ha, dyb,
     if need["w_gu"]:
         grads["w_gu"] = _gate_up_wgrad(x, d_gate_up, sched)
     if need["w_d"]:
-        grad = hopper_wgrad.wgrad(dy.data, wh, sched, gather_a=True) if wh is not None else None
+        grad = gluon_wgrad.wgrad(dy.data, wh, sched, gather_a=True) if wh is not None else None
         if grad is not None:
             grads["w_d"] = grad
         elif grouped_mm_takes(dy.data, h):
             # a copy of dy's rows in expert order, scaled by the routing weight, and torch._grouped_mm beat
-            # grouped_wgrad's gather and scale along its reduction (bench/NOTES.md)
+            # grouped_wgrad's gather and scale along its reduction
             grads["w_d"] = sorted_rows_wgrad(gather_tokens(dy.data, sched, row_scale_P=w_P), h, sched)
         else:
             grads["w_d"] = grouped_wgrad(dy.data, h, sched, gather_a=dy.by_token, row_scale_P=w_P)
@@ -210,8 +210,8 @@ def _gate_up_wgrad(x: Rows, d_gate_up_S2F, sched: Schedule):
     """[E, 2F, D]: x's rows by token through the Gluon kernel's transposed form (d_gate_up^T x, x gathered as its a),
     else over a copy in expert order (made by the forward, or here where the kernel did not compile)."""
     if x.by_token:
-        grad = (hopper_wgrad.wgrad(x.data, d_gate_up_S2F, sched, gather_a=True, transposed=True)
-                if hopper_wgrad.fits(x.data, d_gate_up_S2F) else None)
+        grad = (gluon_wgrad.wgrad(x.data, d_gate_up_S2F, sched, gather_a=True, transposed=True)
+                if gluon_wgrad.fits(x.data, d_gate_up_S2F) else None)
         if grad is not None:
             return grad
         x = Rows(gather_tokens(x.data, sched), False)
@@ -221,7 +221,7 @@ def _gate_up_wgrad(x: Rows, d_gate_up_S2F, sched: Schedule):
 def _base_wgrad(a_SM, b_SN, sched: Schedule):
     """Per expert a^T b over its sorted rows: the Gluon kernel, torch._grouped_mm or grouped_wgrad, the first that
     takes the operands."""
-    grad = hopper_wgrad.wgrad(a_SM, b_SN, sched) if hopper_wgrad.fits(a_SM, b_SN) else None
+    grad = gluon_wgrad.wgrad(a_SM, b_SN, sched) if gluon_wgrad.fits(a_SM, b_SN) else None
     if grad is None:
         grad = sorted_rows_wgrad(a_SM, b_SN, sched)
     return grad if grad is not None else grouped_wgrad(a_SM, b_SN, sched)

@@ -3,10 +3,9 @@
 Given dh_raw = dy @ W_down[e] (+ LoRA) per sorted row, before the routing weight: dh = w * dh_raw, h
 recomputed from the saved pre-activation gate/up, d(gate/up) stored, and the routing weight's gradient
 sum_f dh_raw * h written at the row's pair; optionally w * h too, the rows the down weight gradient reduces over
-when it reads dy by token (hopper_wgrad.py). One program owns whole rows, so that sum is a plain store.
-This used to be the GEMM's epilogue: on the H200 it held each program's serial epilogue loads after its
-main loop and doubled the GEMM's time (bench/NOTES.md); apart, the GEMM takes 256-column tiles and this
-pass streams at memory speed.
+when it reads dy by token (gluon/weight_grad.py). One program owns whole rows, so that sum is a plain store.
+Apart from the GEMM, not in its epilogue: there each program's serial epilogue loads came after its main loop
+and doubled the GEMM's time; apart, the GEMM takes 256-column tiles and this pass streams at memory speed.
 
 Shape legend: S sorted rows, F expert units (gate/up width 2F), P = T * k pairs in the router's order.
 """

@@ -169,8 +169,8 @@ def grouped_gemm_kernel(
 def _tuned_configs() -> list[triton.Config]:
     if interpreting():
         return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
-    # The autotuner's candidates, one per GEMM of the block at Qwen3-Next widths that it wins
-    # (bench/NOTES.md has the sweep): two accumulators (GLU forward) leave no room for 256 units.
+    # The autotuner's candidates, one per GEMM of the block at Qwen3-Next widths that it wins:
+    # two accumulators (GLU forward) leave no room for 256 units.
     return [
         triton.Config({"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
         triton.Config({"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),

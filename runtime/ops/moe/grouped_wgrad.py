@@ -8,7 +8,7 @@ scale (the routing weight) is read at the row's pair, in the router's [T * k] or
 One program per (output tile, expert). `sorted_rows_wgrad` is the same gradient through
 torch._grouped_mm (CUTLASS's grouped GEMM, groups along the reduced rows) when both operands' rows
 are in expert order and unscaled: both base weight gradients run faster there, the down one on a copy of dy's
-rows in expert order scaled by the routing weight (bench/NOTES.md); the LoRA factors' gradients and the
+rows in expert order scaled by the routing weight; the LoRA factors' gradients and the
 dtypes or strides it does not take stay here.
 
 Shape legend: S sorted rows, M and N the two sides of the gradient, E experts.
@@ -63,7 +63,7 @@ def grouped_wgrad_kernel(
 def _tuned_configs() -> list[triton.Config]:
     if interpreting():
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
-    # The autotuner's candidates: 8 warps win the gate/up gradient, 4 the down one (bench/NOTES.md)
+    # The autotuner's candidates: 8 warps win the gate/up gradient, 4 the down one
     return [
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=3),

@@ -7,7 +7,7 @@ of each sorted row comes from the schedule's pair index, so no token index is ma
 index_select needs one).
 `sum_k`: each token's k rows, [T * k, D] in pair order -> [T, D], accumulated in fp32, reading every row
 once and writing the result once (torch's strided reduction over the middle axis of [T, k, D] moves the
-same bytes more slowly: bench/NOTES.md).
+same bytes more slowly).
 
 Shape legend: T tokens, k top-k, D width, S = T * k sorted rows.
 """

@@ -2,7 +2,7 @@
 
 The torch forms (runtime/ops/norm/torch_form.py) cast x to fp32, normalize, multiply and cast back, and the gated form
 adds an fp32 activation of the gate and a product: each step a pass over the rows, and the backward as many
-again (bench/NOTES.md). Here x, the gate and dy are read once in their own dtype, the math is fp32 and the
+again. Here x, the gate and dy are read once in their own dtype, the math is fp32 and the
 result is written once in x's dtype; the forward keeps one fp32 inverse RMS per row for the backward.
 The weight gradient is summed per program over the rows it walks (a persistent grid of at most
 MAX_PROGRAMS programs), then over programs in torch.
@@ -24,7 +24,7 @@ _ACTIVATIONS = {None: ACT_NONE, "silu": ACT_SILU, "sigmoid": ACT_SIGMOID}
 # rows x columns one program holds at a time: wide rows go one or two a program, head-wide ones in dozens
 ELEMENTS_PER_BLOCK = 4096
 NUM_WARPS = 8
-# the backward's persistent grid: about one full wave of an H200 at 8 warps, and few partial dw rows to sum
+# the backward's persistent grid: about one full wave of a large GPU at 8 warps, and few partial dw rows to sum
 MAX_PROGRAMS = 1024
 
 

@@ -14,14 +14,13 @@ Why Gluon: Triton picks the shared-memory staging and the instruction order itse
 - The dkv pass keeps one token's p and ds of BS slots in shared memory across every column block and loads the next
   block's q and dO while this block's atomics go out: it reads p and ds from L2 once, not once per column block.
 
-On one H200 at T 32768, H 128, K 576 / V 512, S 2048 (bench/NOTES.md): forward 39.2-40.9 ms (442-462 TFLOP/s)
-against the Triton kernel's 72.5, dkv pass 79.3 against 123.6; o agrees with the Triton kernel's to 5.2e-4 relative
-RMS (the two warpgroups sum P V in another order), dkv to 4.9e-7. The widths they take are the ones run on the H200
-(value 256 and 512; rope 32 and 64 in the forward, 64 in the dkv pass) and those between. Under triton 3.5 (another
-warp_specialize signature) the forward does not compile and the Triton kernel runs.
+o agrees with the Triton kernel's to 5.2e-4 relative RMS (the two warpgroups sum P V in another order), dkv to
+4.9e-7. The widths they take are the ones checked on a Hopper GPU (value 256 and 512; rope 32 and 64 in the
+forward, 64 in the dkv pass) and those between. Where the installed triton's warp_specialize takes another
+signature the forward does not compile and the Triton kernel runs (common/gluon_fallback.py).
 
-Gluon has no CPU interpreter: tests compile these kernels for sm_90a on any machine (registers, spills, shared
-memory) and check their results against the fp64 reference where a Hopper GPU is. The Triton kernels stay the
+Gluon has no CPU interpreter: tests compile these kernels for sm_90a on any machine (register and shared memory
+use) and check their results against the fp64 reference where a Hopper GPU is. The Triton kernels stay the
 path everywhere else and under TRITON_INTERPRET=1.
 """
 from __future__ import annotations
@@ -42,15 +41,15 @@ except ImportError:  # a triton without Gluon's Hopper modules: attention.py kee
     gluon = None
 
 # Forward: one program per (token, FWD_HEADS heads), two blocks of FWD_KEYS selected rows (a pair) an iteration, one
-# block per consumer warpgroup, FlashMLA's schedule: 39.2-40.9 ms at 32768 tokens against 47.7 with each block's
-# keys and value columns split between the warpgroups (bench/NOTES.md).
+# block per consumer warpgroup, FlashMLA's schedule: faster than each block's keys and value columns split between
+# the warpgroups.
 FWD_HEADS, FWD_KEYS = 64, 64
 # warpgroup 1's registers and the gather partition's warps; warpgroup 0 takes what the producer leaves (see
-# forward_producer_regs). Nothing spills at 216 (triton 3.6-3.9); 224 and 232 spill 52 and 116 bytes in warpgroup 0
-# at V 512 and time the same within noise; 2 producer warps at 56 registers took 41.2 ms against 40.0
+# forward_producer_regs). 216 is the most that leaves warpgroup 0 its live values at V 512; 2 producer warps with
+# more registers each were slower
 FWD_WG1_REGS, FWD_PRODUCER_WARPS = 216, 4
 # The dkv pass: one program per (token, DKV_SLOTS index slots), DKV_COLUMNS columns a block, 4-wide atomics
-# (79 ms at 32768 tokens; 64 x 128 columns 87-91, 128 slots x 128 at 8 warps 88).
+# (the fastest of the blockings tried, ahead of 64 x 128 columns and 128 slots x 128 at 8 warps).
 DKV_SLOTS, DKV_COLUMNS, DKV_WARPS = 64, 64, 4
 # Hopper's shared memory a block can hold
 SHARED_BYTES = 227 * 1024
@@ -68,8 +67,8 @@ def _power_of_two(n: int) -> bool:
 
 def forward_producer_regs(V: int) -> int:
     """The forward's gather partition's registers a thread. At V 512 each consumer's O accumulator is 128 of its
-    registers and warpgroup 0 needs 256, which leaves the producer 40; narrower accumulators leave it 48 (at 40
-    triton 3.9 spills 20 bytes of the producer's at V 256)."""
+    registers and warpgroup 0 needs 256, which leaves the producer 40; narrower accumulators leave it 48 (40 is too
+    few for the producer at V 256)."""
     return 40 if V > 256 else 48
 
 
@@ -240,7 +239,7 @@ if gluon is not None:
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
         for i in range(pairs):
             # shared-memory views indexed by a runtime 0: with constant views the compiler hoists every MMA
-            # descriptor of the loop out of it and spills them
+            # descriptor of the loop out of it, where they do not fit in registers
             z = i * zero
             valid = _load_indices(idx_ptr, tok, S, 2 * i * BS, BS, gl.SliceLayout(0, S_MMA)) >= 0
             logits = gl.where(valid[None, :], s * scale_log2, float("-inf"))

@@ -2,21 +2,21 @@
 (per-channel decay, channel_state_grad_kernel): the same inputs, the same outputs into the same buffers, run in its
 place where `use_state_grad` says the shapes allow.
 
-Why Gluon: the Triton kernel (a program per chunk, key block of 32 and head; 168 registers, three 4-warp programs an
-SM) is latency-bound: each program waits on its own loads, then computes, and no program an SM keeps enough bytes in
-flight (ncu: no eligible warp 67% of cycles, ~1.1 TB/s). Here persistent programs walk the work items (chunk,
+Why Gluon: the Triton kernel (a program per chunk, key block of 32 and head; three 4-warp programs an SM) is
+latency-bound: each program waits on its own loads, then computes, and no program an SM keeps enough bytes in
+flight. Here persistent programs walk the work items (chunk,
 head, key half), each item in a stage of shared memory (96 KB) that a warpgroup TMA-loads its next item's tiles into
 in three parts, each as soon as this item's last reader of it is done (do, v_new, dh after the first products, dv_new
 and h after dw's, q and k after dgc), so that one warpgroup's loads stay in flight while it finishes its tail and
 while the other warpgroup of the SM computes. GDN's kernel runs two programs of one warpgroup an SM, each its own
 stage; KDA's one program of two warpgroups (warp_specialize), each every other item of the program in a stage of its
 own. Two programs run one copy of the loop where two warpgroups of one program run two, and the instruction fetch of
-two copies of a long loop is what stalled the warp-specialized wy_grad (hopper_wy.py). No producer partition: with a
-stage per warpgroup it would issue the same loads at the same points, and its warps would take registers the
-consumers need (they hold ~240 a thread; a producer's warpgroup leaves them 240 at most, where ptxas spills).
+two copies of a long loop is what stalled the warp-specialized wy_grad (wy_representation_grad.py). No producer
+partition: with a stage per warpgroup it would issue the same loads at the same points, and its warps would take
+registers the consumers need (they use nearly all a thread may have).
 An item's first token and count come from the item before, and its rows' g and norms are loaded under the item before
 (the next item's): loaded at the item's top, they were a chain of three round trips (chunk bounds, then the rows,
-then the scan) that ncu found the warps waiting on.
+then the scan) that the warps waited on.
 
 Work item (chunk, head, key half of KH = 64 keys), its tiles in one stage, all bf16:
   do, v_new, dv_new [C, V] (rows of the chunk; both halves of a chunk and head read them, neighbouring programs at
@@ -71,11 +71,12 @@ except ImportError:  # a triton without Gluon's Hopper modules: function.py keep
 
 # the shapes the tiles are written for
 CHUNK, KEY_DIM, VALUE_DIM, KEYS_PER_ITEM = 64, 128, 128, 64
-# the worker warpgroup's registers a thread, as the other's (256 x 256 threads: the register file); below, ptxas
-# spills in the loop (triton 3.6)
+# the worker warpgroup's registers a thread, as the other's (256 x 256 threads: the register file); fewer do not
+# hold the loop's live values
 WORKER_REGS = 256
 SHARED_BYTES = 227 * 1024
-# GDN's kernel: programs of one warpgroup an SM, each its own stage (one copy of the loop: hopper_wy.py's reasoning)
+# GDN's kernel: programs of one warpgroup an SM, each its own stage (one copy of the loop: wy_representation_grad.py's
+# reasoning)
 PROGRAMS_PER_SM = 2
 
 
@@ -392,7 +393,7 @@ if gluon is not None:
         g, k_inv, q_inv = _row_loads(g_ptr, norms_ptr, start, count, _item(first, H)[1], H, C, L2NORM)
         for item in range(first, num_items, stride):
             # the stage's index changing with the item as far as the compiler knows (`zero` is 0): with a constant
-            # one it hoists every MMA descriptor out of the loop and spills them
+            # one it hoists every MMA descriptor out of the loop, where they do not fit in registers
             s = FIRST + item * zero
             chunk, head, half, more, next_start, next_count = _item_rows(item, stride, num_items, chunk_start_ptr,
                                                                          chunk_end_ptr, H)
@@ -414,7 +415,7 @@ if gluon is not None:
                 _load_dw(tiles, s, bar, item + stride, next_start, H)
             col0 = half * KH
             # dw out first: its registers are free before q and k come in for dgc. From the accumulator's layout:
-            # through a shared tile here ptxas spills in the loop without the l2norm (triton 3.6)
+            # through a shared tile here the loop runs out of registers without the l2norm
             _store_rows(dw_ptr, -dw, start, count, head, col0, H, 2 * KH, MMA)
             dgc = _scaled(q_s.index(s), q_scale, MMA) * dq - _scaled(k_s.index(s), k_scale, MMA) * dk
             _released()

@@ -1,10 +1,11 @@
 """forward.prep_blocked_kernel in Gluon for Hopper (sm_90), GDN's (scalar decay): the same inputs, the same outputs
 into the same buffers (w, u, P, gc_last, the row scales, and for a backward Tinv and the inverse norms), run in its
-place where `use_prep` says the shapes allow. hopper_wy.py's programs are the model for the stages and their loads.
+place where `use_prep` says the shapes allow. wy_representation_grad.py's programs are the model for the stages and
+their loads.
 
-Why Gluon: the Triton kernel (a program per chunk and head) waits on each round of its loads in turn: ncu found a
-third of its stall samples on the column phase's loads of k and v, issued only once the inverse is done, and spills at
-its register cap. Here persistent programs of one warpgroup, two an SM, walk the work items (chunk, head) and
+Why Gluon: the Triton kernel (a program per chunk and head) waits on each round of its loads in turn, above all on
+the column phase's loads of k and v, issued only once the inverse is done, and runs out of registers at its cap.
+Here persistent programs of one warpgroup, two an SM, walk the work items (chunk, head) and
 TMA-load the next item's tiles under this one's work: k and v into the second of two stages at the item's top, q into
 its one stage once the Gram products, its last readers, are done.
 
@@ -16,12 +17,12 @@ HBM, so neighbouring programs take neighbouring heads of one chunk). Products (w
   Tinv = (I + L)^-1: the 16 x 16 diagonal blocks by forward substitution in fp32 (each block's rows are one warp's
   rows of the MMA layout, so the substitution's row and column broadcasts stay inside a warp), then the blocks merged
   level by level (16 -> 32 -> 64, forward.merge_block_inverse's T - T (N T)) on the tensor cores with each operand
-  as two bf16 parts (hi + lo, hopper._split_bf16), three products each;
+  as two bf16 parts (hi + lo, state_grad._split_bf16), three products each;
   w = (Tinv diag(beta k_inv e^gc)) k and u = (Tinv diag(beta)) v by 64-column halves, the row factors folded into
   Tinv's columns so that k and v enter as stored.
 Precision: the Triton kernel doubles the diagonal blocks at tf32x3 and merges at tf32; here the substitution is fp32
 and the merges ~16 bits a part. A CPU model of both against fp64 inverses (identical keys, beta 1, slow decay: the
-cancelling case) gives 1.7e-5 relative error here, 1.3e-3 for the Triton kernel's (bench/NOTES.md). For w and u the
+cancelling case) gives 1.7e-5 relative error here, 1.3e-3 for the Triton kernel's. For w and u the
 Triton kernel rounds Tinv and the scaled key or value block to bf16 as operands; here the scaled Tinv once.
 
 Rows past a chunk's end: TMA reads them (the next chunk's tokens, or zeros past T). Their beta and g load as 0, which
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.ops.gated_delta.gluon import state_grad as hopper
+from runtime.ops.gated_delta.gluon import state_grad
 from runtime.ops.gated_delta.gluon.state_grad import CHUNK, KEY_DIM, VALUE_DIM, gluon
 from runtime.ops.common.gluon_fallback import compiles, num_sms
 from runtime.ops.gated_delta.backend import SELECTOR
@@ -261,7 +262,8 @@ if gluon is not None:
         for item in range(first, num_items, stride):
             chunk, head = item // H, item % H
             # the stages' indices change with the item as far as the compiler knows (`zero` is 0): with constant ones
-            # it hoists every MMA descriptor out of the loop and spills them (hopper.py's _consumer)
+            # it hoists every MMA descriptor out of the loop, where they do not fit in registers (state_grad.py's
+            # _consumer)
             qs = item * zero
             s = n % 2
             more = item + stride < num_items
@@ -306,7 +308,7 @@ def prep(q, k, v, g, beta, chunk_start, chunk_end, w, u, p, glast, row_scales, t
     H = q.shape[1]
     num_items = glast.shape[0] * H
     grid = (min(num_items, PROGRAMS_PER_SM * num_sms(q.device.index or 0)),)
-    descs = [hopper._rows_desc(t, t.shape[-1]) for t in (q, k, v)]
+    descs = [state_grad._rows_desc(t, t.shape[-1]) for t in (q, k, v)]
     return compiles("GDN prep", lambda: prep_kernel[grid](
         *descs, g, beta, chunk_start, chunk_end, w, u, p, glast, row_scales, tinv, norms, scale, num_items, H, 0,
         L2NORM=l2norm, S=SUB_BLOCK, num_warps=4))

@@ -1,15 +1,13 @@
 """backward.wy_grad_kernel in Gluon for Hopper (sm_90), GDN's (scalar decay): the same inputs, the same outputs into
 the same buffers (dv, the final dq and dk through the l2norm, dbeta, dg), run in its place where `use_wy_grad` says
-the shapes allow. hopper.py's state_grad kernels are the model for the stages and their loads; the programs differ.
+the shapes allow. state_grad.py's kernels are the model for the stages and their loads; the programs differ.
 
-Why Gluon: the Triton kernel (a program per chunk and head, ~255 registers, two 4-warp programs an SM) waits on each
-round of its loads in turn (~1.8 TB/s). Here persistent programs of one warpgroup, two an SM, walk the work items
+Why Gluon: the Triton kernel (a program per chunk and head, two 4-warp programs an SM) waits on each round of its
+loads in turn. Here persistent programs of one warpgroup, two an SM, walk the work items
 (chunk, head), each in a stage of shared memory of its own (112 KB: six row tiles, Tinv's and dTinv's), and TMA-load
 the next item's tiles into it in two parts, each as soon as this item's last reader of it is done. Two programs, not
-one of two warpgroups (warp_specialize, hopper.py's scheme): the two warpgroups there run two copies of the loop
-(~80 KB of SASS each), and on the H200 a third of the cycles a warp waited went to fetching instructions (ncu: 2.9
-of 8.4 cycles an issued instruction, "no instruction"); the two programs of an SM run one copy (0.44 -> 0.30 ms at
-T8192 H32, bench/NOTES.md).
+one of two warpgroups (warp_specialize, state_grad.py's KDA scheme): the two warpgroups there run two copies of a
+long loop, and their warps wait on fetching instructions; the two programs of an SM run one copy.
 
 Work item (chunk, head), its tiles in one stage, bf16 [C, 128] (rows of the chunk, all heads' columns of one row
 side by side in HBM, so neighbouring programs take neighbouring heads of one chunk), in three parts on a barrier
@@ -25,7 +23,7 @@ on the first part's barrier, issued once the decayed Gram backward, its last rea
 its end are zeroed there after the wait (the Triton kernel's masked loads give 0): every product takes it as a bf16
 operand, as the Triton kernel's GRAD_DOTS "bf16" does. An item's first token and count come from the item before, its
 g is loaded under the item before, and dg's slots of state_grad's dgc at the item's top (the adds at its end): each was
-a load a warp waited on right away (ncu, bench/NOTES.md).
+a load a warp waited on right away.
 
 Products (warpgroup MMAs, fp32 accumulators), as the Triton kernel's, in its order of rounding:
   dbv = Tinv^T du (du = dv_new) by value half, dv = beta dbv;  tdw = Tinv^T dw by key half;
@@ -45,10 +43,9 @@ Rows past a chunk's end: TMA reads them (the next chunk's tokens, or zeros past 
 zeroes their share in every Tinv^T product; beta's 0 zeroes dTinv's columns and dc's rows; dTinv's rows and the dgc
 sums are masked; the stores skip them.
 
-Registers and shared memory (sm_90a): two programs an SM take 255 registers a thread (2 x 128 threads x 256: the
-register file) and 114,984 bytes of shared memory each (228 KB an SM, 1 KB of it the driver's a program). ptxas
-spills 36 bytes with the l2norm under triton 3.6 (4 under 3.9), reloads of loop-invariant values in the item loop;
-without the l2norm 172 bytes (3.9: 8). What brought them down: a barrier between the passes
+Registers and shared memory (sm_90a): two programs an SM take the whole register file (2 x 128 threads x 256) and
+114,984 bytes of shared memory each (228 KB an SM, 1 KB of it the driver's a program). To keep
+the item loop's live values within them: a barrier between the passes
 of dq's l2norm backward (the compiler kept the first pass's loads of both tiles live for the second), dk's row dots
 summed where the finished partial dk is in registers, and the decayed Gram backward's products folded one at a time
 into dk's running sum.
@@ -60,12 +57,12 @@ from __future__ import annotations
 
 import torch
 
-from runtime.ops.gated_delta.gluon import state_grad as hopper
+from runtime.ops.gated_delta.gluon import state_grad
 from runtime.ops.gated_delta.gluon.state_grad import CHUNK, KEY_DIM, VALUE_DIM, gluon
 from runtime.ops.common.gluon_fallback import compiles, num_sms
 from runtime.ops.gated_delta.backend import SELECTOR
 
-# programs an SM: each of one warpgroup, its own stage and 255 registers a thread
+# programs an SM: each of one warpgroup, its own stage and half the register file
 PROGRAMS_PER_SM = 2
 # the shared memory a program may take for PROGRAMS_PER_SM of them on an SM: 228 KB an SM, 1 KB the driver's a program
 SHARED_BYTES_PER_PROGRAM = 228 * 1024 // PROGRAMS_PER_SM - 1024
@@ -311,12 +308,12 @@ if gluon is not None:
         for slot in gl.static_range(NK):
             total += slots[slot]
             last += gl.load(dgl_ptr + (chunk.to(gl.int64) * H + head) * NK + slot)
-        dg = last + gl.sum(total, 0) - gl.associative_scan(total, 0, hopper._add) + total
+        dg = last + gl.sum(total, 0) - gl.associative_scan(total, 0, state_grad._add) + total
         gl.store(dg_ptr + (start + rows).to(gl.int64) * H + head, dg.to(dg_ptr.dtype.element_ty), mask=rows < count)
 
     @gluon.jit
     def _head_rows(x_ptr, start, count, head, H, C: gl.constexpr):
-        """A [T, H] tensor's values [C] of a chunk's rows as loaded (hopper._row_loads' layout), 0 past its end."""
+        """A [T, H] tensor's values [C] of a chunk's rows as loaded (state_grad._row_loads' layout), 0 past its end."""
         SCAN: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         rows = gl.arange(0, C, layout=SCAN)
         return gl.load(x_ptr + (start + rows).to(gl.int64) * H + head, mask=rows < count, other=0.0)
@@ -360,7 +357,8 @@ if gluon is not None:
         # item's top, the row inputs' loads would wait on them, two round trips before the first product
         for item in range(first, num_items, stride):
             # the stage's index changing with the item as far as the compiler knows (`zero` is 0): with a constant
-            # one it hoists every MMA descriptor out of the loop and spills them (hopper.py's _consumer)
+            # one it hoists every MMA descriptor out of the loop, where they do not fit in registers (state_grad.py's
+            # _consumer)
             s = item * zero
             chunk, head = item // H, item % H
             more = item + stride < num_items
@@ -387,7 +385,7 @@ if gluon is not None:
             if L2NORM:
                 dot = _row_dots(q_s.index(s), pq_s.index(s), q_inv, scale)
                 # the stores' pass loads the tiles again: without a barrier the compiler would keep the first
-                # pass's loads (both tiles whole, in fp32) live between the passes and spill
+                # pass's loads (both tiles whole, in fp32) live between the passes, more than the registers hold
                 _barrier()
             _finish_rows(q_s.index(s), pq_s.index(s), q_inv, scale, dot, dq_ptr, start, count, head, H, L2NORM)
             _released()
@@ -473,7 +471,7 @@ def wy_grad(q, k, v, g, beta, tinv, dv_new, dw, part_dq, part_dk, dgc, dgl, norm
     H = q.shape[1]
     num_items = dgl.shape[0] * H
     grid = (min(num_items, PROGRAMS_PER_SM * num_sms(q.device.index or 0)),)
-    descs = [hopper._rows_desc(t, t.shape[-1]) for t in (dv_new, v, k, dw, q, part_dq, part_dk, tinv)]
+    descs = [state_grad._rows_desc(t, t.shape[-1]) for t in (dv_new, v, k, dw, q, part_dq, part_dk, tinv)]
     return compiles("GDN wy_grad", lambda: wy_grad_kernel[grid](
         *descs, g, beta, norms, chunk_start, chunk_end, dgc, dgl, dv, dq, dk, dbeta, dg, scale, num_items, H,
         0, L2NORM=l2norm, NK=dgl.shape[-1], num_warps=4))

@@ -4,8 +4,8 @@ those options), for F <= 512; experts._down runs it in place of the Triton kerne
 
 Why: at K = F = 512 (Qwen3-Next) a Triton program does 8 steps of its 128 x 256 tile and then its scattered 64 KB
 store, one program an SM, so the first loads' latency and the epilogue (the routing weight's load at the pairs,
-then the stores) are hidden behind no MMA: 1.00 ms at 16384 tokens against 0.63 for dh, the same FLOPs at K = 2048
-(bench/NOTES.md). Here persistent programs walk the schedule's row tiles, three partitions each:
+then the stores) are hidden behind no MMA, where dh, the same FLOPs at K = 2048, is not held so. Here persistent
+programs walk the schedule's row tiles, three partitions each:
 - a producer warp TMA-loads the row tile's h whole (K / BK chunks, each refilled for the next row tile once both
   consumers' last readers of it are done) and W's [BN, BK] tiles of every column block into a ring of STAGES;
 - two consumer warpgroups take the row tile's column blocks in turn (ping-pong, as CUTLASS calls it): each issues
@@ -13,9 +13,8 @@ then the stores) are hidden behind no MMA: 1.00 ms at 16384 tokens against 0.63 
   the ring is read in order, and stores its 128 x 128 tile while the other computes the next one. The rows' routing
   weights and output rows are loaded once a row tile, before its first block, and the tile is stored in 16-byte
   vectors along its rows.
-At 16384 tokens: 0.72 ms against the Triton kernel's 1.07 in the same run, outputs bit-identical (bench/NOTES.md,
-with the forms tried: h streamed through the ring ties this at K = 512 and is no faster than Triton for dx at
-K = 1024, which stays on the Triton kernel).
+Outputs are bit-identical to the Triton kernel's. h streamed through the ring instead of loaded whole is no faster at
+K = 512 and no faster than Triton for dx at K = 1024, which stays on the Triton kernel.
 
 Rows past an expert's end in its last tile: TMA reads them (the next expert's rows, zeros past S), their results are
 not stored. Gluon has no CPU interpreter: tests compile the kernel for sm_90a on any machine and compare it with the
@@ -38,8 +37,8 @@ from runtime.ops.moe.gluon.language import (
 )
 
 BM, BN, BK = 128, 128, 64
-# the W ring: 5 stages 0.72 ms at 16384 tokens, 4 0.80, 3 0.98 (bench/NOTES.md); 5 with h whole and the epilogue's
-# conversion take 229,600 of the 232,448 bytes of shared memory a block can hold
+# the W ring: the more stages the faster, and 5 with h whole and the epilogue's conversion take 229,600 of the
+# 232,448 bytes of shared memory a block can hold
 STAGES = 5
 # consumer warpgroup 1's and the producer warp's registers a thread (consumer 0 takes what they leave)
 CONSUMER_REGS, PRODUCER_REGS = 232, 40
@@ -112,7 +111,7 @@ if gluon is not None:
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, TILE_N, 16])
         # 16-byte vectors, 8 threads a row's 64 columns: full 32-byte sectors, 8 rows a thread over the tile (16 rows a
-        # thread, a row's 128 columns in 16 threads, spilled 108-136 bytes)
+        # thread, a row's 128 columns in 16 threads, need more registers than the consumer has)
         STORE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         num_n = N // TILE_N
         r = 0
@@ -197,8 +196,8 @@ if gluon is not None:
 
 
 def shared_bytes(K: int) -> int:
-    """A's row tile whole, the W ring, the epilogue's layout conversion (BM * BN bytes: its scratch in the offline
-    compiles, triton 3.6 and 3.9) and the barriers."""
+    """A's row tile whole, the W ring, the epilogue's layout conversion (BM * BN bytes: its scratch as compiled) and
+    the barriers."""
     return 2 * (BM * K + STAGES * BN * BK) + BM * BN + 8 * (2 * K // BK + 2 * STAGES + 2)
 
 

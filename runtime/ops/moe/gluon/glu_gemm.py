@@ -16,18 +16,15 @@ programs walk work items, each a row tile of the schedule and a block of 2 BU un
   a thread holds each unit's gate and up side by side for the GLU.
 - Where the copy is asked for, warpgroup 0 TMA-stores each A tile of a row tile's first block to x_sorted: the
   gathered rows leave shared memory once, with no second read of x.
-At 16384 tokens (Qwen3-Next widths, one H200): 1.63-1.76 ms against the Triton kernel's 1.96-2.01 in the same runs,
-with the copy 1.90-1.99 against 2.09-2.16 for gather_tokens and the Triton kernel; outputs bit-identical
-(bench/NOTES.md, with the ping-pong form tried first: a [BM, 2 BU] tile a warpgroup streams a third more bytes per
-product and took 2.27). Items of one block rather than whole row tiles (a tile's blocks in turn on one program): 1.59
-against 1.72 ms, with the copy 1.67 against 1.96, and 0.648 against 0.660 at 4096 tokens, where the blocks of a tile
-no longer each fetch its x rows from HBM again (bench/NOTES.md).
+Outputs are bit-identical to the Triton kernel's. Not ping-pong (a [BM, 2 BU] tile a warpgroup): that streams a
+third more bytes per product. Items of one block rather than whole row tiles (a tile's blocks in turn on one
+program): faster, and the blocks of a tile no longer each fetch its x rows from HBM again.
 
 Rows past an expert's end in its last tile: their gate/up and h are not stored. Without the copy their A rows are
 zero-filled: no gathers from L2 for them, and zeros cost the tensor cores less power, which counts because a step
-replayed back to back runs at the GPU's power cap (0.015-0.087 ms off the step in steady CUDA-graph replays,
-bench/NOTES.md). With the copy A holds their real rows (the next expert's sorted rows; row 0 of x past S), so the
-copy stores correct rows there (the tile of their own expert stores the same bytes) and TMA drops rows past S.
+replayed back to back runs at the GPU's power cap. With the copy A holds their real rows (the next expert's sorted
+rows; row 0 of x past S), so the copy stores correct rows there (the tile of their own expert stores the same bytes)
+and TMA drops rows past S.
 Gluon has no CPU interpreter: tests compile the kernel for sm_90a on any machine and compare it with the Triton kernel
 where a Hopper GPU is; the Triton kernel stays the path elsewhere.
 
@@ -48,7 +45,7 @@ from runtime.ops.moe.gluon.language import (
 )
 
 BM, BU, BK = 128, 64, 64
-# the ring: 4 stages (192 KB) 1.76 ms at 16384 tokens, 3 stages 1.89 (bench/NOTES.md)
+# the ring: 4 stages (192 KB), faster than 3
 STAGES = 4
 # consumer warpgroup 1's and the producer's registers a thread (consumer 0 takes what they leave of 512)
 CONSUMER_REGS, PRODUCER_REGS = 224, 48
@@ -74,7 +71,7 @@ if gluon is not None:
         step = 0
         num_blocks = F // (2 * UNITS)
         # a tile's blocks are neighbouring items, run by neighbouring programs: they gather its x rows at about the
-        # same time, so all but the first find them in L2 (bench/NOTES.md)
+        # same time, so all but the first find them in L2
         for i in range(gl.program_id(0), num_tiles * num_blocks, gl.num_programs(0)):
             t = i // num_blocks
             u0 = (i % num_blocks) * 2 * UNITS
@@ -134,7 +131,7 @@ if gluon is not None:
         k_steps = K // TILE_K
         ACC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, TILE_N, 16])
-        # 16-byte vectors, 8 threads a row's 64 columns, 8 rows a thread over the tile (as hopper_down.py)
+        # 16-byte vectors, 8 threads a row's 64 columns, 8 rows a thread over the tile (as down_gemm.py)
         STORE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         num_n = F // TILE_N
         j = 0

@@ -1,4 +1,4 @@
-"""The Gluon names the experts' Hopper kernels (hopper_down.py, hopper_glu.py, hopper_wgrad.py) import: Gluon's Hopper
+"""The Gluon names the experts' Hopper kernels (down_gemm.py, glu_gemm.py, weight_grad.py) import: Gluon's Hopper
 modules, or None for each where the installed triton has none (the kernels' modules then leave their Triton and torch
 twins in place), and the calls whose names moved between triton releases."""
 from __future__ import annotations

@@ -7,16 +7,16 @@ applies, in place of torch._grouped_mm.
 
 Why: per expert the reduction is short (~320 rows at 16384 tokens, ~80 at 4096), so a 128 x 256 output tile is 5
 (or 2) MMA steps followed by a 64 KB store; the grouped GEMM's cooperative CUTLASS kernel holds its warpgroups in
-that epilogue, and the down gradient needed a copy of dy's rows in expert order, scaled (0.30 ms at 16384 tokens).
+that epilogue, and the down gradient needed a copy of dy's rows in expert order, scaled.
 Here persistent programs walk (expert, output tile) items, three partitions each:
 - a producer partition of 4 warps loads each step's A [BK, BM] rows by cp.async, rows past the expert's end
   zero-filled (the reduction's ragged end: they belong to the next expert) and gathered by token where asked (each
-  row's token read from the schedule's int64 token_S: dividing its pair by k in the loop, or int32 tokens, measured
-  slower, bench/NOTES.md), and B's two [BK, BN] blocks by TMA (their rows past the end meet A's zeros);
+  row's token read from the schedule's int64 token_S: dividing its pair by k in the loop, or int32 tokens, are
+  slower), and B's two [BK, BN] blocks by TMA (their rows past the end meet A's zeros);
 - two consumer warpgroups share each stage, each accumulating BN of the tile's 2 BN columns (transposed: the MMA's
   operands swapped, BN rows of out by BM), and hand their finished tile to TMA stores from shared memory in two
   row halves, the second running while the next item's MMAs do. Half-tile staging leaves room for a fourth
-  stage: 1.54 ms against 1.69 with three stages and whole-tile staging at 16384 tokens (bench/NOTES.md).
+  stage, faster than three stages with whole-tile staging.
 
 Gluon has no CPU interpreter: tests compile the kernel for sm_90a on any machine and compare it with
 torch._grouped_mm where a Hopper GPU is; grouped_wgrad.py stays the path elsewhere.
@@ -52,7 +52,7 @@ if gluon is not None:
         """Item i: (expert, row block of M, column block of N); an expert's items are consecutive, so that the
         programs in flight share its rows in L2, and the row block of M runs fastest: neighbouring programs read one
         block of B and, transposed, write neighbouring 256-byte pieces of out's rows (TMA stores of constant tiles along
-        out's rows write 4.27 TB/s, in the order with the column block of N fastest 4.13; bench/NOTES.md)."""
+        out's rows write faster in this order than with the column block of N fastest)."""
         per_e = tiles_m * tiles_n
         return i // per_e, i % tiles_m, (i % per_e) // tiles_m
 
@@ -238,8 +238,7 @@ def shared_bytes() -> int:
 
 def out_block(transposed: bool) -> list[int]:
     """The staging tile, out's TMA block: half a warpgroup's [BM, BN] tile ([BN, BM] transposed), split by rows, so
-    that each of the box's rows is a whole tile row (256 bytes; column halves of 128 bytes took the gate/up weight
-    gradient 0.732 -> 0.710 ms at 4096 tokens, bench/NOTES.md)."""
+    that each of the box's rows is a whole tile row (256 bytes; faster than column halves of 128 bytes)."""
     return [BN // 2, BM] if transposed else [BM // 2, BN]
 
 
