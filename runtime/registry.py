@@ -1,9 +1,10 @@
 """The operator registry: one table of op families read by gap analysis, alignment tier 0 and the runtime.
 
 Each family names its fp64 reference op, its torch fallback and (where one exists) its fused kernel
-as "module:function" strings, so reading the table imports nothing heavy. `supports` says whether
-the family computes a component with given parameters exactly, as a variant (same op, a parameter
-path exercised less), or not at all.
+as "module:function" strings, so reading the table imports nothing heavy; runtime/dispatch.py picks between the
+fallback and the kernel through the backend selector beside the kernel module (runtime/ops/<op>/backend.py).
+`supports` says whether the family computes a component with given parameters exactly, as a variant (same op, a
+parameter path exercised less), or not at all.
 
 Predicates and `ops_for_layer` take the ModelSpec's own parts (runtime/spec.py: a NormSpec, a RopeSpec,
 an attention or FFN spec): their callers are onboard's gap analysis, the agents' tasks and alignment tiers 0
@@ -76,8 +77,8 @@ def _rope(rope: RopeSpec) -> Support:
     scaling = rope.scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        return "variant" if _generated("runtime.ops.rope.torch_form", "ROPES", rope_type) and not rope.mrope_section \
-            else "unsupported"
+        generated = _generated("runtime.ops.rope.torch_form", "ROPES", rope_type)
+        return "variant" if generated and not rope.mrope_section else "unsupported"
     return "variant" if rope_type == "dynamic" else "exact"
 
 
@@ -111,8 +112,8 @@ def _router(ffn: MoEFFN) -> Support:
     return "variant" if _generated("runtime.ops.moe.torch_form", "SCORINGS", scoring) else "unsupported"
 
 
-# the activations runtime/ops/mlp/torch_form.py's ACTIVATIONS holds before any package registers generated ones; named here
-# so that reading the table imports no torch (`inspect` stays light); a test keeps the two equal
+# the activations runtime/ops/mlp/torch_form.py's ACTIVATIONS holds before any package registers generated ones;
+# named here so that reading the table imports no torch (`inspect` stays light); a test keeps the two equal
 BUILTIN_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 
 
@@ -135,22 +136,23 @@ OPS: dict[str, OpFamily] = {op.name: op for op in [
     OpFamily("rope", "rope", "reference_ops.rope:apply_rope", "runtime.ops.rope.torch_form:apply_rope", None, _rope),
     OpFamily("softmax_attention", "attention:softmax", "reference_ops.attention:softmax_attention",
              "runtime.ops.attention.torch_form:softmax_attention", None, _softmax),
-    OpFamily("mla_attention", "attention:mla", "reference_ops.mla:mla_attention", "runtime.ops.mla.torch_form:mla_attention",
-             None, _mla),
-    OpFamily("dsa_indexer", "attention:mla_dsa", "reference_ops.dsa:indexer_topk", "runtime.ops.dsa.torch_form:indexer_topk",
-             "runtime.ops.dsa.kernel:indexer_topk", _dsa),
+    OpFamily("mla_attention", "attention:mla", "reference_ops.mla:mla_attention",
+             "runtime.ops.mla.torch_form:mla_attention", None, _mla),
+    OpFamily("dsa_indexer", "attention:mla_dsa", "reference_ops.dsa:indexer_topk",
+             "runtime.ops.dsa.torch_form:indexer_topk", "runtime.ops.dsa.kernel:indexer_topk", _dsa),
     OpFamily("dsa_attention", "attention:mla_dsa", "reference_ops.dsa:sparse_attention",
              "runtime.ops.dsa.torch_form:sparse_attention", "runtime.ops.dsa.kernel:sparse_attention", _dsa),
     OpFamily("causal_conv1d", "attention:short_conv", "reference_ops.conv:causal_conv1d",
              "runtime.ops.conv.torch_form:causal_conv1d", "runtime.ops.conv.kernel:causal_conv1d", _always),
     OpFamily("gated_delta_rule", "attention:gated_delta", "reference_ops.gated_delta:gated_delta_rule",
-             "runtime.ops.gated_delta.torch_form:gated_delta_rule", "runtime.ops.gated_delta.kernel:gated_delta_rule", _gated_delta),
+             "runtime.ops.gated_delta.torch_form:gated_delta_rule", "runtime.ops.gated_delta.kernel:gated_delta_rule",
+             _gated_delta),
     OpFamily("kda", "attention:kda", "reference_ops.kda:kda", "runtime.ops.gated_delta.kda_torch_form:kda",
              "runtime.ops.gated_delta.kernel:kda", _always),
     OpFamily("lightning_attention", "attention:lightning", "reference_ops.lightning:lightning_attention",
              "runtime.ops.lightning.torch_form:lightning_attention", None, _always),
-    OpFamily("moe_router", "ffn:moe", "reference_ops.moe:route", "runtime.ops.moe.torch_form:route", "runtime.ops.moe.kernel:route",
-             _router),
+    OpFamily("moe_router", "ffn:moe", "reference_ops.moe:route", "runtime.ops.moe.torch_form:route",
+             "runtime.ops.moe.kernel:route", _router),
     OpFamily("moe_experts", "ffn:moe", "reference_ops.moe:swiglu_experts", "runtime.ops.moe.torch_form:swiglu_experts",
              "runtime.ops.moe.kernel:swiglu_experts", _activation),
     OpFamily("cross_entropy_rows", "head:loss", "reference_ops.loss:cross_entropy_rows",
