@@ -30,7 +30,7 @@ def test_seed_index_inspect_stays_light(seed_dir):
 
 def test_kernels_available_says_why():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    probe = "from runtime.kernels.available import kernels_available as k; print(*k(), sep='|')"
+    probe = "from runtime.ops.common.available import kernels_available as k; print(*k(), sep='|')"
     plain = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120).stdout
     interpreted = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                                  env={**env, "TRITON_INTERPRET": "1"}).stdout
