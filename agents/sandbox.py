@@ -29,12 +29,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Literal, Sequence
 
+import reference_ops
+from agents import sandbox_guard
 from agents.sandbox_cgroups import Cgroups
 from agents.sandbox_guard import HIDDEN_PACKAGES
 
 Mode = Literal["bwrap", "unshare", "none"]
-GUARD = Path(__file__).with_name("sandbox_guard.py")
-REPO = Path(__file__).resolve().parents[1]
+# the guard script found through its module, so both can move
+GUARD = Path(sandbox_guard.__file__)
+# the checkout, found through its lowest package (empty, so importing it costs nothing) wherever this module lives
+REPO = Path(reference_ops.__file__).resolve().parents[1]
 OUTPUT_TAIL = 20_000
 MIB = 2**20
 # what a dynamically linked interpreter needs from the root, bound read-only where it exists

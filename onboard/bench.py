@@ -24,7 +24,9 @@ import time
 from pathlib import Path
 
 from onboard import package_io
+from onboard.commands.args import positive_int
 from onboard.errors import BadInput
+from onboard.exit_codes import Exit
 from onboard.package_files import require_package_folder
 
 WARMUP = 2
@@ -41,7 +43,7 @@ NOISE_BAND = {"cpu": {"tokens_per_s": 0.5, "mfu": 0.5, "peak_mem_gib": 0.1},
 PEAK_MEM_SLACK_GIB = 0.05
 
 
-def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("pkg")
     p.add_argument("--check", action="store_true",
                    help=f"fail (exit 3) on a regression against alignment/{BASELINE} (exit 2 when there is none)")
@@ -51,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
     p.add_argument("--model-dir", default=None, help="the release folder, if it moved since new-model")
 
 
-def run(args) -> int:
+def run(args) -> Exit:
     from onboard.approved_ops import require_approved
 
     pkg = Path(args.pkg)
@@ -65,11 +67,11 @@ def run(args) -> int:
     package_io.write_text(pkg, pkg / "alignment" / "bench.json", json.dumps(result, indent=2) + "\n")
     print(summary_line(result))
     if baseline is None:
-        return 0
+        return Exit.OK
     worse = regressions(baseline, result)
     for line in worse:
         print(f"regression vs {BASELINE}: {line}", file=sys.stderr)
-    return 3 if worse else 0
+    return Exit.GAPS if worse else Exit.OK
 
 
 def read_baseline(pkg: Path) -> dict:

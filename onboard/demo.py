@@ -20,9 +20,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import onboard
+from onboard.commands.args import positive_int
 from onboard.errors import BadInput
+from onboard.exit_codes import Exit
 
-DATA = Path(__file__).resolve().parent / "data" / "demo_text.jsonl"
+# onboard/data/ found by the package, not by this file's place, so the module can move
+DATA = Path(onboard.__file__).resolve().parent / "data" / "demo_text.jsonl"
 FAMILY = "qwen3_next"
 SEQ_LEN = 128
 # the tiny model's LoRA needs a larger step than a real model's 1e-4 to show its loss falling in 30 steps
@@ -52,21 +56,22 @@ class Paths:
         return self.out / "adapter"
 
 
-def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="onboard-demo", help="folder for everything the demo writes (new or empty)")
     p.add_argument("--steps", type=positive_int, default=30, help="training steps (default 30)")
     p.add_argument("--force", action="store_true", help="replace a folder an earlier demo wrote")
 
 
-def run(args) -> int:
-    """0 when every stage succeeded and the adapter reproduces our logits in transformers + peft."""
+def run(args, cli_main) -> Exit:
+    """0 when every stage succeeded and the adapter reproduces our logits in transformers + peft. Each stage
+    runs through `cli_main`, the `onboard` command's own main (handed down by onboard/cli.py, which sits above)."""
     import torch
 
     started = time.perf_counter()
     paths = Paths(_fresh_folder(Path(args.out).absolute(), args.force))
     torch.set_num_threads(1)
     for argv in commands(paths, args.steps):
-        code = _stage(argv)
+        code = _stage(argv, cli_main)
         if code:
             print(f"onboard demo: `onboard {argv[0]}` exited {code}; stopped (the folders so far are in {paths.out})",
                   file=sys.stderr)
@@ -74,7 +79,7 @@ def run(args) -> int:
     check = adapter_check(paths)
     print(check.line())
     _print_where(paths, time.perf_counter() - started)
-    return 0 if check.passed else 3
+    return Exit.OK if check.passed else Exit.GAPS
 
 
 def _fresh_folder(out: Path, force: bool) -> Path:
@@ -98,11 +103,9 @@ def commands(paths: Paths, steps: int) -> list[list[str]]:
             ["export", str(paths.run), "--peft", str(paths.adapter)]]
 
 
-def _stage(argv: list[str]) -> int:
-    from onboard.cli import main
-
+def _stage(argv: list[str], cli_main) -> int:
     print(f"\n$ onboard {' '.join(argv)}", flush=True)
-    return main(argv)
+    return cli_main(argv)
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import onboard
+
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
 VOCAB_SIZE = 240
-CORPUS = Path(__file__).resolve().parent / "data" / "tokenizer_corpus.txt"
+# onboard/data/ found by the package, not by this file's place, so the module can move
+CORPUS = Path(onboard.__file__).resolve().parent / "data" / "tokenizer_corpus.txt"
 # ChatML; the assistant's content and end marker are in a generation block, so transformers'
 # return_assistant_tokens_mask can say which tokens the model is trained on.
 CHAT_TEMPLATE = (

@@ -13,10 +13,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+import templates
 from onboard.errors import printable
 from onboard.gap import GapReport
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+# found by the package, not by this file's place, so the module can move
+TEMPLATES = Path(templates.__file__).resolve().parent
 STATUS_STYLE = {"covered": "green", "variant": "yellow", "generated": "cyan", "fallback": "magenta", "missing": "red"}
 
 

@@ -14,10 +14,12 @@ import os
 import sys
 from pathlib import Path
 
+from onboard.commands.args import positive_int
 from onboard.errors import BadInput
+from onboard.exit_codes import Exit
 
 
-def add_arguments(p: argparse.ArgumentParser, positive_int) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("pkg")
     p.add_argument("--data", required=True, help="jsonl of {\"text\": ...} or {\"messages\": [...]}")
     p.add_argument("--steps", type=positive_int, default=100)
@@ -80,7 +82,7 @@ def _plan(args, world: int, policy):
     return ParallelPlan(MeshShape(world // args.ep, args.ep), policy, args.capacity_factor)
 
 
-def run(args) -> int:
+def run(args) -> Exit:
     """0 trained; 1 aborted (non-finite steps, or a failed rank); 3 the release's chat template cannot mask
     assistant turns, or --bias-update-rate on routers without a correction bias. With --nproc > 1 (outside torchrun) the job is relaunched under torchrun."""
     from onboard.approved_ops import require_approved
@@ -95,7 +97,7 @@ def run(args) -> int:
     return _train(args)
 
 
-def _train(args) -> int:
+def _train(args) -> Exit:
     import dataclasses
 
     from onboard.package_reader import read_package
@@ -121,7 +123,7 @@ def _train(args) -> int:
         balancing = balance_options(spec, args.aux_loss_coef, args.bias_update_rate)
     except OptionGap as gap:
         print(f"onboard: gap: {release}: {gap}", file=sys.stderr)
-        return 3
+        return Exit.GAPS
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
                       warmup_steps=min(10, max(1, args.steps // 10)), eval_every=args.eval_every,
                       checkpoint_every=args.checkpoint_every, cuda_graph=not args.no_cuda_graph, **balancing)
@@ -129,7 +131,7 @@ def _train(args) -> int:
         data = prepare_data(Path(args.data), load_tokenizer(release), args.seq_len, args.eval_fraction, cfg.seed)
     except ChatTemplateError as err:
         print(f"onboard: gap: {release}: chat template: {err}", file=sys.stderr)
-        return 3
+        return Exit.GAPS
     rank, world, device = start()
     lora_config = package.lora
     if world == 1:
@@ -143,7 +145,7 @@ def _train(args) -> int:
         state = train(model, data, cfg, out, resume=args.resume, progress=not args.no_progress and is_main())
     except TrainingAborted as err:
         print(f"onboard: error: {err}", file=sys.stderr)
-        return 1
+        return Exit.BUG
     factors = full_lora_state_dict(model)
     if is_main():
         # updated biases go beside the factors: export needs them to reproduce the run
@@ -151,7 +153,7 @@ def _train(args) -> int:
         print(f"trained {state['step']} steps into {out}; eval loss {state['eval_loss']:.4f}, "
               f"best {state['best_eval_loss']:.4f} at step {state['best_step']}")
     finish()
-    return 0
+    return Exit.OK
 
 
 def run_folder(pkg: Path, out: str | None) -> Path:
@@ -170,16 +172,13 @@ def run_folder(pkg: Path, out: str | None) -> Path:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from onboard.cli import _positive_int
-
     parser = argparse.ArgumentParser(prog="onboard train")
-    add_arguments(parser, _positive_int)
+    add_arguments(parser)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> Exit:
     """The trainer module torchrun runs on every rank: `torchrun --nproc-per-node N -m onboard.train_cli PKG ...`."""
-    from onboard.cli import EXIT_BAD_INPUT, EXIT_GAPS
     from onboard.errors import printable
     from runtime.errors import GeneratedOpMismatch, InputFileError, PackageOpRefused
 
@@ -188,13 +187,13 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args)
     except (BadInput, InputFileError) as err:
         print(f"onboard: error: {err.one_line()}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return Exit.BAD_INPUT
     except PackageOpRefused as refused:
         print(f"onboard: refused: {printable(refused.one_line())}", file=sys.stderr)
-        return EXIT_GAPS
+        return Exit.GAPS
     except GeneratedOpMismatch as err:
         print(f"onboard: error: {err}", file=sys.stderr)
-        return EXIT_GAPS
+        return Exit.GAPS
 
 
 if __name__ == "__main__":

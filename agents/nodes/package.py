@@ -11,6 +11,7 @@ from langgraph.runtime import Runtime
 
 from onboard.align import run_alignment
 from onboard.align.progress import Progress
+from onboard.exit_codes import Exit
 from onboard.package import write_package
 from onboard.plan import Cluster
 from onboard.pr_render import render_pr
@@ -88,7 +89,8 @@ def review(state: OnboardState, runtime: Runtime[Context]) -> dict:
     reasons += [fallback_reason(f) for f in fallbacks]
     package = yaml.safe_load((pkg / "package.yaml").read_text())
     _replace(pkg / "package.yaml", yaml.safe_dump({**package, "status": status, "reasons": reasons}, sort_keys=False))
-    exit_code = 0 if status == "trainable" else 3
+    # a plain int in the checkpointed state
+    exit_code = int(Exit.OK if status == "trainable" else Exit.GAPS)
     _replace(pkg / "PR.md", render_pr(pkg, state["spec"], report, state["tasks"], exit_code))
     return {"exit_code": exit_code}
 

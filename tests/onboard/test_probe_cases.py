@@ -205,12 +205,12 @@ def test_nonexistent_path(onboard_cli, tmp_path):
 
 def test_a_bug_is_one_line_and_a_trace_file(onboard_cli, monkeypatch, tmp_path):
     """A bug cannot be made on purpose in real code, so one is planted: the command's function raises."""
-    import onboard.cli
+    import onboard.commands.inspect
 
     def broken(args):
         return {}["missing"]
 
-    monkeypatch.setattr(onboard.cli, "_inspect", broken)
+    monkeypatch.setattr(onboard.commands.inspect, "run", broken)
     result = onboard_cli("inspect", tmp_path)
     assert result.code == 1 and "Traceback" not in result.err
     line = result.err.strip()

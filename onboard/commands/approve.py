@@ -1,0 +1,33 @@
+"""`onboard approve PKG`: record the sha256 of every file under PKG/ops/ as approved by this user, after review.
+
+Approvals live in the user's store (onboard/approved_ops.py), never in the package: a pull request cannot
+approve itself. align and train run a package's op files in this process only when every one is approved.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from onboard.errors import BadInput, printable
+from onboard.exit_codes import Exit
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("pkg")
+
+
+def run(args) -> Exit:
+    from onboard.approved_ops import approve_files, store_path
+    from runtime.package_ops import read_op_files
+
+    pkg = Path(args.pkg)
+    if not pkg.is_dir():
+        raise BadInput(pkg, None, "not a package folder")
+    files = read_op_files(pkg)
+    approved = approve_files(files, pkg, by="onboard approve")
+    for f in files:
+        state = f"sha256 {f.sha256}" if f in approved else "not approved"
+        note = f" ({f.problem}; it will not load)" if f.problem else ""
+        print(printable(f"{f.path}: {state}{note}"))
+    print(f"approved {len(approved)} file(s) of {pkg / 'ops'} in {store_path()}")
+    return Exit.OK
