@@ -20,7 +20,7 @@ from runtime.parallel.placement import MeshShape, PlacementError, experts_per_ra
 MICRO_BATCHES = (1, 2, 4, 8)
 
 
-class Candidate(BaseModel):
+class PlanCandidate(BaseModel):
     dp_shard: int
     ep: int
     experts_per_rank: int
@@ -44,8 +44,8 @@ class ParallelPlan(BaseModel):
     seq_len: int
     lora_rank: int
     assumptions: dict[str, float]
-    chosen: Optional[Candidate]
-    candidates: list[Candidate]  # ranked: fitting ones fastest first, then the rejected
+    chosen: Optional[PlanCandidate]
+    candidates: list[PlanCandidate]  # ranked: fitting ones fastest first, then the rejected
     reason: str  # why nothing fits, or empty
     smallest_gpus: Optional[int] = None  # when nothing fits: the smallest whole-node count that does
 
@@ -58,11 +58,11 @@ class Workload:
 
 
 def evaluate(m: ModelSummary, mesh: MeshShape, policy: str, micro_batch: int, cluster: Cluster,
-             seq_len: int) -> Candidate:
+             seq_len: int) -> PlanCandidate:
     memory = estimate_memory(m, mesh, policy, micro_batch, cluster, seq_len)
     fits = memory.total <= memory.capacity
     experts = max((l.num_experts for l in m.layers), default=0)
-    return Candidate(dp_shard=mesh.dp_shard, ep=mesh.ep, experts_per_rank=experts // mesh.ep, policy=policy,
+    return PlanCandidate(dp_shard=mesh.dp_shard, ep=mesh.ep, experts_per_rank=experts // mesh.ep, policy=policy,
                      micro_batch=micro_batch, fits=fits, reason=_memory_reason(memory, fits), memory=memory,
                      time=estimate_time(m, mesh, policy, micro_batch, cluster, seq_len))
 
@@ -88,7 +88,7 @@ def meshes(gpus: int) -> list[MeshShape]:
     return [MeshShape(gpus // ep, ep) for ep in range(1, gpus + 1) if gpus % ep == 0]
 
 
-def mesh_candidates(m: ModelSummary, mesh: MeshShape, cluster: Cluster, workload: Workload) -> list[Candidate]:
+def mesh_candidates(m: ModelSummary, mesh: MeshShape, cluster: Cluster, workload: Workload) -> list[PlanCandidate]:
     """Every policy and micro-batch on one mesh, or one rejected row saying why the mesh cannot hold the experts."""
     try:
         for layer in m.layers:
@@ -97,13 +97,13 @@ def mesh_candidates(m: ModelSummary, mesh: MeshShape, cluster: Cluster, workload
         if mesh.ep > 1 and not any(layer.num_experts for layer in m.layers):
             raise PlacementError(f"ep={mesh.ep} needs routed experts; the model has none")
     except PlacementError as error:
-        return [Candidate(dp_shard=mesh.dp_shard, ep=mesh.ep, experts_per_rank=0, policy="-", micro_batch=0,
+        return [PlanCandidate(dp_shard=mesh.dp_shard, ep=mesh.ep, experts_per_rank=0, policy="-", micro_batch=0,
                           fits=False, reason=str(error))]
     micro_batches = (workload.micro_batch,) if workload.micro_batch else MICRO_BATCHES
     return [evaluate(m, mesh, policy, mb, cluster, workload.seq_len) for policy in POLICIES for mb in micro_batches]
 
 
-def _rank_key(c: Candidate):
+def _rank_key(c: PlanCandidate):
     return (not c.fits, -(c.time.tokens_per_s if c.time and c.fits else 0.0), c.memory.total if c.memory else math.inf)
 
 
@@ -123,7 +123,7 @@ def search(spec: ModelSpec, cluster: Cluster, workload: Workload, progress: Call
                         smallest_gpus=smallest_gpus(m, cluster, workload, progress) if nothing and find_smallest else None)
 
 
-def _nothing_fits(candidates: list[Candidate], cluster: Cluster) -> str:
+def _nothing_fits(candidates: list[PlanCandidate], cluster: Cluster) -> str:
     sized = [c for c in candidates if c.memory]
     if not sized:
         return f"no dp_shard x ep split of {cluster.gpus} GPUs can hold the experts: {candidates[0].reason}"

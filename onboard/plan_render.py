@@ -4,13 +4,13 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from onboard.plan import Candidate, ParallelPlan
+from onboard.plan import ParallelPlan, PlanCandidate
 from onboard.render import jinja_env
 
 
-def alternatives(plan: ParallelPlan) -> list[Candidate]:
+def alternatives(plan: ParallelPlan) -> list[PlanCandidate]:
     """The best candidate of every mesh, in the plan's ranking order."""
-    best: dict[str, Candidate] = {}
+    best: dict[str, PlanCandidate] = {}
     for candidate in plan.candidates:
         best.setdefault(candidate.mesh, candidate)
     return list(best.values())
@@ -22,7 +22,7 @@ def plan_yaml(plan: ParallelPlan) -> str:
     return jinja_env().get_template("plan.yaml.j2").render(p=plan.model_dump(), c=chosen, alternatives=rows)
 
 
-def breakdown(c: Candidate) -> str:
+def breakdown(c: PlanCandidate) -> str:
     """One line: where a candidate's per-rank memory goes, and its step time."""
     m, t = c.memory, c.time
     return (f"{c.mesh} ({c.experts_per_rank} experts/rank), {c.policy}, micro-batch {c.micro_batch}: per rank "

@@ -75,11 +75,11 @@ def _check_ep(ep: int, world: int) -> None:
 
 
 def _plan(args, world: int, policy):
-    from runtime.parallel.parallelize import ParallelPlan
+    from runtime.parallel.parallelize import ParallelConfig
     from runtime.parallel.placement import MeshShape
 
     _check_ep(args.ep, world)
-    return ParallelPlan(MeshShape(world // args.ep, args.ep), policy, args.capacity_factor)
+    return ParallelConfig(MeshShape(world // args.ep, args.ep), policy, args.capacity_factor)
 
 
 def run(args) -> Exit:

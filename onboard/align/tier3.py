@@ -119,7 +119,7 @@ def _one_process(inputs: dict, job: Job) -> list[dict]:
 
 def _worker(rank: int, world: int, port: int, jobs: list[Job], inputs: dict, out: Path) -> None:
     from runtime.parallel.load import build_sharded_model
-    from runtime.parallel.parallelize import ParallelPlan, device_mesh
+    from runtime.parallel.parallelize import ParallelConfig, device_mesh
     from runtime.parallel.process import exit_without_teardown
 
     torch.set_num_threads(1)
@@ -127,7 +127,7 @@ def _worker(rank: int, world: int, port: int, jobs: list[Job], inputs: dict, out
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         for job in jobs:
-            plan = ParallelPlan(job.mesh)
+            plan = ParallelConfig(job.mesh)
             model = build_sharded_model(inputs["spec"], inputs["weight_map"], inputs["source"], inputs["lora"], plan,
                                         device_mesh(job.mesh, "cpu"), rank, torch.device("cpu"), torch.float32)
             grads = _train(model, inputs["spec"], job, world)

@@ -13,13 +13,13 @@ from torch import nn
 
 from runtime.lora.factors import LoraConfig, apply_lora, initial_value, is_lora_name
 from runtime.model.decoder import HybridDecoder
-from runtime.parallel.parallelize import ParallelPlan, local_part, parallelize
+from runtime.parallel.parallelize import ParallelConfig, local_part, parallelize
 from runtime.parallel.placement import moe_layers, rows_held
 from runtime.spec import ModelSpec
 from runtime.model.weights import load_release
 
 
-def build_sharded_model(spec: ModelSpec | dict, weight_map: dict, release: Path, lora_config: LoraConfig, plan: ParallelPlan,
+def build_sharded_model(spec: ModelSpec | dict, weight_map: dict, release: Path, lora_config: LoraConfig, plan: ParallelConfig,
                         mesh, rank: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
                         skip_prefixes=(), num_layers: int | None = None) -> nn.Module:
     """The model of `spec` (a ModelSpec or spec.json's data) with LoRA, parallelized by `plan` over `mesh`, holding only rank `rank`'s slices."""
@@ -44,7 +44,7 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.named_parameters()) | dict(model.named_buffers())
 
 
-def _held_rows(model: nn.Module, plan: ParallelPlan, rank: int) -> dict[str, tuple[int, int]]:
+def _held_rows(model: nn.Module, plan: ParallelConfig, rank: int) -> dict[str, tuple[int, int]]:
     """name -> rows placement.py assigns this rank; checked against the shard FSDP actually gave it."""
     num_experts = moe_layers(model.config)
     buffers = dict(model.named_buffers())

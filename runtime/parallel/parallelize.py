@@ -27,7 +27,9 @@ MESH_DIMS = ("dp_shard", "ep")
 
 
 @dataclass(frozen=True)
-class ParallelPlan:
+class ParallelConfig:
+    """How the runtime parallelizes one job (onboard's ParallelPlan is the search that chooses its mesh)."""
+
     mesh: MeshShape
     memory: MemoryPolicy = field(default_factory=MemoryPolicy)
     # tokens per expert per rank at most capacity_factor * (pairs / experts); None: dropless
@@ -39,7 +41,7 @@ def device_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (shape.dp_shard, shape.ep), mesh_dim_names=MESH_DIMS)
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelPlan) -> nn.Module:
+def parallelize(model: nn.Module, mesh: DeviceMesh, plan: ParallelConfig) -> nn.Module:
     """EP, then the memory policy, then FSDP2, applied in place to `model` (on the meta device or real)."""
     check_mesh(model.config, plan.mesh)
     apply_expert_parallel(model, mesh["ep"], plan.capacity_factor)

@@ -154,14 +154,14 @@ def test_correction_bias_follows_the_step_loads_and_resumes(example_package, tmp
 
 def _ep2_worker(rank: int, port: int, package: tuple, run_dir: Path) -> None:
     from runtime.parallel.load import build_sharded_model
-    from runtime.parallel.parallelize import ParallelPlan, device_mesh
+    from runtime.parallel.parallelize import ParallelConfig, device_mesh
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     spec, weight_map, source = package
     mesh = MeshShape(1, 2)
-    model = build_sharded_model(spec, weight_map, source, LORA, ParallelPlan(mesh), device_mesh(mesh, "cpu"), rank,
+    model = build_sharded_model(spec, weight_map, source, LORA, ParallelConfig(mesh), device_mesh(mesh, "cpu"), rank,
                                 torch.device("cpu"), torch.float32)
     # each rank one row per micro-batch: the expert GEMMs and the aux loss see the one process's 2 rows
     train(model, _data(spec["vocab_size"]), dataclasses.replace(CONFIG, batch_size=1), run_dir, progress=False)

@@ -24,7 +24,7 @@ from runtime.lora.factors import LoraConfig, apply_lora, initial_value
 from runtime.model.decoder import HybridDecoder
 from runtime.ops.moe.torch_form import sort_by_expert
 from runtime.parallel.expert_parallel import _capacity
-from runtime.parallel.parallelize import ParallelPlan, parallelize
+from runtime.parallel.parallelize import ParallelConfig, parallelize
 from runtime.parallel.placement import MeshShape, PlacementError
 from runtime.spec import read_spec
 from runtime.train.loop import loss_sum
@@ -71,7 +71,7 @@ def _worker(rank, world, port, mesh, package, out):
         _start_B(name, shape) if name.endswith("_B") else initial_value(name, shape, config))
     spec, weight_map, source = package
     # recompute of the MoE blocks: the dispatch's all_to_all runs again in backward
-    plan = ParallelPlan(mesh, MemoryPolicy(recompute=("moe",)))
+    plan = ParallelConfig(mesh, MemoryPolicy(recompute=("moe",)))
     model = sharded.build_sharded_model(spec, weight_map, source, LORA, plan,
                                         device_mesh(mesh, "cpu"), rank, torch.device("cpu"), torch.float32)
     loss, grads = _loss_and_grads(model, [r for r in range(ROWS) if r % world == rank])
@@ -136,7 +136,7 @@ def test_capacity_drops_the_latest_pairs_of_an_overfull_expert():
 def test_experts_not_divisible_by_ep_is_refused(example_spec):
     model = HybridDecoder(example_spec("qwen3_moe"))
     with pytest.raises(PlacementError, match=r"\b8\b.*ep=3"):
-        parallelize(model, None, ParallelPlan(MeshShape(1, 3)))
+        parallelize(model, None, ParallelConfig(MeshShape(1, 3)))
 
 
 def _train_args(package: Path, data: Path, out: Path) -> list[str]:
