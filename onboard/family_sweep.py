@@ -20,6 +20,7 @@ from typing import Optional
 
 from pydantic import BaseModel
 
+from onboard.exit_codes import Exit
 from onboard.tiny_config import shrink
 
 # Above this the shrink did not make the model tiny (the 12 named examples are 0.1-0.5M).
@@ -166,7 +167,7 @@ def run_family(family: str, workdir: Path) -> FamilyResult:
     if pkg.exists() and not (pkg / "alignment" / "report.json").exists():
         result.steps["align"], _ = _run_cli(["align", str(pkg), "--tiers", "0,1,2"])
     result.tiers_passed, result.failed_checks = _alignment(pkg)
-    if result.steps["new-model"].exit_code == 0:
+    if result.steps["new-model"].exit_code == Exit.OK:
         result.steps["train"], _ = _run_cli(["train", str(pkg), "--data", str(_train_data(Path(workdir))), "--steps",
                                              str(TRAIN_STEPS), "--seq-len", "32", "--eval-every", str(TRAIN_STEPS),
                                              "--checkpoint-every", str(TRAIN_STEPS), "--no-progress"])
@@ -219,12 +220,12 @@ def summary(results: list[FamilyResult]) -> dict[str, int]:
     """The sweep's counts; exit codes are new-model's (inspect's agree or the table shows it)."""
     built = [r for r in results if r.built]
     codes = [r.steps["new-model"].exit_code if "new-model" in r.steps else None for r in built]
-    return {"tried": len(results), "built": len(built), "exit_0": codes.count(0), "exit_3": codes.count(3),
-            "exit_2": codes.count(2), "inspect_exit_2": sum(r.steps["inspect"].exit_code == 2 for r in built),
+    return {"tried": len(results), "built": len(built), "exit_0": codes.count(Exit.OK), "exit_3": codes.count(Exit.GAPS),
+            "exit_2": codes.count(Exit.BAD_INPUT), "inspect_exit_2": sum(r.steps["inspect"].exit_code == Exit.BAD_INPUT for r in built),
             "tracebacks": sum(any(s.exit_code is None and not _timed_out(s) for s in r.steps.values()) for r in built),
             "timed_out": sum(any(_timed_out(s) for s in r.steps.values()) for r in built),
             "tiers_0_1_2_passed": sum(r.tiers_passed == [0, 1, 2] for r in built),
-            "trained": sum(r.steps["train"].exit_code == 0 for r in built if "train" in r.steps)}
+            "trained": sum(r.steps["train"].exit_code == Exit.OK for r in built if "train" in r.steps)}
 
 
 def _timed_out(step: StepResult) -> bool:
@@ -256,7 +257,7 @@ def _note(r: FamilyResult) -> str:
         if step.exit_code is None:
             return "traceback: " + (step.traceback.strip().splitlines() or [""])[-1][:200].replace("|", "/")
     train = r.steps.get("train")
-    if train is not None and train.exit_code != 0:
+    if train is not None and train.exit_code != Exit.OK:
         return f"train: {train.stderr_tail.splitlines()[-1] if train.stderr_tail else ''}"[:240].replace("|", "/")
     if r.failed_checks:
         return r.failed_checks[0].replace("|", "/")

@@ -201,7 +201,7 @@ if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record
 
     code = record(main)()
-    if code == 0 and "LOCAL_RANK" in os.environ:
+    if code == Exit.OK and "LOCAL_RANK" in os.environ:
         from runtime.parallel.process import exit_without_teardown
 
         exit_without_teardown()
