@@ -8,8 +8,8 @@ from typing import Literal, Optional
 import jinja2
 from pydantic import BaseModel
 
-from onboard.model_source import ModelSource
-from onboard.render import TEMPLATES, jinja_env
+from onboard.gap.render import TEMPLATES, jinja_env
+from onboard.release.model_source import ModelSource
 
 from agents.op_kinds import KINDS
 from agents.state import Candidate, Failure, OpTask

@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from onboard.gap import GapReport
-from onboard.model_source import config_doc
-from onboard.package_derivation import SetStep, StepError, set_parameter
-from onboard.render import jinja_env
-from runtime.spec import ModelSpec
+from onboard.gap.render import jinja_env
+from onboard.gap.report import GapReport
+from onboard.package.derivation import SetStep, StepError, set_parameter
+from onboard.release.model_source import config_doc
 from runtime.registry import OPS, ops_for_layer
+from runtime.spec import ModelSpec
 
 from agents.state import Explanation, Failure, Proposal
 

@@ -4,7 +4,7 @@
 A candidate that validation refuses goes back to generate with the failure evidence, at most
 `max_attempts` times per op (a counter in the state), then the op stays missing with that evidence.
 explain asks the LLM what each unrecognized config key is, once the ops are settled (tiers 0-1 confirm it).
-A failed alignment falls back to the release's own modules where ours disagree (onboard/fallback.py: the
+A failed alignment falls back to the release's own modules where ours disagree (onboard/review/fallback.py: the
 failing layer kinds, then the whole model), each rung at most once, and is assembled and aligned again.
 Routing functions are pure: they read the state and return the next node's name. The run is
 checkpointed after every node (SQLite in the run folder beside PKG, durability "sync"), so
@@ -22,7 +22,7 @@ from langgraph.checkpoint.sqlite import SqliteSaver
 from langgraph.graph import END, START, StateGraph
 
 from onboard.errors import BadInput
-from onboard.package import check_out, locked, made_parents
+from onboard.package.writer import check_out, locked, made_parents
 
 from agents.context import Context
 from agents.llm import LLMClient

@@ -7,9 +7,9 @@ from typing import Literal, Optional, TypedDict, Union
 from pydantic import BaseModel
 
 from onboard.align.report import Check
-from onboard.gap import GapReport
-from onboard.generated import GeneratedOp
-from onboard.package_derivation import OwnStep, SetStep, SpecStep
+from onboard.gap.generated import GeneratedOp
+from onboard.gap.report import GapReport
+from onboard.package.derivation import OwnStep, SetStep, SpecStep
 from runtime import defaults
 from runtime.spec import ModelSpec
 
@@ -92,7 +92,7 @@ class Alignment(BaseModel):
 
 
 class Fallback(BaseModel):
-    """One rung of the alignment-driven fallback (onboard/fallback.py): what failed, what runs as own code now."""
+    """One rung of the alignment-driven fallback (onboard/review/fallback.py): what failed, what runs as own code now."""
     rung: Literal["layers", "model"]
     failed: list[Check]  # the failing checks that called for it
 

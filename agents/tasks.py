@@ -6,12 +6,12 @@ implementation is there to validate against; otherwise a person.
 """
 from __future__ import annotations
 
-from onboard import model_references
-from onboard.gap import GapReport
-from onboard.generated import mark_generated
-from runtime.spec import ModelSpec, Unrecognized
+from onboard.gap.generated import mark_generated
+from onboard.gap.report import GapReport
+from onboard.recognize import model_references
 from runtime.package_ops import TABLES
 from runtime.registry import OPS, SpecPart, ops_for_layer
+from runtime.spec import ModelSpec, Unrecognized
 
 from agents.state import Explanation, Failure, OpTask
 

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import torch
 
-from onboard import model_references
+from onboard.recognize import model_references
 from runtime.tolerances import compare, tolerance_for
 
 from agents import code_rules
 from agents.candidate_channel import Channel, ChildGone
 from agents.op_kinds import KINDS
-from agents.sandbox import Limits, start_python
 from agents.state import Candidate, Failure, OpTask
+from onboard.sandbox.run import Limits, start_python
 
 NUM_SEEDS = 5
 DTYPES = (torch.float32, torch.bfloat16)
@@ -39,7 +39,7 @@ STDERR_TAIL = 1500
 # `new-model` does and as both ways of training do, so an op that reads its argv is wrong in at least one
 ARGVS = (["onboard", "new-model", "MODEL_DIR", "--out", "PKG"],
          ["onboard", "train", "PKG", "--data", "data.jsonl"],
-         ["/usr/lib/python3/site-packages/onboard/train_cli.py", "PKG", "--data", "data.jsonl"])
+         ["/usr/lib/python3/site-packages/onboard/commands/train.py", "PKG", "--data", "data.jsonl"])
 
 
 @dataclass

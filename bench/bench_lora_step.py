@@ -56,7 +56,7 @@ def prepare(work: Path) -> None:
     model.save_pretrained(work / "release", max_shard_size="4GB")
     del model
     # the package writer alone: new-model would also align the full-width slice against transformers on the CPU
-    from onboard.package import write_package
+    from onboard.package.writer import write_package
     write_package(work / "release", work / "pkg")
 
 
@@ -138,9 +138,9 @@ def ours_setup(work: Path, experts: bool, seq_len: int, policy: str | None = Non
     import json as json_
 
     import torch
-    from onboard.trainer_build import build_model, read_lora
-    from runtime.train.data import Document, pack
+    from onboard.package.trainer_build import build_model, read_lora
     from runtime.memory import MemoryPolicy
+    from runtime.train.data import Document, pack
     from runtime.train.loop import TrainConfig, micro_batch, micro_step_for, optimizer_for
     spec, weight_map = (json_.loads((work / "pkg" / name).read_text()) for name in ("spec.json", "weight_map.json"))
     lora = dataclasses.replace(read_lora(work / "pkg", weight_map), rank=RANK, alpha=ALPHA, experts=experts)

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from onboard.manifest import INDEX_NAME, read_manifest
+from onboard.release.manifest import INDEX_NAME, read_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 SEED_DIR = REPO.parent / "shared" / "examples" / "seed-2.8t"
@@ -45,7 +45,7 @@ def best_ms(fn, repeat: int) -> tuple[float, float, object]:
 
 def find_recognize():
     try:
-        return getattr(importlib.import_module("onboard.recognize"), "recognize", None)
+        return getattr(importlib.import_module("onboard.recognize.recognizer"), "recognize", None)
     except ImportError:
         return None
 

@@ -35,8 +35,8 @@ GIB = 2**30
 
 def prepare_tiny(work: Path) -> None:
     """The tiny qwen3_next example release and its package, on the CPU."""
-    from onboard.example_models import write_example_model
-    from onboard.package import write_package
+    from onboard.examples.models import write_example_model
+    from onboard.package.writer import write_package
 
     write_example_model("qwen3_next", work / "release")
     write_package(work / "release", work / "pkg")
@@ -62,9 +62,9 @@ def measure(work: Path, seq_len: int, policy: str, device: str) -> dict:
 
 def estimate(work: Path, seq_len: int, policy: str) -> dict:
     """plan_cost's per-rank memory (GiB by part) for the package's spec on a mesh of 1, micro-batch 1."""
-    from onboard.plan_cost import Cluster, ModelSummary, estimate_memory
-    from runtime.spec import ModelSpec
+    from onboard.plan.cost import Cluster, ModelSummary, estimate_memory
     from runtime.parallel.placement import MeshShape
+    from runtime.spec import ModelSpec
 
     spec = ModelSpec.model_validate_json((work / "pkg" / "spec.json").read_text())
     summary = ModelSummary.of(spec, seq_len, bench_lora_step.RANK)

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from onboard.align.tier0_ops import tier0
-from onboard.example_models import write_example_model
-from onboard.manifest import read_manifest
-from onboard.recognize import recognize
+from onboard.align.tiers.tier0_ops import tier0
+from onboard.examples.models import write_example_model
+from onboard.recognize.recognizer import recognize
+from onboard.release.manifest import read_manifest
 
 
 def main() -> None:

@@ -7,11 +7,13 @@ import io
 import os
 import sys
 
-from onboard import bench, demo, train_cli
+from onboard.commands import bench
+from onboard.commands import demo
+from onboard.commands import train as train_cli
 from onboard.commands import align, approve, example_model, export, inspect, new_model, plan
-from onboard.config_view import NotRecognized
 from onboard.errors import BadInput, printable, report_internal_error
 from onboard.exit_codes import Exit
+from onboard.release.config_view import NotRecognized
 from runtime.errors import GeneratedOpMismatch, InputFileError, PackageOpRefused
 from runtime.spec import SpecError
 

@@ -2,7 +2,7 @@
 
 A family is MoE when its default config (or its text part) sets an expert count; it is tried
 when transformers has a causal-LM or image-text-to-text class for it. Its config is shrunk by
-onboard/tiny_config.py (no family named), built with random weights and written by
+onboard/examples/tiny_config.py (no family named), built with random weights and written by
 save_pretrained; then `inspect` and `new-model` (which aligns a package without gaps, tiers 0-2) run
 as the CLI runs them, `align --tiers 0,1,2` too where new-model left gaps, and `train` (4 LoRA steps)
 on every exit-0 package; each exit code and any escaped exception is recorded. `python -m onboard.family_sweep FAMILY DIR`
@@ -20,8 +20,8 @@ from typing import Optional
 
 from pydantic import BaseModel
 
+from onboard.examples.tiny_config import shrink
 from onboard.exit_codes import Exit
-from onboard.tiny_config import shrink
 
 # Above this the shrink did not make the model tiny (the 12 named examples are 0.1-0.5M).
 MAX_TINY_PARAMS = 8_000_000
@@ -48,11 +48,11 @@ class FamilyResult(BaseModel):
     steps: dict[str, StepResult] = {}
     tiers_passed: list[int] = []
     failed_checks: list[str] = []  # the first failed alignment checks, with their detail
-    fallback_rungs: list[str] = []  # new-model's alignment-driven fallbacks (onboard/fallback.py); ops are then the package's
+    fallback_rungs: list[str] = []  # new-model's alignment-driven fallbacks (onboard/review/fallback.py); ops are then the package's
 
 
 def model_classes() -> dict[str, str]:
-    from onboard.meta_check import transformers_class_names
+    from onboard.recognize.meta_check import transformers_class_names
 
     return transformers_class_names()
 
@@ -111,7 +111,7 @@ def build_tiny(family: str, seed: int = 0):
     if params > MAX_TINY_PARAMS:
         raise ValueError(f"shrunk config still has {params / 1e6:.1f}M parameters")
     torch.manual_seed(seed)
-    from onboard.example_models import perturb
+    from onboard.examples.models import perturb
 
     model = cls(config)
     perturb(model, seed)
@@ -148,7 +148,7 @@ def _run_cli(argv: list[str]) -> tuple[StepResult, str]:
 
 
 def run_family(family: str, workdir: Path) -> FamilyResult:
-    from onboard.example_models import save_release
+    from onboard.examples.models import save_release
 
     result = FamilyResult(family=family, model_class=model_classes()[family], built=False)
     release, pkg = Path(workdir) / "release", Path(workdir) / "pkg"
@@ -268,7 +268,7 @@ def families_markdown(results: list[FamilyResult], command: str, date: str) -> s
     counts = summary(results)
     lines = ["# Family sweep", "", f"`{command}` ({date}, CPU, installed transformers); one tiny release per MoE "
              "family with a causal-LM or image-text-to-text class, its default config shrunk by "
-             "`onboard/tiny_config.py` (no family named). Exit codes are the CLI's: 0 ok, 2 bad input, 3 gaps; "
+             "`onboard/examples/tiny_config.py` (no family named). Exit codes are the CLI's: 0 ok, 2 bad input, 3 gaps; "
              "`traceback`: an exception escaped the CLI.", "",
              " / ".join(f"{k}: {v}" for k, v in counts.items()), "",
              "| family | class | layer kinds | registry ops | fallback | missing | inspect | new-model | align | tiers passed "

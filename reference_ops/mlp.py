@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 # By config `hidden_act` name (the experts read it too). Alignment adds the model's own function for an
-# activation a package generated (onboard/model_references.py), so the candidate is compared with it.
+# activation a package generated (onboard/recognize/model_references.py), so the candidate is compared with it.
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu": F.gelu,

@@ -16,7 +16,7 @@ import torch
 from reference_ops.mlp import ACTIVATIONS as _ACTIVATIONS
 
 # By router `scoring` name. Alignment adds the model's own function for a scoring a package generated
-# (onboard/model_references.py), so the candidate is compared with it.
+# (onboard/recognize/model_references.py), so the candidate is compared with it.
 SCORINGS = {"softmax": lambda logits_TE: logits_TE.softmax(dim=-1), "sigmoid": torch.sigmoid}
 
 

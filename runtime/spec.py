@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class WeightNaming(BaseModel):
-    """How a release names its tensors: detected from the weight names (onboard/naming.py), then used to list
+    """How a release names its tensors: detected from the weight names (onboard/release/naming.py), then used to list
     the tensors the spec expects and to map them to the runtime's names."""
     model_config = ConfigDict(extra="forbid", frozen=True)
 

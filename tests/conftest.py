@@ -16,8 +16,8 @@ from runtime.ops.common.available import kernels_available
 if not kernels_available()[0]:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from onboard.example_models import write_example_model  # noqa: E402
-from onboard.package import write_package  # noqa: E402
+from onboard.examples.models import write_example_model  # noqa: E402
+from onboard.package.writer import write_package  # noqa: E402
 from runtime.package_ops import tables_restored  # noqa: E402
 
 SEED_DIR = Path(__file__).resolve().parents[2] / "shared" / "examples" / "seed-2.8t"
@@ -27,7 +27,7 @@ SEED_COPY = Path(__file__).resolve().parent / "data" / "seed-2.8t"
 
 @pytest.fixture(scope="session", autouse=True)
 def _approvals_stay_out_of_home(tmp_path_factory):
-    """The approved-ops store (onboard/approved_ops.py) of this test session, never the user's: set before any
+    """The approved-ops store (onboard/package/approved_ops.py) of this test session, never the user's: set before any
     session fixture runs `new-model` (which approves what it generates); subprocesses inherit it."""
     saved = os.environ.get("ONBOARD_STATE_DIR")
     os.environ["ONBOARD_STATE_DIR"] = str(tmp_path_factory.mktemp("onboard-state"))
@@ -63,8 +63,8 @@ def example_release(tmp_path_factory):
 @pytest.fixture(scope="session")
 def example_spec(example_release):
     """family -> the dict a package's spec.json holds for that family's example release (recognized once)."""
-    from onboard.manifest import read_manifest
-    from onboard.recognize import recognize
+    from onboard.recognize.recognizer import recognize
+    from onboard.release.manifest import read_manifest
 
     cache: dict[str, dict] = {}
 
@@ -105,7 +105,7 @@ def seed_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def seed_spec(seed_dir):
     """The seed example's ModelSpec (recognized once per session)."""
-    from onboard.manifest import read_manifest
-    from onboard.recognize import recognize
+    from onboard.recognize.recognizer import recognize
+    from onboard.release.manifest import read_manifest
 
     return recognize(read_manifest(seed_dir))

@@ -9,9 +9,9 @@ from langgraph.runtime import Runtime
 
 from onboard.align import run_alignment
 from onboard.align.progress import Progress
-from onboard.generated import GeneratedOp
-from onboard.package import write_package
-from onboard.package_derivation import SpecStep
+from onboard.gap.generated import GeneratedOp
+from onboard.package.derivation import SpecStep
+from onboard.package.writer import write_package
 
 from agents import candidates
 from agents.context import Context
@@ -51,7 +51,7 @@ def generated_op(task: OpTask, evidence: dict, salt: int) -> GeneratedOp:
 
 def trial_failures(state: OnboardState, generated: list[GeneratedOp], spec_steps: list[SpecStep], folder,
                    context: Context) -> tuple[list[Failure], dict]:
-    """Tiers 0-1 on a trial package of the spec `spec_steps` lead to (onboard/package_derivation.py) with
+    """Tiers 0-1 on a trial package of the spec `spec_steps` lead to (onboard/package/derivation.py) with
     `generated` in ops/: the ops at the model's widths, the layers
     vs transformers'. The failing checks (by name, metric and value), and passed/total per tier."""
     o = state["options"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from langgraph.runtime import Runtime
 
-from onboard.gap import analyze as gap_analysis
+from onboard.gap.report import analyze as gap_analysis
 
 from agents import explain as explaining
 from agents.context import Context

@@ -1,4 +1,4 @@
-"""fall_back: after a failed alignment, the next rung of onboard/fallback.py. The spec is re-planned with the
+"""fall_back: after a failed alignment, the next rung of onboard/review/fallback.py. The spec is re-planned with the
 release's own modules where ours disagreed, the gap report redone, and the failed package removed, so assemble
 writes the new one and align checks it again."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Optional
 
 from langgraph.runtime import Runtime
 
-from onboard.fallback import Rung, fallback_step, next_rung
-from onboard.package_derivation import apply_step
-from onboard.gap import analyze as gap_analysis
+from onboard.gap.report import analyze as gap_analysis
+from onboard.package.derivation import apply_step
+from onboard.review.fallback import Rung, fallback_step, next_rung
 
 from agents.context import Context
 from agents.nodes.understand import manifest

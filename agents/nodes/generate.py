@@ -5,8 +5,8 @@ from pathlib import Path
 
 from langgraph.runtime import Runtime
 
-from onboard import model_references
-from onboard.model_source import module_source
+from onboard.recognize import model_references
+from onboard.release.model_source import module_source
 
 from agents import candidates
 from agents.context import Context

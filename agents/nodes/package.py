@@ -1,4 +1,4 @@
-"""plan, assemble, align, review: the package written (atomically, by onboard/package.py), aligned, explained."""
+"""plan, assemble, align, review: the package written (atomically, by onboard/package/writer.py), aligned, explained."""
 from __future__ import annotations
 
 import json
@@ -12,10 +12,10 @@ from langgraph.runtime import Runtime
 from onboard.align import run_alignment
 from onboard.align.progress import Progress
 from onboard.exit_codes import Exit
-from onboard.package import write_package
-from onboard.plan import Cluster
-from onboard.pr_render import render_pr
-from onboard.render import gap_markdown
+from onboard.gap.render import gap_markdown
+from onboard.package.writer import write_package
+from onboard.plan.search import Cluster
+from onboard.review.pr import render_pr
 
 from agents.context import Context
 from agents.state import Alignment, Fallback, OnboardState

@@ -7,13 +7,13 @@ from pathlib import Path
 
 from langgraph.runtime import Runtime
 
-from onboard.gap import analyze as gap_analysis
-from onboard.manifest import read_manifest
-from onboard.recognize import recognize as recognize_spec
+from onboard.gap.report import analyze as gap_analysis
+from onboard.recognize.recognizer import recognize as recognize_spec
+from onboard.release.manifest import read_manifest
 
 from agents.context import Context
-from agents.state import OnboardState
 from agents.explain import explanations_for
+from agents.state import OnboardState
 from agents.tasks import tasks_for, without_llm
 
 

@@ -4,7 +4,7 @@ Tier 0 (tier0_ops, cases): every op the package uses vs the fp64 reference ops. 
 each distinct layer type vs transformers' own layer. Tier 2 (tier2_model, vision): the whole model's
 logits and loss, and the vision path of multimodal models. Tier 4 (tier4): the plan's placement for a
 target cluster, on paper (meta device, no processes). reference.py loads both sides from the
-release; onboard/package_reader.py validates what the package holds before anything runs; report.py is the
+release; onboard/package/reader.py validates what the package holds before anything runs; report.py is the
 AlignmentReport written to PKG/alignment/; progress.py reports each check group as it starts; regression.py is `--check` against baseline.json.
 """
 from onboard.align.regression import read_baseline, regressions

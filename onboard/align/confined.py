@@ -1,5 +1,5 @@
 """Alignment of a package whose op files the user has not approved: the whole tier run in a child process
-that bubblewrap confines (agents/sandbox.py, run_project_module), so the package's code never runs in the
+that bubblewrap confines (onboard/sandbox/run.py, run_project_module), so the package's code never runs in the
 user's process. The child sees the system, the interpreter and its libraries, this project's code, the package
 and the release read-only, and one empty work folder; no network, no home, no .git, no secrets in its
 environment. It writes its report there; this process validates it and writes PKG/alignment/ as an in-process
@@ -17,11 +17,11 @@ import stat
 import tempfile
 from pathlib import Path
 
-from onboard.package_reader import Package
 from onboard.align.progress import Progress
 from onboard.align.report import AlignmentReport, Check, tier_result
 from onboard.errors import BadInput, printable
-from onboard.plan import Cluster
+from onboard.package.reader import Package
+from onboard.plan.search import Cluster
 from runtime.errors import PackageOpRefused
 from runtime.package_ops import OpFile
 from runtime.parallel.placement import MeshShape
@@ -37,7 +37,7 @@ PASSED_ENV = ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "TRITON_INTERPRET")
 
 def align_limits():
     """Room for a whole alignment (hours, the machine's memory), still bounded: a run that never ends is killed."""
-    from agents.sandbox import Limits
+    from onboard.sandbox.run import Limits
 
     wall_s = 6 * 3600
     memory_mib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20
@@ -48,7 +48,7 @@ def align_limits():
 def align_confined(pkg: Path, inputs: Package, stranger: OpFile, tiers: list[int], progress: Progress,
                    max_layers: int, cluster: Cluster | None, mesh: MeshShape | None) -> AlignmentReport:
     """The tiers run by the confined child; `stranger` is the first unapproved file (named to the user)."""
-    from agents.sandbox import available_mode, run_project_module
+    from onboard.sandbox.run import available_mode, run_project_module
 
     if available_mode() != "bwrap":
         raise PackageOpRefused(stranger.path, f"is not approved, and package code cannot be confined here (no working "

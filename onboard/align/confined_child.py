@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 from onboard.align.confined import REFUSAL, REPORT
-from onboard.package_reader import read_package
 from onboard.align.progress import Progress
 from onboard.align.runner import align_in_process
 from onboard.errors import BadInput
-from onboard.plan import Cluster
+from onboard.package.reader import read_package
+from onboard.plan.search import Cluster
 from runtime.errors import PackageOpRefused
 from runtime.package_ops import read_op_files
 from runtime.parallel.placement import MeshShape

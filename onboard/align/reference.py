@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from onboard.errors import BadInput
-from onboard.transformers_classes import model_class
+from onboard.release.transformers_classes import model_class
 from runtime.model.own_modules import text_decoder, truncated_config
 from runtime.spec import ModelSpec
 

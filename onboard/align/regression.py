@@ -17,10 +17,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from onboard.package_files import require_package_folder
-from onboard.align.report import AlignmentReport, Check
 from onboard import package_io
+from onboard.align.report import AlignmentReport, Check
 from onboard.errors import BadInput
+from onboard.package.files import require_package_folder
 
 HEADROOM_SHARE = 0.5
 NOISE_SHARE = 0.05

@@ -8,25 +8,25 @@ from pathlib import Path
 
 import torch
 
-from onboard.align.progress import Progress
-from onboard.align.report import AlignmentReport, Check, Divergence, TierResult, tier_result
-from onboard.align.tier0_ops import tier0
-from onboard.align.tier1_layers import distinct_layers, tier1
-from onboard.align.tier2_model import tier2
-from onboard.align.tier2_training import training_checks
-from onboard.align.tier3 import tier3
-from onboard.align.tier4 import Target, tier4, tier4_target
-from onboard.align.vision import vision_checks
 from onboard import package_io
 from onboard.align.confined import align_confined
-from onboard.approved_ops import approved_hashes
+from onboard.align.progress import Progress
+from onboard.align.report import AlignmentReport, Check, Divergence, TierResult, tier_result
+from onboard.align.tiers.tier0_ops import tier0
+from onboard.align.tiers.tier1_layers import distinct_layers, tier1
+from onboard.align.tiers.tier2_model import tier2
+from onboard.align.tiers.tier2_training import training_checks
+from onboard.align.tiers.tier3 import tier3
+from onboard.align.tiers.tier4 import Target, tier4, tier4_target
+from onboard.align.tiers.vision import vision_checks
 from onboard.errors import BadInput
-from onboard.package_reader import Package, read_package
-from onboard.plan import Cluster
-from runtime.parallel.placement import MeshShape
-from onboard.model_references import register_references
+from onboard.package.approved_ops import approved_hashes
+from onboard.package.reader import Package, read_package
+from onboard.plan.search import Cluster
+from onboard.recognize.model_references import register_references
 from runtime.errors import InputFileError
 from runtime.package_ops import OpFile, check_loadable, read_op_files, register_op_files, tables_restored, unapproved
+from runtime.parallel.placement import MeshShape
 from runtime.spec import ModelSpec, read_spec
 
 # Alignment of large releases runs a prefix of the model (both sides) holding every distinct layer kind.

@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> Exit:
     from onboard.align import read_baseline, regressions, run_alignment
     from onboard.align.progress import progress_on_stderr
-    from onboard.plan import Cluster, parse_mesh
+    from onboard.plan.search import Cluster, parse_mesh
 
     tiers = tier_list(args.tiers)
     # read first: a missing baseline is refused before any tier runs (and before one is written)

@@ -1,6 +1,6 @@
 """`onboard approve PKG`: record the sha256 of every file under PKG/ops/ as approved by this user, after review.
 
-Approvals live in the user's store (onboard/approved_ops.py), never in the package: a pull request cannot
+Approvals live in the user's store (onboard/package/approved_ops.py), never in the package: a pull request cannot
 approve itself. align and train run a package's op files in this process only when every one is approved.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> Exit:
-    from onboard.approved_ops import approve_files, store_path
+    from onboard.package.approved_ops import approve_files, store_path
     from runtime.package_ops import read_op_files
 
     pkg = Path(args.pkg)

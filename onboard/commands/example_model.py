@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> Exit:
-    from onboard.example_models import write_example_model
+    from onboard.examples.models import write_example_model
 
     out = write_example_model(args.family, Path(args.out), args.layers, args.shards, args.seed)
     print(f"wrote {args.family} example to {out}")

@@ -16,8 +16,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> Exit:
-    from onboard.export import export
-    from onboard.peft_format import ExportGap
+    from onboard.package.export import export
+    from onboard.package.peft_format import ExportGap
 
     try:
         out = export(Path(args.run_dir), args.peft and Path(args.peft), args.merge and Path(args.merge))

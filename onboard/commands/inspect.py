@@ -17,10 +17,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> Exit:
-    from onboard.gap import analyze
-    from onboard.manifest import read_manifest
-    from onboard.recognize import recognize
-    from onboard.render import gap_markdown, print_gap_report
+    from onboard.gap.render import gap_markdown, print_gap_report
+    from onboard.gap.report import analyze
+    from onboard.recognize.recognizer import recognize
+    from onboard.release.manifest import read_manifest
 
     manifest = read_manifest(args.model_dir)
     report = analyze(recognize(manifest), manifest, args.gpu_mem_gib, args.lora_rank, args.seq_len)

@@ -28,8 +28,8 @@ def run(args) -> Exit:
     """Exit 0 only for a package without gaps that passes tiers 0-2."""
     from agents.graph import run as run_graph
     from agents.state import RunOptions
-    from onboard.git_commit import branch_for, check_repo, commit_package
-    from onboard.workflow import model_slug
+    from onboard.package.git_commit import branch_for, check_repo, commit_package
+    from onboard.package.workflow import model_slug
 
     if (args.llm_url is None) != (args.llm_model is None):
         raise BadInput(None, "--llm-model" if args.llm_url else "--llm-url", "--llm-url and --llm-model go together")

@@ -21,10 +21,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> Exit:
-    from onboard.manifest import read_manifest
-    from onboard.plan import Cluster, Workload, parse_mesh, search
-    from onboard.plan_render import plan_yaml, print_plan
-    from onboard.recognize import recognize
+    from onboard.plan.render import plan_yaml, print_plan
+    from onboard.plan.search import Cluster, Workload, parse_mesh, search
+    from onboard.recognize.recognizer import recognize
+    from onboard.release.manifest import read_manifest
 
     spec = recognize(read_manifest(args.model_dir))
     cluster = Cluster(args.gpus, args.gpu_mem_gib, args.gpus_per_node)

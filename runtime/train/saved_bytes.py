@@ -1,4 +1,4 @@
-"""What autograd keeps for backward, by layer part: the measurement onboard/memory.py's activation terms follow.
+"""What autograd keeps for backward, by layer part: the measurement onboard/gap/budget.py's activation terms follow.
 
 Two ways a forward keeps tensors for its backward: through save_for_backward (seen by saved_tensors_hooks) and
 as attributes of a custom Function's ctx (the chunked linear-attention kernels keep their tiles on ctx.kept);

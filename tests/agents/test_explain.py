@@ -17,9 +17,9 @@ from agents.explain import apply, explanations_for
 from agents.state import Failure, Proposal
 from agents.tasks import final_report
 from onboard import cli
-from onboard.gap import analyze
-from onboard.manifest import read_manifest
-from onboard.recognize import recognize
+from onboard.gap.report import analyze
+from onboard.recognize.recognizer import recognize
+from onboard.release.manifest import read_manifest
 from runtime.spec import Unrecognized
 
 RIGHT = {"op": "none", "meaning": "multi-token-prediction layers, an alias of num_nextn_predict_layers",

@@ -1,4 +1,4 @@
-"""The model's own code in prompts (onboard/model_source.py): the release's modeling file named by auto_map,
+"""The model's own code in prompts (onboard/release/model_source.py): the release's modeling file named by auto_map,
 read as text and never executed, cut to the module's classes, capped and fenced; else transformers' classes."""
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 
 from agents.candidates import prompt
 from agents.state import OpTask
-from onboard import model_source
-from onboard.manifest import read_manifest
-from onboard.recognize import recognize
-from onboard.model_source import fenced, module_source
+from onboard.recognize.recognizer import recognize
+from onboard.release import model_source
+from onboard.release.manifest import read_manifest
+from onboard.release.model_source import fenced, module_source
 
 # the release's own code: running it would leave a file behind and stop the process
 MODELING = '''

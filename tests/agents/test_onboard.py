@@ -110,9 +110,9 @@ def test_the_generated_op_unit_test_passes(onboarded):
 
 
 def test_training_steps_run_through_the_generated_op(onboarded):
-    from onboard.package_reader import read_package
     from onboard.align.reference import load_runtime
-    from onboard.approved_ops import approved_hashes
+    from onboard.package.approved_ops import approved_hashes
+    from onboard.package.reader import read_package
     from runtime.model.decoder import causal_lm_loss
     from runtime.package_ops import load_package_ops
 

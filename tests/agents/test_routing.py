@@ -78,7 +78,7 @@ def test_no_fallback_when_transformers_could_not_build_the_model(seed_spec):
     """Found by the config fuzz through new-model (qwen3_next, rope_parameters.partial_rotary_factor null: its
     config class accepts it, its rotary init fails): tier 1 failed and the fallback asked that model for module
     names (exit 1). Every rung runs transformers' modules, so without its model the package goes to review."""
-    from onboard.meta_check import NOT_BUILT, MetaCheck
+    from onboard.recognize.meta_check import NOT_BUILT, MetaCheck
 
     class _Checked(_Report):
         def __init__(self, model_class: str | None):

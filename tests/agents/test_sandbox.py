@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.sandbox import Limits, available_mode, run_python
+from onboard.sandbox.run import Limits, available_mode, run_python
 
 # every check in the strongest mode here; the containment checks also in the fallback mode
 MODES = [available_mode()]
@@ -134,8 +134,8 @@ def test_a_shared_memory_bomb_is_stopped_at_the_cap(tmp_path, mode, how):
 def test_without_cgroups_the_address_space_cap_refuses_the_shared_mapping(tmp_path, monkeypatch):
     """A machine where no cgroup can be made (stood in for by an empty Cgroups: the real absence needs another
     machine): RLIMIT_AS caps the address space, so a 1.5 GiB shared mapping is refused at 1 GiB."""
-    from agents import sandbox
-    from agents.sandbox_cgroups import Cgroups
+    from onboard.sandbox import run as sandbox
+    from onboard.sandbox.cgroups import Cgroups
 
     monkeypatch.setattr(sandbox.Cgroups, "create", classmethod(lambda cls, processes, memory_bytes: Cgroups()))
     code = "import mmap\nm = mmap.mmap(-1, 1536 * 2**20, flags=mmap.MAP_SHARED)\nprint('mapped')\n"
@@ -172,7 +172,7 @@ def test_a_detached_daemon_does_not_survive_the_run(tmp_path, mode):
 
 @pytest.mark.skipif(available_mode() != "bwrap", reason="only bubblewrap hides paths; unshare -n hides none")
 def test_the_project_the_home_and_other_processes_are_not_visible(tmp_path):
-    from agents.sandbox import REPO, _git_dirs, _interpreter_roots
+    from onboard.sandbox.run import REPO, _git_dirs, _interpreter_roots
 
     home = Path.home()
     targets = [REPO / "agents" / "validate.py", REPO / "reference_ops", *[d / "objects" for d in _git_dirs(REPO)],

@@ -9,12 +9,11 @@ import textwrap
 import pytest
 import torch
 
+from agents import code_rules, validate as validate_module
 from agents.candidates import CandidateAnswer, render
-from agents.sandbox import Limits
 from agents.state import Candidate, OpTask
-from agents import code_rules
-from agents import validate as validate_module
 from agents.validate import validate
+from onboard.sandbox.run import Limits
 
 TASK = OpTask(kind="activation", name="relu2", closes={"moe_experts": [0]}, reference="ACT2FN", needs="llm")
 SALT = 4242
@@ -178,7 +177,7 @@ def test_the_issue_idioms_fail_the_static_rules(code):
 def test_an_op_right_only_in_the_sandbox_is_caught_where_it_runs(tmp_path, monkeypatch):
     """The sandbox cannot hide that it is one (here: HOME is the work dir), so the check passes this op; train's
     spot check, where the op runs, compares its first real call with the reference and refuses it."""
-    from onboard.model_references import reference
+    from onboard.recognize.model_references import reference
     from runtime.errors import GeneratedOpMismatch
     from runtime.package_ops import TABLES, arm_spot_checks, load_package_ops, tables_restored
 

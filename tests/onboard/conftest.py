@@ -118,9 +118,9 @@ def release_copy():
 def tiny_family(tmp_path_factory):
     """family -> (release folder, package folder) of any MoE family of the installed transformers, built tiny
     the way the family sweep builds it (onboard/family_sweep.py), cached per session."""
-    from onboard.example_models import save_release
+    from onboard.examples.models import save_release
     from onboard.family_sweep import build_tiny
-    from onboard.package import write_package
+    from onboard.package.writer import write_package
 
     cache: dict[str, tuple[Path, Path]] = {}
 

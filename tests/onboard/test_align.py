@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from onboard.align import read_baseline, regressions, run_alignment
-from onboard.example_models import FAMILIES
+from onboard.examples.models import FAMILIES
 
 
 @pytest.mark.slow

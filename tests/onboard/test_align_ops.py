@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from onboard.align import tier0_ops
-from onboard.align.cases import build_case
+from onboard.align.tiers import tier0_ops
+from onboard.align.tiers.cases import build_case
 from runtime.ops.dsa.torch_form import indexer_topk
 from runtime.spec import DSAIndexer, MLAAttention, NormSpec
 

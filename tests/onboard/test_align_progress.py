@@ -11,7 +11,7 @@ from rich.console import Console
 
 from onboard.align.progress import Progress, RichProgress, progress_on_stderr
 from onboard.align.report import AlignmentReport, Check, tier_result
-from onboard.align.tier0_ops import tier0
+from onboard.align.tiers.tier0_ops import tier0
 
 
 def _check(name: str, verdict: str) -> Check:

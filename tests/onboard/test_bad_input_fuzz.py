@@ -13,13 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from onboard.errors import BadInput
-from onboard.safetensors_header import DTYPE_BITS, read_header
+from onboard.release.safetensors_header import DTYPE_BITS, read_header
 
 FUZZ = settings(
     max_examples=150,

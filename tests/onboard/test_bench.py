@@ -57,7 +57,7 @@ def test_bench_writes_every_metric_and_checks_against_its_baseline(example_packa
 
 
 def test_check_names_memory_growth_and_a_baseline_from_another_device():
-    from onboard.bench import regressions
+    from onboard.commands.bench import regressions
 
     base = {"device": "cpu", "tokens_per_s": 100.0, "mfu": None, "peak_mem_gib": 1.0}
     assert regressions(base, {**base, "tokens_per_s": 60.0, "peak_mem_gib": 1.1}) == []

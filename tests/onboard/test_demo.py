@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from onboard.demo import MARKER
+from onboard.commands.demo import MARKER
 
 
 def test_demo_runs_the_whole_loop(tmp_path):

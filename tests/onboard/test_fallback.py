@@ -10,10 +10,10 @@ import yaml
 
 from onboard import cli
 from onboard.align.report import Check
-from onboard.fallback import next_rung, replan
-from onboard.gap import op_gaps
-from onboard.manifest import read_manifest
-from onboard.recognize import recognize
+from onboard.gap.report import op_gaps
+from onboard.recognize.recognizer import recognize
+from onboard.release.manifest import read_manifest
+from onboard.review.fallback import next_rung, replan
 
 FAMILY = "mellum"
 

@@ -6,8 +6,8 @@ import datetime
 
 import pytest
 
+from onboard.examples.tiny_config import shrink
 from onboard.family_sweep import moe_families, run_family
-from onboard.tiny_config import shrink
 
 
 def todays_families() -> list[str]:

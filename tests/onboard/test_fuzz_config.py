@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from hypothesis import event, given, settings
-from hypothesis import strategies as st
+from hypothesis import event, given, settings, strategies as st
 
-from onboard.example_models import FAMILIES
+from onboard.examples.models import FAMILIES
 
 SCALARS = st.one_of(
     st.none(), st.booleans(),

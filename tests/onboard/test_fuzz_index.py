@@ -12,10 +12,9 @@ import json
 import tempfile
 from pathlib import Path
 
-from hypothesis import event, given, settings
-from hypothesis import strategies as st
+from hypothesis import event, given, settings, strategies as st
 
-from onboard.manifest import INDEX_NAME
+from onboard.release.manifest import INDEX_NAME
 
 FAMILIES = ("qwen3_moe", "mixtral", "kimi_linear")
 JUNK = st.one_of(st.none(), st.booleans(), st.integers(-(2**66), 2**66), st.floats(), st.text(max_size=8),

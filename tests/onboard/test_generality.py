@@ -94,8 +94,8 @@ def test_a_tensor_nobody_recognizes_keeps_its_component_out_of_covered(example_r
 def test_fallback_aligns_and_trains(example_release, tmp_path):
     """new-model: layer 0's FFN through transformers' own module, layer 1 through registry ops; tiers 0-2
     pass (exit 0); the own module's parameters get gradients from the loss like the rest."""
-    from onboard.package_reader import read_package
     from onboard.align.reference import load_runtime
+    from onboard.package.reader import read_package
     from runtime.model.decoder import causal_lm_loss
 
     release = _with_extra_tensor(example_release, tmp_path, "model.layers.0.mlp.gate.e_score_correction_bias")

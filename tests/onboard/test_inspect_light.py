@@ -42,7 +42,7 @@ def test_kernels_available_says_why():
 def test_the_light_gate_never_hides_a_family_transformers_knows():
     """transformers_may_know reads transformers' sources instead of importing it: it must pass every family
     transformers maps to a model class, and refuse one it does not know (the seed's hybrid_moe_vl)."""
-    from onboard.transformers_classes import transformers_may_know
+    from onboard.release.transformers_classes import transformers_may_know
     from runtime.model.own_modules import transformers_class_names
 
     assert [f for f in transformers_class_names() if not transformers_may_know(f)] == []

@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from onboard.config_checks import check_config
 from onboard.errors import BadInput
-from onboard.manifest import INDEX_NAME, SINGLE_NAME, read_manifest
+from onboard.release.config_checks import check_config
+from onboard.release.manifest import INDEX_NAME, SINGLE_NAME, read_manifest
 
 def save_tiny_qwen3_moe(out: Path, max_shard_size: str) -> Path:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM

@@ -8,14 +8,14 @@ import json
 
 import torch
 
-from onboard.package_reader import read_package
-from onboard.align.report import Check
 from onboard.align.reference import load_reference, load_runtime, random_tokens
-from onboard.fallback import fallback_step
-from onboard.gap import analyze
-from onboard.manifest import read_manifest
-from onboard.package import write_package
-from onboard.recognize import recognize
+from onboard.align.report import Check
+from onboard.gap.report import analyze
+from onboard.package.reader import read_package
+from onboard.package.writer import write_package
+from onboard.recognize.recognizer import recognize
+from onboard.release.manifest import read_manifest
+from onboard.review.fallback import fallback_step
 from runtime.lora.factors import apply_lora
 from runtime.lora.plan import read_lora_yaml
 from runtime.model.decoder import causal_lm_loss
@@ -154,7 +154,7 @@ def _peft_export_matches(inputs, model, pkg, out) -> bool:
     transformers + peft: the same logits as ours."""
     from peft import PeftModel
 
-    from onboard.export import write_peft
+    from onboard.package.export import write_peft
     from runtime.lora.factors import lora_state_dict
 
     config = read_lora_yaml(pkg / "lora.yaml", inputs.weight_map)
@@ -297,8 +297,8 @@ def test_a_final_logit_softcap_caps_the_logits_and_the_training_loss(tiny_family
 def test_the_bf16_check_pins_expert_choices_inside_own_modules(tiny_family):
     """MiniMax-M2's MoE runs as its own module: the bf16 run's experts get the fp32 run's choices where they
     differ (at transformers' experts call), so the bf16 check measures bf16 numerics within the 2e-2 bar."""
-    from onboard.align import own_choices
-    from onboard.align.tier2_model import tier2
+    from onboard.align.tiers import own_choices
+    from onboard.align.tiers.tier2_model import tier2
 
     release, pkg = tiny_family("minimax_m2")
     inputs = read_package(pkg)

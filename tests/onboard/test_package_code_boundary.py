@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agents.sandbox import available_mode
+from onboard.sandbox.run import available_mode
 
 SECRET = "canary-sk-6f1e0c"
 KEY_CANARY = "canary-ssh-key-9d2a"
@@ -217,9 +217,9 @@ def test_an_approved_op_loads_and_an_edit_after_approval_is_refused(hostile, tmp
 
 def test_new_model_records_and_approves_the_ops_it_generated(example_release, tmp_path, monkeypatch):
     """package.yaml shows the reviewer each generated file's sha256; the user's store approves exactly those."""
-    from onboard.approved_ops import approved_hashes
-    from onboard.generated import GeneratedOp
-    from onboard.package import write_package
+    from onboard.gap.generated import GeneratedOp
+    from onboard.package.approved_ops import approved_hashes
+    from onboard.package.writer import write_package
     from runtime.package_ops import read_op_files
 
     monkeypatch.setenv("ONBOARD_STATE_DIR", str(tmp_path / "state"))

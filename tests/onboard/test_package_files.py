@@ -9,10 +9,10 @@ from pathlib import Path
 
 import yaml
 
-from onboard.package_reader import read_package
 from onboard.cli import main
-from onboard.pr_render import cell
-from onboard.workflow import WORKFLOW, model_slug, workflow_yaml
+from onboard.package.reader import read_package
+from onboard.package.workflow import WORKFLOW, model_slug, workflow_yaml
+from onboard.review.pr import cell
 
 EVERY_PACKAGE_FILE = ["package.yaml", "spec.json", "gap_report.json", "gap_report.md", "plan.yaml", "lora.yaml",
                       "weight_map.json", "PR.md", ".github/workflows/alignment.yml", "agents/tasks.json"]

@@ -8,8 +8,8 @@ import subprocess
 import pytest
 import yaml
 
-from onboard.package_files import read_source, release_folder
-from onboard.git_commit import commit_package
+from onboard.package.files import read_source, release_folder
+from onboard.package.git_commit import commit_package
 
 
 def git(repo, *args: str) -> str:

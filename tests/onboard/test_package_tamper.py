@@ -2,7 +2,7 @@
 naming the file), before any tier or step, and nothing outside the package is written through a symlink.
 
 Each case starts from a real package of a real release (the tiny qwen3_next example, copied: shards hard-linked,
-so a case that changes a shard replaces the file) written by onboard/package.py, and edits it as a hostile pull
+so a case that changes a shard replaces the file) written by onboard/package/writer.py, and edits it as a hostile pull
 request could: the spec or weight map edited and re-hashed, the release's weights changed after new-model,
 a huge LoRA rank, symlinks and FIFOs where package files are."""
 from __future__ import annotations
@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from onboard.cli import main
-from onboard.package import write_package
+from onboard.package.writer import write_package
 from runtime.spec import ModelSpec
 from tests.onboard.conftest import copy_release
 

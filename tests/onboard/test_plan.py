@@ -8,10 +8,10 @@ import sys
 
 import yaml
 
-from onboard.manifest import read_manifest
-from onboard.plan import Cluster, Workload, meshes, search
-from onboard.plan_render import plan_yaml
-from onboard.recognize import recognize
+from onboard.plan.render import plan_yaml
+from onboard.plan.search import Cluster, Workload, meshes, search
+from onboard.recognize.recognizer import recognize
+from onboard.release.manifest import read_manifest
 
 SEED_WORKLOAD = Workload(seq_len=4096, lora_rank=16, micro_batch=None)
 
@@ -84,7 +84,7 @@ def test_cli_plan_json_and_exit_codes(seed_dir, tmp_path):
 def test_activations_count_the_sparse_attention_backward_buffers(seed_spec, monkeypatch):
     """The seed's DSA layers: the sparse attention backward's p and ds of one chunk of tokens (two [chunk, heads,
     top-k] buffers) are part of the backward's peak, with the kernel's chunk size."""
-    from onboard import memory
+    from onboard.gap import budget as memory
     from runtime.ops.dsa import attention
 
     assert memory.DSA_BWD_CHUNK == attention.BWD_CHUNK_TOKENS

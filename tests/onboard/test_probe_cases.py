@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from onboard.manifest import INDEX_NAME
+from onboard.release.manifest import INDEX_NAME
 
 
 @pytest.fixture

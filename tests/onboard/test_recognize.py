@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from onboard.cli import main
-from onboard.example_models import FAMILIES, example_config
-from onboard.transformers_classes import model_class
+from onboard.examples.models import FAMILIES, example_config
+from onboard.release.transformers_classes import model_class
 
 # transformers attention module class -> the kind our spec must report
 ATTENTION_KIND_OF_CLASS = {
@@ -66,8 +66,8 @@ def inspected(example_release, tmp_path_factory):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_inspect_matches_transformers(family, inspected, example_release):
-    from onboard.manifest import read_manifest
-    from onboard.recognize import recognize
+    from onboard.recognize.recognizer import recognize
+    from onboard.release.manifest import read_manifest
 
     report = inspected(family)
     model, layers = _transformers_layers(family)
@@ -90,8 +90,8 @@ def test_inspect_matches_transformers(family, inspected, example_release):
 
 def test_config_widths_follow_the_transformers_config(example_release):
     """Spot-check widths against the config object for the families with the most variants."""
-    from onboard.manifest import read_manifest
-    from onboard.recognize import recognize
+    from onboard.recognize.recognizer import recognize
+    from onboard.release.manifest import read_manifest
 
     cfg = example_config("qwen3_next")
     spec = recognize(read_manifest(example_release("qwen3_next")))
@@ -121,10 +121,10 @@ def test_config_widths_follow_the_transformers_config(example_release):
 
 def test_seed_flagship_from_keys_and_names(seed_dir):
     """The 2.81T example: a custom model type no library knows, index only."""
-    from onboard.gap import analyze
-    from onboard.manifest import read_manifest
-    from onboard.memory import budget
-    from onboard.recognize import recognize
+    from onboard.gap.budget import budget
+    from onboard.gap.report import analyze
+    from onboard.recognize.recognizer import recognize
+    from onboard.release.manifest import read_manifest
 
     manifest = read_manifest(seed_dir)
     spec = recognize(manifest)
@@ -149,8 +149,8 @@ def test_mla_rope_layout_without_a_key_is_read_off_the_family_s_rotary_function(
     """DeepSeek-V2's config has no rope_interleave key but its attention rotates adjacent channel pairs
     (complex multiplication): transformers' own rotary function says so, and the spec follows it; a
     half-split family's function says halves."""
-    from onboard.manifest import read_manifest
-    from onboard.meta_check import rope_pairs_interleaved
+    from onboard.recognize.meta_check import rope_pairs_interleaved
+    from onboard.release.manifest import read_manifest
 
     release, pkg = tiny_family("deepseek_v2")
     assert "rope_interleave" not in json.loads((release / "config.json").read_text())
@@ -163,12 +163,12 @@ def test_a_multimodal_rope_without_mrope_section_takes_the_split_transformers_ap
     """Qwen3.5-MoE's default config has no mrope_section (its rotary module falls back to a default split):
     transformers' rotary module is probed for the split, so our 3-axis tables are its own and the vision
     path matches transformers' multimodal run at the fp32 bar (registry ops only, no fallback)."""
-    from onboard.package_reader import read_package
     from onboard.align.reference import load_reference
-    from onboard.align.vision import vision_checks
-    from runtime.spec import read_spec
+    from onboard.align.tiers.vision import vision_checks
+    from onboard.package.reader import read_package
     from runtime.model.own_modules import text_decoder
     from runtime.model.rotary import cos_sin
+    from runtime.spec import read_spec
     from runtime.tolerances import assert_close
 
     release, pkg = tiny_family("qwen3_5_moe")

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from onboard.errors import BadInput
-from onboard.safetensors_header import MAX_HEADER_BYTES, read_header
+from onboard.release.safetensors_header import MAX_HEADER_BYTES, read_header
 
 
 def write_raw(path: Path, header: dict | bytes, data_len: int, length: int | None = None) -> Path:

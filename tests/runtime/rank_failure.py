@@ -1,12 +1,12 @@
 """A trainer entry for torchrun whose rank 1 fails while writing its first checkpoint shards (fault
-injection: a real failed rank cannot be produced on demand), otherwise `python -m onboard.train_cli`."""
+injection: a real failed rank cannot be produced on demand), otherwise `python -m onboard.commands.train`."""
 from __future__ import annotations
 
 import os
 import sys
 
+from onboard.commands.train import main
 from runtime.train import checkpoint
-from onboard.train_cli import main
 
 
 def _failing_save(*args, **kwargs):

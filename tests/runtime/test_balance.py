@@ -19,18 +19,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from onboard.package_reader import read_package
 from onboard.align.reference import load_runtime
-from onboard.train_cli import OptionGap, balance_options
-from runtime.train import balance
-from runtime.train.data import Document, pack
+from onboard.commands.train import OptionGap, balance_options
+from onboard.package.reader import read_package
 from runtime.lora.factors import LoraConfig, apply_lora
 from runtime.memory import MemoryPolicy, apply_memory_policy
-from runtime.train.metrics import expert_counts, moe_layers, read_metrics
 from runtime.ops.moe.torch_form import router_logits
-from runtime.train.run_folder import read_biases
 from runtime.parallel.placement import MeshShape
+from runtime.train import balance
+from runtime.train.data import Document, pack
 from runtime.train.loop import TrainConfig, TrainData, train
+from runtime.train.metrics import expert_counts, moe_layers, read_metrics
+from runtime.train.run_folder import read_biases
 
 LORA = LoraConfig(rank=4, alpha=8, targets=("layers.*.attn.q_proj",), experts=True)
 T = 48

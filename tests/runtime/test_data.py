@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
-from onboard.example_tokenizer import write_example_tokenizer
-from runtime.train.data import IGNORE, Document, chat_document, cu_seqlens_of, pack, read_jsonl, text_document
+from onboard.examples.tokenizer import write_example_tokenizer
 from runtime.errors import InputFileError
+from runtime.train.data import IGNORE, Document, chat_document, cu_seqlens_of, pack, read_jsonl, text_document
 
 CONVERSATION = [
     {"role": "system", "content": "Answer briefly."},

@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from onboard.package_reader import read_package
 from onboard.align.reference import load_runtime
-from runtime.ops.common.backend import force
+from onboard.package.reader import read_package
 from runtime.model.layers.ffn import Experts
 from runtime.model.layers.lora_linear import LoraLinear, weight_of
+from runtime.ops.common.backend import force
 from runtime.lora.factors import (LoraConfig, apply_lora, load_lora_state_dict, lora_parameters, lora_state_dict, merge_lora,
                           unmerge_lora)
 from runtime.ops.moe.torch_form import glu

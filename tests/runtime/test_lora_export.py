@@ -12,14 +12,14 @@ import torch
 from safetensors import safe_open
 
 from onboard import cli
-from onboard.package_reader import read_package
 from onboard.align.reference import load_reference, load_runtime
-from onboard.export import write_merged
-from runtime.train import balance
+from onboard.package.export import write_merged
+from onboard.package.reader import read_package
 from runtime.lora.factors import apply_lora, lora_parameters, lora_state_dict
 from runtime.lora.plan import read_lora_yaml
-from runtime.train.run_folder import read_adapter, read_biases, save_adapter, write_run_json
 from runtime.tolerances import compare, tolerance_for
+from runtime.train import balance
+from runtime.train.run_folder import read_adapter, read_biases, save_adapter, write_run_json
 
 FAMILIES = ["qwen3_next", "deepseek_v32", "qwen3_5_moe", "mixtral"]
 

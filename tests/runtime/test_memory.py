@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from onboard.trainer_build import build_model, read_lora
-from runtime.train.data import Document, pack
+from onboard.package.trainer_build import build_model, read_lora
 from runtime.lora.factors import lora_parameters
 from runtime.memory import MemoryPolicy
+from runtime.train.data import Document, pack
 from runtime.train.loop import loss_sum, micro_batch
 
 EVERY_KIND = ("attention", "linear_attention", "moe", "mlp")

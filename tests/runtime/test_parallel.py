@@ -17,18 +17,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
 
-from onboard.align.tier3 import tier3
-from runtime.memory import MemoryPolicy
-from runtime.train.metrics import read_metrics
+from onboard.align.tiers.tier3 import tier3
 from runtime.lora.factors import LoraConfig, apply_lora, initial_value
+from runtime.memory import MemoryPolicy
 from runtime.model.decoder import HybridDecoder
+from runtime.model.weights import load_release
 from runtime.ops.moe.torch_form import sort_by_expert
 from runtime.parallel.expert_parallel import _capacity
 from runtime.parallel.parallelize import ParallelConfig, parallelize
 from runtime.parallel.placement import MeshShape, PlacementError
 from runtime.spec import read_spec
 from runtime.train.loop import loss_sum
-from runtime.model.weights import load_release
+from runtime.train.metrics import read_metrics
 
 LORA = LoraConfig(rank=4, alpha=8, targets=("layers.*.attn.q_proj",), experts=True)
 ROWS, T = 4, 32

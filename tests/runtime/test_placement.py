@@ -8,11 +8,11 @@ import pytest
 import torch
 from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
 
-from onboard.weight_map import build_weight_map
-from onboard.recognize import recognize
-from onboard.manifest import read_manifest
-from runtime.spec import read_spec
+from onboard.package.weight_map import build_weight_map
+from onboard.recognize.recognizer import recognize
+from onboard.release.manifest import read_manifest
 from runtime.model.decoder import HybridDecoder
+from runtime.spec import read_spec
 from runtime.parallel.placement import (MeshShape, PlacementError, check_mesh, experts_per_rank, fsdp_rows,
                                         loads_by_rank, model_targets, moe_layers, owned_experts)
 

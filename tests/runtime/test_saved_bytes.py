@@ -1,4 +1,4 @@
-"""onboard/memory.py's activation terms against what the runtime model keeps for backward (runtime/train/saved_bytes.py),
+"""onboard/gap/budget.py's activation terms against what the runtime model keeps for backward (runtime/train/saved_bytes.py),
 so the memory model cannot drift from the runtime: the qwen3_next example at odd widths (D=80, r=6, 8 experts top-3,
 expert width 24, shared 40, all distinct), bf16 through the fused kernels under TRITON_INTERPRET=1 (their values
 are not used: only what they keep), per token as the difference of T=128 and T=64 (per-sequence tensors cancel),
@@ -10,13 +10,13 @@ import json
 import pytest
 import torch
 
-from onboard import memory
-from runtime.spec import ModelSpec
-from runtime.ops.common.backend import force
+from onboard.gap import budget as memory
 from runtime.lora.factors import apply_lora
 from runtime.lora.plan import read_lora_yaml
 from runtime.memory import MemoryPolicy, apply_memory_policy
 from runtime.model.decoder import HybridDecoder
+from runtime.ops.common.backend import force
+from runtime.spec import ModelSpec
 from runtime.train.saved_bytes import counting
 
 pytestmark = pytest.mark.interpreter

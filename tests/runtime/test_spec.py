@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from onboard.example_models import FAMILIES
+from onboard.examples.models import FAMILIES
 from runtime.model.decoder import HybridDecoder
 from runtime.spec import MLAAttention, ModelSpec, SpecError, read_spec
 

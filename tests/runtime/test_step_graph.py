@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from onboard.trainer_build import build_model, read_lora
-from runtime.train.data import Document, pack
+from onboard.package.trainer_build import build_model, read_lora
 from runtime.memory import MemoryPolicy
 from runtime.tolerances import Tolerance, compare
+from runtime.train.data import Document, pack
 from runtime.train.loop import TrainConfig, loss_sum, micro_batch, micro_step_for, optimizer_for
 
 ATOMICS_ORDER = Tolerance(rel_rms=1e-3, max_abs_rel=1e-2)

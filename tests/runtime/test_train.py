@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from onboard.trainer_build import build_model, load_tokenizer, memory_policy, prepare_data, read_lora
+from onboard.package.trainer_build import build_model, load_tokenizer, memory_policy, prepare_data, read_lora
 from runtime.train import checkpoint
-from runtime.train.metrics import read_metrics
 from runtime.train.loop import TrainConfig, TrainingAborted, lr_at, train
+from runtime.train.metrics import read_metrics
 
 SHORT = TrainConfig(steps=4, batch_size=1, grad_accum=2, lr=1e-3, warmup_steps=1, eval_every=2, checkpoint_every=1,
                     keep_last=1)

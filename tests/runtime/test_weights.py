@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from onboard.package_reader import read_package
-from onboard.example_models import example_config
-from onboard.transformers_classes import model_class
-from onboard.package import write_package
+from onboard.examples.models import example_config
+from onboard.package.reader import read_package
+from onboard.package.writer import write_package
+from onboard.release.transformers_classes import model_class
 from runtime.model.decoder import HybridDecoder
 from runtime.model.weights import load_release
 
@@ -65,8 +65,8 @@ def _large_release(out):
 
 PEAK_SCRIPT = """
 import json, sys, torch
+from onboard.package.reader import read_package
 from pathlib import Path
-from onboard.package_reader import read_package
 from runtime.model.decoder import HybridDecoder
 from runtime.model.weights import load_release
 

@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from runtime.ops.common import buffers
-from runtime.ops.dsa.gluon import sparse_attention as gluon_attention
 from runtime.ops.common.launch import fast
+from runtime.ops.dsa.gluon import sparse_attention as gluon_attention
 
 LOG2E = 1.4426950408889634
 # Heads per program (BH) and selected keys per step (BS): all heads of a token share its gathered
@@ -45,7 +45,7 @@ DQ_HEADS, DQ_KEYS, DQ_COLUMNS, DQ_WARPS, DQ_STAGES = 128, 64, 128, 8, 5
 # (64 heads a step, 128 x 64 and 128 x 32 at 8 warps were slower).
 DKV_HEADS, DKV_KEYS, DKV_COLUMNS, DKV_WARPS, DKV_STAGES = 32, 64, 128, 4, 3
 # Tokens per backward chunk: p and ds of a chunk are two [chunk, H, S] buffers in q's dtype (2.1 GB at 128
-# heads and 2048 keys in bf16; onboard/memory.py counts them)
+# heads and 2048 keys in bf16; onboard/gap/budget.py counts them)
 BWD_CHUNK_TOKENS = 2048
 # the forward's warps and pipeline stages: the fastest of those tried
 NUM_WARPS, NUM_STAGES = 8, 2
