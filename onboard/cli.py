@@ -7,10 +7,7 @@ import io
 import os
 import sys
 
-from onboard.commands import bench
-from onboard.commands import demo
-from onboard.commands import train as train_cli
-from onboard.commands import align, approve, example_model, export, inspect, new_model, plan
+from onboard.commands import align, approve, bench, demo, example_model, export, inspect, new_model, plan, train
 from onboard.errors import BadInput, printable, report_internal_error
 from onboard.exit_codes import Exit
 from onboard.release.config_view import NotRecognized
@@ -26,7 +23,7 @@ COMMANDS = [
     ("align", align, "run the alignment tiers against the model's own implementation"),
     ("approve", approve, "approve the package's op files (PKG/ops/) after review: align and train run them in "
                          "this process only then"),
-    ("train", train_cli, "train the package's LoRA on a jsonl file (run folder: checkpoints, metrics, plots)"),
+    ("train", train, "train the package's LoRA on a jsonl file (run folder: checkpoints, metrics, plots)"),
     ("export", export, "a run's adapter in PEFT's format, or the release with it merged"),
     ("bench", bench, "tokens/s, MFU, step latency, peak memory and per-op time of the package's LoRA step"),
     ("demo", demo, "the whole loop on a tiny hybrid MoE on CPU: release, package, training, PEFT adapter"),
