@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> Exit:
-    from onboard.package.approved_ops import approve_files, store_path
+    from onboard.package.approved_ops import approve, approve_files, spec_steps_digest, store_path
     from runtime.package_ops import read_op_files
 
     pkg = Path(args.pkg)
@@ -29,5 +29,9 @@ def run(args) -> Exit:
         state = f"sha256 {f.sha256}" if f in approved else "not approved"
         note = f" ({f.problem}; it will not load)" if f.problem else ""
         print(printable(f"{f.path}: {state}{note}"))
-    print(f"approved {len(approved)} file(s) of {pkg / 'ops'} in {store_path()}")
+    digest = spec_steps_digest(pkg)
+    if digest is not None:
+        approve({digest: "package.yaml:spec_steps"}, pkg, by="onboard approve")
+        print(printable(f"{pkg / 'package.yaml'}: spec_steps sha256 {digest}"))
+    print(f"approved {len(approved)} file(s) of {pkg / 'ops'}{' and the spec steps' if digest else ''} in {store_path()}")
     return Exit.OK

@@ -1,6 +1,8 @@
 """The package op files this user approved: `$ONBOARD_STATE_DIR/approved_ops.json` (default
 ~/.local/share/onboard/), keyed by each file's sha256, with the file's name, the package it was in, when and
-by what it was approved.
+by what it was approved. Also package.yaml's `spec_steps` (what the graph changed after recognition: explanations
+setting spec values, layers demoted to own modules), keyed by the sha256 of their JSON: they change what the
+package computes, and a pull request could forge them together with a matching spec.json.
 
 The approvals live with the user, not in the package: package.yaml travels inside a pull request, so a list
 there could approve itself. package.yaml keeps the generated files' hashes only as a record for the reviewer.
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import fcntl
+import hashlib
 import json
 import os
 import tempfile
@@ -40,11 +43,29 @@ def approved_hashes() -> frozenset[str]:
 
 
 def require_approved(pkg: Path) -> None:
-    """Refuse a package with an op file that is not loadable or not approved (exit 3 naming the file), before
-    anything of it runs: what `train` and `bench` check first."""
+    """Refuse a package with an op file that is not loadable or not approved, or with spec steps not approved
+    (exit 3 naming the file), before anything of it runs: what `train` and `bench` check first."""
+    from runtime.errors import PackageOpRefused
     from runtime.package_ops import check_approved, read_op_files
 
-    check_approved(Path(pkg), read_op_files(Path(pkg)), approved_hashes())
+    approved = approved_hashes()
+    check_approved(Path(pkg), read_op_files(Path(pkg)), approved)
+    digest = spec_steps_digest(Path(pkg))
+    if digest is not None and digest not in approved:
+        raise PackageOpRefused(Path(pkg) / "package.yaml", f"spec_steps are not approved: review them (PR.md lists "
+                                                           f"them), then run `onboard approve {pkg}`")
+
+
+def spec_steps_digest(pkg: Path) -> str | None:
+    """sha256 of package.yaml's spec_steps as JSON (None when there are none)."""
+    from onboard.package.files import read_manifest_file
+
+    steps = [step.model_dump() for step in read_manifest_file(pkg).spec_steps]
+    return steps_digest(steps) if steps else None
+
+
+def steps_digest(steps: list[dict]) -> str:
+    return hashlib.sha256(json.dumps(steps, sort_keys=True).encode()).hexdigest()
 
 
 def approve(entries: dict[str, str], pkg: Path, by: str) -> None:

@@ -23,7 +23,7 @@ from onboard.errors import BadInput
 from onboard.gap.generated import GeneratedOp, mark_generated
 from onboard.gap.render import gap_markdown
 from onboard.gap.report import analyze
-from onboard.package.approved_ops import approve
+from onboard.package.approved_ops import approve, steps_digest
 from onboard.package.derivation import SpecStep, derive_spec, derive_weight_map
 from onboard.package.workflow import model_slug, write_workflow
 from onboard.plan.render import plan_yaml
@@ -163,7 +163,7 @@ def _write_files(pkg: Path, out: Path, model_dir: Path, manifest, spec, report,
                    "architecture": spec.architecture, "config_sha256": _sha256(model_dir / "config.json"),
                    "shards": shard_records(manifest)},
         "spec_hash": spec.spec_hash(),
-        "spec_steps": [step.model_dump() for step in spec_steps],
+        "spec_steps": _approved_steps(out, spec_steps),
         "ops_used": ops,
         "generated_ops": _write_generated(pkg, out, generated),
         "status": "gaps" if report.summary["gaps_remain"] else "ready-for-alignment",
@@ -171,6 +171,14 @@ def _write_files(pkg: Path, out: Path, model_dir: Path, manifest, spec, report,
     }
     (pkg / "package.yaml").write_text(yaml.safe_dump(package, sort_keys=False))
     write_workflow(pkg, model_slug(model_dir))
+
+
+def _approved_steps(out: Path, spec_steps: list[SpecStep]) -> list[dict]:
+    """package.yaml's spec_steps, approved as new-model's own decisions (the user's store: training needs it)."""
+    steps = [step.model_dump() for step in spec_steps]
+    if steps:
+        approve({steps_digest(steps): "package.yaml:spec_steps"}, out, by="onboard new-model (decided them)")
+    return steps
 
 
 def _write_generated(pkg: Path, out: Path, generated: Sequence[GeneratedOp]) -> list[dict]:

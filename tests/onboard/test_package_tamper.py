@@ -298,3 +298,30 @@ def test_package_io_caps_what_it_reads_and_writes_only_through_real_folders(tmp_
     with pytest.raises(BadInput, match="deeper: not a folder"):
         package_io.write_text(pkg, pkg / "alignment" / "deeper" / "tier0.json", "{}")
     assert list((tmp_path / "outside").iterdir()) == []
+
+
+def test_forged_spec_steps_with_a_matching_spec_are_not_trained_until_approved(tampered, capsys):
+    """A pull request adds a step to package.yaml's spec_steps (top_k 2 -> 3 in every layer) and the spec.json
+    it derives, re-hashed: the derivation holds, so only the approval stands between it and training. align
+    judges it by the numbers (tier 1 disagrees with the release); train refuses it, naming package.yaml, until
+    the user approves the steps."""
+    from onboard.package.derivation import SetStep, derive_spec
+    from onboard.release.manifest import read_manifest
+
+    release, pkg, data = tampered
+    steps = [SetStep(set="ffn.top_k", value=3)]
+    (pkg / "spec.json").write_text(derive_spec(read_manifest(release), steps).model_dump_json(indent=2))
+    package = yaml.safe_load((pkg / "package.yaml").read_text())
+    package["spec_steps"] = [step.model_dump() for step in steps]
+    (pkg / "package.yaml").write_text(yaml.safe_dump(package, sort_keys=False))
+    _rehash(pkg)
+    assert main(_train(pkg, data)) == 3
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == (f"onboard: refused: {pkg / 'package.yaml'} spec_steps are not approved: review them (PR.md lists "
+                    f"them), then run `onboard approve {pkg}`"), line
+    assert not (pkg / "runs").exists()
+    assert main(_align(pkg)) == 3
+    capsys.readouterr()
+    assert main(["approve", str(pkg)]) == 0
+    assert "spec_steps sha256" in capsys.readouterr().out
+    assert main(_train(pkg, data)) == 0
