@@ -57,9 +57,11 @@ def require_approved(pkg: Path) -> None:
 
 
 def spec_steps_digest(pkg: Path) -> str | None:
-    """sha256 of package.yaml's spec_steps as JSON (None when there are none)."""
+    """sha256 of package.yaml's spec_steps as JSON (None when there are none, or no package.yaml to hold them)."""
     from onboard.package.files import read_manifest_file
 
+    if not (Path(pkg) / "package.yaml").exists() and not (Path(pkg) / "package.yaml").is_symlink():
+        return None
     steps = [step.model_dump() for step in read_manifest_file(pkg).spec_steps]
     return steps_digest(steps) if steps else None
 
