@@ -8,10 +8,10 @@ import os
 import sys
 
 from onboard.commands import align, approve, bench, demo, example_model, export, inspect, new_model, plan, train
-from onboard.errors import BadInput, printable, report_internal_error
+from onboard.commands.refusals import REFUSALS, refusal_exit
+from onboard.errors import report_internal_error
 from onboard.exit_codes import Exit
 from onboard.release.config_view import NotRecognized
-from runtime.errors import GeneratedOpMismatch, InputFileError, PackageOpRefused
 from runtime.spec import SpecError
 
 # (command, its module, its help line), in the order `onboard --help` lists them
@@ -49,16 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.reconfigure(errors="backslashreplace")
     try:
         return args.run(args)
-    except (BadInput, InputFileError) as err:
-        print(f"onboard: error: {err.one_line()}", file=sys.stderr)
-        return Exit.BAD_INPUT
-    except PackageOpRefused as refused:
-        print(f"onboard: refused: {printable(refused.one_line())}", file=sys.stderr)
-        return Exit.GAPS
-    # a package's generated op that train's spot check caught disagreeing with its reference
-    except GeneratedOpMismatch as err:
-        print(f"onboard: error: {err}", file=sys.stderr)
-        return Exit.GAPS
+    except REFUSALS as err:
+        return refusal_exit(err)
     except NotRecognized as gap:
         # a valid release whose basic widths are not recognized: nothing to report per component
         print(f"onboard: gap: config.json: {gap}: not recognized", file=sys.stderr)

@@ -179,21 +179,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> Exit:
     """The trainer module torchrun runs on every rank: `torchrun --nproc-per-node N -m onboard.commands.train PKG ...`."""
-    from onboard.errors import printable
-    from runtime.errors import GeneratedOpMismatch, InputFileError, PackageOpRefused
+    from onboard.commands.refusals import REFUSALS, refusal_exit
 
     args = _parser().parse_args(argv)
     try:
         return _train(args)
-    except (BadInput, InputFileError) as err:
-        print(f"onboard: error: {err.one_line()}", file=sys.stderr)
-        return Exit.BAD_INPUT
-    except PackageOpRefused as refused:
-        print(f"onboard: refused: {printable(refused.one_line())}", file=sys.stderr)
-        return Exit.GAPS
-    except GeneratedOpMismatch as err:
-        print(f"onboard: error: {err}", file=sys.stderr)
-        return Exit.GAPS
+    except REFUSALS as err:
+        return refusal_exit(err)
 
 
 if __name__ == "__main__":
