@@ -21,10 +21,11 @@ from onboard.align.tiers.tier4 import Target, tier4, tier4_target
 from onboard.align.tiers.vision import vision_checks
 from onboard.errors import BadInput
 from onboard.package.approved_ops import approved_hashes
+from onboard.package.files import read_manifest_file
 from onboard.package.reader import Package, read_package
 from onboard.plan.search import Cluster
 from onboard.recognize.model_references import register_references
-from runtime.errors import InputFileError
+from runtime.errors import InputFileError, PackageOpRefused
 from runtime.package_ops import OpFile, check_loadable, read_op_files, register_op_files, tables_restored, unapproved
 from runtime.parallel.placement import MeshShape
 from runtime.spec import ModelSpec, read_spec
@@ -53,6 +54,7 @@ def run_alignment(pkg: Path, tiers: list[int], model_dir: Path | None = None, ta
     files = read_op_files(pkg)
     check_loadable(files)
     strangers = unapproved(files, approved_hashes())
+    _require_listed(pkg, strangers)
     if strangers:
         if tamper is not None:
             raise ValueError("tamper edits a model in this process: approve the package's ops first")
@@ -61,6 +63,19 @@ def run_alignment(pkg: Path, tiers: list[int], model_dir: Path | None = None, ta
         report = align_in_process(pkg, inputs, files, tiers, tamper, progress, max_layers, cluster, mesh)
     _write(pkg, report)
     return report
+
+
+def _require_listed(pkg: Path, files: list[OpFile]) -> None:
+    """Unapproved op files run (confined) only when package.yaml lists them as generated ops, with their tests: a
+    file nobody generated is no op of the package, and nothing of it runs anywhere (exit 3 naming it)."""
+    listed = {Path(entry.get(key, "")).as_posix() for entry in read_manifest_file(pkg).generated_ops
+              if isinstance(entry, dict) for key in ("file", "test_file")}
+    listed |= {f"ops/test_{Path(name).name}" for name in listed if name.startswith("ops/")}
+    for f in files:
+        if f.path.relative_to(pkg).as_posix() not in listed:
+            raise PackageOpRefused(f.path, "is not approved, and package.yaml's generated_ops does not list it: no "
+                                           f"generated op of this package; remove it, or review it and run "
+                                           f"`onboard approve {pkg}`")
 
 
 def align_in_process(pkg: Path, inputs: Package, files: list[OpFile], tiers: list[int], tamper,

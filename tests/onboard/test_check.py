@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from onboard.align.regression import regressions
 from onboard.align.report import AlignmentReport, Check, tier_result
@@ -38,6 +39,10 @@ def test_an_op_replacing_a_builtin_is_refused_and_its_removal_passes(pkg, capsys
     assert main(["align", str(pkg), "--tiers", "0", "--check"]) == 0
     (pkg / "ops").mkdir()
     (pkg / "ops" / "activation_silu.py").write_text(WRONG_SILU)
+    # listed in package.yaml as a pull request adding it would (an unlisted file is refused before it runs at all)
+    package = yaml.safe_load((pkg / "package.yaml").read_text())
+    package["generated_ops"] = [{"kind": "activation", "name": "silu", "file": "ops/activation_silu.py"}]
+    (pkg / "package.yaml").write_text(yaml.safe_dump(package, sort_keys=False))
     for approved in (False, True):
         # unapproved it runs only in align's confined child, approved in the process: refused by name either way
         if approved:

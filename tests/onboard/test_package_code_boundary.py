@@ -100,6 +100,14 @@ def hostile(example_package, tmp_path, monkeypatch):
     listener.close()
 
 
+def _listed(pkg: Path, name: str, kind: str = "activation", op: str = "x") -> None:
+    """The file entered in package.yaml's generated_ops, as a pull request adding an op would: align then aligns
+    it (confined while unapproved) instead of refusing it as no op of the package."""
+    package = yaml.safe_load((pkg / "package.yaml").read_text())
+    package["generated_ops"] = [*package.get("generated_ops", []), {"kind": kind, "name": op, "file": f"ops/{name}"}]
+    (pkg / "package.yaml").write_text(yaml.safe_dump(package, sort_keys=False))
+
+
 def _train(run, pkg: Path, data: Path, out: Path) -> subprocess.CompletedProcess:
     return run("train", pkg, "--data", data, "--steps", "1", "--seq-len", "16", "--no-progress", "--no-cuda-graph",
                "--out", out)
@@ -144,6 +152,12 @@ def test_an_unapproved_op_file_reaches_nothing_of_the_user(hostile, tmp_path, na
     assert _one_refusal(trained, f"{pkg}/ops/{name} is not approved", f"onboard approve {pkg}") == trained.stderr.strip()
     assert not (tmp_path / "run").exists()
 
+    # not listed in package.yaml: no op of the package, nothing of it runs, not even confined
+    unlisted = run("align", pkg, "--tiers", "0")
+    _one_refusal(unlisted, f"{pkg}/ops/{name} is not approved, and package.yaml's generated_ops does not list it")
+    _no_trace(tmp_path, marks, listener)
+
+    _listed(pkg, name)
     aligned = run("align", pkg, "--tiers", "0")
     assert f"{pkg}/ops/{name} is not approved: aligning in a confined process" in aligned.stderr
     if name == "__init__.py":
@@ -162,6 +176,7 @@ def test_an_op_taking_a_builtin_name_is_refused_by_align_and_train(hostile, tmp_
     (pkg / "ops" / "activation_silu.py").write_text(
         'import torch.nn.functional as F\nKIND = "activation"\nNAME = "silu"\n\n\ndef op(x):\n    return 1.5 * F.silu(x)\n')
     file = f"{pkg}/ops/activation_silu.py"
+    _listed(pkg, "activation_silu.py", op="silu")
     # unapproved: align's confined child refuses it; train refuses to run it at all
     _one_refusal(run("align", pkg, "--tiers", "0"), file, "NAME 'silu'", "built-in activation")
     _one_refusal(_train(run, pkg, data, tmp_path / "run"), file, "is not approved")
@@ -189,6 +204,7 @@ def test_align_refuses_unapproved_code_where_it_cannot_confine_it(hostile, tmp_p
     pkg, marks, home, listener, _, _ = hostile
     (pkg / "ops").mkdir()
     (pkg / "ops" / "activation_x.py").write_text(payload(marks, home, listener.port) + OP)
+    _listed(pkg, "activation_x.py")
     env = {**os.environ, "OPENAI_API_KEY": SECRET, "PATH": str(Path(sys.executable).parent)}
     result = subprocess.run([sys.executable, "-m", "onboard.cli", "align", str(pkg), "--tiers", "0"],
                             capture_output=True, text=True, timeout=600, env=env)
@@ -284,6 +300,7 @@ except OSError:
     pass
 raise RuntimeError(f"saw {{seen}}")
 ''')
+    _listed(pkg, "activation_x.py")
     result = run("align", pkg, "--tiers", "0")
     _one_refusal(result, f"{pkg}/ops/activation_x.py failed to load: RuntimeError: saw []")
     assert (pkg / "spec.json").read_text()
