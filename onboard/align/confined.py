@@ -20,6 +20,7 @@ from pathlib import Path
 from onboard.align.progress import Progress
 from onboard.align.report import AlignmentReport, Check, tier_result
 from onboard.errors import BadInput, printable
+from onboard.exit_codes import Exit
 from onboard.package.reader import Package
 from onboard.plan.search import Cluster
 from runtime.errors import PackageOpRefused
@@ -80,9 +81,9 @@ def _readable(pkg: Path, release: Path) -> list[Path]:
 def _outcome(work: Path, result, pkg: Path, inputs: Package, tiers: list[int]) -> AlignmentReport:
     """The child's report, checked; its refusal, raised as this process would; else a failed run."""
     refusal = _child_json(work / REFUSAL, 64 << 10)
-    if isinstance(refusal, dict) and refusal.get("exit") == 3:
+    if isinstance(refusal, dict) and refusal.get("exit") == Exit.GAPS:
         raise PackageOpRefused(printable(str(refusal.get("path")))[:500], printable(str(refusal.get("reason")))[:500])
-    if isinstance(refusal, dict) and refusal.get("exit") == 2:
+    if isinstance(refusal, dict) and refusal.get("exit") == Exit.BAD_INPUT:
         raise BadInput(str(refusal.get("path"))[:500], str(refusal.get("key"))[:200] if refusal.get("key") else None,
                        str(refusal.get("reason"))[:500])
     data = _child_json(work / REPORT, MAX_REPORT_BYTES)

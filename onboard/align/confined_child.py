@@ -10,6 +10,7 @@ from onboard.align.confined import REFUSAL, REPORT
 from onboard.align.progress import Progress
 from onboard.align.runner import align_in_process
 from onboard.errors import BadInput
+from onboard.exit_codes import Exit
 from onboard.package.reader import read_package
 from onboard.plan.search import Cluster
 from runtime.errors import PackageOpRefused
@@ -17,7 +18,7 @@ from runtime.package_ops import read_op_files
 from runtime.parallel.placement import MeshShape
 
 
-def child_main(request_path: Path) -> int:
+def child_main(request_path: Path) -> Exit:
     """Align with every op file loaded; the report or the refusal into the request's folder."""
     request, work = json.loads(request_path.read_text()), request_path.parent
     pkg = Path(request["pkg"])
@@ -28,13 +29,14 @@ def child_main(request_path: Path) -> int:
         report = align_in_process(pkg, read_package(pkg, Path(request["model_dir"])), read_op_files(pkg),
                                   request["tiers"], None, progress, request["max_layers"], cluster, mesh)
     except PackageOpRefused as refused:
-        (work / REFUSAL).write_text(json.dumps({"exit": 3, "path": refused.path, "reason": refused.reason}))
-        return 3
+        (work / REFUSAL).write_text(json.dumps({"exit": Exit.GAPS, "path": refused.path, "reason": refused.reason}))
+        return Exit.GAPS
     except BadInput as err:
-        (work / REFUSAL).write_text(json.dumps({"exit": 2, "path": err.path, "key": err.key, "reason": err.message}))
-        return 2
+        (work / REFUSAL).write_text(json.dumps({"exit": Exit.BAD_INPUT, "path": err.path, "key": err.key,
+                                                 "reason": err.message}))
+        return Exit.BAD_INPUT
     (work / REPORT).write_text(report.model_dump_json())
-    return 0
+    return Exit.OK
 
 
 if __name__ == "__main__":
