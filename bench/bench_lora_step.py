@@ -106,7 +106,7 @@ def peft_part(work: Path, experts: bool, fla: bool, seq_len: int) -> dict:
     import peft
     from transformers import Qwen3NextForCausalLM
     model = Qwen3NextForCausalLM.from_pretrained(work / "release", dtype=torch.bfloat16, device_map="cuda",
-                                                 attn_implementation="sdpa")
+                                                 attn_implementation="sdpa", trust_remote_code=False)
     extra = dict(target_parameters=EXPERT_PARAMETERS) if experts else {}
     model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=ATTENTION_TARGETS,
                                                        **extra))
