@@ -19,7 +19,7 @@ class Tolerance:
 
 # Per dtype. Observed worst relative RMS errors of the runtime forms vs the fp64 reference on CPU
 # (tests/ops/*/test_ref_*.py): fp32 outputs 1e-7..4e-7, grads up to 8.4e-6 (softmax attention);
-# bf16 outputs up to 5.7e-3 (MLA), grads up to 8.1e-3 (MLA). On a GPU at benchmark shapes the
+# bf16 outputs up to 5.7e-3 (MLA), grads up to 8.1e-3 (MLA). On the H200 at benchmark shapes the
 # bf16 kernels reached 1.2e-3..3.4e-3 (bench/results/). The bf16 bars are TARGETS.md's 1e-2 / 2e-2.
 DEFAULT_TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float64: Tolerance(rel_rms=1e-10, max_abs_rel=1e-9),
@@ -37,7 +37,7 @@ GRAD_TOLERANCES: dict[torch.dtype, Tolerance] = {
 }
 
 # fp32 Triton kernels on CUDA multiply in TF32 (10-bit mantissa), as tl.dot does by default: a
-# decision for speed, not a bug. Worst observed on a GPU at tier-0 shapes with the default kernels
+# decision for speed, not a bug. Worst observed on the H200 at tier-0 shapes with the default kernels
 # (bench/results/gpu-tier0.json): GDN out 1.90e-3 rel RMS / 2.21e-3
 # max-abs, grads 1.86e-3 / 2.55e-3, KDA 1.4e-3 / 2.36e-3, DSA attention 1.67e-3 / 2.39e-3.
 # The bound is about 2.5x the worst observed; the fp32 table still applies on the CPU.

@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import stat
 import tempfile
 from pathlib import Path
 
 from onboard.align.progress import Progress
 from onboard.align.report import AlignmentReport, Check, tier_result
+from onboard import package_io
 from onboard.errors import BadInput, printable
 from onboard.exit_codes import Exit
 from onboard.package.reader import Package
@@ -102,17 +102,9 @@ def _outcome(work: Path, result, pkg: Path, inputs: Package, tiers: list[int]) -
 
 
 def _child_json(path: Path, limit: int):
-    """A JSON file the child wrote, read without following links, at most `limit` bytes; None otherwise."""
+    """A JSON file the child wrote into its work folder, read without following links, at most `limit` bytes;
+    None when there is none or it is not that."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        return None
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(limit + 1)
-    try:
-        return json.loads(data) if len(data) <= limit else None
-    except ValueError:
+        return json.loads(package_io.read_bytes(path.parent, path, limit))
+    except (BadInput, ValueError):
         return None
