@@ -27,7 +27,7 @@ def test_tiers_0_1_2_pass(family, example_package):
     # fp32 and bf16 logits, loss, and (for MoE families) routing flips are all reported
     assert {"logits/float32", "logits/bfloat16", "loss/float32", "loss/bfloat16"} <= names
     assert any(c["metric"] == "routing_flips" for c in checks)
-    # tier 0 ran fallbacks forward and backward, 3 seeds, both dtypes
+    # tier 0 ran the torch forms forward and backward, 3 seeds, both dtypes
     tier0 = written["tiers"][0]["checks"]
     assert any("/grad:" in c["name"] for c in tier0) and any("seed2" in c["name"] for c in tier0)
     assert any("bfloat16" in c["name"] for c in tier0)
