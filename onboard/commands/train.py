@@ -10,19 +10,31 @@ imported when the command runs, so the other commands start fast.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
 
-from onboard.commands.args import positive_int
+from onboard.commands.args import positive_float, positive_int
 from onboard.errors import BadInput
 from onboard.exit_codes import Exit
+from runtime.data.formats import FORMATS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("pkg")
-    p.add_argument("--data", required=True, help="jsonl of {\"text\": ...} or {\"messages\": [...]}")
-    p.add_argument("--steps", type=positive_int, default=100)
+    p.add_argument("--data", required=True, help="a jsonl, JSON-array, parquet or Arrow file, or a folder of them "
+                                                 "(docs/training.md#data)")
+    p.add_argument("--data-format", choices=("auto", *FORMATS), default="auto",
+                   help="the records' format (default: detected per record from its keys)")
+    evaluation = p.add_mutually_exclusive_group()
+    evaluation.add_argument("--eval-data", default=None, help="eval records (default: a folder's eval split, else "
+                                                              "--eval-fraction of --data)")
+    evaluation.add_argument("--no-eval", action="store_true", help="no eval loss (and no best checkpoint)")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=positive_int, default=100)
+    length.add_argument("--epochs", type=positive_float, default=None,
+                        help="passes over the training rows, instead of --steps")
     p.add_argument("--seq-len", type=positive_int, default=2048, help="tokens per packed row")
     p.add_argument("--batch-size", type=positive_int, default=1, help="packed rows per micro-batch")
     p.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
@@ -87,6 +99,8 @@ def run(args) -> Exit:
     assistant turns, or --bias-update-rate on routers without a correction bias. With --nproc > 1 (outside torchrun) the job is relaunched under torchrun."""
     from onboard.package.approved_ops import require_approved
 
+    # every record checked first: a malformed line is refused in a second, before torch or the package loads
+    sources = read_data(args)
     # the package's op files run in this process (and every rank's): refused before anything else runs
     require_approved(Path(args.pkg))
     if (args.nproc > 1 or args.nnodes > 1) and "LOCAL_RANK" not in os.environ:
@@ -94,10 +108,23 @@ def run(args) -> Exit:
 
         _check_ep(args.ep, args.nproc * args.nnodes)
         return launch(_parser(), args)
-    return _train(args)
+    return _train(args, sources)
 
 
-def _train(args) -> Exit:
+def read_data(args):
+    """--data (and --eval-data) read and checked record by record: runtime/data/."""
+    from runtime.data.sources import read_sources
+
+    return read_sources(Path(args.data), args.data_format, Path(args.eval_data) if args.eval_data else None,
+                        args.no_eval)
+
+
+def epoch_steps(epochs: float, num_rows: int, rows_per_step: int) -> int:
+    """Optimizer steps for `epochs` passes over the training rows (every rank reads its own rows of a step)."""
+    return max(1, math.ceil(epochs * num_rows / rows_per_step))
+
+
+def _train(args, sources=None) -> Exit:
     import dataclasses
 
     from onboard.package.approved_ops import approved_hashes
@@ -128,11 +155,15 @@ def _train(args) -> Exit:
                       warmup_steps=min(10, max(1, args.steps // 10)), eval_every=args.eval_every,
                       checkpoint_every=args.checkpoint_every, cuda_graph=not args.no_cuda_graph, **balancing)
     try:
-        data = prepare_data(Path(args.data), load_tokenizer(release), args.seq_len, args.eval_fraction, cfg.seed)
+        data = prepare_data(sources or read_data(args), load_tokenizer(release), args.seq_len, args.eval_fraction,
+                            cfg.seed)
     except ChatTemplateError as err:
         print(f"onboard: gap: {release}: chat template: {err}", file=sys.stderr)
         return Exit.GAPS
     rank, world, device = start()
+    if args.epochs is not None:
+        steps = epoch_steps(args.epochs, len(data.train), args.batch_size * args.grad_accum * world)
+        cfg = dataclasses.replace(cfg, steps=steps, warmup_steps=min(10, max(1, steps // 10)))
     lora_config = package.lora
     if world == 1:
         model = build_model(spec, weight_map, release, lora_config, policy, device)
@@ -140,7 +171,8 @@ def _train(args) -> Exit:
         model = build_parallel_model(spec, weight_map, release, lora_config, _plan(args, world, policy), rank, device)
     if is_main():
         write_run_json(out, pkg, release, train=dataclasses.asdict(cfg), seq_len=args.seq_len, data=str(args.data),
-                       memory=dataclasses.asdict(policy))
+                       data_format=args.data_format, eval_data=args.eval_data, no_eval=args.no_eval,
+                       epochs=args.epochs, memory=dataclasses.asdict(policy))
     try:
         state = train(model, data, cfg, out, resume=args.resume, progress=not args.no_progress and is_main())
     except TrainingAborted as err:
@@ -150,8 +182,9 @@ def _train(args) -> Exit:
     if is_main():
         # updated biases go beside the factors: export needs them to reproduce the run
         save_adapter(out, factors, lora_config, balance.bias_state_dict(model) if cfg.correction_bias_rate else None)
-        print(f"trained {state['step']} steps into {out}; eval loss {state['eval_loss']:.4f}, "
-              f"best {state['best_eval_loss']:.4f} at step {state['best_step']}")
+        evaluated = "no eval" if state["eval_loss"] is None else (
+            f"eval loss {state['eval_loss']:.4f}, best {state['best_eval_loss']:.4f} at step {state['best_step']}")
+        print(f"trained {state['step']} steps into {out}; {evaluated}")
     finish()
     return Exit.OK
 

@@ -73,15 +73,21 @@ def load_tokenizer(release: Path):
         raise BadInput(release, "tokenizer", f"the release's tokenizer files do not load ({err})") from None
 
 
-def prepare_data(data_path: Path, tokenizer, seq_len: int, eval_fraction: float, seed: int):
-    """Read, check and pack the data before the model is built, so a malformed line fails before any step."""
-    from runtime.train.data import pack, read_jsonl, split_eval, tokenize
+def prepare_data(data, tokenizer, seq_len: int, eval_fraction: float, seed: int):
+    """Tokenize and pack `data` (runtime.data.sources.DataSources, or a data path read with the defaults) before
+    the model is built, so a sample the tokenizer refuses fails before any step. Eval rows: the eval samples,
+    else `eval_fraction` of the training documents, else none (--no-eval)."""
+    from runtime.data.sources import DataSources, read_sources
+    from runtime.train.data import pack, split_eval, tokenize
     from runtime.train.loop import TrainData
 
-    documents = tokenize(read_jsonl(data_path), tokenizer)
-    try:
-        train_docs, eval_docs = split_eval(documents, eval_fraction, seed)
-    except ValueError as err:
-        raise BadInput(data_path, None, str(err)) from None
+    sources = data if isinstance(data, DataSources) else read_sources(Path(data))
+    documents = tokenize(sources.train, tokenizer)
+    eval_docs = None if sources.eval is None else tokenize(sources.eval, tokenizer)
+    if sources.hold_out:
+        try:
+            documents, eval_docs = split_eval(documents, eval_fraction, seed)
+        except ValueError as err:
+            raise BadInput(None, "--data", f"{err}: give --eval-data or --no-eval") from None
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return TrainData(pack(train_docs, seq_len, pad), pack(eval_docs, seq_len, pad))
+    return TrainData(pack(documents, seq_len, pad), None if eval_docs is None else pack(eval_docs, seq_len, pad))

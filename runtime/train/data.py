@@ -1,8 +1,11 @@
-"""Training data: jsonl read and checked, tokenized offline with the release's tokenizer, packed into rows.
+"""Training data: Samples (runtime/data/: every format read and checked) tokenized offline with the release's
+tokenizer, packed into rows.
 
-A line is {"text": str} (every token trained) or {"messages": [{"role", "content"}, ...]} (loss only on
-the assistant turns, as the release's own chat template renders them). Every line is checked and
-tokenized before a step runs; a bad one raises InputFileError naming the file and line.
+Which tokens train, per format: text, all of them (and end-of-sequence); chat and ShareGPT, what each assistant
+turn adds (tool calls included), as the release's own chat template renders the conversation (with its tools);
+alpaca, the output (as the assistant's turn after the instruction through the chat template; with no template,
+after the Stanford Alpaca prompt); prompt/completion, the completion (strings: the text after the prompt, and
+end-of-sequence; message lists: the completion's assistant turns through the template).
 Documents are concatenated and cut into rows of seq_len; each cut piece is its own segment: its
 positions restart at 0, its last token predicts nothing, and `segments_NL` tells the model where
 segments start so no token attends to or carries state from another segment.
@@ -10,20 +13,18 @@ Shape legend: N rows, L seq_len, B rows in a batch.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from runtime.errors import InputFileError
+from runtime.data.files import data_error, read_rows
+from runtime.data.formats import Sample, samples
 
 IGNORE = -100
-
-
-def DataError(path: Path, line: int | None, message: str) -> InputFileError:
-    """A malformed data line: file, line number, what was expected."""
-    return InputFileError(path, None if line is None else f"line {line}", message)
+# Stanford Alpaca's prompt (its repository's train.py), for releases without a chat template
+ALPACA_PROMPT = ("Below is an instruction that describes a task{context}. Write a response that appropriately "
+                 "completes the request.\n\n### Instruction:\n{instruction}\n\n{input}### Response:\n")
 
 
 class ChatTemplateError(ValueError):
@@ -36,85 +37,115 @@ class Document:
     trained: list[bool]  # per token: is this token a training target
 
 
-def _check_messages(messages, path: Path, line: int) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise DataError(path, line, '"messages" must be a non-empty list')
-    for i, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise DataError(path, line, f'messages[{i}] must be {{"role": str, "content": str}}')
-    if not any(m["role"] == "assistant" for m in messages):
-        raise DataError(path, line, "messages has no assistant turn to train on")
+def read_jsonl(path: Path, data_format: str = "auto") -> list[Sample]:
+    """Every record of a data file or folder, checked (the name kept from when jsonl was the one format)."""
+    return samples(read_rows(Path(path)), data_format)
 
 
-def _parse_line(text: str, path: Path, line: int) -> dict:
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise DataError(path, line, f"not valid JSON ({err.msg} at column {err.colno})") from None
-    if not isinstance(record, dict) or ("text" in record) == ("messages" in record):
-        raise DataError(path, line, 'expected an object with exactly one of "text" or "messages"')
-    if "text" in record and not (isinstance(record["text"], str) and record["text"]):
-        raise DataError(path, line, '"text" must be a non-empty string')
-    if "messages" in record:
-        _check_messages(record["messages"], path, line)
-    return record
+def _render(tokenizer, messages, tools=None, generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """Every non-blank line of the file, checked."""
-    path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise DataError(path, None, f"cannot read ({err})") from None
-    records = [_parse_line(text, path, n) for n, text in enumerate(lines, start=1) if text.strip()]
-    if not records:
-        raise DataError(path, None, "no data lines")
-    return records
-
-
-def _render(tokenizer, messages, generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-
-
-def assistant_spans(tokenizer, messages) -> tuple[str, list[tuple[int, int]]]:
-    """(rendered conversation, character spans of what each assistant turn adds after its prompt header).
+def assistant_spans(tokenizer, messages, tools=None, first: int = 0) -> tuple[str, list[tuple[int, int]]]:
+    """(rendered conversation, character spans of what each assistant turn from `first` on adds after its prompt
+    header).
 
     Turn i's span runs from the end of the conversation up to i rendered with the generation prompt to the
     end of the conversation through turn i; this needs a template that renders turns as prefixes.
     """
-    full = _render(tokenizer, messages)
+    full = _render(tokenizer, messages, tools)
     spans = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or i < first:
             continue
-        prompt, upto = _render(tokenizer, messages[:i], True), _render(tokenizer, messages[: i + 1])
+        prompt, upto = _render(tokenizer, messages[:i], tools, True), _render(tokenizer, messages[: i + 1], tools)
         if not (full.startswith(upto) and upto.startswith(prompt)):
             raise ChatTemplateError(f"the chat template does not render turn {i} as a prefix of the conversation")
         spans.append((len(prompt), len(upto)))
     return full, spans
 
 
-def chat_document(tokenizer, messages) -> Document:
-    """The conversation's tokens; trained = the token overlaps an assistant span."""
-    full, spans = assistant_spans(tokenizer, messages)
-    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+def _trained_spans(tokenizer, full: str, spans: list[tuple[int, int]], special_tokens: bool = False) -> Document:
+    """The text's tokens; trained = the token overlaps one of the character spans."""
+    encoded = tokenizer(full, add_special_tokens=special_tokens, return_offsets_mapping=True)
     trained = [any(s < span_end and e > span_start for span_start, span_end in spans)
                for s, e in encoded["offset_mapping"]]
     return Document(list(encoded["input_ids"]), trained)
 
 
+def chat_document(tokenizer, messages, tools=None, first: int = 0) -> Document:
+    """The conversation's tokens; trained = the token overlaps an assistant span (turns from `first` on)."""
+    if not tokenizer.chat_template:
+        raise ChatTemplateError("the release ships no chat template to render chat, ShareGPT or message-list "
+                                "prompt/completion data (text, alpaca and string prompt/completion data need none)")
+    full, spans = assistant_spans(tokenizer, messages, tools, first)
+    return _trained_spans(tokenizer, full, spans)
+
+
+def _with_eos(tokenizer, doc: Document) -> Document:
+    """The document ending in end-of-sequence, trained (appended unless the tokenizer added it)."""
+    if tokenizer.eos_token_id is None:
+        return doc
+    if doc.ids[-1:] == [tokenizer.eos_token_id]:
+        return Document(doc.ids, doc.trained[:-1] + [True])
+    return Document(doc.ids + [tokenizer.eos_token_id], doc.trained + [True])
+
+
 def text_document(tokenizer, text: str) -> Document:
     """The text's tokens (with the tokenizer's own special tokens) and end-of-sequence, all trained."""
     ids = list(tokenizer(text)["input_ids"])
-    if tokenizer.eos_token_id is not None and ids[-1:] != [tokenizer.eos_token_id]:
-        ids.append(tokenizer.eos_token_id)
-    return Document(ids, [True] * len(ids))
+    return _with_eos(tokenizer, Document(ids, [True] * len(ids)))
 
 
-def tokenize(records: list[dict], tokenizer) -> list[Document]:
-    return [text_document(tokenizer, r["text"]) if "text" in r else chat_document(tokenizer, r["messages"])
-            for r in records]
+def completion_document(tokenizer, prompt: str, completion: str) -> Document:
+    """prompt + completion as one text (with the tokenizer's special tokens) and end-of-sequence; trained = the
+    tokens overlapping the completion, and the end."""
+    full = prompt + completion
+    return _with_eos(tokenizer, _trained_spans(tokenizer, full, [(len(prompt), len(full))], special_tokens=True))
+
+
+def alpaca_messages(fields: dict) -> list[dict]:
+    user = fields["instruction"] + (f"\n\n{fields['input']}" if fields["input"] else "")
+    system = [{"role": "system", "content": fields["system"]}] if fields["system"] else []
+    return [*system, {"role": "user", "content": user}, {"role": "assistant", "content": fields["output"]}]
+
+
+def alpaca_prompt(fields: dict) -> str:
+    context = ", paired with an input that provides further context" if fields["input"] else ""
+    given = f"### Input:\n{fields['input']}\n\n" if fields["input"] else ""
+    return (fields["system"] + "\n\n" if fields["system"] else "") + ALPACA_PROMPT.format(
+        context=context, instruction=fields["instruction"], input=given)
+
+
+def sample_document(tokenizer, sample: Sample) -> Document:
+    f = sample.fields
+    if sample.format == "text":
+        return text_document(tokenizer, f["text"])
+    if sample.format in ("chat", "sharegpt"):
+        return chat_document(tokenizer, f["messages"], f["tools"])
+    if sample.format == "alpaca":
+        if tokenizer.chat_template:
+            return chat_document(tokenizer, alpaca_messages(f))
+        return completion_document(tokenizer, alpaca_prompt(f), f["output"])
+    if isinstance(f["prompt"], list):
+        return chat_document(tokenizer, f["prompt"] + f["completion"], first=len(f["prompt"]))
+    return completion_document(tokenizer, f["prompt"], f["completion"])
+
+
+def tokenize(records: list[Sample], tokenizer) -> list[Document]:
+    """Every sample's document; a sample the release's chat template refuses (its own raise_exception, a key it
+    needs) is bad input naming the sample's file and line."""
+    from jinja2 import TemplateError
+
+    documents = []
+    for sample in records:
+        try:
+            documents.append(sample_document(tokenizer, sample))
+        except (TemplateError, TypeError) as err:
+            raise data_error(sample.path, sample.where, f"the release's chat template cannot render it ({err})") from None
+        if not any(documents[-1].trained):
+            raise data_error(sample.path, sample.where, "no token to train on once rendered")
+    return documents
 
 
 @dataclass

@@ -59,7 +59,7 @@ class TrainingAborted(RuntimeError):
 @dataclass
 class TrainData:
     train: PackedRows
-    eval: PackedRows
+    eval: PackedRows | None  # None: no eval (--no-eval); no eval loss, no best checkpoint
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -243,7 +243,7 @@ def train(model: nn.Module, data: TrainData, cfg: TrainConfig, run_dir: Path, re
                 bar.console.print(f"step {state['step']}: loss {result['loss']}, grad norm {result['grad_norm']}: "
                                   "not finite, step skipped")
             _check_finite(state, result, cfg)
-            if state["step"] % cfg.eval_every == 0 or state["step"] == cfg.steps:
+            if data.eval is not None and (state["step"] % cfg.eval_every == 0 or state["step"] == cfg.steps):
                 _evaluate_into(state, model, data, cfg, device, log)
             if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.steps:
                 checkpoint.save(run_dir / "checkpoints", model, optimizer, state, cfg.keep_last)

@@ -57,7 +57,7 @@ def test_text_document_ends_with_eos(tokenizer):
 
 @pytest.mark.parametrize("line,needle", [
     ('{"text": "ok"', "not valid JSON"),
-    ('["text"]', 'exactly one of "text" or "messages"'),
+    ('["text"]', 'expected a JSON object, got list'),
     ('{"text": ""}', "non-empty string"),
     ('{"messages": [{"role": "user"}]}', "messages[0]"),
     ('{"messages": [{"role": "user", "content": "hi"}]}', "no assistant turn"),
