@@ -7,7 +7,7 @@ import io
 import os
 import sys
 
-from onboard.commands import align, approve, bench, demo, example_model, export, inspect, new_model, plan, train
+from onboard.commands import align, approve, bench, data, demo, example_model, export, inspect, new_model, plan, train
 from onboard.commands.refusals import REFUSALS, refusal_exit
 from onboard.errors import report_internal_error
 from onboard.exit_codes import Exit
@@ -23,7 +23,8 @@ COMMANDS = [
     ("align", align, "run the alignment tiers against the model's own implementation"),
     ("approve", approve, "approve the package's op files (PKG/ops/) after review: align and train run them in "
                          "this process only then"),
-    ("train", train, "train the package's LoRA on a jsonl file (run folder: checkpoints, metrics, plots)"),
+    ("data", data, "samples of a data file as training sees them: the template's rendering, trained tokens marked"),
+    ("train", train, "train the package's LoRA on your data (run folder: checkpoints, metrics, plots)"),
     ("export", export, "a run's adapter in PEFT's format, or the release with it merged"),
     ("bench", bench, "tokens/s, MFU, step latency, peak memory and per-op time of the package's LoRA step"),
     ("demo", demo, "the whole loop on a tiny hybrid MoE on CPU: release, package, training, PEFT adapter"),

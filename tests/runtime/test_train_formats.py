@@ -117,3 +117,18 @@ def test_a_malformed_record_exits_2_before_torch_or_the_package_load(example_pac
                                                   "\"messages\", \"conversations\", \"instruction\" and \"output\", or "
                                                   "\"prompt\" and \"completion\" (keys found: instruction)"]
     assert not (tmp_path / "run").exists()
+
+
+def test_onboard_data_prints_samples_with_the_trained_tokens_marked(example_package, tmp_path, capsys):
+    pkg, data = example_package("qwen3_moe"), write(tmp_path, "folder")
+    assert main(["data", str(pkg), "--data", str(data), "--n", "2", "--seq-len", "64"]) == 0
+    out = capsys.readouterr().out
+    headers = [line for line in out.splitlines() if line.startswith("--- ")]
+    assert headers[0].startswith(f"--- {data / 'chat.json'}: line 2 (chat): ") and len(headers) == 2
+    marked = [piece.split("]]")[0] for piece in out.split("[[")[1:]]
+    assert len(marked) == 2 and all("bridge" in m and "Where" not in m for m in marked), out
+    assert "Where is mill 0?" in out.split("[[")[0]
+    assert out.strip().splitlines()[-1].startswith(f"{2 * N} records (chat {N}, sharegpt {N}): ")
+    (data / "bad.jsonl").write_text('{"conversations": [{"from": "human", "value": "hi"}]}\n')
+    assert main(["data", str(pkg), "--data", str(data)]) == 2
+    assert "bad.jsonl: line 1: conversations has no assistant turn" in capsys.readouterr().err
