@@ -6,7 +6,6 @@ import json
 import math
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -109,7 +108,6 @@ def test_a_malformed_record_exits_2_before_torch_or_the_package_load(example_pac
     data.write_text(data.read_text() + json.dumps({"instruction": "no answer"}) + "\n")
     probe = ("import sys, onboard.cli as cli; code = cli.main(sys.argv[1:]); "
              "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(code)")
-    started = time.perf_counter()
     result = subprocess.run([sys.executable, "-c", probe, "train", str(example_package("qwen3_moe")), "--data", str(data),
                              "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
