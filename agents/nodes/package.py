@@ -13,7 +13,7 @@ from onboard.align import run_alignment
 from onboard.align.progress import Progress
 from onboard.exit_codes import Exit
 from onboard.gap.render import gap_markdown
-from onboard.package.writer import write_package
+from onboard.package.writer import committed_gap_report, write_package
 from onboard.plan.search import Cluster
 from onboard.review.pr import render_pr
 
@@ -40,8 +40,9 @@ def assemble(state: OnboardState, runtime: Runtime[Context]) -> dict:
                       generated=[t.accepted for t in tasks if t.accepted is not None],
                       spec_steps=state.get("spec_steps", []))
     report = final_report(state["report"], tasks, state.get("explanations", []))
-    _replace(out / "gap_report.json", report.model_dump_json(indent=2))
-    _replace(out / "gap_report.md", gap_markdown(report))
+    committed = committed_gap_report(report, o.model_dir, out)
+    _replace(out / "gap_report.json", committed.model_dump_json(indent=2))
+    _replace(out / "gap_report.md", gap_markdown(committed))
     runtime.context.progress(f"assemble: wrote {out}")
     return {"package": str(out), "report": report}
 

@@ -71,6 +71,7 @@ class TierResult(BaseModel):
 
 
 class AlignmentReport(BaseModel):
+    # the package folder and the release; in PKG/alignment/ "." and the release relative to the package
     package: str
     source: str
     spec_hash: str

@@ -153,9 +153,19 @@ def failure_check(tier: int, err: Exception) -> Check:
                  detail=f"{type(err).__name__}: {str(err)[:300]}{at}")
 
 
+def committed_form(pkg: Path, report: AlignmentReport) -> AlignmentReport:
+    """The report as the package keeps it: the package "." and the release relative to it, so a committed report
+    names no folder of the machine that wrote it and holds wherever package and release move together."""
+    try:
+        source = os.path.relpath(report.source, Path(pkg).resolve())
+    except ValueError:  # no relative path (another drive)
+        source = report.source
+    return report.model_copy(update={"package": ".", "source": source})
+
+
 def _write(pkg: Path, report: AlignmentReport) -> None:
     """Inside the package only: a symlinked alignment/ or report file is refused, never written through."""
-    folder = pkg / "alignment"
+    folder, report = pkg / "alignment", committed_form(pkg, report)
     package_io.write_text(pkg, folder / "report.json", report.model_dump_json(indent=2))
     for tier in report.tiers:
         package_io.write_text(pkg, folder / f"tier{tier.tier}.json", tier.model_dump_json(indent=2))

@@ -3,13 +3,15 @@
 Plumbing only, so the user's checkout is never touched (HEAD, index, work tree, other branches): a
 temporary index file is filled from the current HEAD's tree (when the repository has commits), the package
 is added under `packages/<model>/` with its workflow also at `.github/workflows/onboard-<model>.yml` (where
-GitHub runs it, pointed at that folder; package.yaml's relative release path rewritten to hold from there),
+GitHub runs it, pointed at that folder; the relative release path of package.yaml and of the reports rewritten
+to hold from there),
 then `write-tree`, `commit-tree` with PR.md as the message body,
 and `update-ref` of the new branch with the zero id as the old value, so a branch that appeared meanwhile
 is never overwritten.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tempfile
@@ -18,6 +20,8 @@ from pathlib import Path
 import yaml
 
 from onboard.errors import BadInput
+from onboard.gap.render import gap_markdown
+from onboard.gap.report import GapReport
 from onboard.package.workflow import workflow_yaml
 
 ZERO_ID = "0" * 40
@@ -49,12 +53,13 @@ def commit_package(repo: Path, pkg: Path, model: str, title: str) -> str:
         if parent is not None:
             _git(repo, "read-tree", parent, env=env)
             _git(repo, "rm", "--cached", "-r", "-q", "--ignore-unmatch", "--", prefix, env=env)
+        rewritten = _rebased_files(pkg, repo / prefix)
         entries = [(path, f"{prefix}/{path.relative_to(pkg).as_posix()}") for path in sorted(pkg.rglob("*"))
-                   if path.is_file() and path != pkg / "package.yaml"]
+                   if path.is_file() and path.relative_to(pkg).as_posix() not in rewritten]
         ids = _git(repo, "hash-object", "-w", "--stdin-paths", stdin="\n".join(str(p) for p, _ in entries) + "\n")
         lines = [f"{_mode(p)} {i}\t{name}" for (p, name), i in zip(entries, ids.splitlines())]
-        for text, name in ((_manifest_in_repo(pkg, repo / prefix), f"{prefix}/package.yaml"),
-                           (workflow_yaml(model, prefix), f".github/workflows/onboard-{model}.yml")):
+        for text, name in [*((text, f"{prefix}/{name}") for name, text in rewritten.items()),
+                           (workflow_yaml(model, prefix), f".github/workflows/onboard-{model}.yml")]:
             lines.append(f"100644 {_git(repo, 'hash-object', '-w', '--stdin', stdin=text)}\t{name}")
         _git(repo, "update-index", "--index-info", stdin="\n".join(lines) + "\n", env=env)
         tree = _git(repo, "write-tree", env=env)
@@ -62,6 +67,28 @@ def commit_package(repo: Path, pkg: Path, model: str, title: str) -> str:
         commit = _git(repo, "commit-tree", tree, *(["-p", parent] if parent else []), "-F", "-", stdin=message, env=env)
     _git(repo, "update-ref", f"refs/heads/{branch_for(model)}", commit, ZERO_ID)
     return commit
+
+
+def _rebased_files(pkg: Path, dest: Path) -> dict[str, str]:
+    """package.yaml and the reports that name the release relative to the package, rewritten to hold from `dest`."""
+    files = {"package.yaml": _manifest_in_repo(pkg, dest)}
+    for name, key in (("gap_report.json", ("model", "source")), ("alignment/report.json", ("source",)),
+                      ("alignment/baseline.json", ("source",))):
+        if (pkg / name).is_file():
+            files[name] = _rebased_json(pkg, dest, name, key)
+    if "gap_report.json" in files:
+        files["gap_report.md"] = gap_markdown(GapReport.model_validate_json(files["gap_report.json"]))
+    return files
+
+
+def _rebased_json(pkg: Path, dest: Path, name: str, key: tuple[str, ...]) -> str:
+    data = json.loads((pkg / name).read_text())
+    holder = data
+    for part in key[:-1]:
+        holder = holder[part]
+    release = (pkg / holder[key[-1]]).resolve()
+    holder[key[-1]] = os.path.relpath(release, dest.resolve())
+    return json.dumps(data, indent=2)
 
 
 def _manifest_in_repo(pkg: Path, dest: Path) -> str:

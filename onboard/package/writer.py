@@ -148,10 +148,17 @@ def release_path(model_dir: Path, out: Path) -> str:
         return str(model_dir)
 
 
+def committed_gap_report(report, model_dir: Path, out: Path):
+    """The gap report as the package keeps it (it is committed): the release named relative to the package, as
+    package.yaml's source.path names it, not by a folder of the machine that wrote it."""
+    return report.model_copy(update={"model": {**report.model, "source": release_path(Path(model_dir).resolve(), out)}})
+
+
 def _write_files(pkg: Path, out: Path, model_dir: Path, manifest, spec, report,
                  generated: Sequence[GeneratedOp], spec_steps: list[SpecStep]) -> None:
     (pkg / "spec.json").write_text(spec.model_dump_json(indent=2))
     (pkg / "weight_map.json").write_text(json.dumps(derive_weight_map(spec, manifest), indent=1))
+    report = committed_gap_report(report, model_dir, out)
     (pkg / "gap_report.json").write_text(report.model_dump_json(indent=2))
     (pkg / "gap_report.md").write_text(gap_markdown(report))
     if manifest.vision_config is not None:

@@ -70,6 +70,21 @@ def test_pr_md_has_every_section_a_reviewer_needs(onboarded_package):
     assert text.count("- [ ] ") == 6
 
 
+def test_committed_files_name_no_folder_of_the_machine_that_wrote_them(onboarded_package):
+    """Reports, PR.md and the gap report name the release relative to the package; only package.yaml keeps the
+    absolute path, as the fallback a package moved without its release still finds it by."""
+    _, pkg = onboarded_package
+    recorded = yaml.safe_load((pkg / "package.yaml").read_text())["source"]
+    for path in (p for p in pkg.rglob("*") if p.is_file() and p.name != "package.yaml"):
+        text = path.read_text(errors="replace")
+        assert recorded["absolute"] not in text and str(pkg.resolve()) not in text, path
+    for name in ("alignment/report.json", "alignment/baseline.json"):
+        report = json.loads((pkg / name).read_text())
+        assert (report["package"], report["source"]) == (".", recorded["path"]), name
+    assert json.loads((pkg / "gap_report.json").read_text())["model"]["source"] == recorded["path"]
+    assert f"Source: `{recorded['path']}`" in (pkg / "gap_report.md").read_text()
+
+
 def test_release_strings_cannot_break_the_markdown():
     assert cell("a|b\n<script>`x`") == "a\\|b\\n&lt;script&gt;'x'"
 
@@ -82,7 +97,10 @@ def test_package_and_release_moved_together_align_and_train(onboarded_package, t
     shutil.copytree(pkg, moved)
     shutil.copytree(recorded["absolute"], (moved / recorded["path"]).resolve())
     assert read_package(moved).source == (moved / recorded["path"]).resolve() != Path(recorded["absolute"])
-    assert main(["align", str(moved), "--tiers", "1"]) == 0
+    # the committed baseline holds no path of the first machine: --check on the moved package compares as before
+    assert main(["align", str(moved), "--tiers", "1", "--check"]) == 0
+    report = json.loads((moved / "alignment" / "report.json").read_text())
+    assert (report["package"], report["source"]) == (".", recorded["path"])
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": f"The mill number {i} turns by the river."}) + "\n" for i in range(8)))
     run = tmp_path / "run"

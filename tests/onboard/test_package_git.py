@@ -3,6 +3,7 @@ onboard/<model> with PR.md as the message body, the user's HEAD, index and work 
 that is not a work tree, or a branch that exists, is exit 2 with one line before anything runs."""
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -55,6 +56,13 @@ def test_the_package_lands_on_its_own_branch_and_nothing_else_moves(onboarded_pa
     ours = yaml.safe_load((pkg / "package.yaml").read_text())
     assert {**committed, "source": {**committed["source"], "path": None}} == \
         {**ours, "source": {**ours["source"], "path": None}}
+    # the reports name the release as the committed package.yaml does, from where the package lands
+    for name in ("alignment/report.json", "alignment/baseline.json"):
+        assert json.loads(git(repo, "show", f"{commit}:packages/qwen3_next/{name}"))["source"] == \
+            committed["source"]["path"]
+    gap = git(repo, "show", f"{commit}:packages/qwen3_next/gap_report.json")
+    assert json.loads(gap)["model"]["source"] == committed["source"]["path"]
+    assert f"Source: `{committed['source']['path']}`" in git(repo, "show", f"{commit}:packages/qwen3_next/gap_report.md")
 
 
 def test_a_checkout_of_the_branch_finds_the_release(onboarded_package, repo, tmp_path):
