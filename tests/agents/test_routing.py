@@ -63,7 +63,7 @@ def test_a_failed_alignment_falls_back_once_per_rung_then_reviews(seed_spec):
 def test_the_drawing_has_exactly_the_routed_edges():
     mermaid = build().compile().get_graph().draw_mermaid()
     for edge in ("validate -.-> generate", "generate -.-> validate", "analyze -.-> explain", "explain --> plan",
-                 "assemble -.-> align", "align -.-> fall_back", "align -.-> review", "fall_back --> assemble"):
+                 "assemble -.-> align", "align -.-> fall_back", "align -.-> review", "fall_back --> plan"):
         assert edge in mermaid
     assert "analyze -.-> review" not in mermaid and "analyze -.-> plan" not in mermaid
 
