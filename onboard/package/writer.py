@@ -1,5 +1,9 @@
 """`onboard new-model`: write the package a release needs for alignment and training, atomically.
 
+`write` is the one writer of the package's files (package.yaml, spec.json, weight_map.json, gap_report.json/.md,
+plan.yaml, lora.yaml, ops/, the workflow; review's status through `record_outcome`), from `PackageContents`
+decided before: the onboarding graph's state, or `package_contents` for callers outside the graph.
+
 Everything is written into a temporary sibling folder `.PKG.partial-PID`, which is renamed to
 PKG at the end: a failed run leaves no half-written package and no parent folder it made; one
 killed outright leaves its partial folder, which the next run removes once that PID is gone.
