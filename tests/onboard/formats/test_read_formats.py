@@ -221,7 +221,7 @@ def test_weight_map_stored_entries(mxfp4_blocks, fp8_small_blocks):
 def test_fp8_rows_off_the_block_grid_are_a_gap(stored_example_release):
     """The example's experts are 32 rows wide: gate and up cannot share one w_gate_up in 128-row scale blocks."""
     manifest = read_manifest(stored_example_release("deepseek_v3", "fp8"))
-    with pytest.raises(NotRecognized, match="128-row blocks"):
+    with pytest.raises(NotRecognized, match="off the 128-row blocks"):
         derive_weight_map(recognize(manifest), manifest)
 
 
