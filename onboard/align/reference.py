@@ -7,7 +7,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from onboard.align.stored import quantized, reference_state_dict, without_quantizer
 from onboard.errors import BadInput
+from onboard.release.manifest import read_manifest
 from onboard.release.transformers_classes import model_class
 from runtime.model.own_modules import text_decoder, truncated_config
 from runtime.spec import ModelSpec
@@ -28,9 +30,26 @@ def load_reference(source: Path, family: str, dtype: torch.dtype, num_layers: in
     hf_logging.set_verbosity_error()
     # the release's own code (auto_map) never runs in this process: transformers' class of the family only
     config = truncated_config(AutoConfig.from_pretrained(source, trust_remote_code=False), num_layers)
-    model = model_class(family).from_pretrained(source, config=config, dtype=dtype, trust_remote_code=False).eval()
+    stored, shapes = stored_weights(source) if quantized(config) else ({}, {})
+    if stored:
+        # built without the quantizer, loaded with the weights decoded by our fp64 decoders (onboard/align/stored.py)
+        without_quantizer(config)
+        state = reference_state_dict(source, stored, shapes, dtype, num_layers)
+        model = model_class(family).from_pretrained(None, config=config, state_dict=state, dtype=dtype,
+                                                    trust_remote_code=False)
+    else:
+        model = model_class(family).from_pretrained(source, config=config, dtype=dtype, trust_remote_code=False)
+    model.eval()
     _refresh_derived_buffers(model)
     return model
+
+
+def stored_weights(source: Path) -> tuple[dict, dict]:
+    """(logical name -> StoredEntry, logical name -> logical shape) of a release that stores weights quantized;
+    two empty dicts for a bf16 release."""
+    manifest = read_manifest(source)
+    stored = dict(getattr(manifest, "stored", None) or {})
+    return stored, {name: manifest.tensors[name].shape for name in stored if name in manifest.tensors}
 
 
 def _refresh_derived_buffers(model: nn.Module) -> None:
