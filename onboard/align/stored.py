@@ -36,6 +36,9 @@ def decode(entry: StoredEntry, codes: torch.Tensor, scale: torch.Tensor) -> torc
     if fmt.layout == "blocks":
         # gpt-oss: [.., O, G, 16] bytes, 16 bytes holding one group of 32 codes
         codes = codes.flatten(-2)
+    if scale.dtype == torch.float8_e8m0fnu:
+        # E8M0 is the byte itself (the float8_e8m0fnu dtype's values would be the powers of two)
+        scale = scale.view(torch.uint8)
     if codes.shape[-1] * 2 != scale.shape[-1] * MXFP4_GROUP:
         raise ValueError(f"{entry.codes}: {tuple(codes.shape)} bytes do not hold the {tuple(scale.shape)} groups of "
                          f"{entry.scale}")
