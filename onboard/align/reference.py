@@ -30,11 +30,11 @@ def load_reference(source: Path, family: str, dtype: torch.dtype, num_layers: in
     hf_logging.set_verbosity_error()
     # the release's own code (auto_map) never runs in this process: transformers' class of the family only
     config = truncated_config(AutoConfig.from_pretrained(source, trust_remote_code=False), num_layers)
-    stored, shapes = stored_weights(source) if quantized(config) else ({}, {})
-    if stored:
+    manifest = read_manifest(source) if quantized(config) else None
+    if manifest is not None and manifest.stored:
         # built without the quantizer, loaded with the weights decoded by our fp64 decoders (onboard/align/stored.py)
         without_quantizer(config)
-        state = reference_state_dict(source, stored, shapes, dtype, num_layers)
+        state = reference_state_dict(manifest, dtype, num_layers)
         model = model_class(family).from_pretrained(None, config=config, state_dict=state, dtype=dtype,
                                                     trust_remote_code=False)
     else:
@@ -42,14 +42,6 @@ def load_reference(source: Path, family: str, dtype: torch.dtype, num_layers: in
     model.eval()
     _refresh_derived_buffers(model)
     return model
-
-
-def stored_weights(source: Path) -> tuple[dict, dict]:
-    """(logical name -> StoredEntry, logical name -> logical shape) of a release that stores weights quantized;
-    two empty dicts for a bf16 release."""
-    manifest = read_manifest(source)
-    stored = dict(getattr(manifest, "stored", None) or {})
-    return stored, {name: manifest.tensors[name].shape for name in stored if name in manifest.tensors}
 
 
 def _refresh_derived_buffers(model: nn.Module) -> None:

@@ -11,10 +11,12 @@ Shape legend: O rows (out width), I columns (in width), G groups of 32 columns; 
 from __future__ import annotations
 
 import re
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Iterable, Mapping
 
 import torch
+from safetensors import safe_open
 
 from reference_ops.formats import MXFP4_GROUP, dequantize_fp8_block, dequantize_mxfp4
 from runtime.formats.scheme import FP8Block, StoredEntry
@@ -64,17 +66,13 @@ def _shards(source: Path) -> dict[str, str]:
     return {name: file for file, names in shard_order(source).items() for name in names}
 
 
-def reference_state_dict(source: Path, stored: Mapping[str, StoredEntry], shapes: Mapping[str, tuple[int, ...]],
-                         dtype: torch.dtype, num_layers: int | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of the release by its logical name, in `dtype`: the stored weights decoded (fp64, then cast), the
-    rest as released; tensors of decoder layers past num_layers are left out (an aligned prefix reads no more).
-    shapes: logical name -> logical shape (the manifest's view), checked against each decoded weight."""
-    from contextlib import ExitStack
-
-    from safetensors import safe_open
-
-    hidden = {name for entry in stored.values() for name in (entry.codes, entry.scale)}
-    files = _shards(Path(source))
+def reference_state_dict(manifest, dtype: torch.dtype, num_layers: int | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the release (a Manifest of onboard/release) by its logical name, in `dtype`: the stored weights
+    decoded (fp64, then cast) and checked against their logical shapes, the rest as released; the scale tensors
+    hidden; tensors of decoder layers past num_layers left out (an aligned prefix reads no more)."""
+    stored = manifest.stored
+    hidden = set(manifest.quantization.hidden) if manifest.quantization else set()
+    files = _shards(Path(manifest.root))
     wanted = [n for n in [*stored, *(n for n in files if n not in hidden)]
               if num_layers is None or layer_of(n) is None or layer_of(n) < num_layers]
     out = {}
@@ -84,13 +82,14 @@ def reference_state_dict(source: Path, stored: Mapping[str, StoredEntry], shapes
         def read(name: str) -> torch.Tensor:
             file = files[name]
             if file not in handles:
-                handles[file] = stack.enter_context(safe_open(Path(source) / file, "pt"))
+                handles[file] = stack.enter_context(safe_open(Path(manifest.root) / file, "pt"))
             return handles[file].get_tensor(name)
 
         for name in wanted:
             if name in stored:
                 entry = stored[name]
-                value = logical(entry, decode(entry, read(entry.codes), read(entry.scale)), shapes.get(name))
+                shape = manifest.tensors[name].shape if name in manifest.tensors else None
+                value = logical(entry, decode(entry, read(entry.codes), read(entry.scale)), shape)
             else:
                 value = read(name)
             out[name] = value.to(dtype) if value.is_floating_point() else value
