@@ -58,9 +58,15 @@ def load_runtime(spec: ModelSpec | dict, weight_map: dict, source: Path, dtype: 
                  num_layers: int | None = None):
     """Our model with the release's weights; spec: a ModelSpec or spec.json's data (HybridDecoder reads it)."""
     from runtime.model.decoder import HybridDecoder
+    from runtime.model.stored import build_stored_model, stored_targets
     from runtime.model.weights import load_release
 
-    model = HybridDecoder(spec, num_layers).to(dtype)
+    stored = stored_targets(weight_map)
+    if stored:
+        # the weights the release stores quantized stay so (codes and scales), as train holds them
+        model = build_stored_model(spec, stored, torch.device("cpu"), dtype, num_layers)
+    else:
+        model = HybridDecoder(spec, num_layers).to(dtype)
     vision = model.config.naming.vision_prefix
     try:
         load_release(model, source, weight_map, skip_prefixes=(vision,) if vision else ())

@@ -13,7 +13,7 @@ import torch
 
 from onboard.align.progress import Progress
 from onboard.align.report import Check, with_scales
-from onboard.align.tiers.cases import build_case
+from onboard.align.tiers.cases import BUILDERS, build_case
 from onboard.align.tiers.stored_cases import stored_cases
 from runtime import dispatch
 from runtime.ops.common.backend import force
@@ -167,7 +167,7 @@ def distinct_ops(spec: ModelSpec) -> list[tuple[str, SpecPart]]:
     """Every (op, spec part) the spec uses, once each (equal parts are one), in layer order."""
     seen, out = set(), []
     for layer in spec.layers:
-        for op, part in [("rms_norm", spec.norm)] + ops_for_layer(layer.attention, layer.ffn):
+        for op, part in [("rms_norm", spec.norm)] + ops_for_layer(layer.attention, layer.ffn, spec.stored_format):
             key = (op, part.model_dump_json())  # a part holding a dict (rope scaling) has no hash
             if key not in seen:
                 seen.add(key)
@@ -181,10 +181,15 @@ def tier0(spec: ModelSpec, T: int = 33, progress: Progress | None = None, weight
     for a release that stores weights quantized (given its weight map and folder), every decoding op on the release's
     own codes and scales (onboard/align/tiers/stored_cases.py)."""
     progress = progress or Progress()
-    ops = distinct_ops(spec)
+    used = distinct_ops(spec)
+    # the decoding ops take the release's bytes, not a spec part's widths: their cases come from the weight map
+    ops = [(op, part) for op, part in used if op in BUILDERS]
+    decoding = list(dict.fromkeys(op for op, _ in used if op not in BUILDERS))
     stored = stored_cases(spec, weight_map, source, T) if weight_map is not None and source is not None else []
     progress.plan(len(ops) + len(stored))
-    checks = []
+    checks = [_unchecked(op, "the release's folder and weight map were not given") for op in decoding if not stored]
+    checks += [_unchecked(op, "no stored weight of this release is read by it") for op in decoding
+               if stored and op not in {c.op for c in stored}]
     for op, part in ops:
         progress.group(op)
         checks += check_op(op, part, spec.hidden_size, T, "fallback")
@@ -199,6 +204,10 @@ def tier0(spec: ModelSpec, T: int = 33, progress: Progress | None = None, weight
                                     label)
         checks += with_scales(found, case.scales)
     return checks
+
+
+def _unchecked(op: str, why: str) -> Check:
+    return Check(tier=0, name=f"{op}/stored", metric="-", value=0.0, tolerance=0.0, verdict="skip", op=op, detail=why)
 
 
 def _kernel_checks(op: str, run, label: str | None = None) -> list[Check]:

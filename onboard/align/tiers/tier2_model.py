@@ -169,8 +169,9 @@ def first_divergence(ours, recorder: Recorder, num_layers: int, T: int) -> Diver
             ffn = compare(layer.ffn(recorder.input("ffn", i)), recorder.output("ffn", i), tol)
             part, c = ("attention", attn) if not attn.passed or ffn.passed else ("ffn", ffn)
             layer_spec = ours.config.layers[i]
-            ops = [op for op, _ in ops_for_layer(layer_spec.attention, layer_spec.ffn)
-                   if (part == "attention") != op.startswith(("moe_", "swiglu_"))]
+            ops = [op for op, _ in ops_for_layer(layer_spec.attention, layer_spec.ffn, ours.config.stored_format)
+                   # a stored linear decodes projections of either part
+                   if op == "stored_linear" or (part == "attention") != op.startswith(("moe_", "swiglu_"))]
             kind = layer_spec.attention.kind if part == "attention" else layer_spec.ffn.kind
             return Divergence(layer=i, component=part, kind=kind, ops=ops, value=c.rel_rms, tolerance=c.tolerance.rel_rms)
     return None
