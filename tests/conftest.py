@@ -61,6 +61,22 @@ def example_release(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def stored_example_release(tmp_path_factory):
+    """(family, weights) -> the example in the stored format its real release ships (`example-model --weights`:
+    fp8 for deepseek_v3 / deepseek_v32 / qwen3_next, mxfp4 for gpt_oss), 2 shards, seed 0 like example_release:
+    the same weights up to quantization."""
+    cache: dict[tuple[str, str], Path] = {}
+
+    def make(family: str, weights: str) -> Path:
+        if (family, weights) not in cache:
+            out = tmp_path_factory.mktemp("stored-releases") / f"{family}-{weights}"
+            cache[family, weights] = write_example_model(family, out, num_shards=2, weights=weights)
+        return cache[family, weights]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def example_spec(example_release):
     """family -> the dict a package's spec.json holds for that family's example release (recognized once)."""
     from onboard.recognize.recognizer import recognize

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from onboard.errors import BadInput
+from onboard.examples.stored import encode_release, stored_release
 from onboard.examples.tokenizer import write_example_tokenizer
 from onboard.release.transformers_classes import model_class
 
@@ -132,10 +133,21 @@ def perturb(model, seed: int) -> None:
 
 
 def write_example_model(family: str, out_dir: Path, num_layers: int | None = None, num_shards: int = 1,
-                        seed: int = 0) -> Path:
-    """Write the release folder (config.json + safetensors, sharded when num_shards > 1) in bf16."""
+                        seed: int = 0, weights: str = "bf16") -> Path:
+    """Write the release folder (config.json + safetensors, sharded when num_shards > 1) in bf16, or in the stored
+    format the family's real release ships (`weights` fp8 / mxfp4: the bf16 example's weights re-encoded)."""
+    release = None if weights == "bf16" else stored_release(_known(family), weights)
     _check_out_dir(Path(out_dir), num_shards)
-    return save_release(build_example(family, num_layers, seed), Path(out_dir), num_shards)
+    out = save_release(build_example(family, num_layers, seed), Path(out_dir), num_shards)
+    if release is not None:
+        encode_release(out, release)
+    return out
+
+
+def _known(family: str) -> str:
+    if family not in FAMILIES:
+        _config_kwargs(family, 1)  # raises the unknown-family BadInput
+    return family
 
 
 def _check_out_dir(out_dir: Path, num_shards: int) -> None:

@@ -35,10 +35,12 @@ def fp8_block_decode(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int,
     return (codes.to(work) * full).to(dtype)
 
 
-def fp8_block_encode(weight: torch.Tensor, block: tuple[int, int], power_of_two: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[.., O, I] -> (codes float8_e4m3fn, scale float32 [.., ceil(O/b), ceil(I/b)]): each block's largest
-    magnitude maps to the format's largest value; power_of_two rounds each scale up to 2^k (UE8M0 scales)."""
+def fp8_block_encode(weight: torch.Tensor, block: tuple[int, int], power_of_two: bool = False,
+                     scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """[.., O, I] -> (codes float8_e4m3fn, scale [.., ceil(O/b), ceil(I/b)] in scale_dtype): each block's largest
+    magnitude maps to the format's largest value; power_of_two rounds each scale up to 2^k (UE8M0 scales).
+    scale_dtype bfloat16 (Qwen's FP8 releases store their scales so): each scale is rounded UP to a bf16 value
+    before the codes are computed, so the stored scale is the one the codes were divided by and no code overflows."""
     w = weight.to(torch.float32)
     rows, cols = w.shape[-2:]
     b_rows, b_cols = block
@@ -49,8 +51,18 @@ def fp8_block_encode(weight: torch.Tensor, block: tuple[int, int], power_of_two:
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     if power_of_two:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    if scale_dtype == torch.bfloat16:
+        scale = _round_up_to_bf16(scale)
+    elif scale_dtype != torch.float32:
+        raise ValueError(f"FP8 block scales are stored as float32 or bfloat16, not {scale_dtype}")
     codes = (w / _expand_blocks(scale, w.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return codes, scale
+    return codes, scale.to(scale_dtype)
+
+
+def _round_up_to_bf16(positive: torch.Tensor) -> torch.Tensor:
+    """The smallest bf16 value >= each positive finite float32 (bf16 is float32's upper 16 bits)."""
+    bits = positive.contiguous().view(torch.int32)
+    return ((bits + 0xFFFF) & ~0xFFFF).view(torch.float32)
 
 
 def mxfp4_decode(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
