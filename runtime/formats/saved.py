@@ -2,10 +2,11 @@
 
 An op handed a decoded weight (the routed experts' grouped GEMMs, a fused MLP or attention reading `weight_of`)
 saves it for its backward like any input; kept so, every layer's decoded weights would stay alive until the
-backward reached them: a bf16 copy of the stored model. Inside `redecoding()` (a decoder layer's forward), a saved
-tensor that is (a view of) a weight registered by `redecodable` is packed as its recipe and decoded again when the
-backward unpacks it. Every other saved tensor goes to the saved-tensor hooks that were active outside (activation
-offload, checkpointing, the saved-bytes count) or is kept as it is.
+backward reached them: a bf16 copy of the stored model. Inside `redecoding()` (runtime/model/stored.py runs each
+layer part holding stored weights in it), a saved tensor that is (a view of) a weight registered by `redecodable`
+is packed as its recipe and decoded again when the backward unpacks it. Every other saved tensor goes to the
+saved-tensor hooks that were active outside (activation offload, checkpointing, the saved-bytes count) or is kept
+as it is.
 """
 from __future__ import annotations
 

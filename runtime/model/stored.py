@@ -2,15 +2,20 @@
 
 The weight map's `stored` steps (runtime/formats/scheme.py StoredEntry) name them by runtime target. apply_stored turns
 each such nn.Linear into a StoredLinear and each such stacked expert weight into a StoredWeight, before any
-memory is given to them (the model built on the meta device), so no bf16 copy of a stored weight ever exists.
+memory is given to them (the model built on the meta device), so no bf16 copy of a stored weight ever exists, and
+runs each layer part holding one inside runtime/formats/saved.py's redecoding(): what its ops save of a decoded
+weight is a way to decode it again, so only one layer's decoded weights are alive at a time.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 
 from runtime.formats.entry import stored_entry
 from runtime.formats.linear import StoredLinear
+from runtime.formats.saved import redecoding
 from runtime.formats.scheme import StoredFormat
 from runtime.formats.weight import StoredWeight
 from runtime.model.layers.ffn import Experts
@@ -51,8 +56,17 @@ def apply_stored(model: nn.Module, stored: dict[str, StoredFormat]) -> list[str]
                              f"not in {type(module).__name__}.{leaf}")
         done.append(target)
     for layer in getattr(model, "layers", []):
-        layer.stored_weights = any(isinstance(m, StoredWeight) for m in layer.modules())
+        for part in (layer.attn, layer.ffn):
+            if part is not None and any(isinstance(m, StoredWeight) for m in part.modules()):
+                part.forward = functools.partial(_redecoding_forward, part.forward)
     return done
+
+
+def _redecoding_forward(forward, *args, **kwargs):
+    # the part's forward itself, so that the memory policy's and any other saved-tensor hooks, which wrap it
+    # later, lie outside: decoded weights are packed as recipes first, the rest passed on to them
+    with redecoding():
+        return forward(*args, **kwargs)
 
 
 def build_stored_model(spec, stored: dict[str, StoredFormat], device, dtype: torch.dtype = torch.bfloat16,
