@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from runtime.formats.saved import Redecode, recipe_for
 from runtime.spec import LayerSpec
 
 LINEAR_ATTENTION = ("gated_delta", "kda", "lightning")
@@ -90,6 +91,10 @@ class CpuOffload:
             warnings.warn("activation offload: no CUDA device, activations already live in host memory (no-op)")
 
     def pack(self, t: torch.Tensor):
+        # a decoded stored weight is decoded again rather than copied (runtime/formats/saved.py)
+        recipe = recipe_for(t)
+        if recipe is not None:
+            return recipe
         # parameters are saved by reference and stay where they are
         if t.device.type != "cuda" or isinstance(t, nn.Parameter) or t.numel() * t.element_size() < OFFLOAD_MIN_BYTES:
             return t
@@ -106,6 +111,8 @@ class CpuOffload:
     def unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
+        if isinstance(packed, Redecode):
+            return packed.rebuild()
         device, host, done = packed
         torch.cuda.current_stream(device).wait_event(done)
         return host.to(device, non_blocking=True)

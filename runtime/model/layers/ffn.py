@@ -2,7 +2,8 @@
 
 Shape legend: B batch, T tokens, D model width, E experts, F expert width, k experts per token.
 Experts are stored stacked ([E, 2F, D] gate rows then up rows, [E, D, F]) for grouped GEMMs; the
-weight map stacks the release's per-expert tensors into them.
+weight map stacks the release's per-expert tensors into them. Either is a Parameter, or a StoredWeight
+(runtime/formats/weight.py) when the release ships it quantized: decoded for the op one layer at a time.
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from torch import nn
 
 from runtime.spec import MoEFFN
 from runtime.dispatch import op
+from runtime.formats.linear import decoded_for_op
+from runtime.formats.weight import StoredWeight
 from runtime.model.layers.lora_linear import weight_of
 from runtime.ops.moe.torch_form import SCORINGS, router_logits
 
@@ -104,8 +107,14 @@ class Experts(nn.Module):
 
     def forward(self, x_TD, weights_Tk, idx_Tk) -> torch.Tensor:
         experts = op("moe_experts", x_TD.device)
-        return experts(x_TD, weights_Tk, idx_Tk, self.w_gate_up, self.w_down, b_gate_up_E2F=self.b_gate_up,
+        w_gate_up, w_down = self.op_weights(x_TD.dtype)
+        return experts(x_TD, weights_Tk, idx_Tk, w_gate_up, w_down, b_gate_up_E2F=self.b_gate_up,
                        b_down_ED=self.b_down, **self.options, **self._lora_args(x_TD.dtype))
+
+    def op_weights(self, dtype: torch.dtype, view=lambda t: t) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_gate_up, w_down) as the op takes them: the Parameters (view mapped), or stored ones decoded in dtype."""
+        return tuple(decoded_for_op(w, dtype, view) if isinstance(w, StoredWeight) else view(w)
+                     for w in (self.w_gate_up, self.w_down))
 
     def _lora_args(self, dtype: torch.dtype, view=lambda t: t) -> dict:
         """The op's LoRA arguments; view maps each factor first (expert parallelism: to its local part)."""

@@ -1,0 +1,61 @@
+"""A linear layer whose frozen base weight stays stored: decoded for the forward's matmul and again for the
+backward's input gradient, never saved decoded.
+
+Shape legend: O out width, I in width; x's leading dims pass through.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.formats.saved import redecodable
+from runtime.formats.weight import StoredWeight
+
+
+class _StoredMatmul(torch.autograd.Function):
+    """y = x W^T + b with W = weight.decode(x.dtype). The weight is read from its module again in backward (the
+    codes, whichever tensor holds them then: FSDP has gathered them back for the backward by that point)."""
+
+    @staticmethod
+    def forward(ctx, x, bias, weight: StoredWeight):
+        ctx.weight = weight
+        return F.linear(x, weight.decode(x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx = dy @ ctx.weight.decode(dy.dtype) if ctx.needs_input_grad[0] else None
+        dbias = dy.flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
+        return dx, dbias, None
+
+
+def stored_linear(x: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [.., I] @ decode(weight)^T [I, O] (+ bias): the weight decoded in x's dtype."""
+    return _StoredMatmul.apply(x, bias, weight)
+
+
+class StoredLinear(nn.Module):
+    """nn.Linear's interface over a StoredWeight: `weight` is the holder (its tensors `weight.codes`, `weight.scale`),
+    `bias` an ordinary Parameter (releases keep biases unquantized)."""
+
+    def __init__(self, base: nn.Linear, fmt):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = StoredWeight(fmt, tuple(base.weight.shape), base.weight.dtype, base.weight.device)
+        self.bias = base.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return stored_linear(x, self.weight, self.bias)
+
+    def effective_weight(self) -> torch.Tensor:
+        """The decoded weight for layers that hand it to a fused op (saved by it as a recipe: runtime/formats/saved.py)."""
+        return decoded_for_op(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def decoded_for_op(weight: StoredWeight, dtype: torch.dtype | None = None, view=lambda t: t) -> torch.Tensor:
+    """weight decoded (in dtype, default its own) for an op that may save it: saved as a way to decode it again."""
+    dtype = dtype or weight.dtype
+    return redecodable(weight.decode(dtype, view), lambda: weight.decode(dtype, view))
