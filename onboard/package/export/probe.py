@@ -19,11 +19,12 @@ REPORT = "merge_error.json"
 
 
 def _load(spec: dict, weight_map: dict, source: Path):
-    from runtime.model.decoder import HybridDecoder
+    """Our model of the release in `source` as train builds it (stored weights held as codes + scales), in fp32."""
+    from runtime.model.stored import build_stored_model, stored_targets
     from runtime.model.weights import load_release
 
-    model = HybridDecoder(spec).to(torch.float32)
-    vision = model.config.naming.vision_prefix
+    model = build_stored_model(spec, stored_targets(weight_map), torch.device("cpu"), torch.float32)
+    vision = spec["naming"].get("vision_prefix")
     load_release(model, source, weight_map, skip_prefixes=(vision,) if vision else ())
     return model.eval()
 
