@@ -53,7 +53,7 @@ def _stored_entry(name: str, entry: dict, stored: StoredEntry) -> dict:
     if rows is not None and isinstance(stored.format, FP8Block) and any(r % stored.format.block[0] for r in rows):
         raise NotRecognized(name, f"rows {rows[0]}:{rows[1]} of its target are not on the {stored.format.block[0]}-row "
                             "blocks its FP8 scales cover; splitting a block's scale is not supported yet")
-    return {**entry, "transpose": False, "stored": stored.model_dump()}
+    return {**entry, "transpose": False, "stored": stored.model_dump(mode="json")}
 
 
 def _mapped(spec: ModelSpec) -> dict[str, dict]:

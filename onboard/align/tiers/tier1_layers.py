@@ -13,7 +13,8 @@ import torch
 from onboard.align.progress import Progress
 from onboard.align.reference import (Recorder, attention_module, decoder_layers, ffn_module, first_tensor, load_reference,
                                      load_runtime, random_tokens)
-from onboard.align.report import Check
+from onboard.align.report import Check, with_scales
+from onboard.align.stored import scales_read
 from runtime.model.own_modules import OwnModule
 from runtime.model.rotary import RotaryCache
 from runtime.spec import LayerSpec, ModelSpec
@@ -97,7 +98,8 @@ def tier1(spec: ModelSpec, weight_map: dict, source: Path, num_layers: int, T: i
     checks = []
     for label, i in layers.items():
         progress.group(f"layer {i} ({label})")
-        checks += _layer_checks(decoder_layers(ref)[i], our_layers[i], recorder, i, label, rotary, seed)
+        found = _layer_checks(decoder_layers(ref)[i], our_layers[i], recorder, i, label, rotary, seed)
+        checks += with_scales(found, scales_read(weight_map, [i]))
     return checks
 
 

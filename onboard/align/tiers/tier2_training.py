@@ -18,7 +18,8 @@ import torch
 
 from onboard.align.progress import Progress
 from onboard.align.reference import load_reference, load_runtime
-from onboard.align.report import Check
+from onboard.align.report import Check, with_scales
+from onboard.align.stored import scales_read
 from onboard.align.tiers.tier2_model import logits_check
 from onboard.package.peft_format import adapter_file_state, key_pairs, peft_config
 from runtime.lora.factors import LoraConfig, apply_lora, lora_parameters, lora_state_dict
@@ -120,7 +121,8 @@ def training_checks(spec: ModelSpec, weight_map: dict, source: Path, lora_plan: 
     theirs_losses = _train([p for p in twin.parameters() if p.requires_grad],
                            lambda ids: twin(input_ids=ids, use_cache=False).logits, batches)
     checks = _loss_checks(ours_losses, theirs_losses)
-    return checks + _export_checks(ours, config, spec, weight_map, source, num_layers, batches[0])
+    checks += _export_checks(ours, config, spec, weight_map, source, num_layers, batches[0])
+    return with_scales(checks, scales_read(weight_map, range(num_layers), outside=True))
 
 
 def _in_prefix(name: str, weight_map: dict, held: set[str]) -> bool:
