@@ -88,6 +88,8 @@ def test_a_scale_replaced_by_ones_fails_tier_1_naming_the_weight_and_its_scale(f
     result = new_model(release, tmp_path / "pkg")
     assert result.code == 3, (result.code, result.err[-2000:])
     assert "tier 1: FAIL" in result.err
+    # no own-module rung: a wrong scale is no code to replace
+    assert "fall back" not in result.err
     failed = _failed_gain_check(tmp_path / "pkg")
     assert [c["name"] for c in failed] == [f"stored/{KV_A}/gain"]
     assert failed[0]["scales"] == [scale] and failed[0]["value"] > 2
