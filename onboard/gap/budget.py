@@ -52,13 +52,16 @@ def weight_bytes_per_param(spec: ModelSpec) -> tuple[float, float, float]:
     b = DTYPE_BYTES.get(spec.dtype, 2)
     if not spec.stored_groups:
         return b, b, b
-    groups = spec.stored_groups
-    experts, vision = groups.get("experts_routed"), groups.get("vision")
-    rest = [g for name, g in groups.items() if name not in ("experts_routed", "vision")]
+    rest = [g for name, g in spec.stored_groups.items() if name not in ("experts_routed", "vision")]
     rest_params = sum(g.params for g in rest)
-    return (experts.bytes / experts.params if experts and experts.params else b,
-            vision.bytes / vision.params if vision and vision.params else b,
+    return (group_bytes_per_param(spec, "experts_routed"), group_bytes_per_param(spec, "vision"),
             sum(g.bytes for g in rest) / rest_params if rest_params else b)
+
+
+def group_bytes_per_param(spec: ModelSpec, group: str) -> float:
+    """Bytes per parameter of one ParamCounts category as stored (the release dtype's when not quantized)."""
+    stored = (spec.stored_groups or {}).get(group)
+    return stored.bytes / stored.params if stored and stored.params else DTYPE_BYTES.get(spec.dtype, 2)
 
 
 def stored_weight_bytes(spec: ModelSpec) -> int:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from onboard.gap.budget import (DTYPE_BYTES, GIB, LORA_STATE_BYTES, USABLE_FRACTION, WORKSPACE_GIB, activations, lora_params,
-                                weight_bytes_per_param)
+from onboard.gap.budget import (DTYPE_BYTES, GIB, LORA_STATE_BYTES, USABLE_FRACTION, WORKSPACE_GIB, activations,
+                                group_bytes_per_param, lora_params, weight_bytes_per_param)
 from onboard.recognize.weight_layout import attention_tensors, ffn_tensors
 from runtime.parallel.placement import MeshShape, experts_per_rank, padded_rows
 from runtime.spec import LayerSpec, ModelSpec, MoEFFN
@@ -171,7 +171,8 @@ def _gather_buffers(m: ModelSummary, mesh: MeshShape) -> int:
     per_layer = [(m.weight_bytes(l.dense, 0) + lora_per_layer) * dense_gathered
                  + m.weight_bytes(0, _local_experts(l, mesh)) * (mesh.dp_shard > 1) for l in m.layers]
     largest = max(per_layer, default=0)
-    head = m.weight_bytes(m.spec.vocab_size * m.spec.hidden_size, 0) * dense_gathered
+    # the LM head is stored as the embedding category is (bf16 in the quantized releases)
+    head = m.spec.vocab_size * m.spec.hidden_size * group_bytes_per_param(m.spec, "embedding") * dense_gathered
     return max(2 * largest, head + largest)
 
 

@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+import yaml
 
 from onboard.cli import main
 from onboard.gap.budget import GIB, budget
@@ -221,7 +222,7 @@ def test_weight_map_stored_entries(mxfp4_blocks, fp8_small_blocks):
 def test_fp8_rows_off_the_block_grid_are_a_gap(stored_example_release):
     """The example's experts are 32 rows wide: gate and up cannot share one w_gate_up in 128-row scale blocks."""
     manifest = read_manifest(stored_example_release("deepseek_v3", "fp8"))
-    with pytest.raises(NotRecognized, match="128-row blocks"):
+    with pytest.raises(NotRecognized, match="off the 128-row blocks"):
         derive_weight_map(recognize(manifest), manifest)
 
 
@@ -235,3 +236,18 @@ def test_spec_keeps_the_format_and_old_hashes(fp8_small_blocks, bf16_deepseek):
     assert data.pop("stored_format") is None and data.pop("stored_groups") is None
     assert bf16.spec_hash() == hashlib.sha256(bf16.model_dump_json(exclude={"stored_format", "stored_groups"}).encode()).hexdigest()[:16]
     assert read_spec(data).stored_format is None
+
+
+def test_package_and_pr_name_the_stored_format(mxfp4_blocks, tmp_path):
+    from onboard.package.writer import write_package
+    from onboard.review.pr import render_pr
+
+    pkg, report = write_package(mxfp4_blocks, tmp_path / "pkg")
+    spec = read_spec(json.loads((pkg / "spec.json").read_text()))
+    assert spec.stored_format == MXFP4(layout="blocks")
+    assert json.loads((pkg / "weight_map.json").read_text())[EXPERTS]["stored"]["codes"] == EXPERTS + "_blocks"
+    # the status and reasons the graph's review node records before PR.md is rendered
+    package_yaml = pkg / "package.yaml"
+    package_yaml.write_text(yaml.safe_dump(yaml.safe_load(package_yaml.read_text()) | {"status": "trainable", "reasons": []}))
+    text = render_pr(pkg, spec, report, [], 0)
+    assert "stored weights" in text and "experts_routed: MXFP4 (gpt-oss blocks)" in text
