@@ -89,7 +89,8 @@ def _export_checks(ours, config, spec, weight_map, source: Path, num_layers: int
     from onboard.package.export import write_merged, write_peft
 
     state, family = lora_state_dict(ours), spec.family
-    held = set(dict(ours.named_parameters())) | set(dict(ours.named_buffers()))
+    # a stored weight's target is a holder module (runtime/formats/weight.py StoredWeight), not a parameter
+    held = set(dict(ours.named_parameters())) | set(dict(ours.named_buffers())) | set(dict(ours.named_modules()))
     with torch.no_grad():
         expected = ours(ids)
     with tempfile.TemporaryDirectory() as tmp:
