@@ -12,6 +12,7 @@ merge's error on a probe batch (export/probe.py), printed and written into DIR.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -99,21 +100,25 @@ def _merged_stored(weight: StoredWeight, codes: torch.Tensor, scale_t: torch.Ten
     return {weight.logical: bf16_layout(weight, merged).to(dtype or torch.bfloat16)}
 
 
-class _Shards:
-    """The release's shards, opened once each (a scale may sit in another shard than its codes)."""
+class _Shards(contextlib.ExitStack):
+    """The release's shards, each opened once when first read (a scale may sit in another shard than its codes)."""
 
     def __init__(self, release: Path):
+        super().__init__()
         self.release, self.open, self.where = release, {}, {}
         for file, names in shard_order(release).items():
             self.where |= dict.fromkeys(names, file)
+
+    def opened(self, file: str):
+        if file not in self.open:
+            self.open[file] = self.enter_context(safe_open(self.release / file, "pt"))
+        return self.open[file]
 
     def get(self, name: str) -> torch.Tensor:
         file = self.where.get(name)
         if file is None:
             raise BadInput(self.release, name, "the weight map's stored step names a tensor the release does not hold")
-        if file not in self.open:
-            self.open[file] = safe_open(self.release / file, "pt")
-        return self.open[file].get_tensor(name)
+        return self.opened(file).get_tensor(name)
 
 
 def write_merged(out: Path, release: Path, weight_map: dict, state, scale: float,
@@ -126,10 +131,10 @@ def write_merged(out: Path, release: Path, weight_map: dict, state, scale: float
     out, release = Path(out), Path(release)
     stored = stored_weights(weight_map)
     scale_names = {w.stored.scale for w in stored.values()}
-    shards = _Shards(release)
     kept: dict[str, str] = {}
-    for file, names in shard_order(release).items():
-        with safe_open(release / file, "pt") as shard:
+    with _Shards(release) as shards:
+        for file, names in shard_order(release).items():
+            shard = shards.opened(file)
             tensors = {}
             for n in names:
                 if n in scale_names or not keep(stored[n].logical if n in stored else n):
@@ -139,10 +144,9 @@ def write_merged(out: Path, release: Path, weight_map: dict, state, scale: float
                                               state, scale, dtype, requantize)
                 else:
                     tensors[n] = _merged(n, shard.get_tensor(n), weight_map, state, scale, dtype, biases or {})
-            metadata = shard.metadata()
-        if tensors:
-            save_file(tensors, out / file, metadata=metadata)
-            kept |= dict.fromkeys(tensors, file)
+            if tensors:
+                save_file(tensors, out / file, metadata=shard.metadata())
+                kept |= dict.fromkeys(tensors, file)
     for path in release.iterdir():
         if path.suffix != ".safetensors" and path.name != INDEX:
             (shutil.copytree if path.is_dir() else shutil.copy2)(path, out / path.name)

@@ -22,9 +22,10 @@ from onboard.examples.stored import decoded_tensors, write_decoded_release
 from onboard.package.export import write_merged, write_peft
 from runtime.formats.codec import fp8_block_decode
 from runtime.formats.scheme import MXFP4, FP8Block, StoredEntry
-from runtime.lora.factors import apply_lora, lora_parameters, lora_state_dict
+from runtime.lora.factors import apply_lora, load_lora_state_dict, lora_parameters, lora_state_dict
 from runtime.lora.plan import read_lora_yaml
 from runtime.tolerances import compare, tolerance_for
+from runtime.train.run_folder import read_adapter
 
 STORED = [("deepseek_v3", "fp8"), ("deepseek_v32", "fp8"), ("qwen3_next", "fp8"), ("gpt_oss", "mxfp4")]
 IDS = [f"{family}-{weights}" for family, weights in STORED]
@@ -134,13 +135,12 @@ def test_merge_writes_a_bf16_release_of_the_adapter_path(family, weights, traine
                        t.expected)
 
 
-@pytest.mark.parametrize("family,weights", STORED, ids=IDS)
+@pytest.mark.parametrize("family,weights", STORED[:3], ids=IDS[:3])
 def test_the_delta_added_to_the_codes_without_their_scale_loses_the_fine_tune(family, weights, trained, tmp_path):
-    """What `export --merge` did before the stored step (a weight map without it reads the codes as the weight):
-    the merged release is then far from the adapter path (for FP8; MXFP4's packed bytes cannot even take it)."""
+    """What `export --merge` did before the stored step, on FP8 (a weight map without it reads the codes as the
+    weight): the merged weight is the codes plus a delta, far from the weight (MXFP4's `*_blocks` are no weight-map
+    names: the old merge copied them unmerged, the fine-tune of the experts lost)."""
     t = trained(family, weights)
-    if weights != "fp8":
-        pytest.skip("MXFP4's names (`*_blocks`) are not weight-map names: the old merge copied them unmerged")
     merged = tmp_path / "codes_plus_delta"
     merged.mkdir()
     no_stored = {n: {k: v for k, v in e.items() if k != "stored"} for n, e in t.stored_weight_map.items()}
@@ -258,3 +258,105 @@ def test_scales_in_another_shard_than_their_codes_are_found(trained, tmp_path):
     for shard in out.glob("*.safetensors"):
         with safe_open(shard, "pt") as f:
             assert not any(k.endswith("_scale_inv") for k in f.keys())
+
+
+@pytest.fixture(scope="module")
+def stored_run(stored_example_release, tmp_path_factory):
+    """`onboard export`'s input, for real: the package `new-model` writes for the stored gpt_oss release (its
+    weight map with the `stored` steps onboard/package/weight_map.py derives), and a run folder holding an adapter
+    with random factors on our stored-format model (codes + scales, as train builds it)."""
+    from onboard.package.writer import write_package
+    from runtime.train.run_folder import save_adapter, write_run_json
+
+    source = stored_example_release("gpt_oss", "mxfp4")
+    pkg, _ = write_package(source, tmp_path_factory.mktemp("pkg") / "gpt_oss-mxfp4")
+    spec = json.loads((pkg / "spec.json").read_text())
+    weight_map = json.loads((pkg / "weight_map.json").read_text())
+    assert any(e.get("stored") for e in weight_map.values())
+    model = load_runtime(spec, weight_map, source, torch.float32)
+    config = dataclasses.replace(read_lora_yaml(pkg / "lora.yaml", weight_map), rank=4, alpha=8.0, experts=True)
+    apply_lora(model, config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in lora_parameters(model):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        ids = torch.randint(0, spec["vocab_size"], (2, 12), generator=gen)
+        expected = model(ids)
+    run = tmp_path_factory.mktemp("run") / "run"
+    write_run_json(run, pkg, source)
+    save_adapter(run, lora_state_dict(model), config)
+    return run, pkg, source, spec, weight_map, ids, expected
+
+
+def test_cli_merge_is_bf16_and_says_so(stored_run, example_release, onboard_cli, tmp_path):
+    run, pkg, source, spec, weight_map, ids, expected = stored_run
+    result = onboard_cli("export", run, "--merge", tmp_path / "merged")
+    assert result.code == 0, result.err
+    assert "bf16" in result.out and "quantization_config removed" in result.out and "--requantize" in result.out
+    written = _tensors(tmp_path / "merged")
+    bf16_example = _tensors(example_release("gpt_oss"))
+    assert {n: (v.shape, v.dtype) for n, v in written.items()} == {n: (v.shape, v.dtype) for n, v in bf16_example.items()}
+    assert "quantization_config" not in json.loads((tmp_path / "merged" / "config.json").read_text())
+    # the fp32 merge rounded once to bf16; that fp32 merge, read by transformers without a quantizer, is the adapter path
+    config, state = read_adapter(run)
+    (tmp_path / "fp32").mkdir()
+    write_merged(tmp_path / "fp32", source, weight_map, state, config.scale, dtype=torch.float32)
+    for name, value in _tensors(tmp_path / "fp32").items():
+        assert torch.equal(written[name], value.to(written[name].dtype)), name
+    with torch.no_grad():
+        _assert_logits(load_reference(tmp_path / "fp32", "gpt_oss", torch.float32)(input_ids=ids, use_cache=False).logits,
+                       expected)
+
+
+def test_cli_requantize_writes_mxfp4_and_reports_the_merge_error(stored_run, onboard_cli, tmp_path):
+    run, pkg, source, spec, weight_map, ids, expected = stored_run
+    result = onboard_cli("export", run, "--merge", tmp_path / "merged", "--requantize")
+    assert result.code == 0, result.err
+    report = json.loads((tmp_path / "merged" / "merge_error.json").read_text())
+    assert f"{report['logits_rel_rms']:.3g}" in result.out and "merge_error.json" in result.out
+    released, written = _tensors(source), _tensors(tmp_path / "merged")
+    assert {n: (v.shape, v.dtype) for n, v in written.items()} == {n: (v.shape, v.dtype) for n, v in released.items()}
+    assert (tmp_path / "merged" / "config.json").read_text() == (source / "config.json").read_text()
+    # the figure is what it says: our stored-format model on the written weights against the adapter path
+    config, state = read_adapter(run)
+    adapter = load_runtime(spec, weight_map, source, torch.float32)
+    apply_lora(adapter, config)
+    load_lora_state_dict(adapter, state)
+    with torch.no_grad():
+        probe_ids = torch.randint(0, spec["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
+        merged = load_runtime(spec, weight_map, tmp_path / "merged", torch.float32)
+        assert _rel_rms(merged(probe_ids), adapter(probe_ids)) == pytest.approx(report["logits_rel_rms"], rel=1e-6)
+    assert 0 < report["logits_rel_rms"] < 0.25
+
+
+def test_cli_peft_adapter_on_transformers_dequantized_base(stored_run, onboard_cli, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    run, pkg, source, spec, weight_map, ids, expected = stored_run
+    assert onboard_cli("export", run, "--peft", tmp_path / "peft").code == 0
+    base = AutoModelForCausalLM.from_pretrained(source, quantization_config=Mxfp4Config(dequantize=True),
+                                                dtype=torch.float32, trust_remote_code=False)
+    model = PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+    with torch.no_grad():
+        _assert_logits(model(input_ids=ids, use_cache=False).logits, expected)
+
+
+def test_requantize_needs_merge_and_a_stored_release(stored_run, example_package, onboard_cli, tmp_path):
+    from onboard.package.reader import read_package
+    from runtime.train.run_folder import save_adapter, write_run_json
+
+    result = onboard_cli("export", stored_run[0], "--peft", tmp_path / "p", "--requantize")
+    assert result.code == 2 and "--requantize" in result.err and "--merge" in result.err
+    # a run on a bf16 release has no stored format to write again
+    package = read_package(example_package("qwen3_moe"))
+    model = load_runtime(package.spec, package.weight_map, package.source, torch.float32)
+    config = read_lora_yaml(package.path / "lora.yaml", package.weight_map)
+    apply_lora(model, config)
+    bf16_run = tmp_path / "bf16_run"
+    write_run_json(bf16_run, package.path, package.source)
+    save_adapter(bf16_run, lora_state_dict(model), config)
+    result = onboard_cli("export", bf16_run, "--merge", tmp_path / "m", "--requantize")
+    result.assert_bounded()
+    assert result.code == 2 and "--requantize" in result.err and "stores no quantized weights" in result.err
+    assert not (tmp_path / "m").exists() and not (tmp_path / "p").exists()
