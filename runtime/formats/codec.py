@@ -40,7 +40,8 @@ def fp8_block_encode(weight: torch.Tensor, block: tuple[int, int], power_of_two:
     """[.., O, I] -> (codes float8_e4m3fn, scale [.., ceil(O/b), ceil(I/b)] in scale_dtype): each block's largest
     magnitude maps to the format's largest value; power_of_two rounds each scale up to 2^k (UE8M0 scales).
     scale_dtype bfloat16 (Qwen's FP8 releases store their scales so): each scale is rounded UP to a bf16 value
-    before the codes are computed, so the stored scale is the one the codes were divided by and no code overflows."""
+    before the codes are computed, so the stored scale is the one the codes were divided by and no code overflows;
+    float8_e8m0fnu (power_of_two only) holds the powers of two exactly."""
     w = weight.to(torch.float32)
     rows, cols = w.shape[-2:]
     b_rows, b_cols = block
@@ -53,8 +54,10 @@ def fp8_block_encode(weight: torch.Tensor, block: tuple[int, int], power_of_two:
         scale = torch.exp2(torch.ceil(torch.log2(scale)))
     if scale_dtype == torch.bfloat16:
         scale = _round_up_to_bf16(scale)
-    elif scale_dtype != torch.float32:
-        raise ValueError(f"FP8 block scales are stored as float32 or bfloat16, not {scale_dtype}")
+    elif scale_dtype == torch.float8_e8m0fnu and not power_of_two:
+        raise ValueError("float8_e8m0fnu scales hold powers of two only: encode with power_of_two")
+    elif scale_dtype not in (torch.float32, torch.float8_e8m0fnu):
+        raise ValueError(f"FP8 block scales are stored as float32, bfloat16 or float8_e8m0fnu, not {scale_dtype}")
     codes = (w / _expand_blocks(scale, w.shape, block)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return codes, scale.to(scale_dtype)
 
