@@ -51,8 +51,9 @@ def build_weight_map(spec: ModelSpec, unused: list[str] = (), own_names: dict[st
 def _stored_entry(name: str, entry: dict, stored: StoredEntry) -> dict:
     rows = entry["rows"]
     if rows is not None and isinstance(stored.format, FP8Block) and any(r % stored.format.block[0] for r in rows):
-        raise NotRecognized(name, f"rows {rows[0]}:{rows[1]} of its target are not on the {stored.format.block[0]}-row "
-                            "blocks its FP8 scales cover; splitting a block's scale is not supported yet")
+        raise NotRecognized("quantization_config.weight_block_size", f"{name} fills rows {rows[0]}:{rows[1]} of "
+                            f"{entry['target']}, off the {stored.format.block[0]}-row blocks its FP8 scales cover; "
+                            "a scale block split between two weights is not supported yet")
     return {**entry, "transpose": False, "stored": stored.model_dump(mode="json")}
 
 

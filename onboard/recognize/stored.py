@@ -73,3 +73,8 @@ def _vision(spec: ModelSpec, manifest: Manifest) -> tuple[set[str], int]:
         labels.add(label)
         total += nbytes
     return labels, total
+
+
+def as_bf16(spec: ModelSpec) -> ModelSpec:
+    """The spec as if its release shipped bf16 (`onboard plan --weights bf16`: what the stored format saves)."""
+    return spec.model_copy(update={"stored_format": None, "stored_groups": None, "dtype": "bfloat16"})

@@ -10,6 +10,7 @@ tensors hidden; `stored` says, per logical name, which released tensors hold its
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import NamedTuple, Optional
 
 from onboard.errors import BadInput, printable
 from onboard.release.config_checks import check_config, check_counts_against_tensors
-from onboard.release.quantization import QuantizedRelease, logical_dtype, read_quantization
+from onboard.release.quantization import PACKED_SHAPE, QuantizedRelease, logical_dtype, read_quantization
 from onboard.release.safetensors_header import DTYPE_BITS, parse_json_object, read_header
 from runtime.formats.scheme import StoredEntry
 
@@ -69,19 +70,17 @@ class Manifest:
         """Logical name -> its codes and scale tensors, for every weight the release stores quantized."""
         return self.quantization.stored if self.quantization else {}
 
-    @property
+    @functools.cached_property
     def stored_bytes(self) -> dict[str, int]:
         """Logical name -> bytes its released tensors (codes, scales, a packed weight's shape) hold on disk; {}
         from the index alone."""
         if not self.shards_present or self.quantization is None:
             return {}
-        hidden = self.quantization.hidden
         out = {}
         for logical, entry in self.stored.items():
-            module = entry.codes.rsplit(".", 1)[0]
-            companions = {entry.codes, entry.scale} | {n for n in hidden if n.rsplit(".", 1)[0] == module
-                                                          and n.endswith(".weight_shape")}
-            out[logical] = sum(_nbytes(self.released[n]) for n in companions if n in self.released)
+            shape = entry.codes.rsplit(".", 1)[0] + PACKED_SHAPE
+            companions = (entry.codes, entry.scale) + ((shape,) if shape in self.quantization.hidden else ())
+            out[logical] = sum(_nbytes(self.released[n]) for n in companions)
         return out
 
     @property

@@ -137,7 +137,7 @@ def _compressed_format(qc: dict, config_path: Path) -> MXFP4:
             raise BadInput(config_path, where, f"must be an object, got {type(group).__name__}")
         fmt = group.get("format") or qc.get("format")
         if fmt != MXFP4_PACKED_FORMAT:
-            what = COMPRESSED_NAMES.get(fmt, repr(fmt))
+            what = COMPRESSED_NAMES.get(fmt, repr(fmt)) if isinstance(fmt, str) else repr(fmt)
             raise NotRecognized(f"{where}.format", f"compressed-tensors {what} weights are not supported yet "
                                 f"(read: {MXFP4_PACKED_FORMAT})")
         weights = group.get("weights") or {}
@@ -171,8 +171,15 @@ def module_pattern(pattern: str) -> re.Pattern:
     return re.compile(re.escape(pattern).replace(r"\*", r"[^.]+") + r"(\.|$)")
 
 
+def _compiled(pattern: str, config_path: Path) -> re.Pattern:
+    try:
+        return module_pattern(pattern)
+    except re.error as err:
+        raise BadInput(config_path, KEY, f"not-converted pattern {pattern!r} is not a valid regex ({err})") from None
+
+
 def _check_not_converted(stored: dict[str, StoredEntry], patterns: tuple[str, ...], config_path: Path) -> None:
-    compiled = [(p, module_pattern(p)) for p in patterns]
+    compiled = [(p, _compiled(p, config_path)) for p in patterns]
     for entry in stored.values():
         module = entry.codes.rsplit(".", 1)[0]
         for pattern, rx in compiled:

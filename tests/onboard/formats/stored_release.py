@@ -87,11 +87,12 @@ def packed_release(src: Path, dst: Path) -> Path:
 
 
 def edit_tensors(release: Path, edit) -> None:
-    """Rewrite the release's single model.safetensors with `edit(tensors)` applied (tampering)."""
-    path = release / "model.safetensors"
-    tensors = load_file(str(path))
+    """Rewrite the release as one model.safetensors with `edit(tensors)` applied (tampering)."""
+    tensors = _tensors(release)
     edit(tensors)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    for file in list(release.glob("*.safetensors")) + list(release.glob("model.safetensors.index.json")):
+        file.unlink()
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(release / "model.safetensors"))
 
 
 def edit_config(release: Path, edit) -> None:
