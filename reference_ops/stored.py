@@ -2,8 +2,10 @@
 reference_ops/formats.py, then the plain op (the truth for runtime/ops/stored_matmul and the stored experts).
 
 Stored tensors and the format keywords are those of runtime/ops/stored_matmul/README.md:
-kind "fp8_block": codes float8_e4m3fn [.., O, I], scale [.., ceil(O/b0), ceil(I/b1)] (any float dtype; UE8M0 as
-float8_e8m0fnu or its uint8 bytes), block (b0, b1); kind "mxfp4": codes uint8 [.., O, I/2], scale uint8 (or float8_e8m0fnu) E8M0 [.., O, I/32].
+- kind "fp8_block": codes float8_e4m3fn [.., O, I], scale [.., ceil(O/b0), ceil(I/b1)] (any float dtype; UE8M0 as
+  float8_e8m0fnu or its uint8 bytes), block (b0, b1);
+- kind "mxfp4": codes uint8 [.., O, I/2] (or gpt-oss's blocks [.., O, I/32, 16]), scale uint8 (or float8_e8m0fnu)
+  E8M0 [.., O, I/32].
 Shape legend: T tokens, O out width, I in width, r LoRA rank; the experts' legend is reference_ops/moe.py's.
 """
 from __future__ import annotations
@@ -26,7 +28,9 @@ def decode(codes: torch.Tensor, scale: torch.Tensor, kind: str, block: tuple[int
     if kind == "mxfp4":
         # E8M0 is the byte itself; a float8_e8m0fnu tensor's .to() would give the power of two instead
         scale_bytes = scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale.to(torch.uint8)
-        return dequantize_mxfp4(codes.to(torch.uint8), scale_bytes)
+        # gpt-oss's blocks [.., O, G, 16] are the packed rows [.., O, G * 16]
+        packed = codes.flatten(-2) if codes.dim() == scale.dim() + 1 else codes
+        return dequantize_mxfp4(packed.to(torch.uint8), scale_bytes)
     raise ValueError(f"stored format {kind!r}: expected fp8_block or mxfp4")
 
 

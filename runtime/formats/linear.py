@@ -1,37 +1,24 @@
 """A linear layer whose frozen base weight stays stored: decoded for the forward's matmul and again for the
-backward's input gradient, never saved decoded.
+backward's input gradient, never saved decoded (the registry's stored_linear op does both).
 
 Shape legend: O out width, I in width; x's leading dims pass through.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from runtime.dispatch import op
 from runtime.formats.saved import redecodable
 from runtime.formats.weight import StoredWeight
-
-
-class _StoredMatmul(torch.autograd.Function):
-    """y = x W^T + b with W = weight.decode(x.dtype). The weight is read from its module again in backward (the
-    codes, whichever tensor holds them then: FSDP has gathered them back for the backward by that point)."""
-
-    @staticmethod
-    def forward(ctx, x, bias, weight: StoredWeight):
-        ctx.weight = weight
-        return F.linear(x, weight.decode(x.dtype), bias)
-
-    @staticmethod
-    def backward(ctx, dy):
-        dx = dy @ ctx.weight.decode(dy.dtype) if ctx.needs_input_grad[0] else None
-        dbias = dy.flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
-        return dx, dbias, None
+from runtime.ops.stored_matmul.torch_form import format_kwargs
 
 
 def stored_linear(x: torch.Tensor, weight: StoredWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [.., I] @ decode(weight)^T [I, O] (+ bias): the weight decoded in x's dtype."""
-    return _StoredMatmul.apply(x, bias, weight)
+    """x [.., I] @ decode(weight)^T [I, O] (+ bias), the weight decoded in x's dtype: the registry's stored_linear op
+    (runtime/ops/stored_matmul/: decoded tiles in registers on the GPU; the torch form decodes again in backward)."""
+    codes, scale = weight.operands()
+    return op("stored_linear", x.device)(x, codes, scale, **format_kwargs(weight.format), bias_O=bias)
 
 
 class StoredLinear(nn.Module):

@@ -67,6 +67,14 @@ class StoredWeight(nn.Module):
         part under expert parallelism)."""
         return decode_bits(self.format, view(self.codes), view(self.scale), dtype or self.dtype)
 
+    def operands(self, view=lambda t: t) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, scale) as the stored-weight ops take them (runtime/ops/stored_matmul/README.md): views of the held
+        bits in the release's dtypes (FP8 codes float8_e4m3fn, FP8 scales float32, MXFP4 bytes as they are)."""
+        codes, scale = view(self.codes), view(self.scale)
+        if isinstance(self.format, FP8Block):
+            return codes.view(torch.float8_e4m3fn), scale.view(torch.float32)
+        return codes, scale
+
     def _apply(self, fn, recurse=True):
         # the integer bits never convert; the decode dtype follows the model's casts (a probe shows what fn does)
         super()._apply(fn, recurse)

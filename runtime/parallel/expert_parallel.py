@@ -126,6 +126,8 @@ def _compute(experts: Experts, x_ND: torch.Tensor, counts_RL: torch.Tensor) -> t
         # an FSDP group must all reduce the same gradients
         x_ND, local_N = x_ND.new_zeros(1, x_ND.shape[1]), local_N.new_zeros(1)
     weights = torch.ones(x_ND.shape[0], 1, dtype=torch.float32, device=x_ND.device)
+    if experts.stored_format() is not None:
+        return experts.run_stored(x_ND, weights, local_N[:, None], _local)[:rows]
     w_gate_up, w_down = experts.op_weights(x_ND.dtype, _local)
     y_ND = op("moe_experts", x_ND.device)(
         x_ND, weights, local_N[:, None], w_gate_up, w_down,

@@ -23,7 +23,8 @@ import triton.language as tl
 FORMAT_DENSE, FORMAT_FP8, FORMAT_MXFP4 = 0, 1, 2
 FORMAT_OF_KIND = {"fp8_block": FORMAT_FP8, "mxfp4": FORMAT_MXFP4}
 SCALE_PER_ELEMENT, SCALE_PER_ROW, SCALE_PER_COLUMN = 0, 1, 2
-MXFP4_GROUP = 32
+# a constexpr: the jit functions read it (a plain global compiles only under the interpreter)
+MXFP4_GROUP = tl.constexpr(32)
 
 
 @triton.jit

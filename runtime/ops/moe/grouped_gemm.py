@@ -224,6 +224,13 @@ _tuned_kernel = triton.autotune(
     configs=_tuned_configs(),
     key=["N", "K", "MODE", "BLOCK_M", "HAS_LORA", "GATHER_A", "SCATTER_C", "FORMAT", "TRANS_W"],
 )(_even_k_kernel)
+# Stored weights (FORMAT) add a 32-long reduction chunk: their GLU forward decodes two weight tiles per step on top of
+# the two accumulators, and at 8 warps that chunk spills least (ptxas for sm_90a, bench/kernel_resources.py).
+_tuned_stored_kernel = triton.autotune(
+    configs=_tuned_configs() + ([] if interpreting() else [
+        triton.Config({"BLOCK_N": 128, "BLOCK_K": 32}, num_warps=8, num_stages=4)]),
+    key=["N", "K", "MODE", "BLOCK_M", "HAS_LORA", "GATHER_A", "SCATTER_C", "FORMAT", "TRANS_W"],
+)(_even_k_kernel)
 # The autotuner's choice per GEMM shape and flags, launched afterwards without the autotuner and the
 # EVEN_K heuristic in between (their per-call Python work is host time the GPU can wait on; see
 # runtime/ops/common/launch.py).
@@ -359,6 +366,7 @@ def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, gath
         fast(grouped_gemm_kernel)[grid](*args, **flags, **config, EVEN_K=K % config["BLOCK_K"] == 0,
                                         SCALE_MODE=scale_mode(flags["FORMAT"], flags["TRANS_W"], block, config["BLOCK_K"]))
     else:
-        _tuned_kernel[lambda meta: (sched.num_tiles * triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags)
-        CHOSEN_CONFIGS[tuned_key] = _tuned_kernel.best_config
+        tuner = _tuned_stored_kernel if flags["FORMAT"] != FORMAT_DENSE else _tuned_kernel
+        tuner[lambda meta: (sched.num_tiles * triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags)
+        CHOSEN_CONFIGS[tuned_key] = tuner.best_config
     return out
