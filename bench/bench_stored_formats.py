@@ -300,7 +300,7 @@ def _time_ms(step, device, reps: int) -> float:
 def measure(s: Slice, variant: str, part: str, layers: int, T: int, device, dtype, reps: int) -> dict:
     """ms a step, tokens/s and peak GiB of one variant at `layers` layers (again at one layer if it does not fit)."""
     for num_layers in dict.fromkeys((layers, 1)):
-        built = None
+        built = step = None
         try:
             built = [make_layer(s, i, variant, device, dtype) for i in range(num_layers)]
             step = step_fn(built, s, variant, T, part, device, dtype)
@@ -314,7 +314,8 @@ def measure(s: Slice, variant: str, part: str, layers: int, T: int, device, dtyp
         except torch.OutOfMemoryError as error:
             oom = str(error).splitlines()[0]
         finally:
-            del built
+            # the step's closure holds the layers too: both go before a retry at one layer
+            built = step = None
             _free()
     return dict(layers_run=0, fits=False, error=oom)
 

@@ -23,8 +23,7 @@ import triton.language as tl
 FORMAT_DENSE, FORMAT_FP8, FORMAT_MXFP4 = 0, 1, 2
 FORMAT_OF_KIND = {"fp8_block": FORMAT_FP8, "mxfp4": FORMAT_MXFP4}
 SCALE_PER_ELEMENT, SCALE_PER_ROW, SCALE_PER_COLUMN = 0, 1, 2
-# a constexpr: the jit functions read it (a plain global compiles only under the interpreter)
-MXFP4_GROUP = tl.constexpr(32)
+MXFP4_GROUP = 32
 
 
 @triton.jit
@@ -47,10 +46,12 @@ def e2m1_to_f32(code):
 @triton.jit
 def _mxfp4_tile(codes_ptr, stride_co, scale_ptr, stride_so, rows, o_ok, i0, I, C: tl.constexpr):
     # byte j of the tile holds columns i0 + 2j (low nibble) and i0 + 2j + 1; its scale is that of group j // 16
+    # (MXFP4_GROUP = 32 columns, written as literals: a compiled kernel reads no plain global, and the interpreter
+    # cannot mix a constexpr global into tensor arithmetic)
     j = tl.arange(0, C // 2)
     ok = o_ok[:, None] & (i0 + 2 * j < I)[None, :]
     packed = tl.load(codes_ptr + rows * stride_co + (i0 // 2 + j)[None, :], mask=ok, other=0).to(tl.int32)
-    factor = e8m0_to_f32(tl.load(scale_ptr + rows * stride_so + (i0 // MXFP4_GROUP + j // 16)[None, :],
+    factor = e8m0_to_f32(tl.load(scale_ptr + rows * stride_so + (i0 // 32 + j // 16)[None, :],
                                  mask=ok, other=127).to(tl.int32))
     low = e2m1_to_f32(packed & 15) * factor
     high = e2m1_to_f32(packed >> 4) * factor

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from runtime.ops.common.launch import fast, interpreting
-from runtime.ops.common.stored_tiles import FORMAT_DENSE, FORMAT_OF_KIND, decode_tile, scale_mode
+from runtime.ops.common.stored_tiles import FORMAT_DENSE, FORMAT_OF_KIND, MXFP4_GROUP, decode_tile, scale_mode
 from runtime.ops.moe.schedule import Schedule
 
 MODE_PLAIN, MODE_GLU_FWD = 0, 1
@@ -269,11 +269,9 @@ class Stored:
     def launch_args(self) -> tuple:
         """(scale, its expert stride, its row stride, block rows, block columns) as the kernel takes them."""
         scale = self.scale.view(torch.uint8) if self.scale.dtype == torch.float8_e8m0fnu else self.scale
-        block_o, block_i = self.block if self.kind == "fp8_block" else (1, MXFP4_COLUMNS)
+        block_o, block_i = self.block if self.kind == "fp8_block" else (1, MXFP4_GROUP)
         return scale, scale.stride(0), scale.stride(1), block_o, block_i
 
-
-MXFP4_COLUMNS = 32
 
 
 @dataclass(frozen=True)
