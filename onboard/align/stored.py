@@ -59,11 +59,45 @@ def logical(entry: StoredEntry, decoded_OI: torch.Tensor, shape: tuple[int, ...]
     return value
 
 
-def _shards(source: Path) -> dict[str, str]:
-    """released tensor name -> the shard file holding it."""
-    from runtime.model.weights import shard_order
+class ReleaseReader:
+    """Reads a release's tensors by their released names, each shard opened once, closed with the `with` block."""
 
-    return {name: file for file, names in shard_order(source).items() for name in names}
+    def __init__(self, source: Path):
+        from runtime.model.weights import shard_order
+
+        self.source = Path(source)
+        self.files = {n: f for f, names in shard_order(self.source).items() for n in names}
+        self._stack, self._handles = ExitStack(), {}
+
+    def __enter__(self) -> "ReleaseReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+    def _slice(self, name: str):
+        file = self.files[name]
+        if file not in self._handles:
+            self._handles[file] = self._stack.enter_context(safe_open(self.source / file, "pt"))
+        return self._handles[file].get_slice(name)
+
+    def shape(self, name: str) -> list[int]:
+        return self._slice(name).get_shape()
+
+    def read(self, name: str, experts: int | None = None) -> torch.Tensor:
+        """The whole tensor, or its first `experts` entries along the leading dim."""
+        part = self._slice(name)
+        return part[:experts] if experts is not None else part[:]
+
+    def decoded(self, entry: StoredEntry) -> torch.Tensor:
+        """A stored weight decoded in fp64, [.., O, I] as its codes are laid out."""
+        return decode(entry, self.read(entry.codes), self.read(entry.scale))
+
+
+def in_prefix(name: str, num_layers: int | None) -> bool:
+    """Whether an aligned prefix of num_layers decoder layers (None: all) holds the tensor."""
+    layer = layer_of(name)
+    return num_layers is None or layer is None or layer < num_layers
 
 
 def reference_state_dict(manifest, dtype: torch.dtype, num_layers: int | None = None) -> dict[str, torch.Tensor]:
@@ -72,26 +106,15 @@ def reference_state_dict(manifest, dtype: torch.dtype, num_layers: int | None = 
     hidden; tensors of decoder layers past num_layers left out (an aligned prefix reads no more)."""
     stored = manifest.stored
     hidden = set(manifest.quantization.hidden) if manifest.quantization else set()
-    files = _shards(Path(manifest.root))
-    wanted = [n for n in [*stored, *(n for n in files if n not in hidden)]
-              if num_layers is None or layer_of(n) is None or layer_of(n) < num_layers]
     out = {}
-    with ExitStack() as stack:
-        handles: dict[str, object] = {}
-
-        def read(name: str) -> torch.Tensor:
-            file = files[name]
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(Path(manifest.root) / file, "pt"))
-            return handles[file].get_tensor(name)
-
-        for name in wanted:
+    with ReleaseReader(manifest.root) as release:
+        plain = [n for n in release.files if n not in hidden]
+        for name in [n for n in [*stored, *plain] if in_prefix(n, num_layers)]:
             if name in stored:
-                entry = stored[name]
                 shape = manifest.tensors[name].shape if name in manifest.tensors else None
-                value = logical(entry, decode(entry, read(entry.codes), read(entry.scale)), shape)
+                value = logical(stored[name], release.decoded(stored[name]), shape)
             else:
-                value = read(name)
+                value = release.read(name)
             out[name] = value.to(dtype) if value.is_floating_point() else value
     return out
 

@@ -8,14 +8,13 @@ Shape legend: T tokens, O rows (out width), I columns (in width), E experts, F e
 """
 from __future__ import annotations
 
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from onboard.align.stored import fold_experts
+from onboard.align.stored import ReleaseReader, fold_experts
 from onboard.align.tiers.cases import MAX_EXPERTS, Case
 from runtime.formats.scheme import StoredEntry
 from runtime.spec import ModelSpec, MoEFFN
@@ -50,31 +49,6 @@ class StoredCase:
     scales: list[str]
 
 
-class _Release:
-    """Reads released tensors by name, each shard opened once (closed with the stack)."""
-
-    def __init__(self, source: Path, stack: ExitStack):
-        from runtime.model.weights import shard_order
-
-        self.files = {n: f for f, names in shard_order(Path(source)).items() for n in names}
-        self.source, self.stack, self.handles = Path(source), stack, {}
-
-    def _slice(self, name: str):
-        from safetensors import safe_open
-
-        file = self.files[name]
-        if file not in self.handles:
-            self.handles[file] = self.stack.enter_context(safe_open(self.source / file, "pt"))
-        return self.handles[file].get_slice(name)
-
-    def shape(self, name: str) -> list[int]:
-        return self._slice(name).get_shape()
-
-    def read(self, name: str, experts: int | None = None) -> torch.Tensor:
-        part = self._slice(name)
-        return part[:experts] if experts is not None else part[:]
-
-
 def _as_runtime(entry: StoredEntry, codes: torch.Tensor) -> torch.Tensor:
     # gpt-oss's blocks [.., O, G, 16] are passed as their view [.., O, G * 16] (runtime/ops/stored_matmul/README.md)
     return codes.flatten(-2) if entry.format.kind == "mxfp4" and entry.format.layout == "blocks" else codes
@@ -90,7 +64,7 @@ def _scale_row(entry: StoredEntry, row: int) -> int:
     return row // block_rows
 
 
-def assemble(pieces: list[tuple[str, dict]], release: _Release) -> StoredTensors:
+def assemble(pieces: list[tuple[str, dict]], release: ReleaseReader) -> StoredTensors:
     """The runtime tensor's codes and scale from its weight-map entries (`expert` and `rows` steps; a whole stacked
     tensor cut to MAX_EXPERTS experts)."""
     entries = [(StoredEntry.model_validate(e["stored"]), e) for _, e in pieces]
@@ -136,8 +110,7 @@ def _targets(weight_map: dict) -> dict[str, list[tuple[str, dict]]]:
 def stored_cases(spec: ModelSpec, weight_map: dict, source: Path, T: int) -> list[StoredCase]:
     """One case per distinct stored linear and per distinct stored expert layer, in layer order."""
     targets, cases, seen = _targets(weight_map), [], set()
-    with ExitStack() as stack:
-        release = _Release(source, stack)
+    with ReleaseReader(source) as release:
         for target, pieces in targets.items():
             if target.endswith(EXPERT_TARGETS):
                 continue

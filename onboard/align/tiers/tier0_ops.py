@@ -13,11 +13,11 @@ import torch
 
 from onboard.align.progress import Progress
 from onboard.align.report import Check, with_scales
-from onboard.align.tiers.cases import BUILDERS, build_case
+from onboard.align.tiers.cases import build_case
 from onboard.align.tiers.stored_cases import stored_cases
 from runtime import dispatch
 from runtime.ops.common.backend import force
-from runtime.registry import OPS, SpecPart, ops_for_layer
+from runtime.registry import OPS, SpecPart, StoredWeights, ops_for_layer
 from runtime.spec import ModelSpec
 from runtime.tolerances import compare, tolerance_for
 
@@ -177,19 +177,16 @@ def distinct_ops(spec: ModelSpec) -> list[tuple[str, SpecPart]]:
 
 def tier0(spec: ModelSpec, T: int = 33, progress: Progress | None = None, weight_map: dict | None = None,
           source: Path | None = None) -> list[Check]:
-    """Checks for every (op, distinct parameters) the spec uses: the fallback, and the kernel where one exists; then,
-    for a release that stores weights quantized (given its weight map and folder), every decoding op on the release's
-    own codes and scales (onboard/align/tiers/stored_cases.py)."""
+    """Checks for every (op, distinct parameters) the spec uses: the fallback, and the kernel where one exists. The
+    ops that decode stored weights run on the release's own codes and scales at each stored weight's widths when its
+    weight map and folder are given (onboard/align/tiers/stored_cases.py, each check naming the scales it read), on
+    codes encoded in the release's format at the model's width otherwise (cases.py)."""
     progress = progress or Progress()
-    used = distinct_ops(spec)
-    # the decoding ops take the release's bytes, not a spec part's widths: their cases come from the weight map
-    ops = [(op, part) for op, part in used if op in BUILDERS]
-    decoding = list(dict.fromkeys(op for op, _ in used if op not in BUILDERS))
     stored = stored_cases(spec, weight_map, source, T) if weight_map is not None and source is not None else []
+    on_release = {case.op for case in stored}
+    ops = [(op, part) for op, part in distinct_ops(spec) if not (isinstance(part, StoredWeights) and op in on_release)]
     progress.plan(len(ops) + len(stored))
-    checks = [_unchecked(op, "the release's folder and weight map were not given") for op in decoding if not stored]
-    checks += [_unchecked(op, "no stored weight of this release is read by it") for op in decoding
-               if stored and op not in {c.op for c in stored}]
+    checks = []
     for op, part in ops:
         progress.group(op)
         checks += check_op(op, part, spec.hidden_size, T, "fallback")
@@ -197,17 +194,16 @@ def tier0(spec: ModelSpec, T: int = 33, progress: Progress | None = None, weight
             checks += _kernel_checks(op, lambda which, op=op, part=part: check_op(op, part, spec.hidden_size, T, which))
     for case in stored:
         progress.group(f"{case.op} on {case.label}")
-        label = f"{case.op}:{case.label}"
-        found = run_checks(case.op, "fallback", case.make, label)
-        if OPS[case.op].kernel and OPS[case.op].resolve("kernel") is not None:
-            found += _kernel_checks(case.op, lambda which, c=case, label=label: run_checks(c.op, which, c.make, label),
-                                    label)
-        checks += with_scales(found, case.scales)
+        checks += with_scales(_stored_checks(case), case.scales)
     return checks
 
 
-def _unchecked(op: str, why: str) -> Check:
-    return Check(tier=0, name=f"{op}/stored", metric="-", value=0.0, tolerance=0.0, verdict="skip", op=op, detail=why)
+def _stored_checks(case) -> list[Check]:
+    label = f"{case.op}:{case.label}"
+    found = run_checks(case.op, "fallback", case.make, label)
+    if OPS[case.op].kernel and OPS[case.op].resolve("kernel") is not None:
+        found += _kernel_checks(case.op, lambda which: run_checks(case.op, which, case.make, label), label)
+    return found
 
 
 def _kernel_checks(op: str, run, label: str | None = None) -> list[Check]:

@@ -89,8 +89,7 @@ def _export_checks(ours, config, spec, weight_map, source: Path, num_layers: int
     from onboard.package.export import write_merged, write_peft
 
     state, family = lora_state_dict(ours), spec.family
-    # a stored weight's target is a holder module (runtime/formats/weight.py StoredWeight), not a parameter
-    held = set(dict(ours.named_parameters())) | set(dict(ours.named_buffers())) | set(dict(ours.named_modules()))
+    held = set(dict(ours.named_parameters())) | set(dict(ours.named_buffers())) | _stored_held(ours, weight_map)
     with torch.no_grad():
         expected = ours(ids)
     with tempfile.TemporaryDirectory() as tmp:
@@ -124,6 +123,15 @@ def training_checks(spec: ModelSpec, weight_map: dict, source: Path, lora_plan: 
     checks = _loss_checks(ours_losses, theirs_losses)
     checks += _export_checks(ours, config, spec, weight_map, source, num_layers, batches[0])
     return with_scales(checks, scales_read(weight_map, range(num_layers), outside=True))
+
+
+def _stored_held(model, weight_map: dict) -> set[str]:
+    """The stored targets the (truncated) model holds: a stored weight is a holder module (codes and scale buffers
+    under it, runtime/model/stored.py), not a parameter of the target's name."""
+    from runtime.model.stored import stored_targets
+
+    modules = dict(model.named_modules())
+    return {t for t in stored_targets(weight_map) if t in modules or t.rpartition(".")[0] in modules}
 
 
 def _in_prefix(name: str, weight_map: dict, held: set[str]) -> bool:
