@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -190,4 +191,24 @@ def decoded_tensors(tensors: dict[str, torch.Tensor], quantization_config: dict)
             out[name] = dequantize_fp8_block(tensor, tensors[f"{_module(name)}.weight_scale_inv"], block)
         else:
             out[name] = tensor
+    return out
+
+
+def write_decoded_release(stored_dir: Path, out: Path) -> Path:
+    """The stored release decoded by decoded_tensors (fp64 reference, block size from quantization_config), written
+    in fp32 under the bf16 release's names and layout, quantization_config dropped: a release transformers and
+    the bf16 weight map load without a quantizer (the truth the stored-format paths are compared with)."""
+    stored_dir, out = Path(stored_dir), Path(out)
+    config = json.loads((stored_dir / "config.json").read_text())
+    quantization_config = config.pop("quantization_config")
+    shutil.copytree(stored_dir, out)
+    weight_map = {}
+    for shard in sorted(out.glob("*.safetensors")):
+        decoded = decoded_tensors(load_file(shard), quantization_config)
+        save_file({k: v.float().contiguous() for k, v in decoded.items()}, shard, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(decoded, shard.name))
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if (out / INDEX_FILE).exists():
+        index = json.loads((out / INDEX_FILE).read_text())
+        (out / INDEX_FILE).write_text(json.dumps(dict(index, weight_map=weight_map), indent=2) + "\n")
     return out

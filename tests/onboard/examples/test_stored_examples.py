@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from onboard.examples.stored import decoded_tensors
+from onboard.examples.stored import decoded_tensors, write_decoded_release
 
 STORED = [("deepseek_v3", "fp8"), ("deepseek_v32", "fp8"), ("qwen3_next", "fp8"), ("gpt_oss", "mxfp4")]
 IDS = [f"{family}-{weights}" for family, weights in STORED]
@@ -122,23 +121,6 @@ def _check_index(folder: Path) -> None:
             data_bytes += shard.stat().st_size - 8 - int.from_bytes(f.read(8), "little")
     assert len(held) > 0 and index["weight_map"] == held
     assert index["metadata"]["total_size"] == data_bytes
-
-
-def write_decoded_release(stored_dir: Path, out: Path) -> Path:
-    """The stored release decoded with our fp64 reference decoders (block size from quantization_config), written
-    as an fp32 release transformers loads without a quantizer."""
-    config = _config(stored_dir)
-    qc = config.pop("quantization_config")
-    shutil.copytree(stored_dir, out)
-    weight_map = {}
-    for shard in sorted(out.glob("*.safetensors")):
-        decoded = decoded_tensors(load_file(shard), qc)
-        save_file({k: v.float().contiguous() for k, v in decoded.items()}, shard, metadata={"format": "pt"})
-        weight_map.update({k: shard.name for k in decoded})
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    (out / "model.safetensors.index.json").write_text(json.dumps(dict(index, weight_map=weight_map)))
-    return out
 
 
 def _load(folder: Path, quantization_config=None):
