@@ -385,3 +385,16 @@ def test_requantize_needs_merge_and_a_stored_release(stored_run, example_package
     result.assert_bounded()
     assert result.code == 2 and "--requantize" in result.err and "stores no quantized weights" in result.err
     assert not (tmp_path / "m").exists() and not (tmp_path / "p").exists()
+
+
+def test_the_probe_of_a_large_release_runs_a_prefix(stored_run, onboard_cli, monkeypatch, tmp_path):
+    """A full-size release is never held twice in fp32: the probe runs the first PROBE_LAYERS decoder layers (here 2
+    of qwen3_next's 4), with the adapter's factors of those layers."""
+    from onboard.package.export import probe
+
+    run = stored_run("qwen3_next", "fp8")[0]
+    monkeypatch.setattr(probe, "PROBE_LAYERS", 2)
+    result = onboard_cli("export", run, "--merge", tmp_path / "merged", "--requantize")
+    assert result.code == 0, result.err
+    report = json.loads((tmp_path / "merged" / probe.REPORT).read_text())
+    assert report["probe"]["layers"] == 2 and report["probe"]["of_layers"] == 4 and report["logits_rel_rms"] > 0
