@@ -398,3 +398,39 @@ def test_the_probe_of_a_large_release_runs_a_prefix(stored_run, onboard_cli, mon
     assert result.code == 0, result.err
     report = json.loads((tmp_path / "merged" / probe.REPORT).read_text())
     assert report["probe"]["layers"] == 2 and report["probe"]["of_layers"] == 4 and report["logits_rel_rms"] > 0
+
+
+def test_requantized_merge_carries_the_runs_correction_biases(stored_run, trained, stored_example_twin, onboard_cli,
+                                                              tmp_path):
+    """A run that moved the routers' correction biases (deepseek_v3 FP8): the merge writes them (bf16, unquantized
+    as the release keeps them), and the probe's adapter path runs with them, so the figure stays one rounding's."""
+    from runtime.train import balance
+    from runtime.train.run_folder import save_adapter, write_run_json
+
+    _, pkg, source, spec, weight_map, _, _ = stored_run("deepseek_v3", "fp8")
+    config, state = read_adapter(stored_run("deepseek_v3", "fp8")[0])
+    model = load_runtime(spec, weight_map, source, torch.float32)
+    apply_lora(model, config)
+    load_lora_state_dict(model, state)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for bias_E in balance.correction_biases(model).values():
+            bias_E += torch.randn(bias_E.shape, generator=gen)
+    biases = balance.bias_state_dict(model)
+    assert biases
+    run = tmp_path / "run"
+    write_run_json(run, pkg, source)
+    save_adapter(run, state, config, biases)
+    result = onboard_cli("export", run, "--merge", tmp_path / "merged", "--requantize")
+    assert result.code == 0, result.err
+    report = json.loads((tmp_path / "merged" / "merge_error.json").read_text())
+    merged = load_runtime(spec, weight_map, tmp_path / "merged", torch.float32)
+    for name, value in biases.items():
+        assert torch.allclose(dict(merged.named_buffers())[name].float(), value.to(torch.bfloat16).float()), name
+    t = trained("deepseek_v3", "fp8")
+    probe_ids = torch.randint(0, spec["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = _rel_rms(load_runtime(spec, t.bf16_weight_map, t.decoded_dir, torch.float32)(probe_ids),
+                        load_runtime(spec, t.bf16_weight_map, stored_example_twin("deepseek_v3", "fp8"),
+                                     torch.float32)(probe_ids))
+    assert 0 < report["logits_rel_rms"] < 2 * base
