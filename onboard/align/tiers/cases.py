@@ -22,9 +22,12 @@ class Case:
         self.gen, self.dtype = gen, dtype
         self.kwargs: dict = {}
         self.grads: list[str] = []
+        # tensors passed to both sides as they are (a release's stored codes and scales: never cast, no gradient)
+        self.frozen: set[str] = set()
 
     def rand(self, name: str, *shape: int, scale: float = 1.0, offset: float = 0.0, grad: bool = True) -> torch.Tensor:
-        """A random input; a dotted name ("params.q_proj") lands in a dict argument."""
+        """A random input; a dotted name ("params.q_proj") lands in a dict argument, one with a number ("lora.0") in a
+        tuple argument."""
         value = (torch.randn(shape, generator=self.gen, dtype=torch.float64) * scale + offset).to(self.dtype)
         self.kwargs[name] = value
         if grad:

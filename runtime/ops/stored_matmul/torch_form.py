@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 import torch
 
 from runtime.formats.codec import fp8_block_decode, mxfp4_decode
+from runtime.formats.saved import redecodable, redecoding
 
 E8M0_BIAS = 127
 
@@ -53,20 +54,13 @@ def stored_operands(codes: torch.Tensor, scale: torch.Tensor, kind: str) -> tupl
 @contextlib.contextmanager
 def saved_as_codes(weights: list[tuple[torch.Tensor, Callable[[], torch.Tensor]]]) -> Iterator[None]:
     """Inside, a tensor autograd saves that is one of `weights`' decoded tensors (or a view of one) is kept as its
-    (re-decode, view geometry) and decoded again when the backward reads it."""
-    redo_of = {w.untyped_storage().data_ptr(): redo for w, redo in weights if w.numel()}
-
-    def pack(t: torch.Tensor):
-        redo = redo_of.get(t.untyped_storage().data_ptr()) if t.numel() else None
-        return t if redo is None else (redo, t.size(), t.stride(), t.storage_offset())
-
-    def unpack(packed):
-        if isinstance(packed, torch.Tensor):
-            return packed
-        redo, size, stride, offset = packed
-        return redo().as_strided(size, stride, offset)
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    (re-decode, view geometry) and decoded again when the backward reads it; every other saved tensor goes on to the
+    saved-tensor hooks active outside (activation offload, recompute, the saved-bytes count):
+    runtime/formats/saved.py."""
+    with redecoding():
+        for w, redo in weights:
+            if w.numel():
+                redecodable(w, redo)
         yield
 
 
