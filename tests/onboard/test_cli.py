@@ -103,6 +103,6 @@ def test_align_bad_input(args, needle):
 
 def test_every_command_module_imports_first_in_a_fresh_interpreter():
     """Each command's module imported first thing, as `onboard CMD` does (an import cycle shows only so)."""
-    for module in ("onboard.package.export", "onboard.commands.train", "onboard.package.writer", "onboard.plan.search", "onboard.align"):
+    for module in ("onboard.package.export", "onboard.commands.train", "onboard.commands.data", "onboard.package.writer", "onboard.plan.search", "onboard.align"):
         result = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, (module, result.stderr[-2000:])
