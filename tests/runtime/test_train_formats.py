@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from onboard.cli import main
+from onboard.commands.data import GREEN, RESET, marked
 from onboard.package.trainer_build import load_tokenizer, prepare_data
 from runtime.data.sources import read_sources
 from runtime.train.data import IGNORE
@@ -130,3 +131,13 @@ def test_onboard_data_prints_samples_with_the_trained_tokens_marked(example_pack
     (data / "bad.jsonl").write_text('{"conversations": [{"from": "human", "value": "hi"}]}\n')
     assert main(["data", str(pkg), "--data", str(data)]) == 2
     assert "bad.jsonl: line 1: conversations has no assistant turn" in capsys.readouterr().err
+
+
+def test_marks_are_colour_on_a_terminal_and_brackets_elsewhere(example_package):
+    tokenizer = load_tokenizer(release_of(example_package("qwen3_moe")))
+    ids = tokenizer("Where is the mill? By the bridge.")["input_ids"]
+    trained = [i >= len(ids) // 2 for i in range(len(ids))]
+    plain, coloured = marked(tokenizer, ids, trained, False), marked(tokenizer, ids, trained, True)
+    assert plain.count("[[") == 1 and plain.endswith("]]") and GREEN not in plain
+    assert coloured.replace(GREEN, "[[").replace(RESET, "]]") == plain
+    assert plain.replace("[[", "").replace("]]", "") == tokenizer.decode(ids, skip_special_tokens=False)
