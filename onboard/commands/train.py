@@ -1,9 +1,9 @@
-"""`onboard train PKG --data FILE.jsonl`: read the package and its release, check and pack the data, train.
+"""`onboard train PKG --data PATH`: check the data, read the package and its release, pack the data, train.
 
 Reads only the package, through the one package reader (onboard/package/reader.py: refused exactly where
 `align` refuses it), and the release folder it names (or --model-dir): weights and tokenizer files. The
-model is built by onboard/package/trainer_build.py. The data is read, checked and tokenized before the model is
-built, so a malformed line fails before any step. The run folder (default PKG/runs/latest) is made inside
+model is built by onboard/package/trainer_build.py. Every data record is read and checked (runtime/data/) before
+torch or the package loads, and tokenized before the model is built, so a malformed line fails at once. The run folder (default PKG/runs/latest) is made inside
 the package without following a symlink, and one being resumed may hold none. torch and the runtime are
 imported when the command runs, so the other commands start fast.
 """
