@@ -10,6 +10,7 @@ from onboard.align.report import Check
 from onboard.gap.generated import GeneratedOp
 from onboard.gap.report import GapReport
 from onboard.package.derivation import OwnStep, SetStep, SpecStep
+from onboard.plan.search import ParallelPlan
 from runtime import defaults
 from runtime.spec import ModelSpec
 
@@ -91,8 +92,8 @@ class Alignment(BaseModel):
     failed: list[Check] = []  # that tier's failing checks
 
 
-class Fallback(BaseModel):
-    """One rung of the alignment-driven fallback (onboard/review/fallback.py): what failed, what runs as own code now."""
+class Demotion(BaseModel):
+    """One rung of the demotion after a failed alignment (onboard/review/demotion.py): what failed, what runs as own code now."""
     rung: Literal["layers", "model"]
     failed: list[Check]  # the failing checks that called for it
 
@@ -106,11 +107,12 @@ class OnboardState(TypedDict, total=False):
     tasks: list[OpTask]
     explanations: list[Explanation]
     validation_salt: int  # seeds of the fuzzed validation inputs derive from it; never shown to the LLM
+    plan: ParallelPlan  # plan.yaml's, of the spec as it stands (the plan node plans again after a demotion)
     package: Optional[str]
     alignment: Optional[Alignment]
-    fallbacks: list[Fallback]  # the rungs tried, in order (at most one each)
+    demotions: list[Demotion]  # the rungs tried, in order (at most one each)
     exit_code: int
 
 
 SERIALIZED_TYPES = [RunOptions, ModelSpec, GapReport, OpTask, Alignment, GeneratedOp, Failure, Candidate, Proposal,
-                    Explanation, Check, Fallback, SetStep, OwnStep]
+                    Explanation, Check, Demotion, SetStep, OwnStep, ParallelPlan]

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from runtime.formats.saved import Redecode, recipe_for
 from runtime.spec import LayerSpec
 
 LINEAR_ATTENTION = ("gated_delta", "kda", "lightning")
@@ -91,12 +90,11 @@ class CpuOffload:
             warnings.warn("activation offload: no CUDA device, activations already live in host memory (no-op)")
 
     def pack(self, t: torch.Tensor):
-        # a decoded stored weight is decoded again rather than copied (runtime/formats/saved.py)
-        recipe = recipe_for(t)
-        if recipe is not None:
-            return recipe
-        # parameters are saved by reference and stay where they are
-        if t.device.type != "cuda" or isinstance(t, nn.Parameter) or t.numel() * t.element_size() < OFFLOAD_MIN_BYTES:
+        # parameters, and views of them (a stored weight's codes seen in their release dtype), are saved by
+        # reference and stay where they are
+        if t.device.type != "cuda" or isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return t
+        if t.numel() * t.element_size() < OFFLOAD_MIN_BYTES:
             return t
         host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=True)
         self.stream.wait_stream(torch.cuda.current_stream(t.device))
@@ -111,8 +109,6 @@ class CpuOffload:
     def unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        if isinstance(packed, Redecode):
-            return packed.rebuild()
         device, host, done = packed
         torch.cuda.current_stream(device).wait_event(done)
         return host.to(device, non_blocking=True)

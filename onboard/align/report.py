@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Literal, Optional, get_args
 
-from pydantic import BaseModel, field_serializer
+from pydantic import BaseModel, field_serializer, model_validator
 
 from runtime.tolerances import Comparison
 
@@ -24,6 +25,15 @@ class Check(BaseModel):
     # the released scale tensors the checked op or layer read (stored-format releases: FP8 weight_scale_inv,
     # MXFP4 scales), expert numbers folded into ranges (onboard/align/stored.py's fold_experts)
     scales: list[str] = []
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_name(cls, data):
+        # backward compatibility: reports and baselines written before the torch form had its own word named tier-0
+        # checks <op>/fallback/..., so an existing alignment/baseline.json still compares under `align --check`
+        if isinstance(data, dict) and data.get("tier") == 0 and isinstance(data.get("name"), str):
+            return {**data, "name": re.sub(r"^([^/]+)/fallback(/|$)", r"\1/torch_form\2", data["name"])}
+        return data
 
     @field_serializer("value", "tolerance")
     def _finite(self, v: float):

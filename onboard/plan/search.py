@@ -124,6 +124,11 @@ def search(spec: ModelSpec, cluster: Cluster, workload: Workload, progress: Call
                         smallest_gpus=smallest_gpus(m, cluster, workload, progress) if nothing and find_smallest else None)
 
 
+def package_plan(spec: ModelSpec, cluster: Cluster, seq_len: int, lora_rank: int) -> ParallelPlan:
+    """plan.yaml's plan: every micro-batch searched (the onboarding graph's plan node and `write_package` both)."""
+    return search(spec, cluster, Workload(seq_len, lora_rank, None))
+
+
 def _nothing_fits(candidates: list[PlanCandidate], cluster: Cluster) -> str:
     sized = [c for c in candidates if c.memory]
     if not sized:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
+from runtime.errors import StoredUnsupported
 from runtime.formats.scheme import MXFP4, StoredEntry, StoredFormat
 
 
@@ -34,5 +35,5 @@ def _role_rows(rows: list[int] | None, fmt: StoredFormat, role: str, target: str
         return rows
     block = fmt.block[0]
     if rows[0] % block:
-        raise ValueError(f"{target}: rows {rows} do not start on a {block}-row scale block")
+        raise StoredUnsupported(f"{target}: rows {rows} do not start on a {block}-row scale block")
     return [rows[0] // block, -(-rows[1] // block)]

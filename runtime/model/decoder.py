@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.formats.saved import redecoding
 from runtime.spec import LayerSpec, ModelSpec, NormSpec, read_spec
 from runtime.model.layers.ffn import GatedMLP, MoE
 from runtime.model.layers.linear_attention import GatedDeltaNet, KimiDeltaAttention, LightningAttention
@@ -42,9 +41,6 @@ def _ffn(ffn, index: int, d: int) -> nn.Module:
 
 
 class DecoderLayer(nn.Module):
-    # set by runtime/model/stored.py when the layer holds stored weights: its ops save decoded weights as recipes
-    stored_weights = False
-
     def __init__(self, layer: LayerSpec, hidden_size: int, norm: NormSpec, index: int = 0):
         super().__init__()
         d, eps, offset = hidden_size, norm.eps, norm.offset
@@ -60,13 +56,6 @@ class DecoderLayer(nn.Module):
         self.residual = layer.residual
 
     def forward(self, h_BTD: torch.Tensor, rotary: RotaryCache, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        if self.stored_weights:
-            # the layer's decoded weights live until its forward ends; ops that save them keep recipes (saved.py)
-            with redecoding():
-                return self._forward(h_BTD, rotary, cu_seqlens)
-        return self._forward(h_BTD, rotary, cu_seqlens)
-
-    def _forward(self, h_BTD: torch.Tensor, rotary: RotaryCache, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
         if self.own is not None:
             return self.own(h_BTD, rotary, cu_seqlens)
         r = self.residual

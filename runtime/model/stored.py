@@ -13,6 +13,7 @@ import functools
 import torch
 from torch import nn
 
+from runtime.errors import StoredUnsupported
 from runtime.formats.entry import stored_entry
 from runtime.formats.linear import StoredLinear
 from runtime.formats.saved import redecoding
@@ -36,7 +37,8 @@ def stored_targets(weight_map: dict[str, dict]) -> dict[str, StoredFormat]:
 
 def apply_stored(model: nn.Module, stored: dict[str, StoredFormat]) -> list[str]:
     """Make every target of `stored` the model has (a truncated model lacks later layers') a stored holder, in the
-    dtype the model was cast to; returns the targets done. ValueError for a target no stored holder can take."""
+    dtype the model was cast to; returns the targets done. StoredUnsupported (exit 3) for a target no stored holder
+    can take."""
     done = []
     modules = dict(model.named_modules())
     for target, fmt in sorted(stored.items()):
@@ -52,8 +54,8 @@ def apply_stored(model: nn.Module, stored: dict[str, StoredFormat]) -> list[str]
             delattr(module, leaf)
             setattr(module, leaf, StoredWeight(fmt, tuple(current.shape), current.dtype, current.device))
         else:
-            raise ValueError(f"{target}: the runtime holds stored weights in linear layers and routed experts only, "
-                             f"not in {type(module).__name__}.{leaf}")
+            raise StoredUnsupported(f"{target}: the runtime holds stored weights in linear layers and routed experts "
+                                    f"only, not in {type(module).__name__}.{leaf}")
         done.append(target)
     for layer in getattr(model, "layers", []):
         for part in (layer.attn, layer.ffn):
@@ -79,6 +81,6 @@ def build_stored_model(spec, stored: dict[str, StoredFormat], device, dtype: tor
     with torch.device("meta"):
         model = HybridDecoder(spec, num_layers).to(dtype)
     if any(isinstance(m, (OwnModel, OwnModule)) for m in model.modules()):
-        raise ValueError("a release with stored weights runs without transformers' own modules in this runtime")
+        raise StoredUnsupported("a release with stored weights runs without transformers' own modules in this runtime")
     apply_stored(model, stored)
     return model.to_empty(device=device)

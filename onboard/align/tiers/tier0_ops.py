@@ -1,7 +1,7 @@
 """Alignment tier 0: every op the package uses, runtime forms vs the fp64 reference, forward and backward.
 
 Each op runs at the real widths of the first layer that uses it, a short sequence, three seeds,
-in fp32 and bf16; the fallback always, the fused kernel where it can run (CUDA, or the Triton
+in fp32 and bf16; the torch form always, the fused kernel where it can run (CUDA, or the Triton
 interpreter when TRITON_INTERPRET=1).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ COTANGENT_SEED_OFFSET = 7919
 DTYPES = (torch.float32, torch.bfloat16)
 # tier 0's two runs of an op, as the backend selectors name them: its torch form, and the fastest fused path this
 # device has (the Triton kernels, with their Gluon twins on a Hopper GPU)
-BACKEND_OF = {"fallback": "torch", "kernel": "hopper"}
+BACKEND_OF = {"torch_form": "torch", "kernel": "hopper"}
 # Ops whose output is a selection (indices): compared as sets, not numerically.
 SELECTION_OPS = {"dsa_indexer"}
 
@@ -177,7 +177,7 @@ def distinct_ops(spec: ModelSpec) -> list[tuple[str, SpecPart]]:
 
 def tier0(spec: ModelSpec, T: int = 33, progress: Progress | None = None, weight_map: dict | None = None,
           source: Path | None = None) -> list[Check]:
-    """Checks for every (op, distinct parameters) the spec uses: the fallback, and the kernel where one exists. The
+    """Checks for every (op, distinct parameters) the spec uses: the torch form, and the kernel where one exists. The
     ops that decode stored weights run on the release's own codes and scales at each stored weight's widths when its
     weight map and folder are given (onboard/align/tiers/stored_cases.py, each check naming the scales it read), on
     codes encoded in the release's format at the model's width otherwise (cases.py)."""
@@ -189,7 +189,7 @@ def tier0(spec: ModelSpec, T: int = 33, progress: Progress | None = None, weight
     checks = []
     for op, part in ops:
         progress.group(op)
-        checks += check_op(op, part, spec.hidden_size, T, "fallback")
+        checks += check_op(op, part, spec.hidden_size, T, "torch_form")
         if OPS[op].kernel and OPS[op].resolve("kernel") is not None:
             checks += _kernel_checks(op, lambda which, op=op, part=part: check_op(op, part, spec.hidden_size, T, which))
     for case in stored:
@@ -200,7 +200,7 @@ def tier0(spec: ModelSpec, T: int = 33, progress: Progress | None = None, weight
 
 def _stored_checks(case) -> list[Check]:
     label = f"{case.op}:{case.label}"
-    found = run_checks(case.op, "fallback", case.make, label)
+    found = run_checks(case.op, "torch_form", case.make, label)
     if OPS[case.op].kernel and OPS[case.op].resolve("kernel") is not None:
         found += _kernel_checks(case.op, lambda which: run_checks(case.op, which, case.make, label), label)
     return found

@@ -194,3 +194,20 @@ def test_placement_reads_codes_and_scales_once(stored_package):
     for target, count in counts.items():
         # an expert's gate_up rows come from its gate and its up tensors; every other row from one tensor, once
         assert bool((count == (2 if target.endswith("w_gate_up.codes") or target.endswith("w_gate_up.scale") else 1)).all()), target
+
+
+def test_stored_weights_the_runtime_cannot_hold_are_a_gap(stored_package):
+    """A stored step on a norm weight, or an FP8 row split inside a scale block, is StoredUnsupported (exit 3)."""
+    from runtime.errors import StoredUnsupported
+    from runtime.formats.entry import stored_parts
+    from runtime.formats.scheme import FP8Block
+
+    spec, weight_map, _, _ = stored_package("qwen3_moe", "fp8")
+    norm = next(name for name, e in weight_map.items() if (e["target"] or "").endswith("input_layernorm.weight"))
+    some_stored = next(e["stored"] for e in weight_map.values() if e.get("stored"))
+    with pytest.raises(StoredUnsupported, match="input_layernorm"):
+        build_stored_model(spec, stored_targets(weight_map | {norm: weight_map[norm] | {"stored": some_stored}}), "cpu")
+    entry = next(e for e in weight_map.values() if e.get("stored") and e["rows"] and e["rows"][0])
+    split = entry | {"stored": entry["stored"] | {"format": FP8Block(block=(24, 24)).model_dump(mode="json")}}
+    with pytest.raises(StoredUnsupported, match="scale block"):
+        stored_parts(split)
