@@ -150,6 +150,7 @@ def scales_read(weight_map: Mapping[str, dict], layers: Iterable[int], outside: 
     return fold_experts(names)
 
 
+# an expert number inside a tensor name (DeepSeek-V3's per-expert tensors: `...mlp.experts.17.down_proj.weight`)
 EXPERT_RE = re.compile(r"(?<=\.experts\.)(\d+)(?=\.)")
 
 
