@@ -165,7 +165,7 @@ def fold_experts(names: Iterable[str]) -> list[str]:
     out = []
     for key, experts in groups.items():
         out.append(key.replace("{}", "{" + _ranges(sorted(set(experts))) + "}") if "{}" in key else key)
-    return sorted(out, key=_natural)
+    return sorted(out, key=natural_key)
 
 
 def _ranges(numbers: list[int]) -> str:
@@ -178,6 +178,6 @@ def _ranges(numbers: list[int]) -> str:
     return ",".join(runs)
 
 
-def _natural(name: str) -> list:
+def natural_key(name: str) -> list:
     """Sort key ordering layers by number (layers.2 before layers.10)."""
     return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
