@@ -150,6 +150,7 @@ def scales_read(weight_map: Mapping[str, dict], layers: Iterable[int], outside: 
     return fold_experts(names)
 
 
+# an expert number inside a tensor name (DeepSeek-V3's per-expert tensors: `...mlp.experts.17.down_proj.weight`)
 EXPERT_RE = re.compile(r"(?<=\.experts\.)(\d+)(?=\.)")
 
 
@@ -164,7 +165,7 @@ def fold_experts(names: Iterable[str]) -> list[str]:
     out = []
     for key, experts in groups.items():
         out.append(key.replace("{}", "{" + _ranges(sorted(set(experts))) + "}") if "{}" in key else key)
-    return sorted(out, key=_natural)
+    return sorted(out, key=natural_key)
 
 
 def _ranges(numbers: list[int]) -> str:
@@ -177,6 +178,6 @@ def _ranges(numbers: list[int]) -> str:
     return ",".join(runs)
 
 
-def _natural(name: str) -> list:
+def natural_key(name: str) -> list:
     """Sort key ordering layers by number (layers.2 before layers.10)."""
     return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]

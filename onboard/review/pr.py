@@ -17,6 +17,7 @@ import yaml
 
 from onboard.align.regression import HIGHER_IS_BETTER
 from onboard.align.report import AlignmentReport, Check
+from onboard.align.stored import natural_key
 from onboard.errors import printable
 from onboard.gap.render import jinja_env
 from runtime.registry import OPS
@@ -96,17 +97,20 @@ def tier2_checks(aligned: AlignmentReport | None, keep) -> list[Check]:
 
 
 def scale_rows(aligned: AlignmentReport | None) -> list[dict]:
-    """The scale tensors the checks read (stored-format releases), one row per tier and set of tensors: the checks'
-    groups (the name up to its first `/`), how many checks, and the tensors."""
-    rows: dict[tuple, dict] = {}
+    """The scale tensors the checks read (stored-format releases): the checks of one tier grouped by their name up to
+    its first `/` (an op's case, a layer, `stored` for the gain checks, `logits`), the tensors each group read, and
+    groups that read the same tensors in one row."""
+    groups: dict[tuple[int, str], dict] = {}
     for tier in aligned.tiers if aligned else []:
         for c in tier.checks:
-            if not c.scales:
-                continue
-            row = rows.setdefault((tier.tier, tuple(c.scales)), {"tier": tier.tier, "groups": [], "count": 0,
-                                                                   "scales": c.scales})
-            group = c.name.split("/", 1)[0]
-            if group not in row["groups"]:
-                row["groups"].append(group)
-            row["count"] += 1
+            if c.scales:
+                group = groups.setdefault((tier.tier, c.name.split("/", 1)[0]), {"count": 0, "scales": set()})
+                group["count"] += 1
+                group["scales"].update(c.scales)
+    rows: dict[tuple, dict] = {}
+    for (tier, name), group in groups.items():
+        scales = tuple(sorted(group["scales"], key=natural_key))
+        row = rows.setdefault((tier, scales), {"tier": tier, "groups": [], "count": 0, "scales": list(scales)})
+        row["groups"].append(name)
+        row["count"] += group["count"]
     return list(rows.values())

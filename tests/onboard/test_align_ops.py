@@ -48,10 +48,10 @@ def test_stored_ops_pass_tier0_and_a_dropped_scale_fails_it(monkeypatch):
     experts = StoredWeights(format=MXFP4(layout="blocks"), ffn=ffn)
     linear = StoredWeights(format=FP8Block(block=(32, 32)))
     for op, part in (("moe_experts_stored", experts), ("stored_linear", linear)):
-        checks = tier0_ops.check_op(op, part, 64, 9, "fallback") + tier0_ops.check_op(op, part, 64, 9, "kernel")
+        checks = tier0_ops.check_op(op, part, 64, 9, "torch_form") + tier0_ops.check_op(op, part, 64, 9, "kernel")
         assert {c.verdict for c in checks} <= {"pass", "skip"} and any(c.verdict == "pass" for c in checks), op
     real = stored.decode
     monkeypatch.setattr(stored, "decode", lambda codes, scale, kind, block, dtype: real(
         codes, torch.ones_like(scale), kind, block, dtype))
-    checks = tier0_ops.check_op("stored_linear", linear, 64, 9, "fallback")
+    checks = tier0_ops.check_op("stored_linear", linear, 64, 9, "torch_form")
     assert any(c.verdict == "fail" and c.name.endswith("/out0") for c in checks)

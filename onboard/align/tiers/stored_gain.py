@@ -11,12 +11,11 @@ MXFP4 codes under the byte 1 are 2^-126 small: both miss the 1e-2..1e2 bar by fa
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 
 from onboard.align.report import Check
-from onboard.align.stored import ReleaseReader, fold_experts, in_prefix, layer_of
+from onboard.align.stored import EXPERT_RE, ReleaseReader, fold_experts, in_prefix, layer_of
 
 # |log10(gain)| at most this: gains within 1e-2..1e2
 LOG10_GAIN_BAR = 2.0
@@ -36,15 +35,11 @@ def gain_checks(manifest, num_layers: int | None) -> list[Check]:
             if not in_prefix(name, num_layers):
                 continue
             g = gains(release.decoded(entry))
-            group = groups.setdefault(EXPERT_NUMBER.sub("*", name), {"names": [], "scales": [], "lo": math.inf, "hi": 0.0})
+            group = groups.setdefault(EXPERT_RE.sub("*", name), {"names": [], "scales": [], "lo": math.inf, "hi": 0.0})
             group["names"].append(name)
             group["scales"].append(entry.scale)
             group["lo"], group["hi"] = min(group["lo"], float(g.min())), max(group["hi"], float(g.max()))
     return [_check(**group) for group in groups.values()]
-
-
-# an expert number inside a tensor name (DeepSeek-V3's per-expert tensors: `...mlp.experts.17.down_proj.weight`)
-EXPERT_NUMBER = re.compile(r"(?<=\.experts\.)\d+(?=\.)")
 
 
 def _log_distance(lo: float, hi: float) -> float:
@@ -56,6 +51,6 @@ def _check(names: list[str], scales: list[str], lo: float, hi: float) -> Check:
     distance, name = _log_distance(lo, hi), fold_experts(names)[0]
     return Check(tier=1, name=f"stored/{name}/gain", metric="log10_gain", value=distance, tolerance=LOG10_GAIN_BAR,
                  verdict="pass" if distance <= LOG10_GAIN_BAR else "fail", op="stored_weight", layer=layer_of(name),
-                 detail=f"gain {lo:.3g}..{hi:.3g} (RMS x sqrt(in width) of each decoded matrix); a weight a network was "
-                        f"trained or initialized with lies within 1e-2..1e2: outside, a scale tensor is not this "
+                 detail=f"gain {lo:.3g}..{hi:.3g} (RMS x sqrt(in width) of each decoded matrix); a weight a network "
+                        f"was trained or initialized with lies within 1e-2..1e2: outside, a scale tensor is not this "
                         f"weight's", scales=fold_experts(scales))

@@ -49,7 +49,7 @@ def test_tier0_checks_the_decoding_ops_on_the_release_bytes_naming_their_scales(
     checks = tier0(spec, T=5, weight_map=weight_map, source=release)
     stored = [c for c in checks if c.op in ("stored_linear", "moe_experts_stored")]
     assert stored and all(c.scales for c in stored)
-    assert {c.verdict for c in stored if "/fallback/" in c.name} == {"pass"}
-    assert any(c.name.startswith("stored_linear:layers.0.attn.kv_a_proj_with_mqa.weight/fallback/bfloat16") for c in stored)
+    assert {c.verdict for c in stored if "/torch_form/" in c.name} == {"pass"}
+    assert any(c.name.startswith("stored_linear:layers.0.attn.kv_a_proj_with_mqa.weight/torch_form/bfloat16") for c in stored)
     # the plain experts op is not the package's: its experts are stored
     assert not any(c.op == "moe_experts" for c in checks)
