@@ -56,9 +56,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> Exit:
     from onboard.package.approved_ops import require_approved
 
+    from onboard.commands.training.status import NotTrainable, require_trainable
+
     pkg = Path(args.pkg)
     # the package's op files run in this process: refused before anything else runs
     require_approved(pkg)
+    try:
+        require_trainable(pkg)
+    except NotTrainable as gap:
+        print(f"onboard: gap: {gap}", file=sys.stderr)
+        return Exit.GAPS
     baseline = read_baseline(pkg) if args.check else None
     seq_len, steps = _settings(args, baseline)
     require_package_folder(pkg)

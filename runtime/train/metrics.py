@@ -56,10 +56,12 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class MetricsLog:
-    """Appends JSON lines (rank 0 only); on resume drops the lines of steps after the checkpoint resumed from."""
+    """Appends JSON lines (rank 0 only); on resume drops the lines of steps after the checkpoint resumed from. Each
+    line also goes to the sinks (runtime/train/sinks.py)."""
 
-    def __init__(self, path: Path, resume_step: int | None):
+    def __init__(self, path: Path, resume_step: int | None, sinks=()):
         self.path = Path(path)
+        self.sinks = tuple(sinks)
         self.enabled = not dist.is_initialized() or dist.get_rank() == 0
         if not self.enabled:
             return
@@ -74,6 +76,8 @@ class MetricsLog:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink.write(record)
 
 
 def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
