@@ -18,6 +18,7 @@ if not kernels_available()[0]:
 
 from onboard.examples.models import write_example_model  # noqa: E402
 from onboard.package.writer import write_package  # noqa: E402
+from tests.package_status import record_alignment_passed  # noqa: E402
 from runtime.package_ops import tables_restored  # noqa: E402
 
 SEED_DIR = Path(__file__).resolve().parents[2] / "shared" / "examples" / "seed-2.8t"
@@ -84,24 +85,10 @@ def example_package(example_release, tmp_path_factory):
     def make(family: str):
         if family not in cache:
             cache[family], _ = write_package(example_release(family), tmp_path_factory.mktemp("pkg") / family)
-            _record_alignment_passed(cache[family])
+            record_alignment_passed(cache[family])
         return cache[family]
 
     return make
-
-
-def _record_alignment_passed(pkg: Path) -> None:
-    """The package stage alone (write_package) leaves a package without gaps `ready-for-alignment`; new-model's
-    alignment stage then records `trainable`, which `train` and `bench` require. Running tiers 0-2 for every
-    fixture would cost minutes per family, so the fixture records the status the stage records for these
-    releases: tests/onboard/test_family_sweep.py, tests/onboard/test_package_files.py and the demo run that
-    stage itself. A package with gaps keeps its status."""
-    import yaml
-
-    manifest = yaml.safe_load((pkg / "package.yaml").read_text())
-    if manifest["status"] == "ready-for-alignment":
-        manifest |= {"status": "trainable", "reasons": []}
-        (pkg / "package.yaml").write_text(yaml.safe_dump(manifest, sort_keys=False))
 
 
 @pytest.fixture(scope="session")

@@ -13,12 +13,13 @@ class NotTrainable(Exception):
 
 
 def require_trainable(pkg: Path) -> None:
-    from onboard.package.files import read_manifest_file
+    from onboard.package.files import load_yaml, read_manifest_file
 
     manifest = read_manifest_file(Path(pkg))
     if manifest.status == TRAINABLE:
         return
-    reasons = (manifest.model_extra or {}).get("reasons") or []
+    # `reasons` is a key the graph adds beside the schema's (package.yaml allows more keys)
+    reasons = load_yaml(Path(pkg), "package.yaml").get("reasons") or []
     reasons = [str(r) for r in reasons] if isinstance(reasons, list) else [str(reasons)]
     why = f": {reasons[0]}" + (f" (and {len(reasons) - 1} more)" if len(reasons) > 1 else "") if reasons else ""
     raise NotTrainable(f"{Path(pkg) / 'package.yaml'}: status {manifest.status!r}, not {TRAINABLE!r}{why}; "
