@@ -3,6 +3,7 @@ words that say what happened (issue 55 item 7)."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import yaml
 
@@ -33,3 +34,22 @@ def test_pr_md_of_a_tiny_model_on_16_gpus(example_release, tmp_path):
     assert plan["chosen"]["step_s"]["step"] >= floor * (1 - 1e-3)
     per_gpu = plan["chosen"]["tokens_per_s"] / 16
     assert per_gpu < 1e7, per_gpu
+
+
+def test_an_expert_load_collapse_is_named(capsys):
+    """The demo's own run (30 steps at seq 128): layer 3's routing ended with expert 1 taking about half of the
+    routed pairs and 5 of 8 experts nearly idle while its plot showed it and nothing said so. These lines carry
+    the shares that run logged (per step, 256 routed pairs per layer); layer 0 stays even."""
+    even = [32, 33, 31, 32, 32, 32, 32, 32]
+    collapsed = [3, 124, 82, 2, 2, 38, 3, 2]
+    train = [{"step": s, "expert_counts": {"0": even, "3": even if s <= 10 else collapsed}} for s in range(1, 31)]
+    from onboard.commands.demo import _print_collapses
+    from runtime.train.metrics import load_collapses
+
+    found = load_collapses(train)
+    assert [(c["layer"], c["expert"], c["idle"], c["first_step"], c["last_step"]) for c in found] == [(3, 1, 5, 21, 30)]
+    _print_collapses(train, Path("run/expert_load.png"))
+    out = capsys.readouterr().out
+    assert out.startswith("expert load collapsed in layer 3: expert 1 took 48% of the routed pairs over steps 21-30 "
+                          "(3.9x the mean; 5 of 8 experts under a quarter of an even share)\n"), out
+    assert "run/expert_load.png" in out
