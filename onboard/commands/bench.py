@@ -110,11 +110,17 @@ def measure(pkg: Path, seq_len: int, steps: int, model_dir: Path | None) -> dict
 
     from runtime.train.flops import peak_flops, step_flops
 
+    _say(f"building the model of {pkg} (seq {seq_len})")
     setup = _setup(pkg, seq_len, model_dir)
+    _say(f"{WARMUP} warm-up steps, then {steps} timed")
     with _PeakMemory(setup.device) as memory:
         for _ in range(WARMUP):
             setup.step()
-        seconds = [_timed(setup.step, setup.device) for _ in range(steps)]
+        seconds = []
+        for i in range(steps):
+            seconds.append(_timed(setup.step, setup.device))
+            _say(f"timed step {i + 1}/{steps}: {1e3 * seconds[-1]:.1f} ms")
+    _say(f"profiling {PROFILED_STEPS} more steps per op kind")
     mean, peak = statistics.fmean(seconds), peak_flops(setup.device)
     flops = step_flops(setup.model, [seq_len])
     return {"package": str(pkg), "release": str(setup.release), "device": _device_name(setup.device),
@@ -165,6 +171,12 @@ def _setup(pkg: Path, seq_len: int, model_dir: Path | None) -> _Setup:
     tokens = torch.randint(0, package.spec["vocab_size"], (seq_len,), generator=torch.Generator().manual_seed(0))
     row = pack([Document(tokens.tolist(), [True] * seq_len)], seq_len, 0)
     return _Setup(model, TrainData(row, row), package.source, device)
+
+
+def _say(text: str) -> None:
+    """Progress on stderr, one line per phase and timed step: a bench of a large package runs for minutes, and
+    its summary on stdout comes only at the end."""
+    print(f"bench: {text}", file=sys.stderr, flush=True)
 
 
 def _timed(step, device) -> float:

@@ -124,6 +124,8 @@ def run(args) -> Exit:
     if (args.nproc > 1 or args.nnodes > 1) and "LOCAL_RANK" not in os.environ:
         from onboard.commands.train_launch import launch
 
+        # named once here: ranks picking a new folder by their own clock could pick different ones
+        args.out = str(choose_folder(Path(args.pkg), args.out, args.resume))
         return launch(parser(), args)
     return _train(args)
 
@@ -137,6 +139,9 @@ def check_flags(args) -> None:
     _check_ep(args.ep, world)
     if args.nnodes > 1 and not args.rdzv_endpoint:
         raise BadInput(None, "--rdzv-endpoint", "needed with --nnodes > 1: host:port of the c10d rendezvous")
+    # every rank writes the same run folder: one a node or rank named by its own clock could differ
+    if (args.nnodes > 1 or "LOCAL_RANK" in os.environ) and args.out is None:
+        raise BadInput(None, "--out", "needed with --nnodes > 1 or under torchrun: the run folder every rank writes")
     if args.tensorboard and not available("tensorboard"):
         raise BadInput(None, "--tensorboard", "the tensorboard package is not installed (pip install 'onboard[logging]')")
     if args.wandb is not None and not args.wandb.strip():
@@ -175,7 +180,10 @@ def _train(args) -> Exit:
     policy = memory_policy_for(package.memory, args.recompute, args.offload, pkg / "plan.yaml")
     out = choose_folder(pkg, args.out, args.resume)
     # before the data is read: a taken folder, or a resume of nothing, is refused at once
-    recorded_math(out) if args.resume else require_fresh(out)
+    if args.resume:
+        recorded_math(out)
+    else:
+        require_fresh(out)
     resolved_warmup(args, recorded_setting(out, "warmup_steps") if args.resume else None)
     try:
         balancing = balance_options(spec, args.aux_loss_coef, args.bias_update_rate)

@@ -44,7 +44,7 @@ class TensorBoardSink:
     def __init__(self, run_dir: Path, resume_step: int | None):
         from torch.utils.tensorboard import SummaryWriter
 
-        purge = None if not resume_step else resume_step + 1
+        purge = None if resume_step is None else resume_step + 1
         self.writer = SummaryWriter(log_dir=str(Path(run_dir) / TENSORBOARD_DIR), purge_step=purge)
 
     def write(self, record: dict) -> None:

@@ -35,6 +35,9 @@ def test_bench_writes_every_metric_and_checks_against_its_baseline(example_packa
 
     first = onboard_cli("bench", pkg, *BENCH)
     assert first.code == 0, first.err
+    # a long bench is not silent until its summary: a line per phase and per timed step on stderr
+    timed = [line.split(": ")[1] for line in first.err.splitlines() if line.startswith("bench: timed step")]
+    assert timed == [f"timed step {i}/4" for i in range(1, 5)] and "bench: 2 warm-up steps, then 4 timed" in first.err
     result = json.loads((pkg / "alignment" / "bench.json").read_text())
     assert result["device"] == "cpu" and result["seq_len"] == 32 and result["steps"] == 4
     assert result["tokens_per_s"] == pytest.approx(32 / (result["latency_ms"]["mean"] / 1e3))

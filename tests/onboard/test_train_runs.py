@@ -137,7 +137,8 @@ def test_a_bad_flag_is_one_line_naming_it(flags, named, tmp_path, capsys):
     assert line.startswith(f"onboard train: error: argument {named}: "), line
 
 
-@pytest.mark.parametrize("flags, named", [(("--nnodes", "2"), "--rdzv-endpoint"), (("--nproc", "2", "--ep", "3"), "--ep")])
+@pytest.mark.parametrize("flags, named", [(("--nnodes", "2"), "--rdzv-endpoint"), (("--nproc", "2", "--ep", "3"), "--ep"),
+                                          (("--nnodes", "2", "--rdzv-endpoint", "host:29500"), "--out")])
 def test_flags_that_go_together_are_checked_before_any_work(flags, named, tmp_path, capsys):
     assert main(["train", str(tmp_path / "absent"), "--data", "x.jsonl", *flags]) == 2
     assert one_error_line(capsys).startswith(f"onboard: error: <input>: {named}: ")
