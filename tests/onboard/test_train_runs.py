@@ -166,11 +166,11 @@ def test_a_yaml_config_is_the_same_run_as_its_flags(package, data, tmp_path, cap
              "--eval-every", "2", "--checkpoint-every", "3"]
     assert main(train(package, data, *flags, "--out", str(tmp_path / "by-flags"))) == 0
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump({"data": str(data), "steps": 3, "lr": 1e-3, "warmup-steps": 2,
+    config.write_text(yaml.safe_dump({"data": str(data), "steps": 5, "lr": 1e-3, "warmup-steps": 2,
                                       "weight_decay": 0.01, "seed": 3, "eval_every": 2, "checkpoint_every": 3,
                                       "seq_len": 16, "no_progress": True, "no_cuda_graph": True, "batch_size": None}))
-    # flags on the command line override the file's keys
-    assert main(["train", str(package), "--config", str(config), "--lr", "1e-3", "--steps", "3",
+    # flags on the command line override the file's keys (steps: 5 in the file)
+    assert main(["train", str(package), "--config", str(config), "--steps", "3",
                  "--out", str(tmp_path / "by-config")]) == 0
     assert losses(tmp_path / "by-config") == losses(tmp_path / "by-flags") and len(losses(tmp_path / "by-flags")) == 3
     kept = yaml.safe_load((tmp_path / "by-config" / "config.yaml").read_text())
@@ -180,8 +180,8 @@ def test_a_yaml_config_is_the_same_run_as_its_flags(package, data, tmp_path, cap
     capsys.readouterr()
     assert main(["train", str(package), "--config", str(tmp_path / "by-config" / "config.yaml"), "--print-config"]) == 0
     assert yaml.safe_load(capsys.readouterr().out) == kept
-    assert main(["train", str(package), "--config", str(config), "--steps", "5", "--print-config"]) == 0
-    assert yaml.safe_load(capsys.readouterr().out)["steps"] == 5
+    assert main(["train", str(package), "--config", str(config), "--steps", "7", "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["steps"] == 7
 
 
 @pytest.mark.parametrize("text, key, needle", [

@@ -83,7 +83,8 @@ def _flag(path: Path, key: str, action: argparse.Action, value) -> list[str]:
         raise BadInput(path, key, str(err) or f"invalid value {text!r}") from None
     if action.choices is not None and text not in action.choices:
         raise BadInput(path, key, f"expected one of {', '.join(map(str, action.choices))}, got {text!r}")
-    return [flag, text]
+    # one token, `--flag=value`: a value starting with "-" is not taken for a flag
+    return [f"{flag}={text}"]
 
 
 def resolved_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
