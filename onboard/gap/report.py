@@ -6,7 +6,7 @@ from typing import Literal, Optional, get_args
 
 from pydantic import BaseModel, field_validator
 
-from onboard.gap.budget import MemoryBudget, budget
+from onboard.gap.budget import MemoryBudget, budget, stored_as
 from onboard.recognize.meta_check import MetaCheck, meta_check
 from onboard.recognize.weight_layout import expected_tensors
 from onboard.release.manifest import Manifest
@@ -202,6 +202,8 @@ def model_summary(spec: ModelSpec, manifest: Manifest) -> dict:
         "moe_layers": len(moe), "vision": spec.vision.model_dump() if spec.vision else None,
         "params_total": spec.params.total, "params_active": spec.params.active,
         "manifest_params": manifest.total_params, "params": spec.params.model_dump(), "spec_hash": spec.spec_hash(),
+        # the formats the base ships in per tensor group ("" for a bf16/fp32 release); the counts above are logical
+        "stored_as": stored_as(spec),
     }
 
 

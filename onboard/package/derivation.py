@@ -87,7 +87,7 @@ def derive_weight_map(spec: ModelSpec, manifest: Manifest) -> dict[str, dict]:
     from onboard.package.weight_map import build_weight_map
 
     own_names = _own_model_names(manifest) if spec.own_model else None
-    return build_weight_map(spec, check_weights(spec, manifest).unexpected, own_names)
+    return build_weight_map(spec, check_weights(spec, manifest).unexpected, own_names, manifest.stored)
 
 
 def _own_model_names(manifest: Manifest) -> dict[str, str | None]:

@@ -369,6 +369,10 @@ class Recognizer:
 
     # ---- what was not understood
     def collect_unrecognized(self) -> None:
+        if self.manifest.quantization is not None:
+            # read by the manifest (onboard/release/quantization.py), wherever the release put it
+            self.top.mark_used("quantization_config")
+            self.cfg.mark_used("quantization_config")
         for view in {id(v): v for v in (self.cfg, self.top)}.values():
             for key in view.unused():
                 if key.startswith("vision_config") or key == "vision_config":
@@ -384,5 +388,6 @@ class Recognizer:
 def recognize(manifest: Manifest) -> ModelSpec:
     """The normalized architecture: config rules first, then what the weights say (recognize_weights)."""
     from onboard.recognize import weights as recognize_weights
+    from onboard.recognize.stored import with_stored
 
-    return recognize_weights.apply(Recognizer(manifest).run(), manifest)
+    return with_stored(recognize_weights.apply(Recognizer(manifest).run(), manifest), manifest)
