@@ -110,9 +110,9 @@ def measure(pkg: Path, seq_len: int, steps: int, model_dir: Path | None) -> dict
 
     from runtime.train.flops import peak_flops, step_flops
 
-    _say(f"building the model of {pkg} (seq {seq_len})")
     setup = _setup(pkg, seq_len, model_dir)
-    _say(f"{WARMUP} warm-up steps, then {steps} timed")
+    # said once the package is read and the model built: a refused package stays one stderr line
+    _say(f"model built (seq {seq_len}): {WARMUP} warm-up steps, then {steps} timed")
     with _PeakMemory(setup.device) as memory:
         for _ in range(WARMUP):
             setup.step()
