@@ -8,7 +8,9 @@ import os
 import sys
 
 from onboard.commands import align, approve, bench, data, demo, example_model, export, inspect, new_model, plan, train
+from onboard.commands.args import DefaultsFormatter, OnboardParser
 from onboard.commands.refusals import REFUSALS, refusal_exit
+from onboard.commands.training.config_file import expand_config
 from onboard.errors import report_internal_error
 from onboard.exit_codes import Exit
 from onboard.release.config_view import NotRecognized
@@ -32,10 +34,11 @@ COMMANDS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="onboard", description=__doc__)
+    parser = OnboardParser(prog="onboard", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"onboard {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module, help_line in COMMANDS:
-        p = sub.add_parser(name, help=help_line)
+        p = sub.add_parser(name, help=help_line, description=help_line, formatter_class=DefaultsFormatter)
         module.add_arguments(p)
         p.set_defaults(run=module.run)
     # the demo runs each stage through this command's own main, handed down so the demo sits below the CLI
@@ -43,12 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("onboard")
+    except PackageNotFoundError:
+        return "(not installed: run from a source tree)"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
     # a name that slipped past the checks must not turn printing into a crash
     if isinstance(sys.stdout, io.TextIOWrapper):
         sys.stdout.reconfigure(errors="backslashreplace")
     try:
+        # `train --config FILE`: the file's keys become flags placed before the command line's, which override them
+        args = build_parser().parse_args(expand_config(argv, train.parser()))
         return args.run(args)
     except REFUSALS as err:
         return refusal_exit(err)

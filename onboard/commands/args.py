@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from onboard.errors import BadInput
+from onboard.errors import BadInput, printable
 from runtime import defaults
 
 # Far above any real use (a 1M-token sequence, a rank-65536 adapter), low enough that no
@@ -19,6 +19,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= ARG_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, {ARG_LIMIT}], got {text}")
+    return value
+
+
 def positive_float(text: str) -> float:
     value = float(text)
     if not (value > 0 and math.isfinite(value) and value <= ARG_LIMIT):
@@ -26,11 +33,46 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not (value >= 0 and math.isfinite(value) and value <= ARG_LIMIT):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
+
+
+def open_fraction(text: str) -> float:
+    """A share strictly between 0 and 1 (a held-out fraction: 0 or 1 leaves one side empty)."""
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction strictly between 0 and 1, got {text}")
+    return value
+
+
+class OnboardParser(argparse.ArgumentParser):
+    """argparse with the house's one-line refusal: a bad flag is exit 2 with one stderr line naming it (argparse's
+    own error prints the whole usage block first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {printable(message)} (`{self.prog} --help` lists the flags)\n")
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """--help shows each flag's default, unless its help text already says it or there is no value to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        # `is`: a default of 0 is shown, False (a switch) and None (nothing set) are not
+        if "default" in text or not action.option_strings or any(action.default is v for v in (None, False)) \
+                or action.default == argparse.SUPPRESS:
+            return text
+        return f"{text} (default %(default)s)".strip()
+
+
 def add_budget_args(p: argparse.ArgumentParser) -> None:
     """The memory-budget inputs shared by inspect, new-model and plan."""
     p.add_argument("--gpu-mem-gib", type=positive_float, default=defaults.GPU_MEM_GIB,
                    help=f"memory of one GPU (default {defaults.GPU_MEM_GIB:g})")
-    p.add_argument("--lora-rank", type=positive_int, default=defaults.LORA_RANK)
+    p.add_argument("--lora-rank", type=positive_int, default=defaults.LORA_RANK, help="LoRA rank of the adapters")
     p.add_argument("--seq-len", type=positive_int, default=defaults.SEQ_LEN, help="training sequence length for activations")
 
 

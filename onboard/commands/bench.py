@@ -56,9 +56,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> Exit:
     from onboard.package.approved_ops import require_approved
 
+    from onboard.commands.training.status import NotTrainable, require_trainable
+
     pkg = Path(args.pkg)
     # the package's op files run in this process: refused before anything else runs
     require_approved(pkg)
+    try:
+        require_trainable(pkg)
+    except NotTrainable as gap:
+        print(f"onboard: gap: {gap}", file=sys.stderr)
+        return Exit.GAPS
     baseline = read_baseline(pkg) if args.check else None
     seq_len, steps = _settings(args, baseline)
     require_package_folder(pkg)
@@ -104,10 +111,16 @@ def measure(pkg: Path, seq_len: int, steps: int, model_dir: Path | None) -> dict
     from runtime.train.flops import peak_flops, step_flops
 
     setup = _setup(pkg, seq_len, model_dir)
+    # said once the package is read and the model built: a refused package stays one stderr line
+    _say(f"model built (seq {seq_len}): {WARMUP} warm-up steps, then {steps} timed")
     with _PeakMemory(setup.device) as memory:
         for _ in range(WARMUP):
             setup.step()
-        seconds = [_timed(setup.step, setup.device) for _ in range(steps)]
+        seconds = []
+        for i in range(steps):
+            seconds.append(_timed(setup.step, setup.device))
+            _say(f"timed step {i + 1}/{steps}: {1e3 * seconds[-1]:.1f} ms")
+    _say(f"profiling {PROFILED_STEPS} more steps per op kind")
     mean, peak = statistics.fmean(seconds), peak_flops(setup.device)
     flops = step_flops(setup.model, [seq_len])
     return {"package": str(pkg), "release": str(setup.release), "device": _device_name(setup.device),
@@ -158,6 +171,12 @@ def _setup(pkg: Path, seq_len: int, model_dir: Path | None) -> _Setup:
     tokens = torch.randint(0, package.spec["vocab_size"], (seq_len,), generator=torch.Generator().manual_seed(0))
     row = pack([Document(tokens.tolist(), [True] * seq_len)], seq_len, 0)
     return _Setup(model, TrainData(row, row), package.source, device)
+
+
+def _say(text: str) -> None:
+    """Progress on stderr, one line per phase and timed step: a bench of a large package runs for minutes, and
+    its summary on stdout comes only at the end."""
+    print(f"bench: {text}", file=sys.stderr, flush=True)
 
 
 def _timed(step, device) -> float:

@@ -153,6 +153,19 @@ def adapter_check(paths: Paths) -> AdapterCheck:
                         tolerance_for("model_logits", torch.float32).max_abs_rel, float((actual - base).abs().max()))
 
 
+def _print_collapses(losses: list[dict], plot: Path) -> None:
+    """The expert-load collapses the run's balance data shows (the plot shows them too; a reader should not have
+    to find them there)."""
+    from runtime.train.metrics import collapse_line, load_collapses
+
+    collapses = load_collapses(losses)
+    for c in collapses:
+        print(f"expert load collapsed in {collapse_line(c)}")
+    if collapses:
+        print(f"  see {plot}; --aux-loss-coef or --bias-update-rate balance the routers "
+              "(docs/training.md, expert load balancing)")
+
+
 def _print_where(paths: Paths, seconds: float) -> None:
     losses = [line for line in map(json.loads, (paths.run / "metrics.jsonl").read_text().splitlines())
               if line["kind"] == "train"]
@@ -164,6 +177,8 @@ def _print_where(paths: Paths, seconds: float) -> None:
             ("PEFT adapter", paths.adapter, f"PeftModel.from_pretrained(<{paths.release}>, <this folder>)"),
             ("release", paths.release, "the tiny qwen3_next release the package was made from")]
     print(f"\ndemo done in {seconds:.0f} s; train loss {losses[0]['loss']:.3f} -> {losses[-1]['loss']:.3f} over "
-          f"{len(losses)} steps. Open:")
+          f"{len(losses)} steps.")
+    _print_collapses(losses, paths.run / "expert_load.png")
+    print("Open:")
     for label, path, what in rows:
         print(f"  {label:<13} {path}\n  {'':<13} {what}")

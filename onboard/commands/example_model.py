@@ -14,7 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--layers", type=positive_int, default=None, help="text layers (default: the family's pattern)")
     p.add_argument("--shards", type=positive_int, default=1, help="split into about this many safetensors shards")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--weights", choices=WEIGHT_FORMATS, default="bf16",
                    help="stored format, as the family's real release ships it: fp8 (deepseek_v3, deepseek_v32, "
                         "qwen3_next), mxfp4 (gpt_oss); default bf16")

@@ -12,7 +12,9 @@ import subprocess
 import sys
 
 TRAINER_MODULE = "onboard.commands.train"
-LAUNCH_OPTIONS = ("nproc", "nnodes", "rdzv_endpoint")
+# left out of each rank's command line; --config too: the namespace already holds the file's values resolved
+# against the command line, and re-reading the file on a rank would let it override a flag set to its default
+LAUNCH_OPTIONS = ("nproc", "nnodes", "rdzv_endpoint", "config")
 
 
 def torchrun_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:

@@ -32,6 +32,13 @@ INTER_NODE_GBPS = 50.0
 HOST_GBPS = 50.0
 # The busiest EP rank receives this many times the mean token count (dropless routing is never even).
 EXPERT_IMBALANCE = 1.25
+# A layer's pass cannot take less than running its kernels one after another: about this many (norms, projections
+# with their LoRA A and B, the attention or linear-attention op, router, expert dispatch and combine), each at least
+# a launch's time (12.5 us of host time through the compiled kernel's launcher, bench/results/launch-overhead.json,
+# H200) less what a CUDA graph saves. Only a tiny model reaches this floor; without it its step estimate came out
+# in microseconds and its throughput in billions of tokens per second.
+KERNELS_PER_LAYER_PASS = 60
+LAUNCH_S = 10e-6
 
 
 class Memory(BaseModel):
@@ -200,7 +207,8 @@ def estimate_time(m: ModelSummary, mesh: MeshShape, policy: str, micro_batch: in
     tokens, world, k = micro_batch * seq_len, mesh.world, cluster.gpus_per_node
     # forward, backward (input gradients only: the base is frozen), and the recompute's second forward
     passes = 2 if policy == "none" else 3
-    compute = (passes * tokens * (2 * m.matmul_active + m.attention_flops) + 6 * m.lora * tokens) / FLOPS
+    flop_time = (passes * tokens * (2 * m.matmul_active + m.attention_flops) + 6 * m.lora * tokens) / FLOPS
+    compute = max(flop_time, passes * m.spec.num_layers * KERNELS_PER_LAYER_PASS * LAUNCH_S)
     a2a_bytes, a2a, shared = _all_to_all_time(m, mesh, tokens, passes, k)
     gather_bytes, gather = _all_gather_time(m, mesh, k)
     rs_bytes = 4 * m.lora * (world - 1) / world

@@ -36,9 +36,20 @@ def cell(value) -> str:
     return text
 
 
+def figure(value) -> str:
+    """A table figure: "-" where plan.yaml has none (a candidate that does not fit has no memory or time), large
+    numbers with thousands separators."""
+    if value is None:
+        return "-"
+    if isinstance(value, float) and abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return cell(value)
+
+
 def render_pr(pkg: Path, spec, report, tasks, exit_code: int) -> str:
     env = jinja_env()
     env.filters["cell"] = cell
+    env.filters["figure"] = figure
     aligned = _alignment(pkg)
     plan = yaml.safe_load((pkg / "plan.yaml").read_text())
     return env.get_template("pr.md.j2").render(

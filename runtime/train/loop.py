@@ -26,6 +26,7 @@ from runtime.train.flops import peak_flops, step_flops
 from runtime.lora.factors import lora_parameters
 from runtime.model.loss import chunked_cross_entropy
 from runtime.train.metrics import MetricsLog, expert_counts, expert_drops, imbalance, peak_memory_gib, plot
+from runtime.train.progress import TrainProgress
 from runtime.parallel.grads import clip_grad_norm
 from runtime.train.step_graph import MicroStep, graph_allowed
 
@@ -182,14 +183,6 @@ def _record(step: int, result: dict, seconds: float, flops: float, cfg: TrainCon
             "correction_bias": {str(k): b for k, b in result["correction_bias"].items()}}
 
 
-def _progress(enabled: bool):
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    return Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                    TextColumn("{task.fields[stats]}"), console=Console(stderr=True), disable=not enabled)
-
-
 def _stats(record: dict) -> str:
     mfu = "-" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
     return (f"loss {record['loss']:.4f}  gnorm {record['grad_norm']:.3g}  {record['tokens_per_s']:.0f} tok/s  "
@@ -216,8 +209,9 @@ def _evaluate_into(state: dict, model, data: TrainData, cfg: TrainConfig, device
 
 
 def train(model: nn.Module, data: TrainData, cfg: TrainConfig, run_dir: Path, resume: bool = False,
-          progress: bool = True) -> dict:
-    """Train the LoRA factors of `model` (already loaded and adapted); returns the final train state."""
+          progress: bool = True, sinks: tuple = ()) -> dict:
+    """Train the LoRA factors of `model` (already loaded and adapted); returns the final train state. `sinks` get
+    every metrics line too (runtime/train/sinks.py: TensorBoard, Weights & Biases)."""
     run_dir = Path(run_dir)
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     device = next(iter(lora_parameters(model))).device
@@ -228,10 +222,9 @@ def train(model: nn.Module, data: TrainData, cfg: TrainConfig, run_dir: Path, re
     if cfg.correction_bias_rate:
         balance.keep_bias_fp32(model)
     state = _start(model, optimizer, run_dir, resume)
-    log = MetricsLog(run_dir / "metrics.jsonl", state["step"] if resume else None)
+    log = MetricsLog(run_dir / "metrics.jsonl", state["step"] if resume else None, sinks)
     model.train()
-    with _progress(progress) as bar:
-        task = bar.add_task("train", total=cfg.steps, completed=state["step"], stats="")
+    with TrainProgress(progress, cfg.steps, state["step"]) as bar:
         while state["step"] < cfg.steps:
             started = time.perf_counter()
             result = train_step(model, optimizer, params, data, cfg, state["step"], device, micro_step)
@@ -240,14 +233,14 @@ def train(model: nn.Module, data: TrainData, cfg: TrainConfig, run_dir: Path, re
                              step_flops(model, result["segments"]), cfg, device)
             log.write(record)
             if not result["finite"]:
-                bar.console.print(f"step {state['step']}: loss {result['loss']}, grad norm {result['grad_norm']}: "
-                                  "not finite, step skipped")
+                bar.note(f"step {state['step']}: loss {result['loss']}, grad norm {result['grad_norm']}: "
+                         "not finite, step skipped")
             _check_finite(state, result, cfg)
             if data.eval is not None and (state["step"] % cfg.eval_every == 0 or state["step"] == cfg.steps):
                 _evaluate_into(state, model, data, cfg, device, log)
             if state["step"] % cfg.checkpoint_every == 0 or state["step"] == cfg.steps:
                 checkpoint.save(run_dir / "checkpoints", model, optimizer, state, cfg.keep_last)
-            bar.update(task, completed=state["step"], stats=_stats(record))
+            bar.update(state["step"], _stats(record))
     if log.enabled:
         plot(run_dir)
     return state

@@ -22,6 +22,7 @@ from onboard.cli import main
 from onboard.package.writer import write_package
 from runtime.spec import ModelSpec
 from tests.onboard.conftest import copy_release
+from tests.package_status import record_alignment_passed
 
 FAMILY = "qwen3_next"
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def tampered(example_release, tmp_path):
     """(release, package, data): a package of a private copy of the example release."""
     release = copy_release(example_release(FAMILY), tmp_path / "release")
-    pkg, _ = write_package(release, tmp_path / "pkg")
+    pkg = record_alignment_passed(write_package(release, tmp_path / "pkg")[0])
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": f"The mill number {i} turns by the river."}) + "\n" for i in range(8)))
     return release, pkg, data
@@ -168,7 +169,7 @@ def test_nan_weights_in_the_release_new_model_read_are_refused_naming_the_tensor
     shard = _rewrite_shard(release, _nan_first_matrix)
     with safe_open(shard, "pt") as f:
         name = next(n for n in f.keys() if f.get_tensor(n).isnan().any())
-    pkg, _ = write_package(release, tmp_path / "pkg")
+    pkg = record_alignment_passed(write_package(release, tmp_path / "pkg")[0])
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": f"The mill number {i} turns."}) + "\n" for i in range(8)))
     line = _both_refuse(capsys, pkg, data, after_progress=True)

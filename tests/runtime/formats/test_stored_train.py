@@ -15,6 +15,7 @@ from onboard.package.trainer_build import build_model, load_tokenizer, memory_po
 from runtime.formats.weight import StoredWeight
 from runtime.train.loop import TrainConfig, train
 from runtime.train.metrics import read_metrics
+from tests.package_status import record_alignment_passed
 from tests.runtime.test_train import write_data
 
 CONFIG = TrainConfig(steps=8, lr=3e-3, warmup_steps=1, eval_every=8, checkpoint_every=8, keep_last=1)
@@ -40,7 +41,7 @@ def test_onboard_train_on_the_mxfp4_example(tmp_path):
     from onboard.package.writer import write_package
 
     release = write_example_model("gpt_oss", tmp_path / "release", weights="mxfp4")
-    pkg, _ = write_package(release, tmp_path / "pkg")
+    pkg = record_alignment_passed(write_package(release, tmp_path / "pkg")[0])
     assert any("stored" in e for e in json.loads((pkg / "weight_map.json").read_text()).values())
     run = tmp_path / "run"
     done = subprocess.run([sys.executable, "-m", "onboard.cli", "train", str(pkg), "--data", str(write_data(tmp_path / "d.jsonl")),
