@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from reference_ops.mlp import ACTIVATIONS as _ACTIVATIONS
+from reference_ops.mlp import gated as _gated
 
 # By router `scoring` name. Alignment adds the model's own function for a scoring a package generated
 # (onboard/recognize/model_references.py), so the candidate is compared with it.
@@ -73,14 +73,15 @@ def route(
     return weights_Tk * routed_scaling_factor, idx_Tk
 
 
-def _glu(gate: torch.Tensor, up: torch.Tensor, activation: str, clamp: float | None, glu_alpha: float | None) -> torch.Tensor:
-    """The gated activation of one expert; clamp and glu_alpha give the gpt-oss form."""
+def _glu(gate: torch.Tensor, up: torch.Tensor, activation: str, clamp: float | None, glu_alpha: float | None,
+         situ_betas: tuple[float, float | None] | None = None) -> torch.Tensor:
+    """The gated activation of one expert; clamp and glu_alpha give the gpt-oss form, situ_betas Kimi K3's SiTU."""
     if clamp is not None:
         gate = gate.clamp(max=clamp)
         up = up.clamp(-clamp, clamp)
     if glu_alpha is not None:
         return gate * torch.sigmoid(glu_alpha * gate) * (up + 1)
-    return _ACTIVATIONS[activation](gate) * up
+    return _gated(gate, up, activation, situ_betas)
 
 
 def _split_gate_up(gate_up_2F: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,12 +110,14 @@ def swiglu_experts(
     activation: str = "silu",
     clamp: float | None = None,
     glu_alpha: float | None = None,
+    situ_betas: tuple[float, float | None] | None = None,
     interleaved_gate_up: bool = False,
     lora_gate_up: tuple[torch.Tensor, torch.Tensor] | None = None,
     lora_down: tuple[torch.Tensor, torch.Tensor] | None = None,
     lora_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Routed experts: y[t] = sum_j weights[t, j] * expert_{idx[t, j]}(x[t]). Returns y_TD in fp64."""
+    """Routed experts: y[t] = sum_j weights[t, j] * expert_{idx[t, j]}(x[t]). Returns y_TD in fp64.
+    activation "situ" takes situ_betas = (beta, linear_beta) (reference_ops/mlp.py situ_glu)."""
     x_TD, weights_Tk = _f64(x_TD), _f64(weights_Tk)
     w_gu_E2FD = _with_lora(_f64(w_gate_up_E2FD), lora_gate_up, lora_scale)
     w_down_EDF = _with_lora(_f64(w_down_EDF), lora_down, lora_scale)
@@ -128,7 +131,7 @@ def swiglu_experts(
             if b_gu_E2F is not None:
                 gate_up_2F = gate_up_2F + b_gu_E2F[e]
             gate_F, up_F = _split_gate_up(gate_up_2F, interleaved_gate_up)
-            out_D = w_down_EDF[e] @ _glu(gate_F, up_F, activation, clamp, glu_alpha)
+            out_D = w_down_EDF[e] @ _glu(gate_F, up_F, activation, clamp, glu_alpha, situ_betas)
             if b_down_ED is not None:
                 out_D = out_D + b_down_ED[e]
             y_D = y_D + weights_Tk[t, j] * out_D

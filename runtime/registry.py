@@ -122,10 +122,14 @@ BUILTIN_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 
 
 def _activation(ffn: Union[DenseFFN, MoEFFN]) -> Support:
-    """silu is the path every kernel fuses; other activations the runtime has (or a package generated) run unfused."""
+    """silu (and SiTU-GLU with its betas) are the paths the kernels fuse; other activations the runtime has (or a
+    package generated) run unfused."""
     name = ffn.activation
     if name == "silu":
         return "exact"
+    if name == "situ":
+        # Kimi K3's SiTU-GLU: the experts' GEMM epilogue fuses it; without its beta it cannot be computed
+        return "exact" if ffn.situ_beta is not None else "unsupported"
     # generated activations are registered into runtime.ops.mlp.torch_form, so it is loaded whenever there are any
     mlp = sys.modules.get("runtime.ops.mlp.torch_form")
     known = mlp.ACTIVATIONS if mlp is not None else BUILTIN_ACTIVATIONS

@@ -8,9 +8,9 @@ counts in parameters (not bytes).
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 from runtime.formats.scheme import StoredFormat
 
@@ -36,6 +36,17 @@ class WeightNaming(BaseModel):
 
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    # fields added after packages were written: left out of the dump (spec.json, the spec hash) while they hold
+    # their default, so that a spec that does not use them reads and hashes as it did before they existed
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _without_late_defaults(self, handler):
+        data = handler(self)
+        for name in self._LATE_FIELDS:
+            if isinstance(data, dict) and name in data and getattr(self, name) == type(self).model_fields[name].default:
+                del data[name]
+        return data
 
 
 class RopeSpec(_Spec):
@@ -140,6 +151,16 @@ class DenseFFN(_Spec):
     intermediate_size: int
     activation: str = "silu"
     bias: bool = False
+    # activation "situ" (Kimi K3's SiTU-GLU): the gate's tanh cap (activation_situ_beta) and the up projection's
+    # (activation_situ_linear_beta; None: up not capped)
+    situ_beta: Optional[float] = None
+    situ_linear_beta: Optional[float] = None
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("situ_beta", "situ_linear_beta")
+
+    @property
+    def situ_betas(self) -> Optional[tuple[float, Optional[float]]]:
+        """(beta, linear_beta) as the ops take them, for activation "situ"; None otherwise."""
+        return _situ_betas(self)
 
 
 class RouterSpec(_Spec):
@@ -170,6 +191,19 @@ class MoEFFN(_Spec):
     swiglu_limit: Optional[float] = None  # gpt-oss clamp
     swiglu_alpha: Optional[float] = None
     interleaved_gate_up: bool = False
+    situ_beta: Optional[float] = None  # activation "situ": as DenseFFN's (experts and shared experts alike)
+    situ_linear_beta: Optional[float] = None
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("situ_beta", "situ_linear_beta")
+
+    @property
+    def situ_betas(self) -> Optional[tuple[float, Optional[float]]]:
+        return _situ_betas(self)
+
+
+def _situ_betas(ffn) -> Optional[tuple[float, Optional[float]]]:
+    if ffn.activation != "situ" or ffn.situ_beta is None:
+        return None
+    return ffn.situ_beta, ffn.situ_linear_beta
 
 
 FFN = Annotated[Union[DenseFFN, MoEFFN, OwnModule], Field(discriminator="kind")]

@@ -304,8 +304,17 @@ class Recognizer:
         if not is_moe:
             width = self.cfg.positive_int("intermediate_size", "ffn_hidden_size")
             return DenseFFN(intermediate_size=width, activation=str(self.cfg.get("hidden_act", default="silu")),
-                            bias=self._layer_has(index, r"mlp\.up_proj\.bias$"))
+                            bias=self._layer_has(index, r"mlp\.up_proj\.bias$"), **self.activation_params())
         return self.moe(index)
+
+    def activation_params(self) -> dict:
+        """The spec fields of a parametrized activation: SiTU-GLU's two tanh caps (Kimi K3); none for the others.
+        Without activation_situ_beta the spec holds no beta and the registry calls the activation unsupported."""
+        if str(self.cfg.get("hidden_act", default="silu")) != "situ":
+            return {}
+        return {field: self.cfg.number(key) if self.cfg.has(key) else None
+                for field, key in (("situ_beta", "activation_situ_beta"),
+                                   ("situ_linear_beta", "activation_situ_linear_beta"))}
 
     def moe(self, index: int) -> MoEFFN:
         experts = self.cfg.positive_int("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
@@ -329,7 +338,8 @@ class Recognizer:
             expert_bias=self._layer_has(index, r"experts\.(gate_up_proj_bias|N\.up_proj\.bias)"),
             swiglu_limit=float(limit) if limit is not None else None,
             swiglu_alpha=float(self.cfg.get("swiglu_alpha", default=1.702)) if limit is not None else None,
-            interleaved_gate_up=limit is not None and self.naming.expert_style == "fused_gate_up")
+            interleaved_gate_up=limit is not None and self.naming.expert_style == "fused_gate_up",
+            **self.activation_params())
 
     def router(self, index: int) -> RouterSpec:
         scoring = self.cfg.get("scoring_func", default=None)

@@ -37,7 +37,7 @@ def _attention(attention, index: int, d: int, eps: float, offset: float) -> nn.M
 def _ffn(ffn, index: int, d: int) -> nn.Module:
     if ffn.kind == "own_module":
         return OwnModule(index, "ffn", ffn.path)
-    return MoE(ffn, d) if ffn.kind == "moe" else GatedMLP(d, ffn.intermediate_size, ffn.activation)
+    return MoE(ffn, d) if ffn.kind == "moe" else GatedMLP(d, ffn.intermediate_size, ffn.activation, ffn.situ_betas)
 
 
 class DecoderLayer(nn.Module):

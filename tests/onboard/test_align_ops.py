@@ -55,3 +55,21 @@ def test_stored_ops_pass_tier0_and_a_dropped_scale_fails_it(monkeypatch):
         codes, torch.ones_like(scale), kind, block, dtype))
     checks = tier0_ops.check_op("stored_linear", linear, 64, 9, "fallback")
     assert any(c.verdict == "fail" and c.name.endswith("/out0") for c in checks)
+
+
+def test_situ_ffn_ops_pass_tier0_and_plain_silu_fails_it(monkeypatch):
+    """Kimi K3's SiTU-GLU through tier 0: the experts (torch form and kernel epilogue) and the dense MLP / shared
+    experts pass against the twin at the spec's betas; a torch form that runs SwiGLU instead is caught. Betas small
+    enough that the tanh caps bite at these widths (K3's own, 4 and 25, barely would)."""
+    from runtime.ops.mlp import torch_form as mlp
+    from runtime.spec import DenseFFN, MoEFFN, RouterSpec
+
+    situ = dict(activation="situ", situ_beta=1.0, situ_linear_beta=0.5)
+    ffn = MoEFFN(num_experts=5, top_k=2, expert_intermediate_size=24, num_shared_experts=1,
+                 shared_intermediate_size=48, router=RouterSpec(scoring="sigmoid", norm_topk_prob=True), **situ)
+    for op, part in (("moe_experts", ffn), ("swiglu_mlp", DenseFFN(intermediate_size=40, **situ))):
+        checks = tier0_ops.check_op(op, part, 64, 9, "torch_form") + tier0_ops.check_op(op, part, 64, 9, "kernel")
+        assert {c.verdict for c in checks} <= {"pass", "skip"} and any(c.verdict == "pass" for c in checks), op
+    monkeypatch.setattr(mlp, "situ_glu", lambda gate, up, beta, linear_beta: torch.nn.functional.silu(gate) * up)
+    checks = tier0_ops.check_op("swiglu_mlp", DenseFFN(intermediate_size=40, **situ), 64, 9, "torch_form")
+    assert any(c.verdict == "fail" and c.name.endswith("/out0") for c in checks)

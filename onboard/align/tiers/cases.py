@@ -192,8 +192,15 @@ def _experts(c: Case, p: dict, d: int, T: int):
     if p["expert_bias"]:
         c.rand("b_gate_up_E2F", E, 2 * F_, scale=0.1)
         c.rand("b_down_ED", E, d, scale=0.1)
-    c.kwargs.update(activation=p["activation"], clamp=p["swiglu_limit"], glu_alpha=p["swiglu_alpha"],
-                    interleaved_gate_up=p["interleaved_gate_up"])
+    c.kwargs.update(clamp=p["swiglu_limit"], glu_alpha=p["swiglu_alpha"], interleaved_gate_up=p["interleaved_gate_up"],
+                    **activation_kwargs(p))
+
+
+def activation_kwargs(p: dict) -> dict:
+    """The FFN ops' activation keywords: its name, and SiTU-GLU's (beta, linear_beta) where the spec holds them."""
+    if p["activation"] == "situ" and p.get("situ_beta") is not None:
+        return dict(activation="situ", situ_betas=(p["situ_beta"], p.get("situ_linear_beta")))
+    return dict(activation=p["activation"])
 
 
 def _mlp(c: Case, p: dict, d: int, T: int):
@@ -202,7 +209,7 @@ def _mlp(c: Case, p: dict, d: int, T: int):
     c.rand("w_gate_FD", width, d, scale=d ** -0.5)
     c.rand("w_up_FD", width, d, scale=d ** -0.5)
     c.rand("w_down_DF", d, width, scale=width ** -0.5)
-    c.set("activation", p["activation"])
+    c.kwargs.update(activation_kwargs(p))
 
 
 def _encoded(c: Case, shape: tuple[int, ...], fmt: dict, scale: float):

@@ -20,12 +20,15 @@ from runtime.ops.moe.torch_form import SCORINGS, router_logits
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, width: int, activation: str = "silu"):
+    def __init__(self, hidden_size: int, width: int, activation: str = "silu",
+                 situ_betas: tuple[float, float | None] | None = None):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, width, bias=False)
         self.up_proj = nn.Linear(hidden_size, width, bias=False)
         self.down_proj = nn.Linear(width, hidden_size, bias=False)
         self.activation = activation
+        # SiTU-GLU's (beta, linear_beta), passed only where set so that other ops' signatures stay as they are
+        self.options = dict(situ_betas=situ_betas) if situ_betas is not None else {}
 
     def forward(self, x_BTD: torch.Tensor, gate_1D: torch.Tensor | None = None,
                 residual_BTD: torch.Tensor | None = None) -> torch.Tensor:
@@ -33,7 +36,7 @@ class GatedMLP(nn.Module):
         (the shared expert: the kernel folds both into its passes; it may write residual_BTD in place)."""
         mlp = op("swiglu_mlp", x_BTD.device)
         return mlp(x_BTD, weight_of(self.gate_proj), weight_of(self.up_proj), weight_of(self.down_proj), self.activation,
-                   gate_1D=gate_1D, residual_TD=residual_BTD)
+                   gate_1D=gate_1D, residual_TD=residual_BTD, **self.options)
 
 
 class Router(nn.Module):
@@ -98,6 +101,8 @@ class Experts(nn.Module):
         self.b_down = nn.Parameter(torch.zeros(E, hidden_size)) if config.expert_bias else None
         self.options = dict(activation=config.activation, clamp=config.swiglu_limit, glu_alpha=config.swiglu_alpha,
                             interleaved_gate_up=config.interleaved_gate_up)
+        if config.situ_betas is not None:
+            self.options["situ_betas"] = config.situ_betas
         # LoRA on the routed experts (runtime/lora/factors.py): stacked fp32 factors for the grouped GEMMs,
         # A_gu [E, r, D], B_gu [E, 2F, r], A_d [E, r, F], B_d [E, D, r]
         self.lora_gate_up_A: nn.Parameter | None = None
@@ -151,7 +156,7 @@ class MoE(nn.Module):
         super().__init__()
         self.router = Router(config, hidden_size)
         self.experts = Experts(config, hidden_size)
-        self.shared = GatedMLP(hidden_size, config.shared_intermediate_size, config.activation) \
+        self.shared = GatedMLP(hidden_size, config.shared_intermediate_size, config.activation, config.situ_betas) \
             if config.num_shared_experts else None
         self.shared_gate = nn.Linear(hidden_size, 1, bias=False) if config.shared_expert_gate else None
         self.last_routing: torch.Tensor | None = None  # idx_Tk of the last forward, for routing-flip counts
