@@ -91,6 +91,9 @@ class MLAAttention(_Spec):
     rope: Optional[RopeSpec]
     indexer: Optional[DSAIndexer] = None  # DeepSeek sparse attention on top of MLA
     scale: Optional[float] = None
+    # Kimi K3 (mla_use_output_gate): the attention output times sigmoid(g_proj(x)) [H * V] before o_proj
+    output_gate: bool = False
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("output_gate",)
 
 
 class GatedDeltaAttention(_Spec):

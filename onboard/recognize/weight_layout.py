@@ -93,6 +93,8 @@ def _mla(a: MLAAttention, d: int) -> Shapes:
             "kv_a_layernorm.weight": (a.kv_lora_rank,),
             "kv_b_proj.weight": (a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank),
             "o_proj.weight": (d, a.num_heads * a.v_head_dim)}
+    if a.output_gate:
+        out["g_proj.weight"] = (a.num_heads * a.v_head_dim, d)
     if a.indexer:
         ix = a.indexer
         q_in = a.q_lora_rank or d

@@ -73,3 +73,22 @@ def test_situ_ffn_ops_pass_tier0_and_plain_silu_fails_it(monkeypatch):
     monkeypatch.setattr(mlp, "situ_glu", lambda gate, up, beta, linear_beta: torch.nn.functional.silu(gate) * up)
     checks = tier0_ops.check_op("swiglu_mlp", DenseFFN(intermediate_size=40, **situ), 64, 9, "torch_form")
     assert any(c.verdict == "fail" and c.name.endswith("/out0") for c in checks)
+
+
+def test_gated_nope_mla_passes_tier0_and_a_dropped_gate_fails_it(monkeypatch):
+    """Kimi K3's MLA (no positions, sigmoid output gate) is an exact registry op: tier 0 passes it at its widths and
+    catches a torch form that leaves the gate out."""
+    from runtime.ops.mla import torch_form as mla
+    from runtime.registry import OPS, ops_for_layer
+    from runtime.spec import DenseFFN
+
+    gated = MLAAttention(num_heads=3, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=6,
+                         v_head_dim=12, rope=None, output_gate=True)
+    assert OPS["mla_attention"].supports(gated) == "exact"
+    assert [name for name, _ in ops_for_layer(gated, DenseFFN(intermediate_size=8))][0] == "mla_attention"
+    checks = tier0_ops.check_op("mla_attention", gated, 40, 9, "torch_form")
+    assert any(c.name.endswith("grad:params.g_proj") and c.verdict == "pass" for c in checks)
+    assert {c.verdict for c in checks} <= {"pass", "skip"}
+    monkeypatch.setattr(mla, "output_gated", lambda o_BTX, x_BTD, params: o_BTX)
+    checks = tier0_ops.check_op("mla_attention", gated, 40, 9, "torch_form")
+    assert any(c.verdict == "fail" and c.name.endswith("/out0") for c in checks)

@@ -92,6 +92,8 @@ def _mla(c: Case, p: dict, d: int, T: int):
               "kv_a_layernorm": (p["kv_lora_rank"],),
               "kv_b_proj": (H * (p["qk_nope_head_dim"] + p["v_head_dim"]), p["kv_lora_rank"]),
               "o_proj": (d, H * p["v_head_dim"])}
+    if p.get("output_gate"):
+        shapes["g_proj"] = (H * p["v_head_dim"], d)
     if p["q_lora_rank"]:
         shapes |= {"q_a_proj": (p["q_lora_rank"], d), "q_a_layernorm": (p["q_lora_rank"],), "q_b_proj": (H * qk, p["q_lora_rank"])}
     else:
