@@ -234,6 +234,15 @@ class ResidualSpec(_Spec):
     mixing: str = "weighted_sum"  # skip * alpha + sublayer * beta; another name is a generated op
 
 
+class AttnResSpec(_Spec):
+    """Block attention residuals (Kimi's Attention Residuals, arXiv 2603.15031; Kimi K3): each sublayer's input, and
+    the final norm's, is a softmax mix over the completed blocks' sums and the current block's partial sum
+    (runtime/ops/attn_res), scored by a learned query [D] per sublayer against the sources RMSNorm'd by a norm of its
+    own; the embedding is the first block. block_size counts sublayers (attention and FFN alike), as Kimi K3's
+    modeling code reads attn_res_block_size: a block spans block_size / 2 layers."""
+    block_size: int = Field(ge=2)
+
+
 class LayerSpec(_Spec):
     index: int
     attention: Attention
@@ -314,6 +323,9 @@ class ModelSpec(_Spec):
     # the same release per tensor group (ParamCounts category -> StoredGroup): the gap report names the formats and
     # the memory budget and plan count these bytes; None when the release is not quantized
     stored_groups: Optional[dict[str, StoredGroup]] = None
+    # Kimi K3's block attention residuals in place of the plain residual stream; None: the layers' ResidualSpec
+    attn_res: Optional[AttnResSpec] = None
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("attn_res",)
 
     def layer_kinds(self) -> list[str]:
         return [layer_kind_name(layer) for layer in self.layers]

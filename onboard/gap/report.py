@@ -95,7 +95,7 @@ def op_gaps(spec: ModelSpec) -> list[OpGap]:
     found: dict[tuple[str, str], set[int]] = {}
     own: dict[str, tuple[list[int], str]] = {}
     for layer in spec.layers:
-        for name, part in [("rms_norm", spec.norm)] + ops_for_layer(layer.attention, layer.ffn):
+        for name, part in [("rms_norm", spec.norm)] + ops_for_layer(layer.attention, layer.ffn, attn_res=spec.attn_res):
             support = OPS[name].supports(part)
             found.setdefault((name, support), set()).add(layer.index)
         for part, reason in _own_parts(layer):

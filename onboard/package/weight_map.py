@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-from onboard.recognize.weight_layout import attention_tensors, ffn_tensors
+from onboard.recognize.weight_layout import attention_tensors, attn_res_tensors, ffn_tensors
 from onboard.release.config_view import NotRecognized
 from runtime.formats.scheme import FP8Block, StoredEntry
 from runtime.spec import ModelSpec, MoEFFN
@@ -74,7 +74,7 @@ def _mapped(spec: ModelSpec) -> dict[str, dict]:
             out[f"{src}{attn_module}.{leaf}"] = _entry(f"{dst}attn.{leaf.removeprefix(n.kda_gate_prefix)}")
         for leaf in ffn_tensors(layer.ffn, d, n):
             out[f"{src}{n.ffn_module}.{leaf}"] = _ffn_entry(leaf, layer.ffn, spec, dst + "ffn.")
-    return out
+    return out | {name: _entry(runtime) for name, (runtime, _) in attn_res_tensors(spec).items()}
 
 
 def _own_module_entries(layer, prefix: str) -> dict[str, dict]:

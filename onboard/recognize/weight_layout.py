@@ -29,6 +29,32 @@ def expected_tensors(spec: ModelSpec) -> Shapes:
             out[f"{base}{attn_module}.{name}"] = shape
         for name, shape in ffn_tensors(layer.ffn, d, n).items():
             out[f"{base}{n.ffn_module}.{name}"] = shape
+    return out | {name: shape for name, (_, shape) in attn_res_tensors(spec).items()}
+
+
+# Block attention residuals (Kimi K3): released leaf -> runtime leaf, per layer (under the layer) and for the model's
+# output mix (under the text prefix); each mix is a [1, D] pseudo-query and the [D] RMSNorm its scores read through
+ATTN_RES_LAYER = {"self_attention_res_proj.weight": "attn_mix.query.weight",
+                  "self_attention_res_norm.weight": "attn_mix.norm.weight",
+                  "mlp_res_proj.weight": "ffn_mix.query.weight", "mlp_res_norm.weight": "ffn_mix.norm.weight"}
+ATTN_RES_MODEL = {"output_attn_res_proj.weight": "output_mix.query.weight",
+                  "output_attn_res_norm.weight": "output_mix.norm.weight"}
+
+
+def attn_res_shape(leaf: str, d: int) -> tuple[int, ...]:
+    return (1, d) if leaf.endswith("_proj.weight") else (d,)
+
+
+def attn_res_tensors(spec: ModelSpec) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Released name -> (runtime name, shape) of the block attention residuals' tensors; {} without them."""
+    if spec.attn_res is None:
+        return {}
+    n, d = spec.naming, spec.hidden_size
+    out = {f"{n.prefix}{leaf}": (runtime, attn_res_shape(leaf, d)) for leaf, runtime in ATTN_RES_MODEL.items()}
+    for layer in spec.layers:
+        if not layer.own_layer:
+            out |= {f"{n.prefix}layers.{layer.index}.{leaf}": (f"layers.{layer.index}.{runtime}", attn_res_shape(leaf, d))
+                    for leaf, runtime in ATTN_RES_LAYER.items()}
     return out
 
 

@@ -92,3 +92,22 @@ def test_gated_nope_mla_passes_tier0_and_a_dropped_gate_fails_it(monkeypatch):
     monkeypatch.setattr(mla, "output_gated", lambda o_BTX, x_BTD, params: o_BTX)
     checks = tier0_ops.check_op("mla_attention", gated, 40, 9, "torch_form")
     assert any(c.verdict == "fail" and c.name.endswith("/out0") for c in checks)
+
+
+def test_attn_res_mix_passes_tier0_and_mixing_normed_sources_fails_it(monkeypatch):
+    """Block attention residuals' mix (Kimi K3) through tier 0; a torch form that sums the normed sources instead of
+    the raw ones (the keys for the values) is caught."""
+    from runtime.ops.attn_res import torch_form as attn_res
+    from runtime.registry import OPS, ops_for_layer
+    from runtime.spec import AttnResSpec, DenseFFN
+
+    part = AttnResSpec(block_size=12)
+    assert OPS["attn_res_mix"].supports(part) == "exact"
+    assert ("attn_res_mix", part) in ops_for_layer(INDEXER_LAYER, DenseFFN(intermediate_size=8), attn_res=part)
+    checks = tier0_ops.check_op("attn_res_mix", part, 48, 9, "torch_form")
+    assert {c.verdict for c in checks} <= {"pass", "skip"} and any(c.name.endswith("grad:query_D") for c in checks)
+    real = attn_res.attn_res_mix
+    monkeypatch.setattr(attn_res, "attn_res_mix", lambda sources, query_D, norm_weight_D, eps, offset=0.0: real(
+        tuple(s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) for s in sources), query_D, norm_weight_D, eps))
+    checks = tier0_ops.check_op("attn_res_mix", part, 48, 9, "torch_form")
+    assert any(c.verdict == "fail" and c.name.endswith("/out0") for c in checks)

@@ -214,6 +214,20 @@ def _mlp(c: Case, p: dict, d: int, T: int):
     c.kwargs.update(activation_kwargs(p))
 
 
+# sources of a tier-0 attention-residual mix: two completed blocks and the partial sum (a real model's count grows
+# with depth; the mix is the same function of each)
+ATTN_RES_SOURCES = 3
+
+
+def _attn_res(c: Case, p: dict, d: int, T: int):
+    for n in range(ATTN_RES_SOURCES):
+        # block sums grow with the sublayers summed into them: sources of unequal scale, as in a real stream
+        c.rand(f"sources.{n}", 1, T, d, scale=1.0 + n)
+    c.rand("query_D", d, scale=d ** -0.5)
+    c.rand("norm_weight_D", d, scale=0.1, offset=1.0)
+    c.set("eps", 1e-6)
+
+
 def _encoded(c: Case, shape: tuple[int, ...], fmt: dict, scale: float):
     """(codes, scale) of a random weight encoded in the release's format (frozen: no gradient)."""
     weight = torch.randn(shape, generator=c.gen, dtype=torch.float64) * scale
@@ -248,6 +262,7 @@ def _stored_experts(c: Case, p: dict, d: int, T: int):
 
 
 BUILDERS = {
+    "attn_res_mix": _attn_res,
     "rms_norm": _norm, "gated_rms_norm": _gated_norm, "rope": _rope, "softmax_attention": _softmax,
     "mla_attention": _mla, "dsa_indexer": _indexer, "dsa_attention": _sparse, "causal_conv1d": _conv,
     "gated_delta_rule": _delta, "kda": _delta, "lightning_attention": _lightning, "moe_router": _router,
