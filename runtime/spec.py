@@ -116,6 +116,15 @@ class KDAAttention(_Spec):
     conv_kernel_size: int
     separate_convs: bool = True  # q/k/v_conv1d (Kimi Linear) vs one fused conv1d
     output_gate_activation: Literal["sigmoid", "silu"] = "sigmoid"  # Kimi's gated output norm uses sigmoid
+    # Kimi K3 (use_full_rank_gate): the output gate is one g_proj [H * K, D], not Kimi Linear's g_a_proj / g_b_proj
+    full_rank_gate: bool = False
+    # Kimi K3 (gate_lower_bound, e.g. -5): log decay lower_bound * sigmoid(exp(A_log) * (f + dt_bias)), bounded to
+    # (lower_bound, 0); None: Kimi Linear's -exp(A_log) * softplus(f + dt_bias)
+    gate_lower_bound: Optional[float] = None
+    # A_log stored flat with this many entries, the heads' first and the rest zero padding (Kimi K3: the head width,
+    # 128 for 96 heads); None: Kimi Linear's [1, 1, H, 1]
+    a_log_width: Optional[int] = None
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("full_rank_gate", "gate_lower_bound", "a_log_width")
 
 
 class LightningAttention(_Spec):

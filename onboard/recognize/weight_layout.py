@@ -146,12 +146,15 @@ def _gated_delta(a: GatedDeltaAttention, d: int) -> Shapes:
 def _kda(a: KDAAttention, d: int, gate_prefix: str) -> Shapes:
     width = a.num_heads * a.head_dim
     out: Shapes = {"q_proj.weight": (width, d), "k_proj.weight": (width, d), "v_proj.weight": (width, d),
-                   "b_proj.weight": (a.num_heads, d), "g_a_proj.weight": (a.head_dim, d),
-                   "g_b_proj.weight": (width, a.head_dim), "o_norm.weight": (a.head_dim,),
-                   "o_proj.weight": (d, width),
-                   gate_prefix + "A_log": (1, 1, a.num_heads, 1), gate_prefix + "dt_bias": (width,),
+                   "b_proj.weight": (a.num_heads, d), "o_norm.weight": (a.head_dim,), "o_proj.weight": (d, width),
+                   gate_prefix + "A_log": (1, 1, a.num_heads, 1) if a.a_log_width is None else (a.a_log_width,),
+                   gate_prefix + "dt_bias": (width,),
                    gate_prefix + "f_a_proj.weight": (a.head_dim, d),
                    gate_prefix + "f_b_proj.weight": (width, a.head_dim)}
+    if a.full_rank_gate:
+        out["g_proj.weight"] = (width, d)
+    else:
+        out |= {"g_a_proj.weight": (a.head_dim, d), "g_b_proj.weight": (width, a.head_dim)}
     if a.separate_convs:
         out |= {f"{p}_conv1d.weight": (width, 1, a.conv_kernel_size) for p in "qkv"}
     else:
