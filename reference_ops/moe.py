@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from reference_ops.mlp import gated as _gated
+from reference_ops.norms import rms_norm
 
 # By router `scoring` name. Alignment adds the model's own function for a scoring a package generated
 # (onboard/recognize/model_references.py), so the candidate is compared with it.
@@ -137,3 +138,25 @@ def swiglu_experts(
             y_D = y_D + weights_Tk[t, j] * out_D
         rows.append(y_D)
     return torch.stack(rows)
+
+
+def latent_experts(
+    x_TD: torch.Tensor,
+    weights_Tk: torch.Tensor,
+    idx_Tk: torch.Tensor,
+    w_latent_down_LD: torch.Tensor,
+    w_latent_up_DL: torch.Tensor,
+    latent_norm_L: torch.Tensor | None,
+    eps: float,
+    w_gate_up_E2FL: torch.Tensor,
+    w_down_ELF: torch.Tensor,
+    **experts_kwargs,
+) -> torch.Tensor:
+    """Kimi K3's latent MoE, routed part: up(rms_norm(sum_j weights[t, j] expert_{idx[t, j]}(down(x[t])))) with the
+    experts in the latent width L (no norm when latent_norm_L is None). Returns y_TD in fp64; the shared experts
+    (full width, on x) are swiglu_mlp's, added by the caller."""
+    latent_TL = _f64(x_TD) @ _f64(w_latent_down_LD).T
+    mixed_TL = swiglu_experts(latent_TL, weights_Tk, idx_Tk, w_gate_up_E2FL, w_down_ELF, **experts_kwargs)
+    if latent_norm_L is not None:
+        mixed_TL = rms_norm(mixed_TL, latent_norm_L, eps)
+    return mixed_TL @ _f64(w_latent_up_DL).T

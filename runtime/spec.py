@@ -205,7 +205,12 @@ class MoEFFN(_Spec):
     interleaved_gate_up: bool = False
     situ_beta: Optional[float] = None  # activation "situ": as DenseFFN's (experts and shared experts alike)
     situ_linear_beta: Optional[float] = None
-    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("situ_beta", "situ_linear_beta")
+    # Kimi K3's latent MoE (routed_expert_hidden_size): the routed experts run at this width, between a shared
+    # down-projection D -> latent and an up-projection latent -> D (RMSNorm'd in the latent space first with
+    # latent_norm, latent_moe_use_norm); the router and the shared experts read x at full width
+    latent_size: Optional[int] = None
+    latent_norm: bool = False
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("situ_beta", "situ_linear_beta", "latent_size", "latent_norm")
 
     @property
     def situ_betas(self) -> Optional[tuple[float, Optional[float]]]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-from onboard.recognize.weight_layout import attention_tensors, attn_res_tensors, ffn_tensors
+from onboard.recognize.weight_layout import attention_tensors, attn_res_tensors, ffn_tensors, latent_tensors
 from onboard.release.config_view import NotRecognized
 from runtime.formats.scheme import FP8Block, StoredEntry
 from runtime.spec import ModelSpec, MoEFFN
@@ -120,4 +120,6 @@ def _ffn_entry(leaf: str, ffn, spec: ModelSpec, dst: str) -> dict:
         return _entry(dst + "shared." + leaf.removeprefix(n.shared_module + "."))
     if leaf == "shared_expert_gate.weight":
         return _entry(dst + "shared_gate.weight")
+    if leaf in latent_tensors(ffn, spec.hidden_size):
+        return _entry(dst + latent_tensors(ffn, spec.hidden_size)[leaf][0])
     raise ValueError(f"no runtime home for FFN tensor {leaf!r}")

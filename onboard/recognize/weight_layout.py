@@ -193,11 +193,25 @@ def _moe(f: MoEFFN, d: int, naming) -> Shapes:
         out[f"{naming.router_module}.bias"] = (e,)
     if f.router.correction_bias and naming.correction_bias:
         out[naming.correction_bias] = (1, e) if naming.correction_bias.startswith("moe_statics") else (e,)
-    out |= _experts(f, d, naming.expert_style)
+    # a latent MoE's routed experts read and write the latent width, between its two projections
+    out |= _experts(f, f.latent_size or d, naming.expert_style)
+    if f.latent_size:
+        out |= {name: shape for name, (_, shape) in latent_tensors(f, d).items()}
     if f.num_shared_experts:
         out |= _mlp(f"{naming.shared_module}.", f.shared_intermediate_size, d)
     if f.shared_expert_gate:
         out["shared_expert_gate.weight"] = (1, d)
+    return out
+
+
+def latent_tensors(f: MoEFFN, d: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A latent MoE's projections (Kimi K3), released leaf under the FFN module -> (runtime leaf under the MoE, shape)."""
+    if not f.latent_size:
+        return {}
+    out = {"routed_expert_down_proj.weight": ("latent_down.weight", (f.latent_size, d)),
+           "routed_expert_up_proj.weight": ("latent_up.weight", (d, f.latent_size))}
+    if f.latent_norm:
+        out["routed_expert_norm.weight"] = ("latent_norm.weight", (f.latent_size,))
     return out
 
 

@@ -35,10 +35,10 @@ def _attention(attention, index: int, d: int, eps: float, offset: float) -> nn.M
     return ATTENTION_CLASSES[attention.kind](attention, d, eps)
 
 
-def _ffn(ffn, index: int, d: int) -> nn.Module:
+def _ffn(ffn, index: int, d: int, eps: float) -> nn.Module:
     if ffn.kind == "own_module":
         return OwnModule(index, "ffn", ffn.path)
-    return MoE(ffn, d) if ffn.kind == "moe" else GatedMLP(d, ffn.intermediate_size, ffn.activation, ffn.situ_betas)
+    return MoE(ffn, d, eps) if ffn.kind == "moe" else GatedMLP(d, ffn.intermediate_size, ffn.activation, ffn.situ_betas)
 
 
 class DecoderLayer(nn.Module):
@@ -54,7 +54,7 @@ class DecoderLayer(nn.Module):
             self.input_layernorm = make_norm(d, norm)
             self.post_attention_layernorm = make_norm(d, norm)
             self.attn = _attention(layer.attention, index, d, eps, offset)
-            self.ffn = _ffn(layer.ffn, index, d)
+            self.ffn = _ffn(layer.ffn, index, d, eps)
         self.residual = layer.residual
         # block attention residuals (Kimi K3): the sublayers read a mix of the stream's sources (attn_res.py)
         self.attn_mix = self.ffn_mix = None

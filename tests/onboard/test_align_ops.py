@@ -111,3 +111,16 @@ def test_attn_res_mix_passes_tier0_and_mixing_normed_sources_fails_it(monkeypatc
         tuple(s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) for s in sources), query_D, norm_weight_D, eps))
     checks = tier0_ops.check_op("attn_res_mix", part, 48, 9, "torch_form")
     assert any(c.verdict == "fail" and c.name.endswith("/out0") for c in checks)
+
+
+def test_latent_moe_experts_run_tier0_at_the_latent_width():
+    """Kimi K3's latent MoE: tier 0 runs the routed experts at routed_expert_hidden_size, as the layer does."""
+    from runtime.spec import MoEFFN, RouterSpec
+
+    ffn = MoEFFN(num_experts=5, top_k=2, expert_intermediate_size=24, latent_size=32, latent_norm=True,
+                 router=RouterSpec(scoring="sigmoid", norm_topk_prob=True), activation="situ", situ_beta=4.0,
+                 situ_linear_beta=25.0)
+    case = build_case("moe_experts", ffn, 64, 9, 0, torch.float32)
+    assert case.kwargs["x_TD"].shape[-1] == 32 and case.kwargs["w_gate_up_E2FD"].shape[-1] == 32
+    checks = tier0_ops.check_op("moe_experts", ffn, 64, 9, "torch_form")
+    assert {c.verdict for c in checks} <= {"pass", "skip"} and any(c.verdict == "pass" for c in checks)

@@ -183,6 +183,7 @@ def _router(c: Case, p: dict, d: int, T: int):
 
 def _experts(c: Case, p: dict, d: int, T: int):
     E, F_ = min(p["num_experts"], MAX_EXPERTS), p["expert_intermediate_size"]
+    d = p.get("latent_size") or d  # a latent MoE's experts run at the latent width (Kimi K3)
     k = min(p["top_k"], E)
     c.rand("x_TD", T, d)
     scores = torch.rand(T, E, generator=c.gen, dtype=torch.float64)

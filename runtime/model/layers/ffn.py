@@ -16,6 +16,7 @@ from runtime.formats.linear import decoded_for_op
 from runtime.formats.weight import StoredWeight
 from runtime.ops.stored_matmul.torch_form import format_kwargs
 from runtime.model.layers.lora_linear import weight_of
+from runtime.model.layers.norm import RMSNorm
 from runtime.ops.moe.torch_form import SCORINGS, router_logits
 
 
@@ -152,10 +153,15 @@ def _maybe(view, t):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: MoEFFN, hidden_size: int):
+    def __init__(self, config: MoEFFN, hidden_size: int, norm_eps: float = 1e-6):
         super().__init__()
         self.router = Router(config, hidden_size)
-        self.experts = Experts(config, hidden_size)
+        # Kimi K3's latent MoE: the routed experts between a down- and an up-projection (and a latent RMSNorm)
+        latent = config.latent_size
+        self.latent_down = nn.Linear(hidden_size, latent, bias=False) if latent else None
+        self.latent_norm = RMSNorm(latent, norm_eps) if latent and config.latent_norm else None
+        self.latent_up = nn.Linear(latent, hidden_size, bias=False) if latent else None
+        self.experts = Experts(config, latent or hidden_size)
         self.shared = GatedMLP(hidden_size, config.shared_intermediate_size, config.activation, config.situ_betas) \
             if config.num_shared_experts else None
         self.shared_gate = nn.Linear(hidden_size, 1, bias=False) if config.shared_expert_gate else None
@@ -166,8 +172,15 @@ class MoE(nn.Module):
         x_TD = x_BTD.reshape(B * T, D)
         weights_Tk, idx_Tk = self.router(x_TD)
         self.last_routing = idx_Tk.detach()
-        y_TD = self.experts(x_TD, weights_Tk, idx_Tk)
+        y_TD = self.routed(x_TD, weights_Tk, idx_Tk)
         return self.add_shared(x_TD, y_TD).view(B, T, D)
+
+    def routed(self, x_TD: torch.Tensor, weights_Tk: torch.Tensor, idx_Tk: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum; in a latent MoE, run on down(x) and brought back by up(norm(.))."""
+        if self.latent_down is None:
+            return self.experts(x_TD, weights_Tk, idx_Tk)
+        y_TL = self.experts(self.latent_down(x_TD), weights_Tk, idx_Tk)
+        return self.latent_up(self.latent_norm(y_TL) if self.latent_norm is not None else y_TL)
 
     def add_shared(self, x_TD: torch.Tensor, routed_TD: torch.Tensor) -> torch.Tensor:
         """routed + (sigmoid-gated) shared expert of x; routed_TD may be overwritten with the sum.
