@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 
 from onboard.recognize.weight_layout import attention_tensors, ffn_tensors
+from onboard.release.naming import head_name
 from runtime.spec import ModelSpec, MoEFFN
 
 # the runtime module holding transformers' whole model, when the model runs as its own
@@ -39,7 +40,7 @@ def _mapped(spec: ModelSpec) -> dict[str, dict]:
     n, d = spec.naming, spec.hidden_size
     out = {f"{n.prefix}{n.embedding}.weight": _entry("embed_tokens.weight"), f"{n.prefix}{n.final_norm}.weight": _entry("norm.weight")}
     if not spec.tie_word_embeddings:
-        out["lm_head.weight"] = _entry("lm_head.weight")
+        out[head_name(n)] = _entry("lm_head.weight")
     for layer in spec.layers:
         out |= _own_module_entries(layer, n.prefix)
         if layer.own_layer:

@@ -46,7 +46,9 @@ def render_pr(pkg: Path, spec, report, tasks, exit_code: int) -> str:
         tiers=[tier_row(t) for t in aligned.tiers] if aligned else [], alignment=aligned,
         flips=tier2_checks(aligned, lambda c: c.metric == "routing_flips"), plan=plan,
         precision=tier2_checks(aligned, lambda c: c.name.startswith("logits/")), fallbacks=[o for o in report.ops if o.status == "fallback"],
-        variants=[o for o in report.ops if o.status == "variant"])
+        variants=[o for o in report.ops if o.status == "variant"],
+        # own parts of a family transformers does not know: nothing here can run them
+        unrunnable=[o for o in report.ops if o.status == "missing" and o.covers.endswith(":own_module")])
 
 
 def _alignment(pkg: Path) -> AlignmentReport | None:
