@@ -114,11 +114,12 @@ def _train(args) -> Exit:
 
     pkg = Path(args.pkg)
     package = read_package(pkg, Path(args.model_dir) if args.model_dir else None)
+    load_package_ops(pkg, approved_hashes())
+    # judged with the package's generated ops registered: an op they close is no longer missing
     missing = untrainable(package.spec)
     if missing:
         print(f"onboard: gap: {pkg}: cannot train: {missing}", file=sys.stderr)
         return Exit.GAPS
-    load_package_ops(pkg, approved_hashes())
     # each generated op compares its first call (the first step's real inputs) with the model's own function
     arm_spot_checks(package_references(pkg))
     spec, weight_map, release = package.spec, package.weight_map, package.source

@@ -82,6 +82,10 @@ def print_gap_report(report: GapReport, console: Console | None = None) -> None:
         c = report.meta_check
         verdict = "[green]agrees[/]" if c.agrees else f"[red]disagrees[/] {_t(c.layer_disagreements[:3])}"
         console.print(f"transformers {_t(c.model_class)} on meta: {c.params:,} params, {verdict}")
+    act = m.get("activation")
+    if act and not act["computed"]:
+        said = ", ".join(f"{k}={v}" for k, v in act["parameters"].items())
+        console.print(f"activation {_t(act['name'])}{f' ({_t(said)})' if said else ''}: not an activation the runtime computes")
     if m.get("generation_keys"):
         console.print(f"generation settings (no architecture; not used): {_t(', '.join(m['generation_keys']))}")
     for u in report.unrecognized:

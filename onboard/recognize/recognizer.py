@@ -21,7 +21,6 @@ from runtime.spec import (WeightNaming, DenseFFN, DSAIndexer, GatedDeltaAttentio
 from onboard.recognize import param_count, vision as recognize_vision
 from onboard.recognize.mrope import probed_mrope
 from onboard.release.transformers_classes import transformers_knows
-from runtime.registry import BUILTIN_ACTIVATIONS
 
 # Families whose RMSNorm applies (1 + w): not expressed in their configs.
 ONE_PLUS_W_NORM_FAMILIES = {"qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"}
@@ -41,6 +40,7 @@ ATTN_TYPE_FLAGS = {1: "full_attention", 0: "linear_attention"}
 
 KNOWN_TOPK_METHODS = {None, "greedy", "group_limited_greedy", "noaux_tc"}
 
+INDEX_RE = re.compile(r"\.\d+\.")
 # tensors only a linear attention (a decay and short convolutions) holds
 LINEAR_ATTENTION_TENSORS = r"\.(A_log|dt_bias)$|conv1d\.weight$"
 
@@ -50,6 +50,12 @@ LAYER_KIND_ALIASES = {
     "linear_attention": "linear",
     "sparse_attention": "sparse", "indexed_attention": "sparse",
 }
+
+
+def declared_activation(text_config: dict) -> tuple[str, dict]:
+    """(hidden_act, its parameters: the `activation_<name>_*` keys, e.g. SiTU's activation_situ_beta)."""
+    name = str(text_config.get("hidden_act") or "silu")
+    return name, {k: v for k, v in text_config.items() if k.startswith(f"activation_{name}_")}
 
 
 class Recognizer:
@@ -87,6 +93,7 @@ class Recognizer:
                             residual=self.residual(kinds[i])) for i in range(num_layers)]
         vision = self.vision()
         self.attention_residuals()
+        self.stored_format()
         tie = bool(self.cfg.get("tie_word_embeddings", default=self.top.get("tie_word_embeddings", default=False)))
         fields = dict(family=self.family, architecture=self._architecture(), hidden_size=hidden,
                       vocab_size=self.cfg.positive_int("vocab_size"), num_layers=num_layers, layers=layers,
@@ -122,6 +129,21 @@ class Recognizer:
             detail=f"attn_res_block_size={size}: each sublayer's input is a softmax mix over the sums of earlier blocks "
                    f"of layers, scored by per-layer pseudo-queries ({', '.join(found) or 'no tensors found'}), not one "
                    "residual stream; the runtime's decoder layers add into one residual stream"))
+
+    def stored_format(self) -> None:
+        """quantization_config named as the format it says (parsed in full by the released-formats work), with the
+        tensors holding its packed codes and scales: the runtime keeps no packed format yet."""
+        quant = self.manifest.config.get("quantization_config")
+        if not isinstance(quant, dict):
+            return
+        formats = {str(g.get("format")) for g in (quant.get("config_groups") or {}).values()
+                   if isinstance(g, dict) and g.get("format")} or {str(quant.get("format") or quant.get("fmt"))}
+        packed = sorted({INDEX_RE.sub(".N.", n) for n in self.names if n.endswith(("_packed", "_scale", "_blocks"))})
+        self.unrecognized.append(Unrecognized(
+            source="config.json:quantization_config", item=f"stored format {', '.join(sorted(formats))}",
+            detail=f"quantization_config (quant_method {quant.get('quant_method')!r}) stores weights packed: "
+                   f"{len(packed)} tensor pattern(s) of codes and scales ({', '.join(packed[:6])}); the runtime does "
+                   "not keep a packed format yet"))
 
     def num_layers(self) -> int:
         keys = ("num_hidden_layers", "num_layers", "n_layer")
@@ -358,17 +380,11 @@ class Recognizer:
         return self.moe(index)
 
     def activation(self) -> str:
-        """hidden_act; one the runtime does not compute is named with its parameters (`activation_<name>_*` keys),
-        and the registry's predicate then judges the FFN ops that would apply it."""
-        name = str(self.cfg.get("hidden_act", default="silu"))
-        params = {k: v for k, v in self.cfg.data.items() if k.startswith(f"activation_{name}_")}
+        """hidden_act, with its parameters (`activation_<name>_*` keys: the gap report names them beside it); the
+        registry's predicate judges whether the FFN ops compute it."""
+        name, params = declared_activation(self.cfg.data)
+        self.cfg.get("hidden_act", default=None)
         self.cfg.mark_used(*params)
-        if name not in BUILTIN_ACTIVATIONS:
-            said = ", ".join(f"{k}={v!r}" for k, v in params.items())
-            self.unrecognized.append(Unrecognized(
-                source=self.config_source("hidden_act"), item=f"activation {name!r}",
-                detail=f"hidden_act {name!r}{f' ({said})' if said else ''} is not an activation the runtime computes "
-                       f"({', '.join(BUILTIN_ACTIVATIONS)}): its FFNs' gated activation"))
         return name
 
     def config_source(self, key: str) -> str:

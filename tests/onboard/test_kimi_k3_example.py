@@ -8,19 +8,37 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from onboard.release.manifest import read_manifest
+from runtime.formats.codec import mxfp4_decode
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # Run in a child: load with the release's code, check nothing was left to init, forward with an image and text,
 # backward; print what the parent asserts on.
+# The MXFP4 variant's quantization_config is compressed-tensors' form, which from_pretrained hands to the
+# compressed-tensors package (not installed here): the child then builds the release's class from its config and
+# loads the safetensors itself, strictly, into the release's own MXFP4 modules.
 LOAD_FORWARD_BACKWARD = """
 import json, sys, torch
-from transformers import AutoModelForCausalLM
-model, info = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.float32,
-                                                   output_loading_info=True)
+from pathlib import Path
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+if sys.argv[2] == "bf16":
+    model, info = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.float32,
+                                                       output_loading_info=True)
+else:
+    config = AutoConfig.from_pretrained(sys.argv[1], trust_remote_code=True)
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+    state = {k: v for f in sorted(Path(sys.argv[1]).glob("*.safetensors")) for k, v in load_file(f).items()}
+    result = model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()},
+                                   strict=True)
+    info = {"missing_keys": result.missing_keys, "unexpected_keys": result.unexpected_keys}
+    model = model.float()
 torch.manual_seed(0)
 ids = torch.randint(3, 240, (2, 12))
 ids[:, 2:6] = model.config.media_placeholder_token_id
@@ -35,11 +53,12 @@ print(json.dumps({"class": type(model).__name__, "module": type(model).__module_
 """
 
 
-def test_it_loads_with_its_own_code_and_trains(kimi_k3_release, tmp_path):
-    release = kimi_k3_release("bf16")
+@pytest.mark.parametrize("weights", ["bf16", "mxfp4"])
+def test_it_loads_with_its_own_code_and_trains(kimi_k3_release, tmp_path, weights):
+    release = kimi_k3_release(weights)
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", LOAD_FORWARD_BACKWARD, str(release)], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", LOAD_FORWARD_BACKWARD, str(release), weights], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
@@ -79,3 +98,21 @@ def test_names_and_dtypes_are_k3s(kimi_k3_release):
         stored = f.get_tensor(a_log)
     heads, width = text["linear_attn_config"]["num_heads"], text["linear_attn_config"]["head_dim"]
     assert stored.shape == (width,) and (stored[heads:] == 0).all() and (stored[:heads] != 0).all()
+
+
+def test_the_mxfp4_variant_stores_routed_experts_as_released(kimi_k3_release):
+    """compressed-tensors' mxfp4-pack-quantized: weight_packed uint8 [out, in/2], weight_scale uint8 [out, in/32];
+    everything else as in the bf16 variant."""
+    bf16, mxfp4 = read_manifest(kimi_k3_release("bf16")), read_manifest(kimi_k3_release("mxfp4"))
+    config = json.loads((kimi_k3_release("mxfp4") / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    expert = "language_model.model.layers.1.block_sparse_moe.experts.3.w2"
+    packed, scale = mxfp4.tensors[f"{expert}.weight_packed"], mxfp4.tensors[f"{expert}.weight_scale"]
+    latent, width = 32, 32
+    assert (packed.dtype, packed.shape, scale.dtype, scale.shape) == ("U8", (latent, width // 2), "U8", (latent, 1))
+    assert f"{expert}.weight" in bf16.tensors and f"{expert}.weight" not in mxfp4.tensors
+    others = {n for n in bf16.tensors if ".experts." not in n}
+    assert others <= set(mxfp4.tensors) and all(bf16.tensors[n].dtype == mxfp4.tensors[n].dtype for n in others)
+    stored = load_file(kimi_k3_release("mxfp4") / packed.file)
+    decoded = mxfp4_decode(stored[f"{expert}.weight_packed"], stored[f"{expert}.weight_scale"], torch.float32)
+    assert decoded.abs().max() > 0 and decoded.abs().max() < 1

@@ -41,12 +41,25 @@ GENERATION_DEFAULTS = dict(
     forced_eos_token_id=None, remove_invalid_values=False, exponential_decay_length_penalty=None,
     suppress_tokens=None, begin_suppress_tokens=None,
 )
+# compressed-tensors' form of the routed experts' MXFP4, as Kimi K3's config.json carries it: 4-bit floats in
+# groups of 32 with uint8 (E8M0) scales, packed two per byte; everything but the routed experts stays bf16
+QUANTIZATION_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "targets": [r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$"], "format": "mxfp4-pack-quantized",
+        "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True,
+                    "dynamic": False, "scale_dtype": "torch.uint8", "zp_dtype": None, "observer": "minmax"},
+        "input_activations": None, "output_activations": None}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\..*", "re:vision_tower.*",
+               "re:mm_projector.*"],
+}
 AUTO_MAP = {"AutoConfig": "configuration_kimi_k3.KimiK3Config",
             "AutoModel": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
             "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration"}
 
 
-def config_kwargs() -> dict:
+def config_kwargs(weights: str = "bf16") -> dict:
     """KimiK3Config's arguments (the generation defaults are added to config.json after saving)."""
+    quant = {"quantization_config": QUANTIZATION_CONFIG} if weights == "mxfp4" else {}
     return dict(text_config=TEXT_CONFIG, vision_config=VISION_CONFIG,
-                media_placeholder_token_id=MEDIA_PLACEHOLDER_TOKEN_ID)
+                media_placeholder_token_id=MEDIA_PLACEHOLDER_TOKEN_ID, **quant)

@@ -20,7 +20,7 @@ from onboard.examples.tokenizer import write_example_tokenizer
 
 CODE_DIR = Path(__file__).resolve().parent / "release_code"
 CODE_FILES = ("configuration_kimi_k3.py", "modeling_kimi_k3.py")
-WEIGHT_FORMATS = ("bf16",)
+WEIGHT_FORMATS = ("bf16", "mxfp4")
 
 
 def write_kimi_k3_release(out_dir: Path, num_shards: int = 1, seed: int = 0, weights: str = "bf16") -> Path:
@@ -29,7 +29,7 @@ def write_kimi_k3_release(out_dir: Path, num_shards: int = 1, seed: int = 0, wei
         raise BadInput(None, "--weights", f"expected one of {', '.join(WEIGHT_FORMATS)} for kimi_k3, got {weights!r}")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise BadInput(out_dir, None, "output folder exists and is not empty")
-    _build_in_subprocess(out_dir, seed, num_shards)
+    _build_in_subprocess(out_dir, seed, num_shards, weights)
     for name in CODE_FILES:
         shutil.copyfile(CODE_DIR / name, out_dir / name)
     _finish_config(out_dir / "config.json")
@@ -37,11 +37,11 @@ def write_kimi_k3_release(out_dir: Path, num_shards: int = 1, seed: int = 0, wei
     return out_dir
 
 
-def _build_in_subprocess(out_dir: Path, seed: int, num_shards: int) -> None:
+def _build_in_subprocess(out_dir: Path, seed: int, num_shards: int, weights: str) -> None:
     root = str(Path(onboard.__file__).resolve().parent.parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     done = subprocess.run([sys.executable, "-m", "onboard.examples.kimi_k3.build", str(out_dir), str(seed),
-                           str(num_shards)], env=env, capture_output=True, text=True, timeout=600)
+                           str(num_shards), weights], env=env, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"building the kimi_k3 example failed:\n{done.stderr[-3000:]}")
 

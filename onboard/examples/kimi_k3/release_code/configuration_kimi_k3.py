@@ -68,6 +68,9 @@ class KimiK3Config(PretrainedConfig):
         self.vision_config = (vision_config if isinstance(vision_config, KimiK3VisionConfig)
                               else KimiK3VisionConfig(**(vision_config or {})))
         self.media_placeholder_token_id = media_placeholder_token_id
+        # the routed experts' stored format: the text model reads it (modeling_kimi_k3.packed_experts)
+        if kwargs.get("quantization_config") is not None:
+            self.text_config.quantization_config = kwargs["quantization_config"]
         kwargs.setdefault("tie_word_embeddings", False)
         super().__init__(**kwargs)
 

@@ -15,6 +15,8 @@ converters and serving code that document the release):
   decay `gate_lower_bound * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias))` in log space, beta = sigmoid(b_proj),
   delta-rule state update, per-head RMSNorm of the output times sigmoid of the full-rank gate `g_proj`;
   `A_log` is stored zero-padded to the head width (as released: 128 entries, 96 heads), only the first H used;
+- routed experts in MXFP4 where quantization_config says `mxfp4-pack-quantized` (compressed-tensors: weight_packed
+  [out, in/2] uint8, low nibble first, weight_scale [out, in/32] uint8 E8M0), dequantized on each call and frozen;
 - gated NoPE MLA: DeepSeek's low-rank q and kv with the rope part of the key left unrotated (no positions), the
   attention output multiplied by sigmoid(g_proj(x)) before o_proj;
 - latent MoE: sigmoid router with a correction bias used for selection only (noaux_tc), top-k weights renormalized
@@ -81,14 +83,45 @@ class SiTUMLP(nn.Module):
         return self.down_proj(situ_glu(self.gate_proj(x), self.up_proj(x), self.beta, self.linear_beta))
 
 
+# e2m1 code -> value (sign bit 3), and the E8M0 exponent bias: the OCP microscaling (MX) formats
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MX_GROUP, E8M0_BIAS = 32, 127
+
+
+def packed_experts(config) -> bool:
+    """Whether the routed experts ship as compressed-tensors MXFP4 (quantization_config's pack format)."""
+    quant = getattr(config, "quantization_config", None) or {}
+    quant = quant if isinstance(quant, dict) else quant.to_dict()
+    return quant.get("format") == "mxfp4-pack-quantized"
+
+
+class MXFP4Linear(nn.Module):
+    """A frozen linear stored as released: weight_packed [out, in/2] uint8 (two e2m1 codes per byte, low nibble
+    first) and weight_scale [out, in/32] uint8 (E8M0: 2^(s - 127) per 32 inputs); dequantized on each call."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.register_buffer("weight_packed", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("weight_scale", torch.zeros(out_features, in_features // MX_GROUP, dtype=torch.uint8))
+
+    def weight(self, dtype):
+        lut = torch.tensor(E2M1, dtype=torch.float32, device=self.weight_packed.device)
+        low, high = lut[(self.weight_packed & 0x0F).long()], lut[(self.weight_packed >> 4).long()]
+        codes = torch.stack([low, high], dim=-1).flatten(-2)
+        scale = torch.exp2(self.weight_scale.float() - E8M0_BIAS)
+        return (codes.unflatten(-1, (-1, MX_GROUP)) * scale[..., None]).flatten(-2).to(dtype)
+
+    def forward(self, x):
+        return F.linear(x, self.weight(x.dtype))
+
+
 class RoutedExpert(nn.Module):
-    """One routed expert in the latent space: w1 (gate), w3 (up), w2 (down)."""
+    """One routed expert in the latent space: w1 (gate), w3 (up), w2 (down); MXFP4 where the release says so."""
 
     def __init__(self, config, latent: int, width: int):
         super().__init__()
-        self.w1 = nn.Linear(latent, width, bias=False)
-        self.w3 = nn.Linear(latent, width, bias=False)
-        self.w2 = nn.Linear(width, latent, bias=False)
+        linear = MXFP4Linear if packed_experts(config) else (lambda i, o: nn.Linear(i, o, bias=False))
+        self.w1, self.w3, self.w2 = linear(latent, width), linear(latent, width), linear(width, latent)
         self.beta, self.linear_beta = config.activation_situ_beta, config.activation_situ_linear_beta
 
     def forward(self, x):
