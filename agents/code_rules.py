@@ -42,7 +42,7 @@ def _check(node: ast.AST) -> list[str]:
     if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)) and _patches_attribute(node):
         return [f"line {line}: assigns to an attribute (patches a module or object shared with the caller)"]
     if isinstance(node, ast.Try):
-        return [f"line {line}: try/except (a fallback that hides failures)"]
+        return [f"line {line}: try/except (it hides failures)"]
     if isinstance(node, ast.Compare) and _shape_vs_literal(node):
         return [f"line {line}: compares a shape or size with a literal (special-cases input shapes)"]
     return []

@@ -1,10 +1,10 @@
 """The onboarding graph: parse -> recognize -> analyze -> (generate <-> validate)* -> explain -> plan -> assemble
--> align (-> fall_back -> assemble -> align)* -> review.
+-> align (-> demote -> assemble -> align)* -> review.
 
 A candidate that validation refuses goes back to generate with the failure evidence, at most
 `max_attempts` times per op (a counter in the state), then the op stays missing with that evidence.
 explain asks the LLM what each unrecognized config key is, once the ops are settled (tiers 0-1 confirm it).
-A failed alignment falls back to the release's own modules where ours disagree (onboard/review/fallback.py: the
+A failed alignment demotes to the release's own modules where ours disagree (onboard/review/demotion.py: the
 failing layer kinds, then the whole model), each rung at most once, and is assembled and aligned again.
 Routing functions are pure: they read the state and return the next node's name. The run is
 checkpointed after every node (SQLite in the run folder beside PKG, durability "sync"), so
@@ -28,7 +28,7 @@ from agents.context import Context
 from agents.llm import LLMClient
 from agents.nodes.check import validate
 from agents.nodes.explain import explain
-from agents.nodes.fallback import fall_back, rung
+from agents.nodes.demote import demote, rung
 from agents.nodes.generate import generate, pending
 from agents.nodes.package import align, assemble, plan, review
 from agents.nodes.understand import analyze, parse, recognize
@@ -56,16 +56,16 @@ def after_assemble(state: OnboardState) -> Literal["align", "review"]:
     return "review" if state["report"].summary["gaps_remain"] else "align"
 
 
-def after_align(state: OnboardState) -> Literal["fall_back", "review"]:
-    """A failed alignment falls back to the release's own modules, one rung at a time, each at most once."""
-    return "review" if rung(state) is None else "fall_back"
+def after_align(state: OnboardState) -> Literal["demote", "review"]:
+    """A failed alignment demotes to the release's own modules, one rung at a time, each at most once."""
+    return "review" if rung(state) is None else "demote"
 
 
 def build() -> StateGraph:
     graph = StateGraph(OnboardState, context_schema=Context)
     for name, node in [("parse", parse), ("recognize", recognize), ("analyze", analyze), ("generate", generate),
                        ("validate", validate), ("explain", explain), ("plan", plan), ("assemble", assemble), ("align", align),
-                       ("fall_back", fall_back), ("review", review)]:
+                       ("demote", demote), ("review", review)]:
         graph.add_node(name, node)
     graph.add_edge(START, "parse")
     graph.add_edge("parse", "recognize")
@@ -77,7 +77,7 @@ def build() -> StateGraph:
     graph.add_edge("plan", "assemble")
     graph.add_conditional_edges("assemble", after_assemble)
     graph.add_conditional_edges("align", after_align)
-    graph.add_edge("fall_back", "assemble")
+    graph.add_edge("demote", "assemble")
     graph.add_edge("review", END)
     return graph
 

@@ -91,8 +91,8 @@ class Alignment(BaseModel):
     failed: list[Check] = []  # that tier's failing checks
 
 
-class Fallback(BaseModel):
-    """One rung of the alignment-driven fallback (onboard/review/fallback.py): what failed, what runs as own code now."""
+class Demotion(BaseModel):
+    """One rung of the demotion after a failed alignment (onboard/review/demotion.py): what failed, what runs as own code now."""
     rung: Literal["layers", "model"]
     failed: list[Check]  # the failing checks that called for it
 
@@ -108,9 +108,9 @@ class OnboardState(TypedDict, total=False):
     validation_salt: int  # seeds of the fuzzed validation inputs derive from it; never shown to the LLM
     package: Optional[str]
     alignment: Optional[Alignment]
-    fallbacks: list[Fallback]  # the rungs tried, in order (at most one each)
+    demotions: list[Demotion]  # the rungs tried, in order (at most one each)
     exit_code: int
 
 
 SERIALIZED_TYPES = [RunOptions, ModelSpec, GapReport, OpTask, Alignment, GeneratedOp, Failure, Candidate, Proposal,
-                    Explanation, Check, Fallback, SetStep, OwnStep]
+                    Explanation, Check, Demotion, SetStep, OwnStep]

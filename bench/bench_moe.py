@@ -13,7 +13,7 @@ fwd+bwd steps also in GPU time (`*_gpu`: the profiler's kernel time, the median 
 steps, so kernels at the clocks of a GPU that the host leaves idle between launches) and as CUDA graphs replayed back to
 back in steady state (`*_graph`: what a trainer's graphed steps run at; our kernels then meet the power cap and run
 slower than in a profile, transformers' hardly: `git show 99a26d7:bench/NOTES.md`).
-Correctness at the real shape: the bf16 kernels vs the torch fallback run in fp64 with the same
+Correctness at the real shape: the bf16 kernels vs the torch form run in fp64 with the same
 routing fed to both; the fused router vs the fp64 reference on the same logits; the shared expert vs
 its torch form in fp64; routing flips against transformers' bf16 router are counted separately.
 Writes moe.json (moe-<T>.json for --T other than 16384) under --out. What was tried: `git show 99a26d7:bench/NOTES.md`.
@@ -38,8 +38,8 @@ from runtime.ops.mlp import kernel as mlp_kernels  # noqa: E402
 from runtime.spec import MoEFFN, RouterSpec
 from runtime.ops.moe import kernel as kernels  # noqa: E402
 from runtime.model.layers.ffn import MoE  # noqa: E402
-from runtime.ops.mlp import torch_form as mlp_fallback  # noqa: E402
-from runtime.ops.moe import torch_form as fallback  # noqa: E402
+from runtime.ops.mlp import torch_form as mlp_torch_form  # noqa: E402
+from runtime.ops.moe import torch_form  # noqa: E402
 from runtime.tolerances import compare, tolerance_for  # noqa: E402
 
 D, E, K_TOP, F_EXPERT, F_SHARED, RANK = 2048, 512, 10, 512, 512, 16
@@ -161,7 +161,7 @@ def frozen_timings(block, x, dy):
                                    "ours": train_step(lambda t: ours(block, t), x, dy, [])})
         res["hf_frozen_fwd_bwd_graph"], res["ours_frozen_fwd_bwd_graph"] = graphed["hf"], graphed["ours"]
         with torch.no_grad():
-            res["router_only"] = time_ms(lambda: kernels.route(fallback.router_logits(x, block.gate.weight), K_TOP,
+            res["router_only"] = time_ms(lambda: kernels.route(torch_form.router_logits(x, block.gate.weight), K_TOP,
                                                                norm_topk_prob=True))
     finally:
         for p in block.parameters():
@@ -215,7 +215,7 @@ def _shared_errors(block, x, dy) -> dict:
     se = block.shared_expert
     inputs = dict(x=x, w_gate=se.gate_proj.weight, w_up=se.up_proj.weight, w_down=se.down_proj.weight,
                   gate=block.shared_expert_gate.weight, residual=torch.randn_like(x))
-    ref = _reference(inputs, None, dy, _shared_call(mlp_fallback.swiglu_mlp))
+    ref = _reference(inputs, None, dy, _shared_call(mlp_torch_form.swiglu_mlp))
     res = _errors(_shared_call(mlp_kernels.swiglu_mlp), inputs, None, dy, ref)
     return res
 
@@ -245,7 +245,7 @@ def correctness(block, x, dy):
         _, _, hf_idx = block.gate(x)
     flips = int((torch.sort(hf_idx, 1).values != torch.sort(idx, 1).values).any(1).sum())
     inputs = dict(x=x, weights=weights, w_gu=block.experts.gate_up_proj, w_d=block.experts.down_proj)
-    ref_fn = _experts_call(fallback.swiglu_experts)
+    ref_fn = _experts_call(torch_form.swiglu_experts)
     res = {"routing_flips_vs_transformers": flips, "router": _router_errors(block, x)}
     ref = _reference(inputs, idx, dy, ref_fn)
     res["full"] = _errors(_experts_call(kernels.swiglu_experts), inputs, idx, dy, ref)

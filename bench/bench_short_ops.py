@@ -1,7 +1,7 @@
 """The causal conv1d and the cross-entropy rows on CUDA: time and precision of the fused kernels against torch.
 
 Causal conv (+ silu) at the Qwen3-Next slice's GDN width (B1 T4096 C8192 W4, bf16), fwd+bwd ms: the kernel
-(runtime/ops/conv/kernel.py), the torch fallback (fp32 depthwise conv, casts and transposes around it), torch's
+(runtime/ops/conv/kernel.py), the torch form (fp32 depthwise conv, casts and transposes around it), torch's
 depthwise conv1d in bf16, and a bf16 sum of W shifted products; each output's relative RMS error against fp64,
 and the kernel's input gradient's. The cross-entropy rows kernel (runtime/ops/loss/kernel.py) on 256 rows of a
 151936-word vocabulary in bf16: loss and gradient against fp64.
@@ -26,7 +26,7 @@ from reference_ops.conv import causal_conv1d as reference_conv  # noqa: E402
 from reference_ops.loss import cross_entropy_rows as reference_rows  # noqa: E402
 from runtime.ops.conv.kernel import causal_conv1d as kernel_conv  # noqa: E402
 from runtime.ops.loss.kernel import cross_entropy_rows as kernel_rows  # noqa: E402
-from runtime.ops.conv.torch_form import causal_conv1d as fallback_conv  # noqa: E402
+from runtime.ops.conv.torch_form import causal_conv1d as torch_form_conv  # noqa: E402
 
 REPS = 20
 
@@ -43,7 +43,7 @@ def shifted_sum_conv(x_BTC, weight_CW):
     return F.silu(sum(padded[:, i:i + T] * weight_CW[:, i] for i in range(width)))
 
 
-CONVS = {"kernel": kernel_conv, "torch_fp32_fallback": fallback_conv, "torch_bf16_conv1d": torch_bf16_conv,
+CONVS = {"kernel": kernel_conv, "torch_form_fp32": torch_form_conv, "torch_bf16_conv1d": torch_bf16_conv,
          "bf16_shifted_sum": shifted_sum_conv}
 
 

@@ -48,7 +48,7 @@ class FamilyResult(BaseModel):
     steps: dict[str, StepResult] = {}
     tiers_passed: list[int] = []
     failed_checks: list[str] = []  # the first failed alignment checks, with their detail
-    fallback_rungs: list[str] = []  # new-model's alignment-driven fallbacks (onboard/review/fallback.py); ops are then the package's
+    demotions: list[str] = []  # new-model's demotions after a failed alignment (onboard/review/demotion.py); ops are then the package's
 
 
 def model_classes() -> dict[str, str]:
@@ -162,7 +162,7 @@ def run_family(family: str, workdir: Path) -> FamilyResult:
     result.steps["inspect"], report = _run_cli(["inspect", str(release), "--json"])
     _read_report(result, report)
     result.steps["new-model"], _ = _run_cli(["new-model", str(release), "--out", str(pkg)])
-    _read_fallbacks(result, pkg)
+    _read_demotions(result, pkg)
     # new-model aligns a package without gaps itself; a package with gaps is aligned here, to see where it fails
     if pkg.exists() and not (pkg / "alignment" / "report.json").exists():
         result.steps["align"], _ = _run_cli(["align", str(pkg), "--tiers", "0,1,2"])
@@ -197,12 +197,12 @@ def _read_ops(result: FamilyResult, report: dict) -> None:
         result.ops.setdefault(op["status"], []).append(op["op"])
 
 
-def _read_fallbacks(result: FamilyResult, pkg: Path) -> None:
-    """A package that fell back after a failed alignment runs what its own gap report says, not what inspect
+def _read_demotions(result: FamilyResult, pkg: Path) -> None:
+    """A package demoted after a failed alignment runs what its own gap report says, not what inspect
     recognized."""
-    path = pkg / "agents" / "fallbacks.json"
-    result.fallback_rungs = [step["rung"] for step in json.loads(path.read_text())] if path.exists() else []
-    if result.fallback_rungs:
+    path = pkg / "agents" / "demotions.json"
+    result.demotions = [step["rung"] for step in json.loads(path.read_text())] if path.exists() else []
+    if result.demotions:
         _read_ops(result, json.loads((pkg / "gap_report.json").read_text()))
 
 
@@ -243,9 +243,8 @@ def _row(r: FamilyResult) -> str:
     kinds = ", ".join(f"{k} x{n}" for k, n in r.layer_kinds.items())
     registry = ", ".join(r.ops.get("covered", []) + [f"{o} (variant)" for o in r.ops.get("variant", [])])
     tiers = ",".join(map(str, r.tiers_passed)) or "none"
-    fallback = ", ".join(r.ops.get("fallback", [])) + (f" (after alignment: {', '.join(r.fallback_rungs)})"
-                                                       if r.fallback_rungs else "")
-    return (f"| {r.family} | {r.model_class} | {kinds} | {registry} | {fallback} | "
+    own = ", ".join(r.ops.get("own", [])) + (f" (after alignment: {', '.join(r.demotions)})" if r.demotions else "")
+    return (f"| {r.family} | {r.model_class} | {kinds} | {registry} | {own} | "
             f"{', '.join(r.ops.get('missing', []))} | {_code(r, 'inspect')} | {_code(r, 'new-model')} | "
             f"{_code(r, 'align')} | {tiers} | {_code(r, 'train')} | {_note(r)} |")
 
@@ -271,7 +270,7 @@ def families_markdown(results: list[FamilyResult], command: str, date: str) -> s
              "`onboard/examples/tiny_config.py` (no family named). Exit codes are the CLI's: 0 ok, 2 bad input, 3 gaps; "
              "`traceback`: an exception escaped the CLI.", "",
              " / ".join(f"{k}: {v}" for k, v in counts.items()), "",
-             "| family | class | layer kinds | registry ops | fallback | missing | inspect | new-model | align | tiers passed "
+             "| family | class | layer kinds | registry ops | own modules | missing | inspect | new-model | align | tiers passed "
              f"| train {TRAIN_STEPS} steps | notes |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     return "\n".join(lines + [_row(r) for r in results]) + "\n"

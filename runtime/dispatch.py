@@ -23,10 +23,10 @@ def op(name: str, device: torch.device | None = None) -> Callable:
         kernel = family.resolve("kernel")
         if kernel is not None:
             return kernel
-    fallback = family.resolve("fallback")
-    if fallback is None:
-        raise RuntimeError(f"op {name}: runtime implementation {family.fallback} is not importable")
-    return fallback
+    torch_form = family.resolve("torch_form")
+    if torch_form is None:
+        raise RuntimeError(f"op {name}: runtime implementation {family.torch_form} is not importable")
+    return torch_form
 
 
 @functools.cache

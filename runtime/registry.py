@@ -1,8 +1,8 @@
 """The operator registry: one table of op families read by gap analysis, alignment tier 0 and the runtime.
 
-Each family names its fp64 reference op, its torch fallback and (where one exists) its fused kernel
-as "module:function" strings, so reading the table imports nothing heavy; runtime/dispatch.py picks between the
-fallback and the kernel through the backend selector beside the kernel module (runtime/ops/<op>/backend.py).
+Each family names its fp64 reference op, its torch form (plain torch, runs everywhere) and (where one exists) its
+fused kernel as "module:function" strings, so reading the table imports nothing heavy; runtime/dispatch.py picks
+between the torch form and the kernel through the backend selector beside the kernel module (runtime/ops/<op>/backend.py).
 `supports` says whether the family computes a component with given parameters exactly, as a variant (same op, a
 parameter path exercised less), or not at all.
 
@@ -32,11 +32,11 @@ class OpFamily:
     name: str
     covers: str  # the spec component it computes, e.g. "attention:gated_delta"
     reference: str
-    fallback: str
+    torch_form: str
     kernel: Optional[str]
     supports: Callable[[SpecPart], Support]
 
-    def resolve(self, which: Literal["reference", "fallback", "kernel"]):
+    def resolve(self, which: Literal["reference", "torch_form", "kernel"]):
         """Import and return the implementation; None when that module or function does not exist."""
         target = getattr(self, which)
         if target is None:
@@ -48,7 +48,7 @@ class OpFamily:
             return None
         return getattr(module, fn_name, None)
 
-    def exists(self, which: Literal["reference", "fallback", "kernel"]) -> bool:
+    def exists(self, which: Literal["reference", "torch_form", "kernel"]) -> bool:
         """Whether that implementation's module is in this tree, without importing it (no torch,
         no triton): gap analysis needs only this, and every entry resolving is a registry test."""
         target = getattr(self, which)

@@ -49,7 +49,8 @@ TF32_KERNEL_TOLERANCES: dict[str, Tolerance] = {
 # Per-op overrides, keyed (op, dtype, "out" | "grad"). Each entry says what was observed.
 # "model_logits" and "model_loss": alignment tier 2's whole-model bars against transformers' fp32 run
 # (the issue's model-level bars): logits in fp32 judged on max-abs within 1e-4 of the logits' max, in
-# bf16 on rel RMS within 2e-2 (its max-abs bar of 1.0 never binds); the loss on its relative difference.
+# bf16 on rel RMS within 2e-2 or bf16_logits_bar's scaled bar (its max-abs bar of 1.0 never binds); the loss on
+# its relative difference.
 OP_TOLERANCES: dict[tuple[str, torch.dtype, str], Tolerance] = {
     ("model_logits", torch.float32, "out"): Tolerance(rel_rms=1e-4, max_abs_rel=1e-4),
     ("model_logits", torch.bfloat16, "out"): Tolerance(rel_rms=2e-2, max_abs_rel=1.0),
@@ -68,6 +69,20 @@ OP_TOLERANCES: dict[tuple[str, torch.dtype, str], Tolerance] = {
     ("chunked_cross_entropy", torch.float32, "out"): Tolerance(rel_rms=2e-6, max_abs_rel=5e-6),
     ("chunked_cross_entropy", torch.float32, "grad"): Tolerance(rel_rms=2e-6, max_abs_rel=5e-6),
 }
+
+
+# Tier 2's bf16 logits bar, one rule for registry ops and own modules alike: bf16 rounds every weight and
+# activation, so the error a correct bf16 model reaches grows with the release's weights, and transformers' own
+# bf16 run against its fp32 run measures it. Ours may be this many times that, and is never held below the
+# table's model_logits floor (2e-2): a release whose weights make transformers itself miss 2e-2 is not a
+# reason to demote our ops to its modules.
+BF16_LOGITS_MARGIN = 1.1
+
+
+def bf16_logits_bar(transformers_rel_rms: float) -> Tolerance:
+    """The bf16 logits tolerance given transformers' own bf16-vs-fp32 rel RMS error on the same inputs."""
+    floor = OP_TOLERANCES[("model_logits", torch.bfloat16, "out")]
+    return Tolerance(rel_rms=max(floor.rel_rms, BF16_LOGITS_MARGIN * transformers_rel_rms), max_abs_rel=floor.max_abs_rel)
 
 
 def tolerance_for(op: str, dtype: torch.dtype, kind: str = "out", tf32_kernel: bool = False) -> Tolerance:

@@ -26,7 +26,7 @@ def check_op(op, run_fn, ref_fn, inputs: dict, dtype: torch.dtype, **static):
 
 
 def check_route(route_fn, reference_route, logits: torch.Tensor, top_k: int, case: str, **kwargs) -> None:
-    """A router (kernel or torch fallback) against the fp64 reference: same experts, weights and logit
+    """A router (kernel or torch form) against the fp64 reference: same experts, weights and logit
     gradients within the route tolerance."""
     from runtime.tolerances import assert_close
 

@@ -18,7 +18,7 @@ from onboard.plan.search import Cluster
 from onboard.review.pr import render_pr
 
 from agents.context import Context
-from agents.state import Alignment, Fallback, OnboardState
+from agents.state import Alignment, Demotion, OnboardState
 from agents.tasks import final_report
 
 ALIGN_TIERS = [0, 1, 2]
@@ -83,10 +83,10 @@ def review(state: OnboardState, runtime: Runtime[Context]) -> dict:
         shutil.copy(log, folder / "llm.jsonl")
     (folder / "tasks.json").write_text(json.dumps([t.model_dump(exclude={"accepted"}) for t in state["tasks"]], indent=1))
     (folder / "explanations.json").write_text(json.dumps([e.model_dump() for e in state.get("explanations", [])], indent=1))
-    fallbacks = state.get("fallbacks", [])
-    (folder / "fallbacks.json").write_text(json.dumps([f.model_dump(mode="json") for f in fallbacks], indent=1))
+    demotions = state.get("demotions", [])
+    (folder / "demotions.json").write_text(json.dumps([d.model_dump(mode="json") for d in demotions], indent=1))
     status, reasons = outcome(report, aligned)
-    reasons += [fallback_reason(f) for f in fallbacks]
+    reasons += [demotion_reason(d) for d in demotions]
     package = yaml.safe_load((pkg / "package.yaml").read_text())
     _replace(pkg / "package.yaml", yaml.safe_dump({**package, "status": status, "reasons": reasons}, sort_keys=False))
     # a plain int in the checkpointed state
@@ -110,8 +110,8 @@ def outcome(report, aligned: Alignment | None) -> tuple[str, list[str]]:
     return "trainable", []
 
 
-def fallback_reason(step: Fallback) -> str:
-    """Why an alignment-driven fallback replaced registry ops with the release's own (slow) modules."""
+def demotion_reason(step: Demotion) -> str:
+    """Why a demotion after a failed alignment replaced registry ops with the release's own (slow) modules."""
     c = step.failed[0]
-    return (f"fallback ({step.rung}): tier {c.tier} check {c.name} failed ({c.metric} {c.value:.1e} over its bar {c.tolerance:.0e}), "
+    return (f"demoted ({step.rung}): tier {c.tier} check {c.name} failed ({c.metric} {c.value:.1e} over its bar {c.tolerance:.0e}), "
             "so the release's own transformers modules run there (slow: nothing fused); see gap_report.json own:*")

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Literal, Optional, get_args
 
-from pydantic import BaseModel, field_serializer
+from pydantic import BaseModel, field_serializer, model_validator
 
 from runtime.tolerances import Comparison
 
@@ -21,6 +22,15 @@ class Check(BaseModel):
     op: Optional[str] = None  # registry op or layer component the check is about
     layer: Optional[int] = None
     detail: str = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_name(cls, data):
+        # backward compatibility: reports and baselines written before the torch form had its own word named tier-0
+        # checks <op>/fallback/..., so an existing alignment/baseline.json still compares under `align --check`
+        if isinstance(data, dict) and data.get("tier") == 0 and isinstance(data.get("name"), str):
+            return {**data, "name": re.sub(r"^([^/]+)/fallback(/|$)", r"\1/torch_form\2", data["name"])}
+        return data
 
     @field_serializer("value", "tolerance")
     def _finite(self, v: float):

@@ -157,7 +157,7 @@ def _print_where(paths: Paths, seconds: float) -> None:
     losses = [line for line in map(json.loads, (paths.run / "metrics.jsonl").read_text().splitlines())
               if line["kind"] == "train"]
     rows = [("PR.md", paths.package / "PR.md", "what was recognized and aligned, and what a person must check"),
-            ("gap report", paths.package / "gap_report.md", "every op of the model: covered, fallback or missing"),
+            ("gap report", paths.package / "gap_report.md", "every op of the model: covered, own module or missing"),
             ("alignment", paths.package / "alignment" / "report.json", "every check of tiers 0-2, metric and bar"),
             ("plots", paths.run / "loss.png", "and grad_norm.png, expert_load.png beside it"),
             ("metrics", paths.run / "metrics.jsonl", "one line per step"),

@@ -43,7 +43,7 @@ def run(args) -> Exit:
     state = run_graph(options, resume=args.resume, progress=lambda line: print(line, file=sys.stderr))
     counts = state["report"].summary["ops"]
     print(f"wrote {state['package']}: {counts['covered']} ops covered, {counts['variant']} variant, "
-          f"{counts['generated']} generated, {counts['fallback']} fallback, {counts['missing']} missing; "
+          f"{counts['generated']} generated, {counts['own']} own, {counts['missing']} missing; "
           f"{len(state['report'].weights.missing)} weights missing")
     if state.get("alignment"):
         print(f"alignment: {state['alignment'].summary}")

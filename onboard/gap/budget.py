@@ -111,7 +111,7 @@ def _pad8(n: int) -> int:
 
 def _chunk_kernel_bytes(a, b: int) -> int:
     """Per token: the tiles the chunked GDN kernel holds on its ctx for backward
-    (runtime/ops/gated_delta/function.py: w and v_new, P and Tinv in the activation dtype; u, the norms and qg's
+    (the gated-delta op's function.py: w and v_new, P and Tinv in the activation dtype; u, the norms and qg's
     and kbar's factors by row in fp32; every chunk's state h [H, K, V]). Held on ctx, so recompute does not drop
     them."""
     if a.kind != "gated_delta":
@@ -144,7 +144,8 @@ def _state_bytes(spec: ModelSpec, b: int) -> tuple[int, int]:
 # Activation policies: keep everything; recompute each layer part in backward from its kept input; recompute with
 # the layer inputs offloaded to host memory (the current and the next one in flight stay on the GPU).
 POLICIES = ("none", "recompute", "offload")
-# Chunked linear attention's chunk (runtime/ops/gated_delta/function.py CHUNK_SIZE)
+# Chunked linear attention's chunk: the kernel's intra-chunk products span this many tokens (the planner's cost
+# model reads it too; tests/onboard/test_budget.py checks it is the kernel's)
 LINEAR_CHUNK = 64
 # The trainer's LM-head chunk (runtime/train/loop.py TrainConfig.loss_chunk): the [chunk, vocab] fp32 logits and
 # their gradient are the only logits alive (runtime/model/loss.py)

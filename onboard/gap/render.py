@@ -19,7 +19,7 @@ from onboard.gap.report import GapReport
 
 # found by the package, not by this file's place, so the module can move
 TEMPLATES = Path(templates.__file__).resolve().parent
-STATUS_STYLE = {"covered": "green", "variant": "yellow", "generated": "cyan", "fallback": "magenta", "missing": "red"}
+STATUS_STYLE = {"covered": "green", "variant": "yellow", "generated": "cyan", "own": "magenta", "missing": "red"}
 
 
 def jinja_env() -> jinja2.Environment:

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import re
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
 
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 
 from onboard.gap.budget import MemoryBudget, budget
 from onboard.recognize.meta_check import MetaCheck, meta_check
@@ -21,7 +21,11 @@ from runtime.ops.common.available import kernels_available
 from runtime.registry import OPS, ops_for_layer
 from runtime.spec import DenseFFN, ModelSpec, Unrecognized
 
-Status = Literal["covered", "variant", "generated", "fallback", "missing"]
+# own: runs through the model's own module (transformers' class for the layer, or the release's code): trainable, slow
+Status = Literal["covered", "variant", "generated", "own", "missing"]
+STATUSES = get_args(Status)
+# backward compatibility: gap reports written before `own` had its own word said `fallback`
+OLD_STATUS = {"fallback": "own"}
 
 
 class OpGap(BaseModel):
@@ -35,6 +39,11 @@ class OpGap(BaseModel):
     detail: str = ""
     needs: Optional[Literal["llm", "person"]] = None  # who can close a missing op (set by the agents)
     evidence: Optional[dict] = None  # a generated op's validation, or why its candidates were refused
+
+    @field_validator("status", mode="before")
+    @classmethod
+    def _old_status(cls, status):
+        return OLD_STATUS.get(status, status) if isinstance(status, str) else status
 
 
 class ShapeMismatch(BaseModel):
@@ -71,6 +80,14 @@ class GapReport(BaseModel):
     unrecognized: list[Unrecognized]
     summary: dict
 
+    @field_validator("summary", mode="before")
+    @classmethod
+    def _old_counts(cls, summary):
+        # backward compatibility: the per-status counts of a gap report written before keyed `own` as `fallback`
+        if isinstance(summary, dict) and isinstance(summary.get("ops"), dict):
+            return {**summary, "ops": {OLD_STATUS.get(k, k): n for k, n in summary["ops"].items()}}
+        return summary
+
 
 def _pattern(name: str) -> str:
     return re.sub(r"\.\d+\.", ".N.", re.sub(r"\.\d+\.", ".N.", name))
@@ -102,7 +119,7 @@ def _own_parts(layer) -> list[tuple[str, str]]:
 
 
 def _own_gap(part: str, layers: list[int], reason: str, knows: bool) -> OpGap:
-    status = "fallback" if knows else "missing"
+    status = "own" if knows else "missing"
     detail = ("runs through the model's own transformers module (slow): " if knows
               else "not recognized and transformers does not know the family: ") + reason
     return OpGap(op=f"own:{part}", covers=f"{part}:own_module", status=status, layers=layers, runtime_op=None,
@@ -111,7 +128,7 @@ def _own_gap(part: str, layers: list[int], reason: str, knows: bool) -> OpGap:
 
 def _op_gap(name: str, support: str, layers: list[int], knows: bool) -> OpGap:
     op = OPS[name]
-    has_runtime = op.exists("fallback")
+    has_runtime = op.exists("torch_form")
     if support != "unsupported" and has_runtime:
         status = "covered" if support == "exact" else "variant"
         detail = "" if support == "exact" else "supported through a less exercised parameter path"
@@ -119,11 +136,11 @@ def _op_gap(name: str, support: str, layers: list[int], knows: bool) -> OpGap:
         # the layer is built from this op, which cannot compute these parameters: nothing runs it
         status, detail = "missing", "the runtime op does not compute these parameters"
     elif knows:
-        status, detail = "fallback", "runs through the model's own transformers module (slow)"
+        status, detail = "own", "runs through the model's own transformers module (slow)"
     else:
-        status, detail = "missing", "no runtime op and no reference implementation to fall back on"
+        status, detail = "missing", "no runtime op and no own module of the model to run instead"
     return OpGap(op=name, covers=op.covers, status=status, layers=layers,
-                 runtime_op=op.fallback if status in ("covered", "variant") else None,
+                 runtime_op=op.torch_form if status in ("covered", "variant") else None,
                  kernel=op.kernel if status in ("covered", "variant") and op.exists("kernel") else None,
                  reference_op=op.reference, detail=detail)
 
@@ -167,7 +184,7 @@ def analyze(spec: ModelSpec, manifest: Manifest, gpu_mem_gib: float = defaults.G
 
 
 def summarize(ops: list[OpGap], weights: WeightCheck, meta: Optional[MetaCheck]) -> dict:
-    counts = {s: sum(1 for o in ops if o.status == s) for s in ("covered", "variant", "generated", "fallback", "missing")}
+    counts = {s: sum(1 for o in ops if o.status == s) for s in STATUSES}
     # a tensor nothing uses may change the computation: not understood, so not ready
     gaps = counts["missing"] > 0 or bool(weights.missing or weights.unexpected or weights.shape_mismatches)
     return {"ops": counts, "gaps_remain": gaps, "meta_check_agrees": meta.agrees if meta else None}

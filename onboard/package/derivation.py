@@ -3,8 +3,8 @@ and every reader re-runs.
 
 The spec is the release recognized (onboard/recognize/recognizer.py) and then changed by the steps the onboarding graph
 took, recorded in package.yaml's `spec_steps` in order: an LLM explanation that passed tiers 0-1 sets one
-spec field (`set`/`value`), an alignment fallback runs layers (or the whole model) as the release's own
-modules (`own_layers`, `own_model`, with their reasons). The weight map follows from the spec and the
+spec field (`set`/`value`), a demotion after a failed alignment runs layers (or the whole model) as the
+release's own modules (`own_layers`, `own_model`, with their reasons). The weight map follows from the spec and the
 release's tensors. A reader that re-derives both and finds them equal to spec.json and weight_map.json knows
 the package computes what new-model decided, whatever was edited and re-hashed since.
 """
@@ -27,7 +27,7 @@ class SetStep(BaseModel):
 
 
 class OwnStep(BaseModel):
-    """A fallback rung: these layers (and with `own_model`, the whole model) run as the release's modules."""
+    """A demotion rung: these layers (and with `own_model`, the whole model) run as the release's modules."""
     model_config = ConfigDict(extra="forbid")
     own_model: Optional[str] = None
     own_layers: dict[NonNegativeInt, str]

@@ -45,7 +45,7 @@ def write_package(model_dir: Path, out: Path, gpu_mem_gib: float = defaults.GPU_
     """Returns (package path, gap report); plan.yaml is the parallel plan for `gpus` GPUs of gpu_mem_gib.
     `generated`: validated operator candidates, written into PKG/ops/ and marked `generated` in the gap report.
     `spec_steps`: what the onboarding graph changed after recognition (validated explanations of unrecognized
-    items, fallbacks to the release's own modules), in order: the spec is derived from the release through
+    items, demotions to the release's own modules), in order: the spec is derived from the release through
     them (onboard/package/derivation.py), the way every reader of the package derives it again."""
     model_dir, out = Path(model_dir).resolve(), Path(out).absolute()
     check_out(out, model_dir)

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from onboard.gap.budget import DTYPE_BYTES, GIB, LORA_STATE_BYTES, USABLE_FRACTION, WORKSPACE_GIB, activations, lora_params
+from onboard.gap.budget import (
+    DTYPE_BYTES, GIB, LINEAR_CHUNK, LORA_STATE_BYTES, USABLE_FRACTION, WORKSPACE_GIB, activations, lora_params,
+)
 from onboard.recognize.weight_layout import attention_tensors, ffn_tensors
 from runtime.parallel.placement import MeshShape, experts_per_rank, padded_rows
 from runtime.spec import LayerSpec, ModelSpec, MoEFFN
@@ -29,8 +31,6 @@ INTER_NODE_GBPS = 50.0
 HOST_GBPS = 50.0
 # The busiest EP rank receives this many times the mean token count (dropless routing is never even).
 EXPERT_IMBALANCE = 1.25
-# Linear attention is chunked: intra-chunk products over this many tokens.
-LINEAR_CHUNK = 64
 
 
 class Memory(BaseModel):

@@ -21,7 +21,7 @@ from onboard.errors import printable
 from onboard.gap.render import jinja_env
 from runtime.registry import OPS
 
-# The registry op whose torch fallback is the nearest existing code for a generated op of each kind: a
+# The registry op whose torch form is the nearest existing code for a generated op of each kind: a
 # generated activation replaces the gate activation the dense SwiGLU MLP applies; a router scoring the
 # router's; a norm, rope or decay their own op; a residual mixing the residual add the MLP op takes.
 CLOSEST_OP = {"activation": "swiglu_mlp", "router_scoring": "moe_router", "norm": "rms_norm", "rope": "rope",
@@ -45,7 +45,7 @@ def render_pr(pkg: Path, spec, report, tasks, exit_code: int) -> str:
         package=yaml.safe_load((pkg / "package.yaml").read_text()), exit_code=exit_code,
         tiers=[tier_row(t) for t in aligned.tiers] if aligned else [], alignment=aligned,
         flips=tier2_checks(aligned, lambda c: c.metric == "routing_flips"), plan=plan,
-        precision=tier2_checks(aligned, lambda c: c.name.startswith("logits/")), fallbacks=[o for o in report.ops if o.status == "fallback"],
+        precision=tier2_checks(aligned, lambda c: c.name.startswith("logits/")), own=[o for o in report.ops if o.status == "own"],
         variants=[o for o in report.ops if o.status == "variant"],
         # own parts of a family transformers does not know: nothing here can run them
         unrunnable=[o for o in report.ops if o.status == "missing" and o.covers.endswith(":own_module")])
@@ -57,18 +57,18 @@ def _alignment(pkg: Path) -> AlignmentReport | None:
 
 
 def generated_row(op) -> dict:
-    """The generated op with its evidence and its unified diff against the closest registry op's fallback."""
+    """The generated op with its evidence and its unified diff against the closest registry op's torch form."""
     closest = CLOSEST_OP.get(op.kind)
-    return {"op": op, "closest": closest, "fallback": OPS[closest].fallback if closest else None,
+    return {"op": op, "closest": closest, "torch_form": OPS[closest].torch_form if closest else None,
             "diff": op_diff(op.source, closest, op.file) if closest else "",
             "evidence": json.dumps(op.evidence, sort_keys=True, default=str)}
 
 
 def op_diff(source: str, closest: str, file: str) -> str:
     family = OPS[closest]
-    base = inspect.getsource(family.resolve("fallback"))
+    base = inspect.getsource(family.resolve("torch_form"))
     lines = difflib.unified_diff(base.splitlines(keepends=True), source.splitlines(keepends=True),
-                                 fromfile=family.fallback, tofile=f"ops/{file}")
+                                 fromfile=family.torch_form, tofile=f"ops/{file}")
     # a fence inside the diff would end the code block early
     return "".join(lines).replace("```", "'''")
 

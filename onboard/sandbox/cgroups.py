@@ -3,8 +3,8 @@ mappings and tmpfs pages included, which rlimits miss), and the list of every pr
 parent can kill them all at the end (a daemon that left the process group included).
 
 Used where this process may create child cgroups (cgroup v1 `pids` and `memory` hierarchies, or cgroup v2
-with those controllers delegated); elsewhere `Cgroups.create` gives an empty set and the sandbox falls back
-to rlimits (onboard/sandbox/run.py says which).
+with those controllers delegated); elsewhere `Cgroups.create` gives an empty set and the sandbox relies
+on rlimits (onboard/sandbox/run.py says which).
 """
 from __future__ import annotations
 

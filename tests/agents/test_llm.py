@@ -1,5 +1,5 @@
 """The LLM client against a real local HTTP server through the real openai client: structured answers, the
-JSON-in-text fallback, garbage, errors and timeouts end in an answer or a clear LLMError, never a hang."""
+JSON-in-text second try, garbage, errors and timeouts end in an answer or a clear LLMError, never a hang."""
 from __future__ import annotations
 
 import json

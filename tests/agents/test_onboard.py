@@ -96,7 +96,7 @@ def test_pr_md_shows_the_generated_op_its_evidence_and_its_diff(onboarded):
     text = (pkg / "PR.md").read_text()
     section = text[text.index("### activation `relu2` (`ops/activation_relu2.py`)"):text.index("## Alignment")]
     assert "5 seeds x float32, bfloat16" in section and "2 attempt(s)" in section and "0: " in section
-    assert "the closest registry op, `swiglu_mlp` (its torch fallback `runtime.ops.mlp.torch_form:swiglu_mlp`" in section
+    assert "the closest registry op, `swiglu_mlp` (its torch form `runtime.ops.mlp.torch_form:swiglu_mlp`" in section
     diff = section[section.index("```diff\n"):]
     assert "--- runtime.ops.mlp.torch_form:swiglu_mlp\n+++ ops/activation_relu2.py\n" in diff
     assert "+    return torch.relu(x) ** 2\n" in diff and "-def swiglu_mlp(\n" in diff

@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 from agents.graph import after_align, after_analyze, after_assemble, after_generate, after_validate, build
-from agents.state import Alignment, Candidate, Fallback, OpTask
+from agents.state import Alignment, Candidate, Demotion, OpTask
 from onboard.align.report import Check
 
 
@@ -49,21 +49,21 @@ def _failed(tier: int, name: str, layer: int | None) -> Alignment:
     return Alignment(passed=False, summary="...", failed_tier=tier, failed=[check])
 
 
-def test_a_failed_alignment_falls_back_once_per_rung_then_reviews(seed_spec):
+def test_a_failed_alignment_demotes_once_per_rung_then_reviews(seed_spec):
     """A passing package (every example family's) goes to review; no retry runs for it."""
-    layers = Fallback(rung="layers", failed=[])
+    layers = Demotion(rung="layers", failed=[])
     assert after_align({"spec": seed_spec, "alignment": Alignment(passed=True, summary="ok")}) == "review"
-    assert after_align({"spec": seed_spec, "alignment": _failed(1, "layer0:x/out", 0)}) == "fall_back"
-    assert after_align({"spec": seed_spec, "alignment": _failed(1, "layer0:x/out", 0), "fallbacks": [layers]}) == "fall_back"
+    assert after_align({"spec": seed_spec, "alignment": _failed(1, "layer0:x/out", 0)}) == "demote"
+    assert after_align({"spec": seed_spec, "alignment": _failed(1, "layer0:x/out", 0), "demotions": [layers]}) == "demote"
     assert after_align({"spec": seed_spec, "alignment": _failed(2, "logits/float32", None),
-                        "fallbacks": [layers, Fallback(rung="model", failed=[])]}) == "review"
+                        "demotions": [layers, Demotion(rung="model", failed=[])]}) == "review"
     assert after_align({"spec": seed_spec, "alignment": _failed(2, "training/loss", None)}) == "review"
 
 
 def test_the_drawing_has_exactly_the_routed_edges():
     mermaid = build().compile().get_graph().draw_mermaid()
     for edge in ("validate -.-> generate", "generate -.-> validate", "analyze -.-> explain", "explain --> plan",
-                 "assemble -.-> align", "align -.-> fall_back", "align -.-> review", "fall_back --> assemble"):
+                 "assemble -.-> align", "align -.-> demote", "align -.-> review", "demote --> assemble"):
         assert edge in mermaid
     assert "analyze -.-> review" not in mermaid and "analyze -.-> plan" not in mermaid
 
@@ -74,9 +74,9 @@ def test_the_documented_drawing_is_the_graph_as_it_renders():
     assert block is not None and block.group(1) == build().compile().get_graph().draw_mermaid()
 
 
-def test_no_fallback_when_transformers_could_not_build_the_model(seed_spec):
+def test_no_demotion_when_transformers_could_not_build_the_model(seed_spec):
     """Found by the config fuzz through new-model (qwen3_next, rope_parameters.partial_rotary_factor null: its
-    config class accepts it, its rotary init fails): tier 1 failed and the fallback asked that model for module
+    config class accepts it, its rotary init fails): tier 1 failed and the demotion asked that model for module
     names (exit 1). Every rung runs transformers' modules, so without its model the package goes to review."""
     from onboard.recognize.meta_check import NOT_BUILT, MetaCheck
 
@@ -89,4 +89,4 @@ def test_no_fallback_when_transformers_could_not_build_the_model(seed_spec):
     assert after_align({"spec": seed_spec, "alignment": failed, "report": _Checked(NOT_BUILT)}) == "review"
     # a family transformers does not know (an auto_map release of its own design): no meta check, no modules
     assert after_align({"spec": seed_spec, "alignment": failed, "report": _Checked(None)}) == "review"
-    assert after_align({"spec": seed_spec, "alignment": failed, "report": _Checked("Qwen3NextForCausalLM")}) == "fall_back"
+    assert after_align({"spec": seed_spec, "alignment": failed, "report": _Checked("Qwen3NextForCausalLM")}) == "demote"

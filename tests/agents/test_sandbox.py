@@ -14,9 +14,9 @@ import pytest
 
 from onboard.sandbox.run import Limits, available_mode, run_python
 
-# every check in the strongest mode here; the containment checks also in the fallback mode
+# every check in the strongest mode here; the containment checks also in the next weaker mode (unshare)
 MODES = [available_mode()]
-FALLBACK = ["unshare"] if available_mode() == "bwrap" else []
+WEAKER = ["unshare"] if available_mode() == "bwrap" else []
 
 
 def _run(tmp_path, code: str, mode: str, limits: Limits = Limits(wall_s=30), tripwire: bool = True):
@@ -52,7 +52,7 @@ def test_unbounded_allocation_is_stopped(tmp_path, mode):
     assert "MemoryError" in result.stderr
 
 
-@pytest.mark.parametrize("mode", MODES + FALLBACK)
+@pytest.mark.parametrize("mode", MODES + WEAKER)
 def test_a_socket_to_the_parent_cannot_connect(tmp_path, mode):
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -67,7 +67,7 @@ def test_a_socket_to_the_parent_cannot_connect(tmp_path, mode):
     assert not accepted
 
 
-@pytest.mark.parametrize("mode", MODES + FALLBACK)
+@pytest.mark.parametrize("mode", MODES + WEAKER)
 def test_a_write_outside_the_folder_fails_and_leaves_nothing(tmp_path, mode):
     outside = tmp_path / "outside.txt"
     result = _run(tmp_path, f"open({str(outside)!r}, 'w').write('escaped')\n", mode)
@@ -75,7 +75,7 @@ def test_a_write_outside_the_folder_fails_and_leaves_nothing(tmp_path, mode):
     assert not outside.exists()
 
 
-@pytest.mark.parametrize("mode", MODES + FALLBACK)
+@pytest.mark.parametrize("mode", MODES + WEAKER)
 def test_the_reference_ops_cannot_be_imported(tmp_path, mode):
     code = "import reference_ops.gated_delta\nprint('copied')\n"
     result = _run(tmp_path, code, mode)
@@ -96,7 +96,7 @@ def test_a_grandchild_does_not_outlive_the_sandbox(tmp_path, mode):
 LIBC = "import ctypes\nlibc = ctypes.pythonapi\n"
 
 
-@pytest.mark.parametrize("mode", MODES + FALLBACK)
+@pytest.mark.parametrize("mode", MODES + WEAKER)
 def test_a_fork_bomb_is_capped(tmp_path, mode):
     code = LIBC + textwrap.dedent("""
         import time
@@ -121,7 +121,7 @@ def test_a_fork_bomb_is_capped(tmp_path, mode):
     "chunk = b'x' * 2**20\nwith open('/dev/shm/bomb', 'wb') as f:\n    for _ in range(1536):\n        f.write(chunk)\n",
 ], ids=["shared-mapping", "dev-shm-file"])
 def test_a_shared_memory_bomb_is_stopped_at_the_cap(tmp_path, mode, how):
-    """Where cgroups can be made (this machine), the memory cgroup kills it; the rlimit fallback is below."""
+    """Where cgroups can be made (this machine), the memory cgroup kills it; the rlimit cap without cgroups is below."""
     result = _run(tmp_path, how + "print('touched 1.5 GiB')\n", mode, Limits(wall_s=30, memory_mib=512),
                   tripwire=False)
     assert not result.ok and not result.timed_out
@@ -144,7 +144,7 @@ def test_without_cgroups_the_address_space_cap_refuses_the_shared_mapping(tmp_pa
     assert "Cannot allocate memory" in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("mode", MODES + FALLBACK)
+@pytest.mark.parametrize("mode", MODES + WEAKER)
 def test_a_detached_daemon_does_not_survive_the_run(tmp_path, mode):
     marker = tmp_path / "work" / "survived.txt"
     # the grandchild writes only once the run's main process is gone, and a second later: a marker means it
@@ -201,7 +201,7 @@ def test_the_project_the_home_and_other_processes_are_not_visible(tmp_path):
     assert len(found["cwds"]) <= 2 and set(found["cwds"].values()) == {str(tmp_path / "work")}
 
 
-@pytest.mark.parametrize("mode", MODES + FALLBACK)
+@pytest.mark.parametrize("mode", MODES + WEAKER)
 def test_the_guard_refuses_libc_through_the_interpreters_own_symbols(tmp_path, mode):
     result = _run(tmp_path, LIBC + "libc.system(b'true')\nprint('ran')\n", mode)
     assert not result.ok and "ran" not in result.stdout

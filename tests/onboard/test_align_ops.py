@@ -14,7 +14,7 @@ INDEXER_LAYER = MLAAttention(num_heads=2, q_lora_rank=None, kv_lora_rank=32, qk_
                              v_head_dim=16, rope=None, indexer=DSAIndexer(num_heads=2, head_dim=16, topk=8))
 
 
-def test_selection_metric_accepts_the_fallback_and_rejects_the_worst_keys():
+def test_selection_metric_accepts_the_torch_form_and_rejects_the_worst_keys():
     case = build_case("dsa_indexer", INDEXER_LAYER, 64, 33, 0, torch.float32)
     assert tier0_ops.selection_check(indexer_topk, case.kwargs, "cpu") == 1.0
 
@@ -30,6 +30,6 @@ def test_a_wrong_op_fails_tier0(monkeypatch):
 
     real = norms.rms_norm
     monkeypatch.setattr(norms, "rms_norm", lambda x, weight, eps, offset=0.0: real(x, weight, eps, 0.0))
-    checks = tier0_ops.check_op("rms_norm", NormSpec(kind="rms_1p", eps=1e-6), 64, 17, "fallback")
+    checks = tier0_ops.check_op("rms_norm", NormSpec(kind="rms_1p", eps=1e-6), 64, 17, "torch_form")
     assert any(c.verdict == "fail" and c.name.endswith("/out0") for c in checks)
     assert any(c.verdict == "fail" and "/grad:" in c.name for c in checks)

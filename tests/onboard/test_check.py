@@ -59,6 +59,20 @@ def test_an_op_replacing_a_builtin_is_refused_and_its_removal_passes(pkg, capsys
     assert "regression" not in capsys.readouterr().err
 
 
+def test_a_baseline_written_before_the_torch_form_had_its_word_still_compares(pkg, capsys):
+    """Baselines written before named tier 0's torch-form checks <op>/fallback/...: read as <op>/torch_form/..., they
+    compare with the checks run now (unread, every one of them would be "passed in the baseline, not run now")."""
+    baseline = pkg / "alignment" / "baseline.json"
+    text = baseline.read_text()
+    assert '/torch_form/' in text and '/fallback/' not in text
+    baseline.write_text(text.replace("/torch_form/", "/fallback/"))
+    old = AlignmentReport.model_validate_json(baseline.read_text())
+    assert [c.name for c in old.tiers[0].checks] == [c.name for c in AlignmentReport.model_validate_json(text).tiers[0].checks]
+    capsys.readouterr()
+    assert main(["align", str(pkg), "--tiers", "0", "--check"]) == 0
+    assert "regression" not in capsys.readouterr().err
+
+
 def _report(*checks: Check) -> AlignmentReport:
     return AlignmentReport(package="p", source="s", spec_hash="0" * 16, tiers=[tier_result(0, list(checks))],
                            passed=True)

@@ -77,8 +77,8 @@ def test_new_model_is_atomic_and_refuses_to_overwrite(example_release, tmp_path)
     assert made.returncode == 0, made.stderr
     assert {"package.yaml", "spec.json", "weight_map.json", "gap_report.json", "gap_report.md", "alignment"} <= {
         p.name for p in (tmp_path / "pkg").iterdir()}
-    # an example-model family passes with registry ops only: no alignment-driven fallback ran
-    assert json.loads((tmp_path / "pkg" / "agents" / "fallbacks.json").read_text()) == []
+    # an example-model family passes with registry ops only: no demotion ran
+    assert json.loads((tmp_path / "pkg" / "agents" / "demotions.json").read_text()) == []
     _assert_one_line_error(onboard("new-model", str(example_release("olmoe")), "--out", str(tmp_path / "pkg")), "exists")
 
 

@@ -1,5 +1,5 @@
 """Valid releases we do not understand are gaps (exit 3) naming what was not understood, never bad input;
-what transformers knows runs through its own modules (fallback), trainable, and aligns.
+what transformers knows runs through its own modules (status own), trainable, and aligns.
 
 "acme_moe" releases are real tiny releases with model_type renamed, so transformers (the oracle)
 does not know them: only our own recognition rules judge them, and they must fail into gaps.
@@ -85,13 +85,26 @@ def test_a_tensor_nobody_recognizes_keeps_its_component_out_of_covered(example_r
     release = _with_extra_tensor(example_release, tmp_path, "model.layers.0.mlp.gate.e_score_correction_bias")
     code, report, _ = _inspect(release)
     ffn = _own(report)["own:ffn"]
-    assert ffn["status"] == "fallback" and ffn["layers"] == [0] and "e_score_correction_bias" in ffn["detail"]
+    assert ffn["status"] == "own" and ffn["layers"] == [0] and "e_score_correction_bias" in ffn["detail"]
     experts = next(o for o in report["ops"] if o["op"] == "moe_experts")
     assert experts["status"] == "covered" and experts["layers"] == [1]
-    assert code == 0  # the fallback runs on day 0; new-model still has to pass alignment
+    assert code == 0  # the own module runs on day 0; new-model still has to pass alignment
 
 
-def test_fallback_aligns_and_trains(example_release, tmp_path):
+def test_a_gap_report_written_before_own_had_its_word_still_reads(example_release, tmp_path):
+    """gap_report.json files written before said `fallback` for status `own` (in ops[] and in the summary's counts):
+    they read as own."""
+    from onboard.gap.report import GapReport
+
+    _, report, _ = _inspect(_with_extra_tensor(example_release, tmp_path, "model.layers.0.mlp.gate.e_score_correction_bias"))
+    assert report["summary"]["ops"]["own"] == 1
+    old = json.loads(json.dumps(report).replace('"status": "own"', '"status": "fallback"'))
+    old["summary"]["ops"] = {("fallback" if status == "own" else status): n for status, n in old["summary"]["ops"].items()}
+    assert _own(old)["own:ffn"]["status"] == "fallback" and "own" not in old["summary"]["ops"]
+    assert GapReport.model_validate(old) == GapReport.model_validate(report)
+
+
+def test_own_module_aligns_and_trains(example_release, tmp_path):
     """new-model: layer 0's FFN through transformers' own module, layer 1 through registry ops; tiers 0-2
     pass (exit 0); the own module's parameters get gradients from the loss like the rest."""
     from onboard.align.reference import load_runtime

@@ -87,8 +87,8 @@ def test_the_four_renderings_agree(k3_package):
         assert _counts_in(text) == expected, name
         assert "not supported" in text, name
     pr = (pkg / "PR.md").read_text()
-    # own layers nothing can run: listed, never "None: every component runs the runtime's own ops"
-    assert "every component runs the runtime's own ops" not in pr and "`own:decoder_layer` in 5 layer(s)" in pr
+    # own layers nothing can run: listed, never "None: every component runs the runtime's registry ops"
+    assert "every component runs the runtime's registry ops" not in pr and "`own:decoder_layer` in 5 layer(s)" in pr
     assert "generation settings" in pr and "do_sample" in pr
     plan = yaml.safe_load((pkg / "plan.yaml").read_text())
     reasons = [a["reason"] for a in plan["alternatives"] if a["mesh"].endswith(("ep2", "ep4", "ep8"))]

@@ -15,7 +15,7 @@ from onboard.package.reader import read_package
 from onboard.package.writer import write_package
 from onboard.recognize.recognizer import recognize
 from onboard.release.manifest import read_manifest
-from onboard.review.fallback import fallback_step
+from onboard.review.demotion import demotion_step
 from runtime.lora.factors import apply_lora
 from runtime.lora.plan import read_lora_yaml
 from runtime.model.decoder import causal_lm_loss
@@ -64,7 +64,7 @@ def test_a_tensor_outside_the_layers_that_transformers_reads_makes_the_whole_mod
     spec = recognize(manifest)
     assert spec.own_model and "model.norm.bias" in spec.own_model
     report = analyze(spec, manifest)
-    assert [(o.op, o.status) for o in report.ops] == [("own:model", "fallback")]
+    assert [(o.op, o.status) for o in report.ops] == [("own:model", "own")]
     assert not report.summary["gaps_remain"]
     inputs, model = _runtime(pkg)
     assert _logits_match(inputs, model)
@@ -257,13 +257,13 @@ def test_an_adapter_key_peft_would_move_on_loading_is_stored_under_the_release_n
 
 def test_the_whole_model_takes_what_its_head_takes(tiny_family, tmp_path):
     """Inkling divides the final hidden states by `logits_mup_width_multiplier` in its causal-LM forward, before
-    the head: run as its own model (the fallback's last rung), the head takes what that forward feeds it, so the
+    the head: run as its own model (the demotion's last rung), the head takes what that forward feeds it, so the
     logits are transformers'."""
     release, _ = tiny_family("inkling_text")
     manifest = read_manifest(release)
     assert manifest.config["logits_mup_width_multiplier"] not in (None, 1, 1.0)
     failed = Check(tier=2, name="logits/float32", metric="rel_rms", value=23.0, tolerance=1e-4, verdict="fail")
-    step = fallback_step(recognize(manifest), "model", [failed])
+    step = demotion_step(recognize(manifest), "model", [failed])
     pkg, _ = write_package(release, tmp_path / "pkg", spec_steps=[step])
     inputs, model = _runtime(pkg)
     assert _logits_match(inputs, model)

@@ -56,7 +56,7 @@ def test_pr_md_has_every_section_a_reviewer_needs(onboarded_package):
     text = (pkg / "PR.md").read_text()
     report = json.loads((pkg / "alignment" / "report.json").read_text())
     for heading in ("## Model", "## Gap report", "## Generated operators", "## Alignment", "## Parallel plan",
-                    "## Fallback layers", "## Reviewer checklist"):
+                    "## Own modules", "## Reviewer checklist"):
         assert heading in text, heading
     for op in json.loads((pkg / "gap_report.json").read_text())["ops"]:
         assert f"| {op['op']} | {op['covers']} | {op['status']} |" in text

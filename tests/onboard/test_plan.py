@@ -98,3 +98,11 @@ def test_activations_count_the_sparse_attention_backward_buffers(seed_spec, monk
     with_buffers = memory.activations(seed_spec, 32768)
     monkeypatch.setattr(memory, "_dsa_backward_workspace", lambda spec, b, seq_len: 0)
     assert with_buffers - memory.activations(seed_spec, 32768) == 2 * 2 * memory.DSA_BWD_CHUNK * heads * topk
+
+
+def test_the_planners_linear_attention_chunk_is_the_kernels():
+    """The budget and the cost model size the chunked linear-attention tiles by LINEAR_CHUNK; the kernel chunks by
+    its CHUNK_SIZE: a kernel change must move both."""
+    from onboard.gap.budget import LINEAR_CHUNK
+    from runtime.ops.gated_delta import function
+    assert LINEAR_CHUNK == function.CHUNK_SIZE

@@ -162,7 +162,7 @@ def test_mla_rope_layout_without_a_key_is_read_off_the_family_s_rotary_function(
 def test_a_multimodal_rope_without_mrope_section_takes_the_split_transformers_applies(tiny_family):
     """Qwen3.5-MoE's default config has no mrope_section (its rotary module falls back to a default split):
     transformers' rotary module is probed for the split, so our 3-axis tables are its own and the vision
-    path matches transformers' multimodal run at the fp32 bar (registry ops only, no fallback)."""
+    path matches transformers' multimodal run at the fp32 bar (registry ops only, no own modules)."""
     from onboard.align.reference import load_reference
     from onboard.align.tiers.vision import vision_checks
     from onboard.package.reader import read_package

@@ -142,7 +142,7 @@ def test_no_command_runs_the_release_code(code_release, env, tmp_path):
 
 def test_a_release_only_its_own_code_could_build_is_a_gap(own_design_release, env, tmp_path):
     """inspect, plan and new-model on it: no marker, no traceback. new-model's tier 1 has no transformers model
-    to compare with, and no fallback to its modules: exit 3 (a fallback asked for them: exit 1)."""
+    to compare with, and no demotion to its modules: exit 3 (a demotion asked for them: exit 1)."""
     steps = [(("inspect", own_design_release), (0, 3)),
              (("plan", own_design_release, "--gpus", "8", "--gpu-mem-gib", "80"), (0, 3)),
              (("new-model", own_design_release, "--out", tmp_path / "pkg"), (3,))]

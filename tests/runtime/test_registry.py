@@ -10,14 +10,14 @@ from runtime.registry import OPS
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_named_implementations_resolve(name):
     op = OPS[name]
-    for which in ("reference", "fallback", "kernel"):
+    for which in ("reference", "torch_form", "kernel"):
         if getattr(op, which) is not None:
             assert op.exists(which) and callable(op.resolve(which)), (name, which, getattr(op, which))
 
 
 def test_a_missing_module_does_not_exist():
     op = OPS["rms_norm"]
-    assert not type(op)(op.name, op.covers, op.reference, "runtime.ops.nowhere:rms_norm", None, op.supports).exists("fallback")
+    assert not type(op)(op.name, op.covers, op.reference, "runtime.ops.nowhere:rms_norm", None, op.supports).exists("torch_form")
 
 
 def test_the_registry_names_the_activations_and_scorings_the_runtime_has():

@@ -1,7 +1,7 @@
 """Alignment tier 0: every op the package uses, runtime forms vs the fp64 reference, forward and backward.
 
 Each op runs at the real widths of the first layer that uses it, a short sequence, three seeds,
-in fp32 and bf16; the fallback always, the fused kernel where it can run (CUDA, or the Triton
+in fp32 and bf16; the torch form always, the fused kernel where it can run (CUDA, or the Triton
 interpreter when TRITON_INTERPRET=1).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ COTANGENT_SEED_OFFSET = 7919
 DTYPES = (torch.float32, torch.bfloat16)
 # tier 0's two runs of an op, as the backend selectors name them: its torch form, and the fastest fused path this
 # device has (the Triton kernels, with their Gluon twins on a Hopper GPU)
-BACKEND_OF = {"fallback": "torch", "kernel": "hopper"}
+BACKEND_OF = {"torch_form": "torch", "kernel": "hopper"}
 # Ops whose output is a selection (indices): compared as sets, not numerically.
 SELECTION_OPS = {"dsa_indexer"}
 
@@ -160,14 +160,14 @@ def distinct_ops(spec: ModelSpec) -> list[tuple[str, SpecPart]]:
 
 
 def tier0(spec: ModelSpec, T: int = 33, progress: Progress | None = None) -> list[Check]:
-    """Checks for every (op, distinct parameters) the spec uses: the fallback, and the kernel where one exists."""
+    """Checks for every (op, distinct parameters) the spec uses: the torch form, and the kernel where one exists."""
     progress = progress or Progress()
     ops = distinct_ops(spec)
     progress.plan(len(ops))
     checks = []
     for op, part in ops:
         progress.group(op)
-        checks += check_op(op, part, spec.hidden_size, T, "fallback")
+        checks += check_op(op, part, spec.hidden_size, T, "torch_form")
         if OPS[op].kernel and OPS[op].resolve("kernel") is not None:
             checks += _kernel_checks(op, part, spec.hidden_size, T)
     return checks

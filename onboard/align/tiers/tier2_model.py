@@ -18,11 +18,7 @@ from runtime.model.own_modules import runs_own_code
 from runtime.model.rotary import RotaryCache
 from runtime.registry import ops_for_layer
 from runtime.spec import ModelSpec
-from runtime.tolerances import Tolerance, compare, tolerance_for
-
-# Packages with own modules: their bf16 logits may be this much further from fp32 than transformers' own bf16 run.
-OWN_MODULE_BF16_MARGIN = 1.1
-
+from runtime.tolerances import BF16_LOGITS_MARGIN, bf16_logits_bar, compare, tolerance_for
 
 def _routing_flips(ours, recorder: Recorder, num_layers: int) -> list[Check]:
     """Tokens whose expert set differs when our router sees transformers' hidden states instead of ours."""
@@ -114,14 +110,14 @@ def _bf16_checks(spec, weight_map, source, num_layers, ids, truth, choices, tamp
         _pin(ours, None)
         theirs_bf16 = load_reference(source, spec.family, torch.bfloat16, num_layers)
         theirs_bf16 = theirs_bf16(input_ids=ids, use_cache=False).logits.float()
-    tol, note = tolerance_for("model_logits", torch.bfloat16), "expert/key choices pinned to fp32's"
-    free_c, own_c = compare(free, truth, tol), compare(theirs_bf16, truth, tol)
+    floor, note = tolerance_for("model_logits", torch.bfloat16), "expert/key choices pinned to fp32's"
+    free_c, own_c = compare(free, truth, floor), compare(theirs_bf16, truth, floor)
+    tol = bf16_logits_bar(own_c.rel_rms)
+    note += f"; bar max({floor.rel_rms:.0e}, {BF16_LOGITS_MARGIN} x transformers' bf16 error)"
     if runs_own_code(ours):
         # their expert choices are pinned where they call their experts; other choices inside transformers'
-        # code cannot be: the bar is transformers' own bf16 error where that is larger
-        tol = Tolerance(rel_rms=max(tol.rel_rms, OWN_MODULE_BF16_MARGIN * own_c.rel_rms), max_abs_rel=tol.max_abs_rel)
-        note += (f" (own modules' at their experts call); bar max({free_c.tolerance.rel_rms:.0e}, "
-                 f"{OWN_MODULE_BF16_MARGIN} x transformers' bf16 error)")
+        # code cannot be
+        note += " (own modules' at their experts call)"
     return [logits_check("logits/bfloat16", compare(pinned, truth, tol), torch.bfloat16, note),
             _loss_check("bfloat16", pinned, truth, ids, torch.bfloat16),
             Check(tier=2, name="logits/bfloat16-free", metric="rel_rms", value=free_c.rel_rms, tolerance=tol.rel_rms,

@@ -1,6 +1,6 @@
 """Short causal depthwise conv (+ silu) on [B, T, C] as the layers hold it: no transposes, fp32 inside.
 
-torch's depthwise conv wants [B, C, T], so the fallback pays casts and transposed copies around it
+torch's depthwise conv wants [B, C, T], so the torch form pays casts and transposed copies around it
 (bench/bench_short_ops.py times both). Here one kernel reads W shifted rows of x per output row. Backward: the
 same kernel recomputes the pre-activation and forms d pre = dy * silu'(pre), then runs the conv
 the other way along time (anti-causal, same taps) for dx; weight and bias gradients, when wanted,

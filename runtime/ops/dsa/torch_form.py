@@ -1,4 +1,4 @@
-"""DeepSeek-V3.2 sparse attention (DSA), torch fallback: runs everywhere, any dtype.
+"""DeepSeek-V3.2 sparse attention (DSA), torch form: runs everywhere, any dtype.
 
 Shape legend: B batch, T tokens, H heads, K key width, V value width, S selected keys,
 Q queries in one block.

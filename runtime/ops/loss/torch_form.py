@@ -1,4 +1,4 @@
-"""Cross-entropy over rows of logits in the runtime (torch, fp32 compute): the fused kernel's fallback.
+"""Cross-entropy over rows of logits in the runtime (torch, fp32 compute): the fused kernel's torch form.
 
 Shape legend: C rows (tokens of a chunk), X vocabulary.
 """

@@ -1,4 +1,4 @@
-"""Torch fallback for the dense SwiGLU MLP and the MoE shared expert (its sigmoid gate and the
+"""Torch form of the dense SwiGLU MLP and the MoE shared expert (its sigmoid gate and the
 add into the routed experts' output). Runs everywhere, any dtype.
 
 Shape legend: T tokens (all leading dims of x), D model width, F MLP width.

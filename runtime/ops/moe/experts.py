@@ -269,7 +269,7 @@ def swiglu_experts(
 ) -> torch.Tensor:
     """Routed experts, y_TD = sum_j weights[t, j] * expert_{idx[t, j]}(x[t]), in x's dtype.
     Contract of reference_ops/moe.py; the kernels implement silu and the gpt-oss GLU, other activations
-    (a package's generated ones too) run through the torch fallback, as the dense MLP kernel does."""
+    (a package's generated ones too) run through the torch form, as the dense MLP kernel does."""
     if activation != "silu" and glu_alpha is None:
         return torch_ops.swiglu_experts(
             x_TD, weights_Tk, idx_Tk, w_gate_up_E2FD, w_down_EDF, b_gate_up_E2F=b_gate_up_E2F, b_down_ED=b_down_ED,

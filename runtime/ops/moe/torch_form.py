@@ -1,4 +1,4 @@
-"""Torch fallback for MoE routing (and the fp32 router logits the runtime layer always computes
+"""Torch form of MoE routing (and the fp32 router logits the runtime layer always computes
 in torch) and the routed SwiGLU experts (the dense MLP and shared expert: runtime/ops/mlp/torch_form.py).
 
 The experts sort the (token, choice) pairs by expert and run two grouped matmuls

@@ -53,8 +53,8 @@ def test_force_refuses_an_unknown_backend():
 def test_dispatch_follows_the_selector(name):
     family = OPS[name]
     assert dispatch.selector(family).op == family.kernel.split(":")[0].split(".")[2]
-    assert dispatch.op(name, CPU) is family.resolve("fallback")
+    assert dispatch.op(name, CPU) is family.resolve("torch_form")
     with force("torch"):
-        assert dispatch.op(name, CPU) is family.resolve("fallback")
+        assert dispatch.op(name, CPU) is family.resolve("torch_form")
     with force("triton"):
         assert dispatch.op(name, CPU) is family.resolve("kernel")

@@ -1,5 +1,5 @@
 """Short causal conv: runtime (torch conv1d) vs the fp64 reference, forward and gradients of x, weight
-and bias; the reference vs Qwen3-Next's torch causal conv fallback."""
+and bias; the reference vs Qwen3-Next's torch causal conv (its path without the causal-conv1d package)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """DSA fp64 reference vs transformers' DeepseekV32 (indexer and whole attention layer), and the
-torch fallback in runtime/ops/dsa/torch_form.py vs the reference (forward and gradients).
+torch form in runtime/ops/dsa/torch_form.py vs the reference (forward and gradients).
 
 Shape legend: B batch, T tokens, H heads, K key width, V value width, S selected keys, D width.
 """
@@ -133,21 +133,21 @@ def test_sparse_attention_reference_gradients_pass_gradcheck():
     assert torch.autograd.gradcheck(lambda q, kv: ref.sparse_attention(q, kv, idx_BTS, 0.4, 3), inputs)
 
 
-FALLBACK_CASES = [
+TORCH_FORM_CASES = [
     pytest.param(1, 63, 4, 48, 32, 8, torch.float32, id="T63-H4-K48-S8-fp32"),
     pytest.param(2, 37, 3, 24, 16, 40, torch.float32, id="B2-T37-S40-fp32"),
     pytest.param(1, 63, 4, 48, 32, 8, torch.bfloat16, id="T63-H4-K48-S8-bf16"),
 ]
 
 
-@pytest.mark.parametrize("B,T,H,K,V,S,dtype", FALLBACK_CASES)
-def test_fallback_sparse_attention_forward_and_grads(B, T, H, K, V, S, dtype):
+@pytest.mark.parametrize("B,T,H,K,V,S,dtype", TORCH_FORM_CASES)
+def test_torch_form_sparse_attention_forward_and_grads(B, T, H, K, V, S, dtype):
     q_BTHK, kv_BTK, idx_BTS = random_sparse_problem(B, T, H, K, S, dtype)
     do_BTHV = torch.randn(B, T, H, V).to(dtype)
     grads = {}
     for name, fn, cast in (("ref", ref.sparse_attention, torch.float64), ("ops", ops.sparse_attention, dtype)):
         q, kv = q_BTHK.to(cast).requires_grad_(), kv_BTK.to(cast).requires_grad_()
-        # a small query block makes the fallback's blocking visible at this T
+        # a small query block makes the torch form's blocking visible at this T
         extra = {"block_size": 16} if name == "ops" else {}
         o_BTHV = fn(q, kv, idx_BTS, K**-0.5, V, **extra)
         o_BTHV.backward(do_BTHV.to(cast))
@@ -157,7 +157,7 @@ def test_fallback_sparse_attention_forward_and_grads(B, T, H, K, V, S, dtype):
 
 
 @pytest.mark.parametrize("T,topk,block_size", [(63, 8, 16), (37, 50, 8)], ids=["T63-top8-blk16", "T37-top50-blk8"])
-def test_fallback_indexer_topk_selects_the_reference_set(T, topk, block_size):
+def test_torch_form_indexer_topk_selects_the_reference_set(T, topk, block_size):
     g = torch.Generator().manual_seed(3)
     q_BTHK, k_BTK, w_BTH = torch.randn(2, T, 3, 16, generator=g), torch.randn(2, T, 16, generator=g), torch.randn(2, T, 3, generator=g)
     scores_BTT = ref.indexer_scores(q_BTHK, k_BTK, w_BTH, 0.25)

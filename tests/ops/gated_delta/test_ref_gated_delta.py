@@ -1,5 +1,5 @@
 """GDN and KDA: the fp64 token-loop references vs transformers (Qwen3-Next, Kimi Linear), and the
-chunked torch fallbacks (runtime/ops/gated_delta/torch_form.py, kda.py) vs the references, forward and all gradients.
+chunked torch forms (runtime/ops/gated_delta/torch_form.py, kda.py) vs the references, forward and all gradients.
 
 Shape legend: B batch, T tokens, H heads, K key dim, V value dim.
 """
@@ -105,13 +105,13 @@ def case_inputs(kind, case):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
-def test_fallback_matches_reference(kind, case, dtype, monkeypatch):
-    op, ref, fallback = OPS[kind]
+def test_torch_form_matches_reference(kind, case, dtype, monkeypatch):
+    op, ref, torch_form = OPS[kind]
     spec = CASES[case]
     monkeypatch.setattr(ops, "CHUNK_SIZE", spec.get("chunk", 64))
     x = case_inputs(kind, spec)
     expected = grads_of(ref, x, torch.float64, **spec["kw"])
-    actual = grads_of(fallback, x, dtype, **spec["kw"])
+    actual = grads_of(torch_form, x, dtype, **spec["kw"])
     for name, a, e in zip(NAMES, actual, expected):
         assert_close(a, e, op, dtype, kind="out" if name in ("o", "final_state") else "grad", name=name)
 
@@ -119,8 +119,8 @@ def test_fallback_matches_reference(kind, case, dtype, monkeypatch):
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 def test_chunked_fp64_equals_token_loop_to_1e12(kind):
     """The benchmark takes the chunked fp64 form as its reference at T=8192: it must equal the loop."""
-    op, ref, fallback = OPS[kind]
+    op, ref, torch_form = OPS[kind]
     x = make_inputs(kind, B=1, T=200, H=2, K=32, V=32)
-    for name, a, e in zip(NAMES, grads_of(fallback, x, torch.float64), grads_of(ref, x, torch.float64)):
+    for name, a, e in zip(NAMES, grads_of(torch_form, x, torch.float64), grads_of(ref, x, torch.float64)):
         result = compare(a, e, tolerance_for(op, torch.float64))
         assert result.rel_rms < 1e-12, f"{name}: {result.describe()}"

@@ -1,4 +1,4 @@
-"""Dense SwiGLU MLP: the torch fallback (runtime/ops/mlp/torch_form.py) vs the fp64 reference, forward and every
+"""Dense SwiGLU MLP: the torch form (runtime/ops/mlp/torch_form.py) vs the fp64 reference, forward and every
 gradient, and the reference vs the plain formula.
 
 Shape legend: T tokens, D model width, F MLP width.
@@ -15,7 +15,7 @@ D = 32
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")])
-def test_fallback_swiglu_mlp_matches_reference(dtype):
+def test_torch_form_swiglu_mlp_matches_reference(dtype):
     torch.manual_seed(5)
     inputs = {"x_TD": torch.randn(63, D), "w_gate_FD": torch.randn(24, D) * 0.3,
               "w_up_FD": torch.randn(24, D) * 0.3, "w_down_DF": torch.randn(D, 24) * 0.3}

@@ -1,5 +1,5 @@
 """MoE Triton kernels under TRITON_INTERPRET=1 vs the fp64 reference: the router (top-k and the
-softmax over the k picked, forward and logit gradient; other rules fall back to torch), routed
+softmax over the k picked, forward and logit gradient; other rules run the torch form), routed
 SwiGLU experts forward and every gradient (x, routing weights, expert weights, biases, LoRA A/B),
 with NaN-prefilled buffers, x read from a copy in expert order and gathered by token, an expert
 that receives no tokens, an expert count divisible by nothing convenient, the gpt-oss GLU (clamp,
@@ -165,7 +165,7 @@ def test_experts_over_several_row_tiles_each(problem, monkeypatch):
     check_experts(leaves, idx, frozen=frozen, **static)
 
 
-def test_sorted_rows_wgrad_per_expert_and_its_fallback():
+def test_sorted_rows_wgrad_per_expert_and_the_strides_it_declines():
     """torch._grouped_mm's per-expert a^T b over the sorted rows (the default gate/up weight gradient): against an
     fp64 sum per expert, an expert with no rows exactly zero; None (grouped_wgrad then runs) where a row stride is
     no multiple of 16 bytes."""
@@ -204,7 +204,7 @@ ROUTER_CASES = {
 @pytest.mark.parametrize("case", list(ROUTER_CASES))
 def test_fused_router_matches_reference(case, monkeypatch):
     E, k, kwargs = ROUTER_CASES[case]
-    monkeypatch.setattr(router.torch_ops, "route", lambda *a, **kw: pytest.fail("fell back to the torch router"))
+    monkeypatch.setattr(router.torch_ops, "route", lambda *a, **kw: pytest.fail("ran the torch router"))
     torch.manual_seed(11)
     check_route(kernels.route, ref.route, torch.randn(63, E), k, case, **kwargs)
 

@@ -1,6 +1,6 @@
 """The experts' Gluon kernels for Hopper, the down projection (runtime/ops/moe/gluon/down_gemm.py), the gate/up
 projection with the GLU (hopper_glu.py) and the weight gradients (hopper_wgrad.py): each compiles for sm_90a on any
-machine (registers, spills, shared memory), the tile rules, the experts op's dispatch to it and its fallback (on the
+machine (registers, spills, shared memory), the tile rules, the experts op's dispatch to it and its fallback to Triton (on the
 CPU, with the Gluon launch replaced: Gluon has no interpreter), and on a Hopper GPU its outputs against the kernel it
 replaces and the experts op with it against the fp64 reference.
 

@@ -1,5 +1,5 @@
 """MoE: the fp64 reference vs transformers' own MoE blocks of ten families (same weights, forward and
-every gradient), and the torch fallback vs the reference (routing rules, expert variants, LoRA)."""
+every gradient), and the torch form vs the reference (routing rules, expert variants, LoRA)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -185,7 +185,7 @@ ROUTE_CASES = {
 
 
 @pytest.mark.parametrize("case", list(ROUTE_CASES))
-def test_fallback_route_matches_reference(case):
+def test_torch_form_route_matches_reference(case):
     torch.manual_seed(3)
     kwargs = dict(ROUTE_CASES[case])
     top_k = kwargs.pop("top_k")
@@ -254,7 +254,7 @@ def _unflatten(leaves: dict) -> dict:
 
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float64, id="fp64-loop"), pytest.param(torch.float32, id="fp32-grouped_mm")])
 @pytest.mark.parametrize("case", list(EXPERT_CASES))
-def test_fallback_experts_match_reference(case, dtype):
+def test_torch_form_experts_match_reference(case, dtype):
     spec = dict(EXPERT_CASES[case])
     static = spec.pop("static", {})
     inputs, idx = _expert_inputs(**spec)

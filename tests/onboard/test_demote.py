@@ -1,4 +1,4 @@
-"""The alignment-driven fallback: which rung a failed alignment calls for, and the spec re-planned from the
+"""The demotion after a failed alignment: which rung a failed alignment calls for, and the spec re-planned from the
 failing checks, on a real tiny release (mellum: every component recognized as registry ops, yet its layers
 disagree with transformers' at tier 1), then new-model reaching exit 0 through the retry."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from onboard.align.report import Check
 from onboard.gap.report import op_gaps
 from onboard.recognize.recognizer import recognize
 from onboard.release.manifest import read_manifest
-from onboard.review.fallback import next_rung, replan
+from onboard.review.demotion import next_rung, replan
 
 FAMILY = "mellum"
 
@@ -64,7 +64,7 @@ def test_the_failing_layer_kind_runs_as_the_releases_decoder_layer(spec, release
     assert set(own.attention.tensors) | set(own.ffn.tensors) == released
     assert {"self_attn.q_proj.weight", "input_layernorm.weight"} <= set(own.attention.inner.values())
     gaps = {g.op: g for g in op_gaps(replanned)}
-    assert gaps["own:decoder_layer"].status == "fallback" and gaps["own:decoder_layer"].layers == [0, 1, 2, 3]
+    assert gaps["own:decoder_layer"].status == "own" and gaps["own:decoder_layer"].layers == [0, 1, 2, 3]
     assert replanned.params.total == spec.params.total
 
 
@@ -77,15 +77,15 @@ def test_the_last_rung_is_the_whole_model(spec, release):
 
 
 @pytest.mark.slow
-def test_new_model_reaches_exit_0_through_the_layer_fallback(release, tmp_path):
+def test_new_model_reaches_exit_0_through_the_layer_demotion(release, tmp_path):
     pkg = tmp_path / "pkg"
     assert cli.main(["new-model", str(release[0]), "--out", str(pkg)]) == 0
-    steps = json.loads((pkg / "agents" / "fallbacks.json").read_text())
+    steps = json.loads((pkg / "agents" / "demotions.json").read_text())
     assert [s["rung"] for s in steps] == ["layers"] and steps[0]["failed"][0]["name"].startswith("layer0:")
     package = yaml.safe_load((pkg / "package.yaml").read_text())
-    assert package["status"] == "trainable" and package["reasons"][0].startswith("fallback (layers): tier 1 check layer0:")
+    assert package["status"] == "trainable" and package["reasons"][0].startswith("demoted (layers): tier 1 check layer0:")
     report = json.loads((pkg / "alignment" / "report.json").read_text())
     assert report["passed"] and [t["tier"] for t in report["tiers"]] == [0, 1, 2]
     gap = next(g for g in json.loads((pkg / "gap_report.json").read_text())["ops"] if g["op"] == "own:decoder_layer")
-    assert gap["status"] == "fallback" and "(slow)" in gap["detail"] and "disagreed" in gap["detail"]
+    assert gap["status"] == "own" and "(slow)" in gap["detail"] and "disagreed" in gap["detail"]
     assert "own:decoder_layer" in (pkg / "PR.md").read_text()

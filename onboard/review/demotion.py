@@ -1,5 +1,5 @@
-"""Alignment-driven fallback: where the assembled package does not compute what the release computes, the
-release's own transformers modules (the oracle alignment compared against) take over, one rung at a time.
+"""Demotion after a failed alignment: where the assembled package does not compute what the release computes,
+the release's own transformers modules (the oracle alignment compared against) take over, one rung at a time.
 
 Rungs, each tried at most once, so a run ends:
 - "layers": tier 1 failed. Tier 1 compares whole decoder layers, so it cannot tell which component of a
@@ -37,11 +37,11 @@ def next_rung(spec: ModelSpec, failed_tier: Optional[int], failed: list[Check], 
 
 
 def replan(spec: ModelSpec, manifest: Manifest, rung: Rung, failed: list[Check]) -> ModelSpec:
-    """The spec with the rung's fallback applied."""
-    return apply_step(spec, manifest, fallback_step(spec, rung, failed))
+    """The spec demoted by one rung."""
+    return apply_step(spec, manifest, demotion_step(spec, rung, failed))
 
 
-def fallback_step(spec: ModelSpec, rung: Rung, failed: list[Check]) -> OwnStep:
+def demotion_step(spec: ModelSpec, rung: Rung, failed: list[Check]) -> OwnStep:
     """The rung as the step package.yaml records (its layers and reasons), so readers derive the same spec."""
     if rung == "layers":
         return OwnStep(own_layers=_layer_reasons(spec, failed))

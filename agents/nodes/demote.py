@@ -1,4 +1,4 @@
-"""fall_back: after a failed alignment, the next rung of onboard/review/fallback.py. The spec is re-planned with the
+"""demote: after a failed alignment, the next rung of onboard/review/demotion.py. The spec is re-planned with the
 release's own modules where ours disagreed, the gap report redone, and the failed package removed, so assemble
 writes the new one and align checks it again."""
 from __future__ import annotations
@@ -10,16 +10,16 @@ from langgraph.runtime import Runtime
 
 from onboard.gap.report import analyze as gap_analysis
 from onboard.package.derivation import apply_step
-from onboard.review.fallback import Rung, fallback_step, next_rung
+from onboard.review.demotion import Rung, demotion_step, next_rung
 
 from agents.context import Context
 from agents.nodes.understand import manifest
-from agents.state import Fallback, OnboardState
+from agents.state import Demotion, OnboardState
 
 
 def rung(state: OnboardState) -> Optional[Rung]:
-    """The rung the latest alignment calls for, or None (passed, or nothing left to fall back to)."""
-    aligned, done = state.get("alignment"), [f.rung for f in state.get("fallbacks", [])]
+    """The rung the latest alignment calls for, or None (passed, or nothing left to demote)."""
+    aligned, done = state.get("alignment"), [d.rung for d in state.get("demotions", [])]
     if aligned is None or not _transformers_model_built(state):
         return None
     return next_rung(state["spec"], aligned.failed_tier, aligned.failed, done)
@@ -32,15 +32,15 @@ def _transformers_model_built(state: OnboardState) -> bool:
     return report is None or (report.meta_check is not None and report.meta_check.built)
 
 
-def fall_back(state: OnboardState, runtime: Runtime[Context]) -> dict:
+def demote(state: OnboardState, runtime: Runtime[Context]) -> dict:
     o, step = state["options"], rung(state)
     failed = state["alignment"].failed
-    change = fallback_step(state["spec"], step, failed)
+    change = demotion_step(state["spec"], step, failed)
     spec = apply_step(state["spec"], manifest(o.model_dir), change)
     report = gap_analysis(spec, manifest(o.model_dir), o.gpu_mem_gib, o.lora_rank, o.seq_len)
     own = [f"{g.op} (layers {','.join(map(str, g.layers))})" for g in report.ops if g.op.startswith("own:")]
-    runtime.context.progress(f"fall back ({step}): {failed[0].name} failed; now own modules: {', '.join(own)}")
+    runtime.context.progress(f"demote ({step}): {failed[0].name} failed; now own modules: {', '.join(own)}")
     # the package that failed is replaced by the re-planned one; its failing checks stay in the state
     shutil.rmtree(state["package"], ignore_errors=True)
     return {"spec": spec, "spec_steps": [*state.get("spec_steps", []), change], "report": report, "alignment": None,
-            "fallbacks": [*state.get("fallbacks", []), Fallback(rung=step, failed=failed)]}
+            "demotions": [*state.get("demotions", []), Demotion(rung=step, failed=failed)]}

@@ -1,0 +1,1 @@
+"""Stored weight formats of released checkpoints (FP8 block-scaled, MXFP4): decode and encode."""
