@@ -17,7 +17,7 @@ from rich.console import Console
 from onboard.gap.render import print_gap_report
 from onboard.gap.report import GapReport
 
-FIXTURE = Path(__file__).resolve().parents[1] / "data" / "kimi_k3" / "gap_report.md"
+FIXTURES = Path(__file__).resolve().parents[1] / "data" / "kimi_k3"
 # K3's new components, as a reader searches the report for them
 COMPONENTS = {"SiTU": r"\bsitu\b", "latent MoE": r"latent MoE", "attention residuals": r"attention residuals",
               "MLA output gate": r"MLA with a sigmoid output gate", "KDA safe gate": r"KDA with a lower-bounded"}
@@ -38,10 +38,28 @@ def _summary(report: GapReport) -> str:
     return console.file.getvalue()
 
 
-def test_the_fixture_names_k3s_new_components():
-    text = FIXTURE.read_text()
+@pytest.mark.parametrize("weights", ["bf16", "mxfp4"])
+def test_the_fixture_names_k3s_new_components(weights):
+    text = (FIXTURES / ("gap_report.md" if weights == "bf16" else "gap_report_mxfp4.md")).read_text()
     for name, pattern in COMPONENTS.items():
         assert re.search(pattern, text, re.IGNORECASE), name
+    assert ("mxfp4-pack-quantized" in text) == (weights == "mxfp4")
+
+
+def test_the_mxfp4_variant_counts_values_not_bytes(kimi_k3_release, onboard_cli):
+    """The packed experts hold as many parameters as the bf16 variant's (two per byte; scales are none), and the
+    stored format is named with the tensors holding its codes and scales."""
+    reports = {}
+    for weights in ("bf16", "mxfp4"):
+        done = onboard_cli("inspect", str(kimi_k3_release(weights)), "--json")
+        assert done.code == 3, done.err[-2000:]
+        reports[weights] = json.loads(done.out)
+    for key in ("params_total", "manifest_params", "num_experts", "moe_layers"):
+        assert reports["bf16"]["model"][key] == reports["mxfp4"]["model"][key], key
+    stored = [u for u in reports["mxfp4"]["unrecognized"] if u["source"] == "config.json:quantization_config"]
+    assert len(stored) == 1 and "mxfp4-pack-quantized" in stored[0]["item"]
+    assert "experts.N.w1.weight_packed" in stored[0]["detail"] and "experts.N.w1.weight_scale" in stored[0]["detail"]
+    assert not any(u["source"] == "config.json:quantization_config" for u in reports["bf16"]["unrecognized"])
 
 
 def test_new_model_is_an_honest_gap(k3_package):
