@@ -1,5 +1,5 @@
 """The onboarding graph: parse -> recognize -> analyze -> (generate <-> validate)* -> explain -> plan -> assemble
--> align (-> demote -> assemble -> align)* -> review.
+-> align (-> demote -> plan -> assemble -> align)* -> review.
 
 A candidate that validation refuses goes back to generate with the failure evidence, at most
 `max_attempts` times per op (a counter in the state), then the op stays missing with that evidence.
@@ -77,7 +77,7 @@ def build() -> StateGraph:
     graph.add_edge("plan", "assemble")
     graph.add_conditional_edges("assemble", after_assemble)
     graph.add_conditional_edges("align", after_align)
-    graph.add_edge("demote", "assemble")
+    graph.add_edge("demote", "plan")
     graph.add_edge("review", END)
     return graph
 

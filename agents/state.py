@@ -10,6 +10,7 @@ from onboard.align.report import Check
 from onboard.gap.generated import GeneratedOp
 from onboard.gap.report import GapReport
 from onboard.package.derivation import OwnStep, SetStep, SpecStep
+from onboard.plan.search import ParallelPlan
 from runtime import defaults
 from runtime.spec import ModelSpec
 
@@ -106,6 +107,7 @@ class OnboardState(TypedDict, total=False):
     tasks: list[OpTask]
     explanations: list[Explanation]
     validation_salt: int  # seeds of the fuzzed validation inputs derive from it; never shown to the LLM
+    plan: ParallelPlan  # plan.yaml's, of the spec as it stands (the plan node plans again after a demotion)
     package: Optional[str]
     alignment: Optional[Alignment]
     demotions: list[Demotion]  # the rungs tried, in order (at most one each)
@@ -113,4 +115,4 @@ class OnboardState(TypedDict, total=False):
 
 
 SERIALIZED_TYPES = [RunOptions, ModelSpec, GapReport, OpTask, Alignment, GeneratedOp, Failure, Candidate, Proposal,
-                    Explanation, Check, Demotion, SetStep, OwnStep]
+                    Explanation, Check, Demotion, SetStep, OwnStep, ParallelPlan]

@@ -32,3 +32,9 @@ class PackageOpRefused(Exception):
 
 class GeneratedOpMismatch(ValueError):
     """A package's generated op disagreed with its reference on the real inputs of its first call."""
+
+
+class StoredUnsupported(ValueError):
+    """Weights a release stores quantized that the runtime cannot hold so yet (a stored weight outside linear layers
+    and routed experts, a row split inside a scale block, transformers' own modules over stored weights): valid
+    input not supported, exit 3 with the reason."""

@@ -90,8 +90,11 @@ class CpuOffload:
             warnings.warn("activation offload: no CUDA device, activations already live in host memory (no-op)")
 
     def pack(self, t: torch.Tensor):
-        # parameters are saved by reference and stay where they are
-        if t.device.type != "cuda" or isinstance(t, nn.Parameter) or t.numel() * t.element_size() < OFFLOAD_MIN_BYTES:
+        # parameters, and views of them (a stored weight's codes seen in their release dtype), are saved by
+        # reference and stay where they are
+        if t.device.type != "cuda" or isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return t
+        if t.numel() * t.element_size() < OFFLOAD_MIN_BYTES:
             return t
         host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=True)
         self.stream.wait_stream(torch.cuda.current_stream(t.device))

@@ -18,11 +18,15 @@ import importlib.util
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Union
 
+from pydantic import BaseModel, ConfigDict
+
+from runtime.formats.scheme import StoredFormat
 from runtime.spec import FFN, Attention, DenseFFN, GatedDeltaAttention, MLAAttention, MoEFFN, NormSpec, RopeSpec
 
 Support = Literal["exact", "variant", "unsupported"]
-# the part of a ModelSpec an op family's predicate judges: the model's norm, a layer's rope, attention or FFN
-SpecPart = Union[NormSpec, RopeSpec, Attention, FFN]
+# the part of a ModelSpec an op family's predicate judges: the model's norm, a layer's rope, attention or FFN, or
+# (StoredWeights, below) the release's stored format of a layer's frozen weights
+SpecPart = Union[NormSpec, RopeSpec, Attention, FFN, "StoredWeights"]
 
 ROPE_TYPES = {"default", "linear", "yarn", "llama3", "dynamic"}
 
@@ -128,6 +132,27 @@ def _activation(ffn: Union[DenseFFN, MoEFFN]) -> Support:
     return "variant" if name in known else "unsupported"
 
 
+class StoredWeights(BaseModel):
+    """The part a stored-weight op judges: the release's stored format, and for the routed experts their FFN."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    format: StoredFormat
+    ffn: Optional[MoEFFN] = None
+
+
+def _stored_format(part: StoredWeights) -> Support:
+    """Both formats of runtime/formats/scheme.py decode in the kernels' tiles."""
+    return "exact" if part.format.kind in STORED_KINDS else "unsupported"
+
+
+def _stored_experts(part: StoredWeights) -> Support:
+    if part.ffn is None or _stored_format(part) == "unsupported":
+        return "unsupported"
+    return _activation(part.ffn)
+
+
+STORED_KINDS = ("fp8_block", "mxfp4")
+
+
 OPS: dict[str, OpFamily] = {op.name: op for op in [
     OpFamily("rms_norm", "norm", "reference_ops.norms:rms_norm", "runtime.ops.norm.torch_form:rms_norm",
              "runtime.ops.norm.kernel:rms_norm", _norm),
@@ -159,11 +184,20 @@ OPS: dict[str, OpFamily] = {op.name: op for op in [
              "runtime.ops.loss.torch_form:cross_entropy_rows", "runtime.ops.loss.kernel:cross_entropy_rows", _always),
     OpFamily("swiglu_mlp", "ffn:dense", "reference_ops.mlp:swiglu_mlp", "runtime.ops.mlp.torch_form:swiglu_mlp",
              "runtime.ops.mlp.kernel:swiglu_mlp", _activation),
+    OpFamily("stored_linear", "weights:stored", "reference_ops.stored:stored_linear",
+             "runtime.ops.stored_matmul.torch_form:stored_linear", "runtime.ops.stored_matmul.kernel:stored_linear",
+             _stored_format),
+    OpFamily("moe_experts_stored", "ffn:moe", "reference_ops.stored:stored_swiglu_experts",
+             "runtime.ops.moe.torch_form:stored_swiglu_experts", "runtime.ops.moe.kernel:stored_swiglu_experts",
+             _stored_experts),
 ]}
 
 
-def ops_for_layer(attention: Attention, ffn: FFN) -> list[tuple[str, SpecPart]]:
-    """The op families one decoder layer uses, each with the spec part its predicate judges."""
+def ops_for_layer(attention: Attention, ffn: FFN, stored: Optional[StoredFormat] = None) -> list[tuple[str, SpecPart]]:
+    """The op families one decoder layer uses, each with the spec part its predicate judges. With the release's
+    stored format, the routed experts read their frozen weights stored (moe_experts_stored), and so do the layer's
+    projections where the format stores them: FP8 releases quantize the linears, MXFP4 ones (gpt-oss, Kimi K3) only
+    the experts."""
     kind = attention.kind
     used: list[tuple[str, SpecPart]] = []
     if kind == "softmax":
@@ -180,8 +214,11 @@ def ops_for_layer(attention: Attention, ffn: FFN) -> list[tuple[str, SpecPart]]:
     if kind in ("softmax", "mla") and attention.rope is not None:  # None: no rotary embedding (NoPE)
         used.append(("rope", attention.rope))
     # own modules (kind "own_module") run through the model's own implementation: no registry op
+    if stored is not None and stored.kind == "fp8_block":
+        used.append(("stored_linear", StoredWeights(format=stored)))
     if ffn.kind == "moe":
-        used += [("moe_router", ffn), ("moe_experts", ffn)]
+        experts = ("moe_experts", ffn) if stored is None else ("moe_experts_stored", StoredWeights(format=stored, ffn=ffn))
+        used += [("moe_router", ffn), experts]
         if ffn.num_shared_experts:
             used.append(("swiglu_mlp", ffn))
     elif ffn.kind == "dense":

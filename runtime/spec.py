@@ -12,6 +12,8 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from runtime.formats.scheme import StoredFormat
+
 
 class WeightNaming(BaseModel):
     """How a release names its tensors: detected from the weight names (onboard/release/naming.py), then used to list
@@ -241,6 +243,15 @@ class ParamCounts(_Spec):
     buffers: int = 0  # non-parameter tensors the release stores (MiniMax decay tables)
 
 
+class StoredGroup(_Spec):
+    """One tensor group of a release that ships quantized weights (a ParamCounts category), as stored: the formats
+    its tensors ship in ("MXFP4 (gpt-oss blocks)", "bfloat16", ...), its parameters counted from logical shapes,
+    and the bytes it stores (codes and scales, or the dtype's bytes for a tensor kept unquantized)."""
+    formats: list[str]
+    params: int
+    bytes: int
+
+
 class ModelSpec(_Spec):
     family: str  # config model_type
     architecture: str
@@ -260,12 +271,20 @@ class ModelSpec(_Spec):
     # why the whole model runs as transformers' own (a tensor outside the layers not understood); then
     # every layer is an own layer too, and the runtime runs transformers' text model end to end
     own_model: Optional[str] = None
+    # the release's quantization_config as read (onboard/release/quantization.py): its base weights stay in this
+    # format; None for a release that ships bf16/fp32. The weight map's `stored` steps say which tensors it covers.
+    stored_format: Optional[StoredFormat] = None
+    # the same release per tensor group (ParamCounts category -> StoredGroup): the gap report names the formats and
+    # the memory budget and plan count these bytes; None when the release is not quantized
+    stored_groups: Optional[dict[str, StoredGroup]] = None
 
     def layer_kinds(self) -> list[str]:
         return [layer_kind_name(layer) for layer in self.layers]
 
     def spec_hash(self) -> str:
-        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
+        # the stored-format fields join the hash only when set, so a bf16 release's hash is what it was before them
+        unset = {name for name in ("stored_format", "stored_groups") if getattr(self, name) is None}
+        return hashlib.sha256(self.model_dump_json(exclude=unset or None).encode()).hexdigest()[:16]
 
 
 def own_tensors(part) -> dict[str, list[int]]:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -12,12 +11,12 @@ from langgraph.runtime import Runtime
 from onboard.align import run_alignment
 from onboard.align.progress import Progress
 from onboard.exit_codes import Exit
-from onboard.gap.render import gap_markdown
-from onboard.package.writer import write_package
-from onboard.plan.search import Cluster
+from onboard.package.writer import PackageContents, record_outcome, replace_text, write
+from onboard.plan.search import Cluster, package_plan
 from onboard.review.pr import render_pr
 
 from agents.context import Context
+from agents.nodes.understand import manifest
 from agents.state import Alignment, Demotion, OnboardState
 from agents.tasks import final_report
 
@@ -25,23 +24,28 @@ ALIGN_TIERS = [0, 1, 2]
 
 
 def plan(state: OnboardState, runtime: Runtime[Context]) -> dict:
-    """No parallel planner exists yet: the plan is the memory budget's smallest GPU count."""
-    memory = state["report"].memory
-    runtime.context.progress(f"plan: at least {memory.min_gpus} GPU(s) of {memory.gpu_mem_gib:g} GiB")
-    return {}
+    """plan.yaml's parallel plan for the options' cluster, of the spec as it stands (again after a demotion)."""
+    o, memory = state["options"], state["report"].memory
+    planned = package_plan(state["spec"], Cluster(o.gpus, o.gpu_mem_gib, o.gpus_per_node), o.seq_len, o.lora_rank)
+    c = planned.chosen
+    chosen = f"{c.mesh}, {c.policy}, micro-batch {c.micro_batch}" if c else f"nothing fits ({planned.reason})"
+    runtime.context.progress(f"plan: at least {memory.min_gpus} GPU(s) of {memory.gpu_mem_gib:g} GiB; "
+                             f"on {o.gpus}: {chosen}")
+    return {"plan": planned}
 
 
 def assemble(state: OnboardState, runtime: Runtime[Context]) -> dict:
+    """Writes what the state holds: the spec and the steps to it, the final gap report (generated ops marked,
+    open ones with who can close them), the plan and the accepted candidates."""
     o, tasks = state["options"], state["tasks"]
     out = Path(o.out)
+    report = final_report(state["report"], tasks, state.get("explanations", []))
     # a run killed between the rename and its checkpoint wrote this package already: keep it
     if not _written_by_this_run(out, state):
-        write_package(o.model_dir, out, o.gpu_mem_gib, o.lora_rank, o.seq_len, o.gpus, o.gpus_per_node,
-                      generated=[t.accepted for t in tasks if t.accepted is not None],
-                      spec_steps=state.get("spec_steps", []))
-    report = final_report(state["report"], tasks, state.get("explanations", []))
-    _replace(out / "gap_report.json", report.model_dump_json(indent=2))
-    _replace(out / "gap_report.md", gap_markdown(report))
+        model_dir = Path(o.model_dir).resolve()
+        write(out, PackageContents(model_dir, manifest(o.model_dir), state["spec"], state.get("spec_steps", []),
+                                   report, state["plan"], o.lora_rank,
+                                   [t.accepted for t in tasks if t.accepted is not None]))
     runtime.context.progress(f"assemble: wrote {out}")
     return {"package": str(out), "report": report}
 
@@ -52,12 +56,6 @@ def _written_by_this_run(out: Path, state: OnboardState) -> bool:
     written = yaml.safe_load((out / "package.yaml").read_text())
     return written.get("spec_hash") == state["spec"].spec_hash() and \
         written.get("source", {}).get("absolute") == str(Path(state["options"].model_dir).resolve())
-
-
-def _replace(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def align(state: OnboardState, runtime: Runtime[Context]) -> dict:
@@ -87,11 +85,10 @@ def review(state: OnboardState, runtime: Runtime[Context]) -> dict:
     (folder / "demotions.json").write_text(json.dumps([d.model_dump(mode="json") for d in demotions], indent=1))
     status, reasons = outcome(report, aligned)
     reasons += [demotion_reason(d) for d in demotions]
-    package = yaml.safe_load((pkg / "package.yaml").read_text())
-    _replace(pkg / "package.yaml", yaml.safe_dump({**package, "status": status, "reasons": reasons}, sort_keys=False))
+    record_outcome(pkg, status, reasons)
     # a plain int in the checkpointed state
     exit_code = int(Exit.OK if status == "trainable" else Exit.GAPS)
-    _replace(pkg / "PR.md", render_pr(pkg, state["spec"], report, state["tasks"], exit_code))
+    replace_text(pkg / "PR.md", render_pr(pkg, state["spec"], report, state["tasks"], exit_code))
     return {"exit_code": exit_code}
 
 

@@ -7,7 +7,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from onboard.align.stored import quantized, reference_state_dict, without_quantizer
 from onboard.errors import BadInput
+from onboard.release.manifest import read_manifest
 from onboard.release.transformers_classes import model_class
 from runtime.model.own_modules import text_decoder, truncated_config
 from runtime.spec import ModelSpec
@@ -28,7 +30,16 @@ def load_reference(source: Path, family: str, dtype: torch.dtype, num_layers: in
     hf_logging.set_verbosity_error()
     # the release's own code (auto_map) never runs in this process: transformers' class of the family only
     config = truncated_config(AutoConfig.from_pretrained(source, trust_remote_code=False), num_layers)
-    model = model_class(family).from_pretrained(source, config=config, dtype=dtype, trust_remote_code=False).eval()
+    manifest = read_manifest(source) if quantized(config) else None
+    if manifest is not None and manifest.stored:
+        # built without the quantizer, loaded with the weights decoded by our fp64 decoders (onboard/align/stored.py)
+        without_quantizer(config)
+        state = reference_state_dict(manifest, dtype, num_layers)
+        model = model_class(family).from_pretrained(None, config=config, state_dict=state, dtype=dtype,
+                                                    trust_remote_code=False)
+    else:
+        model = model_class(family).from_pretrained(source, config=config, dtype=dtype, trust_remote_code=False)
+    model.eval()
     _refresh_derived_buffers(model)
     return model
 
@@ -47,9 +58,15 @@ def load_runtime(spec: ModelSpec | dict, weight_map: dict, source: Path, dtype: 
                  num_layers: int | None = None):
     """Our model with the release's weights; spec: a ModelSpec or spec.json's data (HybridDecoder reads it)."""
     from runtime.model.decoder import HybridDecoder
+    from runtime.model.stored import build_stored_model, stored_targets
     from runtime.model.weights import load_release
 
-    model = HybridDecoder(spec, num_layers).to(dtype)
+    stored = stored_targets(weight_map)
+    if stored:
+        # the weights the release stores quantized stay so (codes and scales), as train holds them
+        model = build_stored_model(spec, stored, torch.device("cpu"), dtype, num_layers)
+    else:
+        model = HybridDecoder(spec, num_layers).to(dtype)
     vision = model.config.naming.vision_prefix
     try:
         load_release(model, source, weight_map, skip_prefixes=(vision,) if vision else ())

@@ -22,6 +22,9 @@ class Check(BaseModel):
     op: Optional[str] = None  # registry op or layer component the check is about
     layer: Optional[int] = None
     detail: str = ""
+    # the released scale tensors the checked op or layer read (stored-format releases: FP8 weight_scale_inv,
+    # MXFP4 scales), expert numbers folded into ranges (onboard/align/stored.py's fold_experts)
+    scales: list[str] = []
 
     @model_validator(mode="before")
     @classmethod
@@ -84,6 +87,11 @@ class AlignmentReport(BaseModel):
             d = self.first_divergence
             parts.append(f"first divergence: layer {d.layer} {d.component} ({d.kind}: {', '.join(d.ops)})")
         return "; ".join(parts)
+
+
+def with_scales(checks: list[Check], scales: list[str]) -> list[Check]:
+    """The checks, each recording the scale tensors its op or layer read (unchanged when none were read)."""
+    return [c.model_copy(update={"scales": scales}) for c in checks] if scales else checks
 
 
 def tier_result(tier: int, checks: list[Check]) -> TierResult:

@@ -127,7 +127,7 @@ def _run_tier(tier: int, spec: ModelSpec, inputs: Package, num_layers: int, tamp
     """spec: the package's, typed (read_package's is spec.json's data, the form its other readers take)."""
     weight_map, source = inputs.weight_map, inputs.source
     if tier == 0:
-        return tier0(spec, progress=progress), None
+        return tier0(spec, progress=progress, weight_map=weight_map, source=source), None
     if tier == 1:
         return tier1(spec, weight_map, source, num_layers, progress=progress), None
     if tier == 2:

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from onboard.commands.args import positive_int
+from onboard.examples import WEIGHT_FORMATS
 from onboard.exit_codes import Exit
 
 
@@ -15,7 +16,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=positive_int, default=None, help="text layers (default: the family's pattern)")
     p.add_argument("--shards", type=positive_int, default=1, help="split into about this many safetensors shards")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--weights", default="bf16", help="kimi_k3 only: bf16, or mxfp4 routed experts as released")
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default="bf16",
+                   help="stored format, as the family's real release ships it: fp8 (deepseek_v3, deepseek_v32, "
+                        "qwen3_next), mxfp4 (gpt_oss, kimi_k3); default bf16")
 
 
 def run(args) -> Exit:
@@ -28,9 +31,8 @@ def run(args) -> Exit:
         if args.layers is not None:
             raise BadInput(None, "--layers", "the kimi_k3 example has a fixed pattern of 5 layers")
         out = write_kimi_k3_release(Path(args.out), args.shards, args.seed, args.weights)
-    elif args.weights != "bf16":
-        raise BadInput(None, "--weights", f"only the kimi_k3 example takes --weights, not {args.family}")
     else:
-        out = write_example_model(args.family, Path(args.out), args.layers, args.shards, args.seed)
-    print(f"wrote {args.family} example to {out}")
+        out = write_example_model(args.family, Path(args.out), args.layers, args.shards, args.seed, args.weights)
+    stored = "" if args.weights == "bf16" else f" ({args.weights} weights, as the family's release ships them)"
+    print(f"wrote {args.family} example to {out}{stored}")
     return Exit.OK

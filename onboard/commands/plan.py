@@ -18,15 +18,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", default=None, help="evaluate only this mesh, e.g. dp2xep64 (every policy and micro-batch)")
     p.add_argument("--json", action="store_true", help="the ParallelPlan (every candidate) as JSON")
     p.add_argument("--out", default=None, help="also write the plan as YAML (the package's plan.yaml format)")
+    p.add_argument("--weights", choices=("stored", "bf16"), default="stored",
+                   help="count the frozen base as the release stores it (default; FP8 or MXFP4 codes and scales for a "
+                        "quantized release) or as if it were bf16")
 
 
 def run(args) -> Exit:
     from onboard.plan.render import plan_yaml, print_plan
     from onboard.plan.search import Cluster, Workload, parse_mesh, search
     from onboard.recognize.recognizer import recognize
+    from onboard.recognize.stored import as_bf16
     from onboard.release.manifest import read_manifest
 
     spec = recognize(read_manifest(args.model_dir))
+    if args.weights == "bf16":
+        spec = as_bf16(spec)
     cluster = Cluster(args.gpus, args.gpu_mem_gib, args.gpus_per_node)
     with _search_progress(args.json) as progress:
         only = parse_mesh(args.mesh, args.gpus) if args.mesh else None

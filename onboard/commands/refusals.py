@@ -6,9 +6,9 @@ import sys
 
 from onboard.errors import BadInput, printable
 from onboard.exit_codes import Exit
-from runtime.errors import GeneratedOpMismatch, InputFileError, PackageOpRefused
+from runtime.errors import GeneratedOpMismatch, InputFileError, PackageOpRefused, StoredUnsupported
 
-REFUSALS = (BadInput, InputFileError, PackageOpRefused, GeneratedOpMismatch)
+REFUSALS = (BadInput, InputFileError, PackageOpRefused, GeneratedOpMismatch, StoredUnsupported)
 
 
 def refusal_exit(err: Exception) -> Exit:
@@ -16,6 +16,9 @@ def refusal_exit(err: Exception) -> Exit:
     caught disagreeing with its reference, exit 3 (valid input we do not trust)."""
     if isinstance(err, PackageOpRefused):
         print(f"onboard: refused: {printable(err.one_line())}", file=sys.stderr)
+        return Exit.GAPS
+    if isinstance(err, StoredUnsupported):
+        print(f"onboard: gap: {printable(str(err))}", file=sys.stderr)
         return Exit.GAPS
     if isinstance(err, GeneratedOpMismatch):
         print(f"onboard: error: {err}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """Memory budget of LoRA fine-tuning a ModelSpec, and the smallest GPU count that holds it.
 
-Estimates, per the usual accounting: frozen base weights in the release dtype, sharded over every
-GPU (FSDP x EP); LoRA parameters, gradients and AdamW moments in fp32 (16 bytes per parameter);
+Estimates, per the usual accounting: frozen base weights as the release stores them (its dtype, or a
+quantized release's codes and scales: spec.stored_groups), sharded over every GPU (FSDP x EP); LoRA parameters, gradients and AdamW moments in fp32 (16 bytes per parameter);
 activations per token per GPU (what autograd keeps, per layer part, counted on the runtime model:
 runtime/train/saved_bytes.py), the attention state a sequence carries; one chunk of the chunked loss's fp32 logits.
 bench/bench_plan_memory.py compares the total with a measured peak.
@@ -31,7 +31,8 @@ LORA_STATE_BYTES = 16
 
 class MemoryBudget(BaseModel):
     dtype_bytes: int
-    weights_gib: float
+    weights_gib: float  # as stored: a quantized release's codes and scales
+    weights_stored_as: str = ""  # the release's stored format, empty for a bf16/fp32 release
     lora_rank: int
     lora_params: int
     lora_states_gib: float  # params + grads + AdamW moments, fp32
@@ -43,6 +44,31 @@ class MemoryBudget(BaseModel):
     gpu_mem_gib: float
     per_gpu_activations_gib: float  # recompute on, one sequence of seq_len
     min_gpus: int
+
+
+def weight_bytes_per_param(spec: ModelSpec) -> tuple[float, float, float]:
+    """Bytes per parameter the frozen base takes as stored: (routed experts, vision tower, everything else); the
+    release dtype's for an unquantized release."""
+    b = DTYPE_BYTES.get(spec.dtype, 2)
+    if not spec.stored_groups:
+        return b, b, b
+    rest = [g for name, g in spec.stored_groups.items() if name not in ("experts_routed", "vision")]
+    rest_params = sum(g.params for g in rest)
+    return (group_bytes_per_param(spec, "experts_routed"), group_bytes_per_param(spec, "vision"),
+            sum(g.bytes for g in rest) / rest_params if rest_params else b)
+
+
+def group_bytes_per_param(spec: ModelSpec, group: str) -> float:
+    """Bytes per parameter of one ParamCounts category as stored (the release dtype's when not quantized)."""
+    stored = (spec.stored_groups or {}).get(group)
+    return stored.bytes / stored.params if stored and stored.params else DTYPE_BYTES.get(spec.dtype, 2)
+
+
+def stored_weight_bytes(spec: ModelSpec) -> int:
+    """Bytes of the whole frozen base as stored (buffers included)."""
+    if spec.stored_groups:
+        return sum(group.bytes for group in spec.stored_groups.values())
+    return (spec.params.total + spec.params.buffers) * DTYPE_BYTES.get(spec.dtype, 2)
 
 
 def lora_params(spec: ModelSpec, rank: int, targets: str = DEFAULT_LORA_TARGETS) -> int:
@@ -206,10 +232,18 @@ def _dsa_backward_workspace(spec: ModelSpec, b: int, seq_len: int) -> int:
                 for layer in spec.layers if layer.attention.kind == "mla" and layer.attention.indexer), default=0)
 
 
+def stored_as(spec: ModelSpec) -> str:
+    """The formats the base ships in per tensor group, e.g. "experts_routed: MXFP4 (gpt-oss blocks); attention: bf16";
+    empty for an unquantized release."""
+    if not spec.stored_groups:
+        return ""
+    return "; ".join(f"{name}: {' + '.join(group.formats)}" for name, group in spec.stored_groups.items())
+
+
 def budget(spec: ModelSpec, gpu_mem_gib: float = defaults.GPU_MEM_GIB, lora_rank: int = defaults.LORA_RANK,
            seq_len: int = defaults.SEQ_LEN) -> MemoryBudget:
     b = DTYPE_BYTES.get(spec.dtype, 2)
-    weights = (spec.params.total + spec.params.buffers) * b
+    weights = stored_weight_bytes(spec)
     n_lora = lora_params(spec, lora_rank)
     lora_states = LORA_STATE_BYTES * n_lora
     per_token_state, per_sequence_state = _state_bytes(spec, b)
@@ -217,7 +251,7 @@ def budget(spec: ModelSpec, gpu_mem_gib: float = defaults.GPU_MEM_GIB, lora_rank
     capacity = gpu_mem_gib * GIB * USABLE_FRACTION - per_gpu - WORKSPACE_GIB * GIB
     min_gpus = math.ceil((weights + lora_states) / capacity) if capacity > 0 else -1
     return MemoryBudget(
-        dtype_bytes=b, weights_gib=weights / GIB, lora_rank=lora_rank, lora_params=n_lora,
+        dtype_bytes=b, weights_gib=weights / GIB, weights_stored_as=stored_as(spec), lora_rank=lora_rank, lora_params=n_lora,
         lora_states_gib=lora_states / GIB,
         activation_bytes_per_token=activation_bytes_per_token(spec, "none", lora_rank),
         activation_bytes_per_token_recompute=activation_bytes_per_token(spec, "recompute", lora_rank),

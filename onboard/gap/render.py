@@ -61,6 +61,8 @@ def print_gap_report(report: GapReport, console: Console | None = None) -> None:
     console.print(f"params {m['params_total']:.4g} total, {m['params_active']:.4g} active; experts "
                   f"{m['num_experts']} routed top-{m['top_k']}, {m['num_shared_experts']} shared, {m['moe_layers']} MoE "
                   f"layers{own}; attention: {attention}; vision: {vision}")
+    if m.get("stored_as"):
+        console.print(f"stored as: {_t(m['stored_as'])}")
     table = Table(title="operators")
     for column in ("op", "covers", "status", "layers", "runtime op", "kernel"):
         table.add_column(column)
@@ -75,7 +77,7 @@ def print_gap_report(report: GapReport, console: Console | None = None) -> None:
     vision = f" (+ {w.vision_tensors} vision tensors, {use})" if w.vision_tensors else ""
     console.print(f"weights: {w.present} present / {w.expected} expected{vision}, {len(w.missing)} missing, "
                   f"{len(w.unexpected)} unexpected, shapes {'checked' if w.shapes_checked else 'not checked (index only)'}")
-    console.print(f"memory: weights {mem.weights_gib:.1f} GiB, LoRA r{mem.lora_rank} {mem.lora_params:,} params, "
+    console.print(f"memory: weights {mem.weights_gib:.1f} GiB{' as stored' if mem.weights_stored_as else ''}, LoRA r{mem.lora_rank} {mem.lora_params:,} params, "
                   f"activations/GPU {mem.per_gpu_activations_gib:.2f} GiB at seq {mem.seq_len}; "
                   f"min GPUs ({mem.gpu_mem_gib:g} GiB): {mem.min_gpus}")
     if report.meta_check:

@@ -1,12 +1,13 @@
 """GapReport: each component of a ModelSpec against the operator registry, the weight check, the memory budget."""
 from __future__ import annotations
 
+import math
 import re
 from typing import Literal, Optional, get_args
 
 from pydantic import BaseModel, field_validator
 
-from onboard.gap.budget import MemoryBudget, budget
+from onboard.gap.budget import MemoryBudget, budget, stored_as
 from onboard.recognize.meta_check import MetaCheck, meta_check
 from onboard.recognize.recognizer import LINEAR_ATTENTION_TENSORS, declared_activation
 from onboard.recognize.weight_layout import expected_tensors
@@ -14,7 +15,6 @@ from onboard.release.manifest import Manifest
 from onboard.release.key_kinds import generation_keys
 from onboard.release.naming import outside_text, text_tensors
 from onboard.recognize.experts import declared_routing, experts_per_layer
-from onboard.recognize.packed import stored_params, tensor_params
 from onboard.release.transformers_classes import transformers_knows
 from runtime import defaults
 from runtime.ops.common.available import kernels_available
@@ -210,7 +210,10 @@ def model_summary(spec: ModelSpec, manifest: Manifest) -> dict:
         "generation_keys": generation_keys(manifest.config, _text_key(manifest)),
         "activation": activation_summary(manifest.text_config),
         "params_total": spec.params.total, "params_active": spec.params.active,
-        "manifest_params": stored_params(manifest), "params_other_towers": _other_tower_params(spec, manifest), "params": spec.params.model_dump(), "spec_hash": spec.spec_hash(),
+        "manifest_params": manifest.total_params, "params_other_towers": _other_tower_params(spec, manifest),
+        "params": spec.params.model_dump(), "spec_hash": spec.spec_hash(),
+        # the formats the base ships in per tensor group ("" for a bf16/fp32 release); the counts above are logical
+        "stored_as": stored_as(spec),
     }
 
 
@@ -253,7 +256,7 @@ def _other_tower_params(spec: ModelSpec, manifest: Manifest) -> Optional[int]:
     """Parameters of the tensors outside the text model (vision tower, projector); None when shapes are unknown."""
     names = outside_text(manifest.tensors, spec.naming)
     shapes = [manifest.tensors[n].shape for n in names]
-    return sum(tensor_params(n, s) for n, s in zip(names, shapes)) if all(s is not None for s in shapes) else None
+    return sum(math.prod(s) for s in shapes) if all(s is not None for s in shapes) else None
 
 
 def _linear_own(attention) -> bool:

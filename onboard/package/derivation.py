@@ -91,7 +91,7 @@ def derive_weight_map(spec: ModelSpec, manifest: Manifest) -> dict[str, dict]:
     # other towers' tensors the vision prefix does not hold (a projector beside the tower) are loaded by nothing
     vision = spec.naming.vision_prefix or "\0"
     others = [n for n in outside_text(manifest.tensors, spec.naming) if not n.startswith(vision)]
-    return build_weight_map(spec, check_weights(spec, manifest).unexpected + others, own_names)
+    return build_weight_map(spec, check_weights(spec, manifest).unexpected + others, own_names, manifest.stored)
 
 
 def _own_model_names(manifest: Manifest) -> dict[str, str | None]:

@@ -21,6 +21,7 @@ from onboard import package_io
 from onboard.errors import BadInput
 from onboard.package.derivation import SpecStep
 from onboard.release.hashes import ShardRecord
+from runtime.formats.scheme import StoredEntry
 from runtime.spec import ModelSpec
 
 
@@ -54,6 +55,8 @@ class WeightMapEntry(BaseModel):
     transpose: bool
     flatten: bool
     own_module: Optional[Annotated[str, Field(min_length=1)]] = None
+    # the released weight is stored quantized: its format, codes and scale tensors (runtime/formats/scheme.py)
+    stored: Optional[StoredEntry] = None
 
 
 class WeightMap(RootModel[Annotated[dict[str, WeightMapEntry], Field(min_length=1)]]):

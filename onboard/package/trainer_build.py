@@ -35,16 +35,23 @@ def read_lora(pkg: Path, weight_map: dict):
 
 
 def build_model(spec: dict, weight_map: dict, release: Path, lora_config, policy, device):
-    """The runtime model: bf16 base weights from the release, fp32 LoRA factors, the memory policy."""
+    """The runtime model: bf16 base weights from the release (those it stores quantized kept so: codes and scales,
+    runtime/formats/), fp32 LoRA factors, the memory policy."""
     import torch
 
     from runtime.lora.factors import apply_lora
     from runtime.memory import apply_memory_policy
     from runtime.model.decoder import HybridDecoder
+    from runtime.model.stored import build_stored_model, stored_targets
     from runtime.model.weights import load_release
 
-    with torch.device(device):
-        model = HybridDecoder(spec).to(torch.bfloat16)
+    stored = stored_targets(weight_map)
+    if stored:
+        # built on the meta device: the stored weights are allocated as codes and scales only
+        model = build_stored_model(spec, stored, device)
+    else:
+        with torch.device(device):
+            model = HybridDecoder(spec).to(torch.bfloat16)
     vision = spec["naming"].get("vision_prefix")
     load_release(model, release, weight_map, skip_prefixes=(vision,) if vision else ())
     apply_lora(model, lora_config)

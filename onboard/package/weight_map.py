@@ -7,13 +7,21 @@ up halves of w_gate_up), `transpose` swaps the last two dims (gpt-oss stores exp
 `flatten` drops singleton dims (Ernie's [1, E] correction bias). Tensors of a component that runs
 as its own module have no target but `own_module` (the runtime tensor transformers loads them into);
 tensors nothing reads (listed in the gap report) have neither.
+
+A release that ships quantized weights is keyed by its logical names (onboard/release/manifest.py); an entry whose
+weight is stored quantized carries `stored` (runtime/formats/scheme.py StoredEntry: format, codes and scale
+tensors). The runtime keeps such a weight in the (out, in) orientation of its codes, so `transpose` is false on it
+(gpt-oss's blocks are [E, out, in] already); `expert` and `rows` count rows of the logical weight, and an FP8
+weight's scale rows are those rows over the block's: a row range off the block grid cannot be split (a gap).
 """
 from __future__ import annotations
 
 import re
 
 from onboard.recognize.weight_layout import attention_tensors, ffn_tensors
+from onboard.release.config_view import NotRecognized
 from onboard.release.naming import head_name
+from runtime.formats.scheme import FP8Block, StoredEntry
 from runtime.spec import ModelSpec, MoEFFN
 
 # the runtime module holding transformers' whole model, when the model runs as its own
@@ -27,13 +35,27 @@ def _entry(target: str, **steps) -> dict:
             **steps}
 
 
-def build_weight_map(spec: ModelSpec, unused: list[str] = (), own_names: dict[str, str] | None = None) -> dict[str, dict]:
+def build_weight_map(spec: ModelSpec, unused: list[str] = (), own_names: dict[str, str] | None = None,
+                     stored: dict[str, StoredEntry] | None = None) -> dict[str, dict]:
     """`unused`: release tensors no runtime part reads (the gap report lists them); mapped to nothing.
     `own_names` (a model run whole as transformers' own): released name -> transformers' name of every tensor
-    (None for one its conversion splits or fuses)."""
+    (None for one its conversion splits or fuses). `stored`: logical name -> its codes and scales, for every
+    weight the release stores quantized (the manifest's `stored`)."""
     if spec.own_model:
-        return {name: _entry(None, own_module=param and f"{OWN_MODEL}.{param}") for name, param in own_names.items()}
-    return {name: _entry(None) for name in unused} | _mapped(spec)
+        entries = {name: _entry(None, own_module=param and f"{OWN_MODEL}.{param}") for name, param in own_names.items()}
+    else:
+        entries = {name: _entry(None) for name in unused} | _mapped(spec)
+    return {name: _stored_entry(name, entry, stored[name]) if stored and name in stored else entry
+            for name, entry in entries.items()}
+
+
+def _stored_entry(name: str, entry: dict, stored: StoredEntry) -> dict:
+    rows = entry["rows"]
+    if rows is not None and isinstance(stored.format, FP8Block) and any(r % stored.format.block[0] for r in rows):
+        raise NotRecognized("quantization_config.weight_block_size", f"{name} fills rows {rows[0]}:{rows[1]} of "
+                            f"{entry['target']}, off the {stored.format.block[0]}-row blocks its FP8 scales cover; "
+                            "a scale block split between two weights is not supported yet")
+    return {**entry, "transpose": False, "stored": stored.model_dump(mode="json")}
 
 
 def _mapped(spec: ModelSpec) -> dict[str, dict]:

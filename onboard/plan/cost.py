@@ -1,6 +1,6 @@
 """Per-rank memory and step time of one parallel-plan candidate (a mesh, a policy, a micro-batch) for a spec.
 
-Memory: the weight shard (placement.py's rules), LoRA parameters, grads and AdamW moments (fp32, sharded over
+Memory: the weight shard (placement.py's rules) as the release stores it (a quantized release's codes and scales), LoRA parameters, grads and AdamW moments (fp32, sharded over
 every rank), activations under the policy (memory.py), the all-to-all send/receive buffers of one MoE layer,
 FSDP all-gather buffers (the layer computing and the one prefetched ahead), a fixed workspace. Step time:
 compute at a stated fraction of peak; all-to-all, all-gather and reduce-scatter volumes over the intra- or
@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from onboard.gap.budget import (
-    DTYPE_BYTES, GIB, LINEAR_CHUNK, LORA_STATE_BYTES, USABLE_FRACTION, WORKSPACE_GIB, activations, lora_params,
+    DTYPE_BYTES, GIB, LINEAR_CHUNK, LORA_STATE_BYTES, USABLE_FRACTION, WORKSPACE_GIB, activations, group_bytes_per_param,
+    lora_params, weight_bytes_per_param,
 )
 from onboard.recognize.weight_layout import attention_tensors, ffn_tensors
 from runtime.parallel.placement import MeshShape, experts_per_rank, padded_rows
@@ -102,7 +103,11 @@ class ModelSummary:
     matmul_active: int  # parameters a token multiplies with (the embedding lookup is no matmul)
     attention_flops: float  # forward FLOPs per token of every layer's attention products
     lora: int
-    dtype_bytes: int
+    dtype_bytes: int  # of activations and of an unquantized base
+    # bytes per parameter of the frozen base as stored (spec.stored_groups), per part the plan places apart
+    expert_bytes: float
+    vision_bytes: float
+    dense_bytes: float
 
     @classmethod
     def of(cls, spec: ModelSpec, seq_len: int, lora_rank: int) -> ModelSummary:
@@ -111,7 +116,11 @@ class ModelSummary:
         lookup = 0 if spec.tie_word_embeddings else spec.vocab_size * d
         return cls(spec, layers, p.total - p.experts_routed - p.vision, p.vision, p.active - p.vision - lookup,
                    sum(attention_flops_per_token(layer, seq_len) for layer in spec.layers),
-                   lora_params(spec, lora_rank), DTYPE_BYTES.get(spec.dtype, 2))
+                   lora_params(spec, lora_rank), DTYPE_BYTES.get(spec.dtype, 2), *weight_bytes_per_param(spec))
+
+    def weight_bytes(self, dense: float, experts: float, vision: float = 0) -> float:
+        """Stored bytes of that many dense, routed-expert and vision parameters."""
+        return dense * self.dense_bytes + experts * self.expert_bytes + vision * self.vision_bytes
 
 
 def attention_flops_per_token(layer: LayerSpec, seq_len: int) -> float:
@@ -143,26 +152,27 @@ def estimate_memory(m: ModelSummary, mesh: MeshShape, policy: str, micro_batch: 
     b, world, spec = m.dtype_bytes, mesh.world, m.spec
     experts = sum(padded_rows(experts_per_rank(l.num_experts, mesh.ep), mesh.dp_shard) * l.expert
                   for l in m.layers if l.num_experts)
-    weights = (math.ceil(m.dense / world) + experts + m.vision) * b
+    weights = m.weight_bytes(math.ceil(m.dense / world), experts, m.vision)
     lora = math.ceil(m.lora / world) * LORA_STATE_BYTES
     acts = micro_batch * activations(spec, seq_len, policy)
     top_k = max((l.top_k for l in m.layers), default=0)
     # one MoE layer's dispatch send buffer and the (busiest rank's) receive buffer; combine reuses them
     a2a = micro_batch * seq_len * top_k * spec.hidden_size * b * (1 + EXPERT_IMBALANCE) if mesh.ep > 1 else 0
     gib = [x / GIB for x in (weights, lora, acts, a2a, _gather_buffers(m, mesh))] + [WORKSPACE_GIB]
-    return Memory(weights=gib[0], experts=experts * b / GIB, lora=gib[1], activations=gib[2], all_to_all=gib[3],
+    return Memory(weights=gib[0], experts=m.weight_bytes(0, experts) / GIB, lora=gib[1], activations=gib[2], all_to_all=gib[3],
                   all_gather=gib[4], workspace=gib[5], total=sum(gib), capacity=cluster.gpu_mem_gib * USABLE_FRACTION)
 
 
 def _gather_buffers(m: ModelSummary, mesh: MeshShape) -> int:
     """Bytes of unsharded parameters alive at once: the layer computing and the one prefetched (or the LM head
     and a layer); LoRA parameters gathered with their layer in fp32."""
-    b, lora_per_layer = m.dtype_bytes, 4 * m.lora // max(1, len(m.layers))
+    lora_per_layer = 4 * m.lora // max(1, len(m.layers))
     dense_gathered = mesh.world > 1
-    per_layer = [(l.dense * b + lora_per_layer) * dense_gathered + _local_experts(l, mesh) * b * (mesh.dp_shard > 1)
-                 for l in m.layers]
+    per_layer = [(m.weight_bytes(l.dense, 0) + lora_per_layer) * dense_gathered
+                 + m.weight_bytes(0, _local_experts(l, mesh)) * (mesh.dp_shard > 1) for l in m.layers]
     largest = max(per_layer, default=0)
-    head = m.spec.vocab_size * m.spec.hidden_size * b * dense_gathered
+    # the LM head is stored as the embedding category is (bf16 in the quantized releases)
+    head = m.spec.vocab_size * m.spec.hidden_size * group_bytes_per_param(m.spec, "embedding") * dense_gathered
     return max(2 * largest, head + largest)
 
 
@@ -222,8 +232,8 @@ def _all_to_all_time(m: ModelSummary, mesh: MeshShape, tokens: int, passes: int,
 def _all_gather_time(m: ModelSummary, mesh: MeshShape, k: int) -> tuple[float, float]:
     """(bytes, seconds): dense weights gathered over every rank, experts over their dp_shard group, in forward
     and again in backward."""
-    dense = 2 * m.dense * m.dtype_bytes * (mesh.world - 1) / mesh.world
-    experts = 2 * sum(_local_experts(layer, mesh) for layer in m.layers) * m.dtype_bytes
+    dense = 2 * m.weight_bytes(m.dense, 0) * (mesh.world - 1) / mesh.world
+    experts = 2 * m.weight_bytes(0, sum(_local_experts(layer, mesh) for layer in m.layers))
     experts *= (mesh.dp_shard - 1) / mesh.dp_shard
     return dense + experts, _ring_seconds(dense, list(range(mesh.world)), k) + _ring_seconds(experts, mesh.dp_group(0), k)
 

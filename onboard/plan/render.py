@@ -36,7 +36,8 @@ def print_plan(plan: ParallelPlan, console: Console | None = None) -> None:
     # no automatic highlighting: rich's repr highlighter runs regexes that take time quadratic in a
     # line's length over text that comes from the release (a long name hung the command)
     console = console or Console(width=None if Console().is_terminal else 160, highlight=False)
-    table = Table(title=f"{plan.model} on {plan.gpus} GPUs of {plan.gpu_mem_gib:g} GiB (seq {plan.seq_len})")
+    table = Table(title=f"{plan.model} on {plan.gpus} GPUs of {plan.gpu_mem_gib:g} GiB (seq {plan.seq_len}); base "
+                        f"weights as {plan.weights_as}")
     for column in ("mesh", "experts/rank", "policy", "mb", "weights", "act", "a2a", "gather", "total GiB",
                    "step s", "tokens/s", "verdict"):
         table.add_column(column)

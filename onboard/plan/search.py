@@ -11,7 +11,7 @@ from typing import Callable, Optional
 from pydantic import BaseModel
 
 from onboard.errors import BadInput
-from onboard.gap.budget import GIB, POLICIES, USABLE_FRACTION, WORKSPACE_GIB, activations
+from onboard.gap.budget import GIB, POLICIES, USABLE_FRACTION, WORKSPACE_GIB, activations, stored_as
 from onboard.plan.cost import (ASSUMPTIONS, Cluster, Memory, ModelSummary, StepTime, estimate_memory,
                                estimate_time)
 from onboard.recognize.experts import experts_per_layer
@@ -49,6 +49,7 @@ class ParallelPlan(BaseModel):
     candidates: list[PlanCandidate]  # ranked: fitting ones fastest first, then the rejected
     reason: str  # why nothing fits, or empty
     smallest_gpus: Optional[int] = None  # when nothing fits: the smallest whole-node count that does
+    weights_as: str = ""  # the base weights as counted: a quantized release's stored formats, else its dtype
 
 
 @dataclass(frozen=True)
@@ -119,9 +120,14 @@ def search(spec: ModelSpec, cluster: Cluster, workload: Workload, progress: Call
     nothing = chosen is None
     return ParallelPlan(model=spec.architecture, gpus=cluster.gpus, gpus_per_node=cluster.gpus_per_node,
                         gpu_mem_gib=cluster.gpu_mem_gib, seq_len=workload.seq_len, lora_rank=workload.lora_rank,
-                        assumptions=ASSUMPTIONS, chosen=chosen, candidates=candidates,
+                        assumptions=ASSUMPTIONS, weights_as=stored_as(spec) or spec.dtype, chosen=chosen, candidates=candidates,
                         reason=_nothing_fits(candidates, cluster) if nothing else "",
                         smallest_gpus=smallest_gpus(m, cluster, workload, progress) if nothing and find_smallest else None)
+
+
+def package_plan(spec: ModelSpec, cluster: Cluster, seq_len: int, lora_rank: int) -> ParallelPlan:
+    """plan.yaml's plan: every micro-batch searched (the onboarding graph's plan node and `write_package` both)."""
+    return search(spec, cluster, Workload(seq_len, lora_rank, None))
 
 
 def _nothing_fits(candidates: list[PlanCandidate], cluster: Cluster) -> str:
@@ -144,7 +150,7 @@ def smallest_gpus(m: ModelSummary, cluster: Cluster, workload: Workload,
     room -= WORKSPACE_GIB * GIB
     if room <= 0:
         return None
-    start = max(cluster.gpus + 1, math.ceil((m.dense + m.vision + sum(_all_experts(m))) * m.dtype_bytes / room))
+    start = max(cluster.gpus + 1, math.ceil(m.weight_bytes(m.dense, sum(_all_experts(m)), m.vision) / room))
     # up to one node any count; past it whole nodes
     counts = list(range(start, k + 1)) + list(range((max(start - 1, k) // k + 1) * k, limit + 1, k))
     for done, gpus in enumerate(counts):

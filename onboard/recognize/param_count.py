@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from math import prod
 
-from onboard.recognize.packed import tensor_params
 from onboard.recognize.weight_layout import attention_tensors, ffn_tensors
 from runtime.spec import ModelSpec, MoEFFN, ParamCounts, VisionSpec, own_tensors
 
@@ -19,7 +18,7 @@ def count(spec: ModelSpec, vision: VisionSpec | None) -> ParamCounts:
     for layer in spec.layers:
         # own modules: counted whole under their part (which of their tensors are experts is not known)
         for part, name in ((layer.attention, "attention"), (layer.ffn, "ffn_dense")):
-            c[name] += sum(tensor_params(n, s) for n, s in own_tensors(part).items())
+            c[name] += sum(prod(s) for s in own_tensors(part).values())
         c["norms"] += 0 if layer.own_layer else 2 * d
         attn = attention_tensors(layer.attention, d, spec.naming)
         buffers = sum(prod(s) for k, s in attn.items() if k in LIGHTNING_BUFFERS)
@@ -36,14 +35,41 @@ def _add_ffn(c: dict, ffn, d: int, spec: ModelSpec) -> int:
     """Adds the FFN's tensors to the categories; returns its routed-expert parameter count."""
     routed = 0
     for name, shape in ffn_tensors(ffn, d, spec.naming).items():
-        n = prod(shape)
-        if name.startswith("experts."):
-            routed += n
-        elif name.startswith(spec.naming.shared_module) or name.startswith("shared_expert_gate"):
-            c["experts_shared"] += n
-        elif isinstance(ffn, MoEFFN):
-            c["router"] += n
+        category = ffn_category(name, ffn, spec)
+        if category == "experts_routed":
+            routed += prod(shape)
         else:
-            c["ffn_dense"] += n
+            c[category] += prod(shape)
     c["experts_routed"] += routed
     return routed
+
+
+def ffn_category(name: str, ffn, spec: ModelSpec) -> str:
+    """The ParamCounts category of an FFN tensor (its name under the FFN module)."""
+    if name.startswith("experts."):
+        return "experts_routed"
+    if name.startswith(spec.naming.shared_module) or name.startswith("shared_expert_gate"):
+        return "experts_shared"
+    return "router" if isinstance(ffn, MoEFFN) else "ffn_dense"
+
+
+def tensor_categories(spec: ModelSpec) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Released (logical) name -> (ParamCounts category, shape) of every text-model tensor `count` counts."""
+    n, d = spec.naming, spec.hidden_size
+    out = {f"{n.prefix}{n.embedding}.weight": ("embedding", (spec.vocab_size, d)),
+           f"{n.prefix}{n.final_norm}.weight": ("norms", (d,))}
+    if not spec.tie_word_embeddings:
+        out["lm_head.weight"] = ("embedding", (spec.vocab_size, d))
+    for layer in spec.layers:
+        for part, category in ((layer.attention, "attention"), (layer.ffn, "ffn_dense")):
+            out |= {name: (category, tuple(shape)) for name, shape in own_tensors(part).items()}
+        if layer.own_layer:
+            continue
+        base = f"{n.prefix}layers.{layer.index}."
+        out |= {base + norm: ("norms", (d,)) for norm in ("input_layernorm.weight", "post_attention_layernorm.weight")}
+        attn_module = n.softmax_module if layer.attention.kind in ("softmax", "mla") else n.linear_module
+        for leaf, shape in attention_tensors(layer.attention, d, n).items():
+            out[f"{base}{attn_module}.{leaf}"] = ("buffers" if leaf in LIGHTNING_BUFFERS else "attention", shape)
+        for leaf, shape in ffn_tensors(layer.ffn, d, n).items():
+            out[f"{base}{n.ffn_module}.{leaf}"] = (ffn_category(leaf, layer.ffn, spec), shape)
+    return out

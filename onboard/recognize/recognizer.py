@@ -40,7 +40,6 @@ ATTN_TYPE_FLAGS = {1: "full_attention", 0: "linear_attention"}
 
 KNOWN_TOPK_METHODS = {None, "greedy", "group_limited_greedy", "noaux_tc"}
 
-INDEX_RE = re.compile(r"\.\d+\.")
 # tensors only a linear attention (a decay and short convolutions) holds
 LINEAR_ATTENTION_TENSORS = r"\.(A_log|dt_bias)$|conv1d\.weight$"
 
@@ -93,7 +92,6 @@ class Recognizer:
                             residual=self.residual(kinds[i])) for i in range(num_layers)]
         vision = self.vision()
         self.attention_residuals()
-        self.stored_format()
         tie = bool(self.cfg.get("tie_word_embeddings", default=self.top.get("tie_word_embeddings", default=False)))
         fields = dict(family=self.family, architecture=self._architecture(), hidden_size=hidden,
                       vocab_size=self.cfg.positive_int("vocab_size"), num_layers=num_layers, layers=layers,
@@ -129,21 +127,6 @@ class Recognizer:
             detail=f"attn_res_block_size={size}: each sublayer's input is a softmax mix over the sums of earlier blocks "
                    f"of layers, scored by per-layer pseudo-queries ({', '.join(found) or 'no tensors found'}), not one "
                    "residual stream; the runtime's decoder layers add into one residual stream"))
-
-    def stored_format(self) -> None:
-        """quantization_config named as the format it says (parsed in full by the released-formats work), with the
-        tensors holding its packed codes and scales: the runtime keeps no packed format yet."""
-        quant = self.manifest.config.get("quantization_config")
-        if not isinstance(quant, dict):
-            return
-        formats = {str(g.get("format")) for g in (quant.get("config_groups") or {}).values()
-                   if isinstance(g, dict) and g.get("format")} or {str(quant.get("format") or quant.get("fmt"))}
-        packed = sorted({INDEX_RE.sub(".N.", n) for n in self.names if n.endswith(("_packed", "_scale", "_blocks"))})
-        self.unrecognized.append(Unrecognized(
-            source="config.json:quantization_config", item=f"stored format {', '.join(sorted(formats))}",
-            detail=f"quantization_config (quant_method {quant.get('quant_method')!r}) stores weights packed: "
-                   f"{len(packed)} tensor pattern(s) of codes and scales ({', '.join(packed[:6])}); the runtime does "
-                   "not keep a packed format yet"))
 
     def num_layers(self) -> int:
         keys = ("num_hidden_layers", "num_layers", "n_layer")
@@ -471,6 +454,10 @@ class Recognizer:
 
     # ---- what was not understood
     def collect_unrecognized(self) -> None:
+        if self.manifest.quantization is not None:
+            # read by the manifest (onboard/release/quantization.py), wherever the release put it
+            self.top.mark_used("quantization_config")
+            self.cfg.mark_used("quantization_config")
         for view in {id(v): v for v in (self.cfg, self.top)}.values():
             for key in view.unused():
                 if key.startswith("vision_config") or key == "vision_config":
@@ -486,5 +473,6 @@ class Recognizer:
 def recognize(manifest: Manifest) -> ModelSpec:
     """The normalized architecture: config rules first, then what the weights say (recognize_weights)."""
     from onboard.recognize import weights as recognize_weights
+    from onboard.recognize.stored import with_stored
 
-    return recognize_weights.apply(Recognizer(manifest).run(), manifest)
+    return with_stored(recognize_weights.apply(Recognizer(manifest).run(), manifest), manifest)

@@ -198,5 +198,7 @@ def run_own(spec: ModelSpec, manifest: Manifest, why: dict[tuple[int, str], str]
     layers = [_own(l, by_layer[l.index], spec, present, names) if l.index in by_layer else l for l in spec.layers]
     if outside:
         layers = [_with_linears(layer, names.decoder_linears(present, layer.index)) for layer in layers]
+    from onboard.recognize.stored import with_stored
+
     spec = spec.model_copy(update={"layers": layers})
-    return spec.model_copy(update={"params": param_count.count(spec, spec.vision)})
+    return with_stored(spec.model_copy(update={"params": param_count.count(spec, spec.vision)}), manifest)

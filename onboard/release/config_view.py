@@ -26,7 +26,7 @@ IGNORED_KEYS = frozenset({
     "chunk_size_feed_forward", "is_encoder_decoder", "problem_type", "_name_or_path", "id2label", "label2id",
     "tokenizer_class", "max_position_embeddings", "model_max_length", "router_jitter_noise", "pretraining_tp",
     "aux_loss_alpha", "seq_aux", "use_bfloat16", "tf_legacy_loss", "pruned_heads", "torchscript",
-    "num_nextn_predict_layers", "quantization_config", "bos_token", "eos_token", "image_token_id",
+    "num_nextn_predict_layers", "bos_token", "eos_token", "image_token_id",
     "video_token_id", "vision_start_token_id", "vision_end_token_id", "router_z_loss_coef",
     "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "use_sliding_window", "initializer_factor", "moe_use_aux_free", "max_window_layers",
     "tie_embeddings", "use_return_dict", "_attn_implementation_autoset", "rope_scaling",

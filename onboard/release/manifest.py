@@ -3,17 +3,24 @@
 MODEL_DIR has config.json and either model.safetensors.index.json (+ the shards it names) or a
 single model.safetensors. The index alone is enough (shapes then unknown); when shards are
 present their headers are read and must agree with the index in both directions.
+
+A release that ships quantized weights (quantization_config, onboard/release/quantization.py) is presented in its
+logical view: each quantized weight under the name and shape a bf16 release of the family gives it, its scale
+tensors hidden; `stored` says, per logical name, which released tensors hold its codes and scales.
 """
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from onboard.errors import BadInput, printable
 from onboard.release.config_checks import check_config, check_counts_against_tensors
-from onboard.release.safetensors_header import parse_json_object, read_header
+from onboard.release.quantization import PACKED_SHAPE, QuantizedRelease, logical_dtype, read_quantization
+from onboard.release.safetensors_header import DTYPE_BITS, parse_json_object, read_header
+from runtime.formats.scheme import StoredEntry
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -53,16 +60,42 @@ class Manifest:
     shard_files: tuple[str, ...]
     total_bytes: int
     shards_present: bool
+    # the release's quantization_config as read and checked against its tensors; None when it ships unquantized
+    quantization: Optional[QuantizedRelease] = None
+    # the tensors as released (scales included) when quantized, else the same dict as `tensors`
+    released: dict[str, TensorInfo] = field(default_factory=dict)
+
+    @property
+    def stored(self) -> dict[str, StoredEntry]:
+        """Logical name -> its codes and scale tensors, for every weight the release stores quantized."""
+        return self.quantization.stored if self.quantization else {}
+
+    @functools.cached_property
+    def stored_bytes(self) -> dict[str, int]:
+        """Logical name -> bytes its released tensors (codes, scales, a packed weight's shape) hold on disk; {}
+        from the index alone."""
+        if not self.shards_present or self.quantization is None:
+            return {}
+        out = {}
+        for logical, entry in self.stored.items():
+            shape = entry.codes.rsplit(".", 1)[0] + PACKED_SHAPE
+            # compressed-tensors' mxfp4 pack may carry no weight_shape (Kimi K3's does not): counted where stored
+            companions = (entry.codes, entry.scale) + ((shape,) if shape in self.released else ())
+            out[logical] = sum(_nbytes(self.released[n]) for n in companions)
+        return out
 
     @property
     def num_tensors(self) -> int:
         return len(self.tensors)
 
     @property
-    def total_params(self) -> int:
-        """Exact from shapes when shards are present; else total_bytes / bytes of torch_dtype."""
+    def total_params(self) -> Optional[int]:
+        """Exact from (logical) shapes when shards are present; else total_bytes / bytes of torch_dtype, which a
+        quantized release's bytes do not give (None)."""
         if self.shards_present:
             return sum(math.prod(info.shape) for info in self.tensors.values())
+        if self.quantization is not None:
+            return None
         return self.total_bytes // self._bytes_per_element()
 
     def _bytes_per_element(self) -> int:
@@ -93,11 +126,34 @@ def read_manifest(model_dir: str | Path) -> Manifest:
         raise BadInput(exc.filename or root, None, f"cannot be read ({exc.strerror or exc})") from None
     text_config = _sub_config(config, TEXT_CONFIG_KEYS, root)
     vision_config = _sub_config(config, VISION_CONFIG_KEYS, root)
-    check_counts_against_tensors(config, list(weights.tensors), root / CONFIG_NAME)
-    return Manifest(
-        root, config, config if text_config is None else text_config, vision_config,
-        weights.tensors, weights.shard_files, weights.total_bytes, weights.shards_present,
-    )
+    text_config = config if text_config is None else text_config
+    quantized = read_quantization(config, text_config, weights.tensors, root / CONFIG_NAME)
+    tensors = logical_view(weights.tensors, quantized, logical_dtype(config, text_config))
+    check_counts_against_tensors(config, list(tensors), root / CONFIG_NAME)
+    return Manifest(root, config, text_config, vision_config, tensors, weights.shard_files, weights.total_bytes,
+                    weights.shards_present, quantized, weights.tensors)
+
+
+def logical_view(released: dict[str, TensorInfo], quantized: Optional[QuantizedRelease],
+                 dtype: str) -> dict[str, TensorInfo]:
+    """The tensors as a bf16 release of the family names and shapes them: each quantized weight's codes under its
+    logical name, its scales dropped; the released tensors themselves when nothing is quantized."""
+    if quantized is None:
+        return released
+    logical_of = {entry.codes: name for name, entry in quantized.stored.items()}
+    out = {}
+    for name, info in released.items():
+        if name in logical_of:
+            logical = logical_of[name]
+            out[logical] = TensorInfo(logical, dtype if info.dtype else None, quantized.logical_shapes.get(logical),
+                                      info.file)
+        elif name not in quantized.hidden:
+            out[name] = info
+    return out
+
+
+def _nbytes(info: TensorInfo) -> int:
+    return math.prod(info.shape) * DTYPE_BITS[info.dtype] // 8
 
 
 def _exists(path: Path) -> bool:

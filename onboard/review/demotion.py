@@ -8,7 +8,8 @@ Rungs, each tried at most once, so a run ends:
   them (embedding and logit scaling, final norm, head) is not what the release computes; or a layer rung
   could not help (its layers already were own layers, or the failure names no layer). The whole model
   runs as transformers' own (own:model).
-The reasons name the registry ops that disagreed, the check, its metric and its bar.
+The reasons name the registry ops that disagreed, the check, its metric and its bar. A release that stores its
+weights quantized gets no rung (next_rung says why).
 """
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ MODEL_CHECKS = ("logits/", "loss/")
 def next_rung(spec: ModelSpec, failed_tier: Optional[int], failed: list[Check], done: list[str]) -> Optional[Rung]:
     """The rung to try after an alignment that failed at `failed_tier` with `failed` checks (None: passed);
     None when no rung is left that could change what is computed."""
-    if failed_tier is None or spec.own_model:
+    # a release that stores weights quantized has no rung: the runtime holds stored weights in its own layers only
+    # (runtime/model/stored.py), and a wrong scale in the files (tier 1's stored gain checks) is no code to replace
+    if failed_tier is None or spec.own_model or spec.stored_format is not None:
         return None
     if failed_tier == 1 and "layers" not in done and _layer_reasons(spec, failed):
         return "layers"

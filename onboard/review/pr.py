@@ -45,7 +45,8 @@ def render_pr(pkg: Path, spec, report, tasks, exit_code: int) -> str:
         package=yaml.safe_load((pkg / "package.yaml").read_text()), exit_code=exit_code,
         tiers=[tier_row(t) for t in aligned.tiers] if aligned else [], alignment=aligned,
         flips=tier2_checks(aligned, lambda c: c.metric == "routing_flips"), plan=plan,
-        precision=tier2_checks(aligned, lambda c: c.name.startswith("logits/")), own=[o for o in report.ops if o.status == "own"],
+        precision=tier2_checks(aligned, lambda c: c.name.startswith("logits/")), scales=scale_rows(aligned),
+        own=[o for o in report.ops if o.status == "own"],
         variants=[o for o in report.ops if o.status == "variant"],
         # own parts of a family transformers does not know: nothing here can run them
         unrunnable=[o for o in report.ops if o.status == "missing" and o.covers.endswith(":own_module")])
@@ -94,3 +95,20 @@ def tier2_checks(aligned: AlignmentReport | None, keep) -> list[Check]:
     if aligned is None:
         return []
     return [c for t in aligned.tiers if t.tier == 2 for c in t.checks if keep(c)]
+
+
+def scale_rows(aligned: AlignmentReport | None) -> list[dict]:
+    """The scale tensors the checks read (stored-format releases), one row per tier and set of tensors: the checks'
+    groups (the name up to its first `/`), how many checks, and the tensors."""
+    rows: dict[tuple, dict] = {}
+    for tier in aligned.tiers if aligned else []:
+        for c in tier.checks:
+            if not c.scales:
+                continue
+            row = rows.setdefault((tier.tier, tuple(c.scales)), {"tier": tier.tier, "groups": [], "count": 0,
+                                                                   "scales": c.scales})
+            group = c.name.split("/", 1)[0]
+            if group not in row["groups"]:
+                row["groups"].append(group)
+            row["count"] += 1
+    return list(rows.values())

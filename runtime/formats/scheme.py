@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+
+def _tuple(value):
+    # JSON has no tuples: spec.json and weight_map.json hold the block as a list, and read_spec validates strictly
+    return tuple(value) if isinstance(value, list) else value
 
 
 class _Format(BaseModel):
@@ -21,7 +26,7 @@ class FP8Block(_Format):
     Qwen3-Next-FP8, GLM, MiniMax). `power_of_two`: every scale is 2^k (quantization_config scale_fmt ue8m0, as
     DeepSeek-V3.2 ships), whether stored as float32 or float8_e8m0fnu."""
     kind: Literal["fp8_block"] = "fp8_block"
-    block: tuple[int, int]  # (rows, cols) as quantization_config's weight_block_size states
+    block: Annotated[tuple[int, int], BeforeValidator(_tuple)]  # (rows, cols) as quantization_config's weight_block_size states
     power_of_two: bool = False
 
 

@@ -1,7 +1,7 @@
 """LoRA on the runtime model: which modules get factors, how they start, merge, save and load.
 
 Dense projections (attention, linear attention, dense MLPs, shared experts) matching the config's
-module-name patterns become LoraLinear (runtime/model/layers/lora_linear.py). Routed experts get stacked
+module-name patterns, whether nn.Linear or StoredLinear (a stored base, runtime/formats/linear.py), become LoraLinear (runtime/model/layers/lora_linear.py). Routed experts get stacked
 factors that the MoE op's grouped GEMMs take (lora_gate_up / lora_down): no per-expert loop. The
 router, off by default since it moves the learned load balance, gets a low-rank delta on its weight.
 Every base parameter is frozen; the factors are fp32 whatever the base dtype.
@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from runtime.formats.linear import StoredLinear
+from runtime.formats.weight import StoredWeight
 from runtime.model.layers.ffn import Experts, Router
 from runtime.model.layers.lora_linear import LoraLinear
 
@@ -67,7 +69,7 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> list[str]:
 
 def _wrap_linears(model: nn.Module, config: LoraConfig) -> list[str]:
     names = [name for name, m in model.named_modules()
-             if type(m) is nn.Linear and any(fnmatch.fnmatchcase(name, p) for p in config.targets)]
+             if type(m) in (nn.Linear, StoredLinear) and any(fnmatch.fnmatchcase(name, p) for p in config.targets)]
     for name in names:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -169,6 +171,9 @@ def _set_merged(model: nn.Module, merged: bool) -> None:
                      for leaf, p in module.named_parameters(recurse=False)] if hasattr(module, "lora_scale") else []
             pairs = [(p, delta) for p, delta in pairs if delta is not None]
             if not pairs:
+                if any(isinstance(m, StoredWeight) for m in module.children()):
+                    raise ValueError(f"LoRA cannot be merged into {module_name}: its base weight is stored quantized "
+                                     "(a merged export re-encodes it: export --merge --requantize)")
                 continue
             if module.lora_merged == merged:
                 raise ValueError(f"LoRA is already {'merged' if merged else 'unmerged'} in {module_name}")

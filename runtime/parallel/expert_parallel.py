@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from runtime.dispatch import op
+from runtime.formats.weight import StoredWeight
 from runtime.model.layers.ffn import Experts, MoE
 from runtime.ops.moe.torch_form import sort_by_expert
 from runtime.parallel.placement import experts_per_rank
@@ -50,10 +51,17 @@ def _shard_experts(experts: Experts, ep_mesh: DeviceMesh, per_rank: int) -> None
     first = ep_mesh.get_local_rank() * per_rank
     for name in EXPERT_TENSORS:
         p = getattr(experts, name)
-        if p is not None:
-            local = p.detach()[first:first + per_rank]
-            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
-            setattr(experts, name, torch.nn.Parameter(sharded, requires_grad=p.requires_grad))
+        # a stored expert weight's codes and scales are cut alike, on the expert dim
+        held = [(p, "codes"), (p, "scale")] if isinstance(p, StoredWeight) else [(experts, name)] if p is not None else []
+        for module, leaf in held:
+            _shard_one(module, leaf, ep_mesh, first, per_rank)
+
+
+def _shard_one(module: torch.nn.Module, leaf: str, ep_mesh: DeviceMesh, first: int, per_rank: int) -> None:
+    p = getattr(module, leaf)
+    local = p.detach()[first:first + per_rank]
+    sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+    setattr(module, leaf, torch.nn.Parameter(sharded, requires_grad=p.requires_grad))
 
 
 def _local(t):
@@ -118,8 +126,11 @@ def _compute(experts: Experts, x_ND: torch.Tensor, counts_RL: torch.Tensor) -> t
         # an FSDP group must all reduce the same gradients
         x_ND, local_N = x_ND.new_zeros(1, x_ND.shape[1]), local_N.new_zeros(1)
     weights = torch.ones(x_ND.shape[0], 1, dtype=torch.float32, device=x_ND.device)
+    if experts.stored_format() is not None:
+        return experts.run_stored(x_ND, weights, local_N[:, None], _local)[:rows]
+    w_gate_up, w_down = experts.op_weights(x_ND.dtype, _local)
     y_ND = op("moe_experts", x_ND.device)(
-        x_ND, weights, local_N[:, None], _local(experts.w_gate_up), _local(experts.w_down),
+        x_ND, weights, local_N[:, None], w_gate_up, w_down,
         b_gate_up_E2F=_local(experts.b_gate_up), b_down_ED=_local(experts.b_down), **experts.options,
         **experts._lora_args(x_ND.dtype, _local))
     return y_ND[:rows]

@@ -13,6 +13,7 @@ from torch import nn
 
 from runtime.lora.factors import LoraConfig, apply_lora, initial_value, is_lora_name
 from runtime.model.decoder import HybridDecoder
+from runtime.model.stored import apply_stored, stored_targets
 from runtime.parallel.parallelize import ParallelConfig, local_part, parallelize
 from runtime.parallel.placement import moe_layers, rows_held
 from runtime.spec import ModelSpec
@@ -25,6 +26,8 @@ def build_sharded_model(spec: ModelSpec | dict, weight_map: dict, release: Path,
     """The model of `spec` (a ModelSpec or spec.json's data) with LoRA, parallelized by `plan` over `mesh`, holding only rank `rank`'s slices."""
     with torch.device("meta"):
         model = HybridDecoder(spec, num_layers).to(dtype)
+        # weights the release stores quantized are held so (codes + scales, sharded alike), before any is allocated
+        apply_stored(model, stored_targets(weight_map))
         apply_lora(model, lora_config)
     parallelize(model, mesh, plan)
     model.to_empty(device=device)

@@ -15,6 +15,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from runtime.formats.entry import stored_parts
 from runtime.spec import ModelSpec
 
 EXPERT_TARGET = re.compile(r"^layers\.(\d+)\.ffn\.experts\.")
@@ -155,10 +156,13 @@ def loads_by_rank(weight_map: dict[str, dict], targets: dict[str, tuple[tuple[in
     weight-map entries whose target the model lacks (a truncated model) are skipped."""
     loads: dict[int, list[Load]] = {rank: [] for rank in range(mesh.world)}
     for name, entry in weight_map.items():
-        if entry["target"] in targets:
-            shape, is_buffer = targets[entry["target"]]
-            for rank, rows, whole in holders(entry, shape, is_buffer, num_experts, mesh):
-                loads[rank].append(Load(name, entry["target"], rows, whole))
+        # a stored weight is read as its codes and its scale tensors, each into its own runtime tensor
+        parts = stored_parts(entry) if entry.get("stored") is not None and entry["target"] else [(name, entry)]
+        for released, part in parts:
+            if part["target"] in targets:
+                shape, is_buffer = targets[part["target"]]
+                for rank, rows, whole in holders(part, shape, is_buffer, num_experts, mesh):
+                    loads[rank].append(Load(released, part["target"], rows, whole))
     return loads
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runtime.formats.weight import StoredWeight
 from runtime.spec import Attention
 from runtime.model.layers.ffn import Experts, MoE, Router
 
@@ -52,6 +53,13 @@ def _per_token(module: nn.Module, pname: str, weight: torch.Tensor, top_k: int |
     return 0.0
 
 
+def _stored_per_token(name: str, weight: StoredWeight, top_k: int | None) -> float:
+    """As _per_token, for a weight held stored (runtime/formats/weight.py) under module name `name`."""
+    if ".experts." in f".{name}.":
+        return 2.0 * weight.shape[1:].numel() * top_k
+    return 2.0 * weight.shape.numel()
+
+
 def projection_flops_per_token(model: nn.Module) -> float:
     """Every projection weight's matmul FLOPs per token, the LM head included."""
     total, top_k = 0.0, None
@@ -59,6 +67,9 @@ def projection_flops_per_token(model: nn.Module) -> float:
         if isinstance(module, MoE):
             top_k = module.router.top_k
         in_indexer = ".indexer" in f".{name}"
+        if isinstance(module, StoredWeight):
+            # frozen: a forward and an input-gradient matmul of its decoded form
+            total += _stored_per_token(name, module, top_k) * (1 if in_indexer else 2)
         for pname, weight in module.named_parameters(recurse=False):
             total += _per_token(module, pname, weight, top_k) * _passes(weight, in_indexer)
     # tied head: the embedding matrix read as a matmul (a model run whole as transformers' own counts its head as a linear)

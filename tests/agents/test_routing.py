@@ -63,7 +63,7 @@ def test_a_failed_alignment_demotes_once_per_rung_then_reviews(seed_spec):
 def test_the_drawing_has_exactly_the_routed_edges():
     mermaid = build().compile().get_graph().draw_mermaid()
     for edge in ("validate -.-> generate", "generate -.-> validate", "analyze -.-> explain", "explain --> plan",
-                 "assemble -.-> align", "align -.-> demote", "align -.-> review", "demote --> assemble"):
+                 "assemble -.-> align", "align -.-> demote", "align -.-> review", "demote --> plan"):
         assert edge in mermaid
     assert "analyze -.-> review" not in mermaid and "analyze -.-> plan" not in mermaid
 

@@ -11,6 +11,8 @@ import yaml
 from onboard import cli
 from onboard.align.report import Check
 from onboard.gap.report import op_gaps
+from onboard.package.derivation import OwnStep
+from onboard.package.writer import write_package
 from onboard.recognize.recognizer import recognize
 from onboard.release.manifest import read_manifest
 from onboard.review.demotion import next_rung, replan
@@ -89,3 +91,15 @@ def test_new_model_reaches_exit_0_through_the_layer_demotion(release, tmp_path):
     gap = next(g for g in json.loads((pkg / "gap_report.json").read_text())["ops"] if g["op"] == "own:decoder_layer")
     assert gap["status"] == "own" and "(slow)" in gap["detail"] and "disagreed" in gap["detail"]
     assert "own:decoder_layer" in (pkg / "PR.md").read_text()
+    _same_as_written_outside_the_graph(pkg, release[0], package["spec_steps"], tmp_path / "direct")
+
+
+def _same_as_written_outside_the_graph(pkg, release, spec_steps: list[dict], out) -> None:
+    """The graph writes what its state holds (the spec after the demotion, the plan made again from it);
+    write_package computes those from the release and the recorded steps: the same files, byte for byte
+    (the gap report's ops too; its unrecognized items carry the graph's explanations, which only it has)."""
+    direct, _ = write_package(release, out, spec_steps=[OwnStep(**step) for step in spec_steps])
+    for name in ("spec.json", "weight_map.json", "plan.yaml", "lora.yaml", ".github/workflows/alignment.yml"):
+        assert (pkg / name).read_bytes() == (direct / name).read_bytes(), name
+    ops = [json.loads((folder / "gap_report.json").read_text())["ops"] for folder in (pkg, direct)]
+    assert ops[0] == ops[1]

@@ -103,16 +103,17 @@ def test_names_and_dtypes_are_k3s(kimi_k3_release):
 def test_the_mxfp4_variant_stores_routed_experts_as_released(kimi_k3_release):
     """compressed-tensors' mxfp4-pack-quantized: weight_packed uint8 [out, in/2], weight_scale uint8 [out, in/32];
     everything else as in the bf16 variant."""
-    bf16, mxfp4 = read_manifest(kimi_k3_release("bf16")), read_manifest(kimi_k3_release("mxfp4"))
+    # `released`: the tensors as stored (the manifest's `tensors` are the logical view, one bf16-like weight each)
+    bf16, mxfp4 = read_manifest(kimi_k3_release("bf16")).released, read_manifest(kimi_k3_release("mxfp4")).released
     config = json.loads((kimi_k3_release("mxfp4") / "config.json").read_text())
     assert config["quantization_config"]["format"] == "mxfp4-pack-quantized"
     expert = "language_model.model.layers.1.block_sparse_moe.experts.3.w2"
-    packed, scale = mxfp4.tensors[f"{expert}.weight_packed"], mxfp4.tensors[f"{expert}.weight_scale"]
+    packed, scale = mxfp4[f"{expert}.weight_packed"], mxfp4[f"{expert}.weight_scale"]
     latent, width = 32, 32
     assert (packed.dtype, packed.shape, scale.dtype, scale.shape) == ("U8", (latent, width // 2), "U8", (latent, 1))
-    assert f"{expert}.weight" in bf16.tensors and f"{expert}.weight" not in mxfp4.tensors
-    others = {n for n in bf16.tensors if ".experts." not in n}
-    assert others <= set(mxfp4.tensors) and all(bf16.tensors[n].dtype == mxfp4.tensors[n].dtype for n in others)
+    assert f"{expert}.weight" in bf16 and f"{expert}.weight" not in mxfp4
+    others = {n for n in bf16 if ".experts." not in n}
+    assert others <= set(mxfp4) and all(bf16[n].dtype == mxfp4[n].dtype for n in others)
     stored = load_file(kimi_k3_release("mxfp4") / packed.file)
     decoded = mxfp4_decode(stored[f"{expert}.weight_packed"], stored[f"{expert}.weight_scale"], torch.float32)
     assert decoded.abs().max() > 0 and decoded.abs().max() < 1

@@ -43,12 +43,12 @@ def test_the_fixture_names_k3s_new_components(weights):
     text = (FIXTURES / ("gap_report.md" if weights == "bf16" else "gap_report_mxfp4.md")).read_text()
     for name, pattern in COMPONENTS.items():
         assert re.search(pattern, text, re.IGNORECASE), name
-    assert ("mxfp4-pack-quantized" in text) == (weights == "mxfp4")
+    assert ("MXFP4 (compressed-tensors packed)" in text) == (weights == "mxfp4")
 
 
 def test_the_mxfp4_variant_counts_values_not_bytes(kimi_k3_release, onboard_cli):
     """The packed experts hold as many parameters as the bf16 variant's (two per byte; scales are none), and the
-    stored format is named with the tensors holding its codes and scales."""
+    stored format is named."""
     reports = {}
     for weights in ("bf16", "mxfp4"):
         done = onboard_cli("inspect", str(kimi_k3_release(weights)), "--json")
@@ -56,10 +56,8 @@ def test_the_mxfp4_variant_counts_values_not_bytes(kimi_k3_release, onboard_cli)
         reports[weights] = json.loads(done.out)
     for key in ("params_total", "manifest_params", "num_experts", "moe_layers"):
         assert reports["bf16"]["model"][key] == reports["mxfp4"]["model"][key], key
-    stored = [u for u in reports["mxfp4"]["unrecognized"] if u["source"] == "config.json:quantization_config"]
-    assert len(stored) == 1 and "mxfp4-pack-quantized" in stored[0]["item"]
-    assert "experts.N.w1.weight_packed" in stored[0]["detail"] and "experts.N.w1.weight_scale" in stored[0]["detail"]
-    assert not any(u["source"] == "config.json:quantization_config" for u in reports["bf16"]["unrecognized"])
+    assert "MXFP4 (compressed-tensors packed)" in reports["mxfp4"]["model"]["stored_as"]
+    assert not reports["bf16"]["model"]["stored_as"]
 
 
 def test_new_model_is_an_honest_gap(k3_package):

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel
 
+from runtime.formats.codec import fp8_block_encode, mxfp4_encode
 from runtime.ops.rope.torch_form import rope_cos_sin, rope_inv_freq
 
 MAX_EXPERTS = 8
@@ -21,9 +22,12 @@ class Case:
         self.gen, self.dtype = gen, dtype
         self.kwargs: dict = {}
         self.grads: list[str] = []
+        # tensors passed to both sides as they are (a release's stored codes and scales: never cast, no gradient)
+        self.frozen: set[str] = set()
 
     def rand(self, name: str, *shape: int, scale: float = 1.0, offset: float = 0.0, grad: bool = True) -> torch.Tensor:
-        """A random input; a dotted name ("params.q_proj") lands in a dict argument."""
+        """A random input; a dotted name ("params.q_proj") lands in a dict argument, one with a number ("lora.0") in a
+        tuple argument."""
         value = (torch.randn(shape, generator=self.gen, dtype=torch.float64) * scale + offset).to(self.dtype)
         self.kwargs[name] = value
         if grad:
@@ -201,9 +205,42 @@ def _mlp(c: Case, p: dict, d: int, T: int):
     c.set("activation", p["activation"])
 
 
+def _encoded(c: Case, shape: tuple[int, ...], fmt: dict, scale: float):
+    """(codes, scale) of a random weight encoded in the release's format (frozen: no gradient)."""
+    weight = torch.randn(shape, generator=c.gen, dtype=torch.float64) * scale
+    if fmt["kind"] == "mxfp4":
+        return mxfp4_encode(weight)
+    return fp8_block_encode(weight, tuple(fmt["block"]), power_of_two=fmt["power_of_two"])
+
+
+def _stored_kwargs(fmt: dict) -> dict:
+    return dict(kind=fmt["kind"], block=tuple(fmt["block"]) if fmt["kind"] == "fp8_block" else None)
+
+
+def _stored_linear(c: Case, p: dict, d: int, T: int):
+    """A projection at the model's width, its weight stored in the release's format."""
+    c.rand("x_TI", T, d)
+    codes, scale = _encoded(c, (d, d), p["format"], d ** -0.5)
+    c.set("codes", codes)
+    c.set("scale", scale)
+    c.kwargs.update(_stored_kwargs(p["format"]))
+
+
+def _stored_experts(c: Case, p: dict, d: int, T: int):
+    """The routed experts' case (_experts) with both base weights encoded in the release's format."""
+    _experts(c, p["ffn"], d, T)
+    for name, prefix in (("w_gate_up_E2FD", "gate_up"), ("w_down_EDF", "down")):
+        weight = c.kwargs.pop(name)
+        c.grads.remove(name)
+        codes, scale = _encoded(c, tuple(weight.shape), p["format"], weight.shape[-1] ** -0.5)
+        c.set(f"{prefix}_codes", codes)
+        c.set(f"{prefix}_scale", scale)
+    c.kwargs.update(_stored_kwargs(p["format"]))
+
+
 BUILDERS = {
     "rms_norm": _norm, "gated_rms_norm": _gated_norm, "rope": _rope, "softmax_attention": _softmax,
     "mla_attention": _mla, "dsa_indexer": _indexer, "dsa_attention": _sparse, "causal_conv1d": _conv,
     "gated_delta_rule": _delta, "kda": _delta, "lightning_attention": _lightning, "moe_router": _router,
-    "moe_experts": _experts, "swiglu_mlp": _mlp,
+    "moe_experts": _experts, "swiglu_mlp": _mlp, "stored_linear": _stored_linear, "moe_experts_stored": _stored_experts,
 }

@@ -7,15 +7,17 @@ interpreter when TRITON_INTERPRET=1).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
 from onboard.align.progress import Progress
-from onboard.align.report import Check
+from onboard.align.report import Check, with_scales
 from onboard.align.tiers.cases import build_case
+from onboard.align.tiers.stored_cases import stored_cases
 from runtime import dispatch
 from runtime.ops.common.backend import force
-from runtime.registry import OPS, SpecPart, ops_for_layer
+from runtime.registry import OPS, SpecPart, StoredWeights, ops_for_layer
 from runtime.spec import ModelSpec
 from runtime.tolerances import compare, tolerance_for
 
@@ -29,13 +31,14 @@ BACKEND_OF = {"torch_form": "torch", "kernel": "hopper"}
 SELECTION_OPS = {"dsa_indexer"}
 
 
-def _call_args(kwargs: dict, grads: list[str], dtype: torch.dtype | None, device: str = "cpu"):
-    """Leaf tensors (requires_grad where compared), re-nesting dotted names into dict arguments."""
+def _call_args(kwargs: dict, grads: list[str], dtype: torch.dtype | None, device: str = "cpu", frozen=()):
+    """Leaf tensors (requires_grad where compared), re-nesting dotted names into dict arguments ("params.q_proj") and
+    tuple arguments ("lora.0", "lora.1"); `frozen` tensors keep their dtype (a release's stored codes and scales)."""
     leaves, call = {}, {}
     for name, value in kwargs.items():
         if isinstance(value, torch.Tensor):
             value = value.detach().clone().to(device)
-            if dtype is not None and value.is_floating_point():
+            if dtype is not None and value.is_floating_point() and name not in frozen:
                 value = value.to(dtype)
             if name in grads:
                 value.requires_grad_(True)
@@ -45,7 +48,14 @@ def _call_args(kwargs: dict, grads: list[str], dtype: torch.dtype | None, device
             call.setdefault(outer, {})[inner] = value
         else:
             call[name] = value
-    return call, leaves
+    return {k: _as_tuple(v) for k, v in call.items()}, leaves
+
+
+def _as_tuple(value):
+    """A dict argument whose keys are 0..n-1 is a tuple argument (a LoRA pair)."""
+    if isinstance(value, dict) and value and all(k.isdigit() for k in value):
+        return tuple(value[str(i)] for i in range(len(value)))
+    return value
 
 
 def _outputs(result) -> list[torch.Tensor]:
@@ -53,9 +63,9 @@ def _outputs(result) -> list[torch.Tensor]:
     return [t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-def _run(fn, kwargs, grads, dtype, cotangent_seed: int, device: str = "cpu"):
+def _run(fn, kwargs, grads, dtype, cotangent_seed: int, device: str = "cpu", frozen=()):
     """Outputs and input gradients, returned on the CPU."""
-    call, leaves = _call_args(kwargs, grads, dtype, device)
+    call, leaves = _call_args(kwargs, grads, dtype, device, frozen)
     outs = _outputs(fn(**call))
     if grads:
         gen = torch.Generator().manual_seed(cotangent_seed)
@@ -103,22 +113,28 @@ def _dtypes_for(which: str) -> tuple[torch.dtype, ...]:
 
 
 def check_op(op: str, part: SpecPart, hidden: int, T: int, which: str) -> list[Check]:
-    """The checks of one run of the op, its implementation picked by its backend selector, forced to BACKEND_OF[which]
-    for the whole run (so that a kernel's Gluon twins follow the same choice)."""
+    """The checks of one run of the op at a spec part's widths."""
+    return run_checks(op, which, lambda seed, dtype: build_case(op, part, hidden, T, seed, dtype), op)
+
+
+def run_checks(op: str, which: str, make, label: str) -> list[Check]:
+    """The checks of one run of the op on the cases `make(seed, dtype)` draws, its implementation picked by its backend
+    selector, forced to BACKEND_OF[which] for the whole run (so that a kernel's Gluon twins follow the same choice);
+    check names start with `label`."""
     with force(BACKEND_OF[which]):
-        return _checks_of(op, part, hidden, T, which, dispatch.op(op, torch.device(_device(which))))
+        return _checks_of(op, make, which, dispatch.op(op, torch.device(_device(which))), label)
 
 
-def _checks_of(op: str, part: SpecPart, hidden: int, T: int, which: str, fn) -> list[Check]:
+def _checks_of(op: str, make, which: str, fn, label: str) -> list[Check]:
     ref = OPS[op].resolve("reference")
     checks = []
     if _dtypes_for(which) != DTYPES:
-        checks.append(Check(tier=0, name=f"{op}/{which}/bfloat16", metric="-", value=0.0, tolerance=0.0, verdict="skip",
+        checks.append(Check(tier=0, name=f"{label}/{which}/bfloat16", metric="-", value=0.0, tolerance=0.0, verdict="skip",
                             op=op, detail="Triton interpreter: bf16 dots are unreliable on CPU; bf16 kernels run on CUDA"))
     for dtype in _dtypes_for(which):
         for seed in SEEDS:
-            case = build_case(op, part, hidden, T, seed, dtype)
-            name = f"{op}/{which}/{str(dtype).removeprefix('torch.')}/seed{seed}"
+            case = make(seed, dtype)
+            name = f"{label}/{which}/{str(dtype).removeprefix('torch.')}/seed{seed}"
             if op in SELECTION_OPS:
                 overlap = selection_check(fn, case.kwargs, _device(which))
                 checks.append(Check(tier=0, name=name, metric="selection_overlap", value=overlap, tolerance=0.99,
@@ -131,8 +147,8 @@ def _checks_of(op: str, part: SpecPart, hidden: int, T: int, which: str, fn) -> 
 def _numeric_checks(op, fn, ref, case, dtype, seed, name, device: str) -> list[Check]:
     # a cotangent stream apart from the inputs': equal to x, it would be orthogonal to a norm's Jacobian
     cotangent_seed = seed + COTANGENT_SEED_OFFSET
-    ours, our_grads = _run(fn, case.kwargs, case.grads, None, cotangent_seed, device)
-    truth, true_grads = _run(ref, case.kwargs, case.grads, torch.float64, cotangent_seed)
+    ours, our_grads = _run(fn, case.kwargs, case.grads, None, cotangent_seed, device, case.frozen)
+    truth, true_grads = _run(ref, case.kwargs, case.grads, torch.float64, cotangent_seed, frozen=case.frozen)
     tf32 = device == "cuda"  # fp32 kernels on CUDA multiply in TF32: runtime/tolerances.py
     checks = []
     for i, (a, e) in enumerate(zip(ours, truth)):
@@ -151,7 +167,7 @@ def distinct_ops(spec: ModelSpec) -> list[tuple[str, SpecPart]]:
     """Every (op, spec part) the spec uses, once each (equal parts are one), in layer order."""
     seen, out = set(), []
     for layer in spec.layers:
-        for op, part in [("rms_norm", spec.norm)] + ops_for_layer(layer.attention, layer.ffn):
+        for op, part in [("rms_norm", spec.norm)] + ops_for_layer(layer.attention, layer.ffn, spec.stored_format):
             key = (op, part.model_dump_json())  # a part holding a dict (rope scaling) has no hash
             if key not in seen:
                 seen.add(key)
@@ -159,22 +175,40 @@ def distinct_ops(spec: ModelSpec) -> list[tuple[str, SpecPart]]:
     return out
 
 
-def tier0(spec: ModelSpec, T: int = 33, progress: Progress | None = None) -> list[Check]:
-    """Checks for every (op, distinct parameters) the spec uses: the torch form, and the kernel where one exists."""
+def tier0(spec: ModelSpec, T: int = 33, progress: Progress | None = None, weight_map: dict | None = None,
+          source: Path | None = None) -> list[Check]:
+    """Checks for every (op, distinct parameters) the spec uses: the torch form, and the kernel where one exists. The
+    ops that decode stored weights run on the release's own codes and scales at each stored weight's widths when its
+    weight map and folder are given (onboard/align/tiers/stored_cases.py, each check naming the scales it read), on
+    codes encoded in the release's format at the model's width otherwise (cases.py)."""
     progress = progress or Progress()
-    ops = distinct_ops(spec)
-    progress.plan(len(ops))
+    stored = stored_cases(spec, weight_map, source, T) if weight_map is not None and source is not None else []
+    on_release = {case.op for case in stored}
+    ops = [(op, part) for op, part in distinct_ops(spec) if not (isinstance(part, StoredWeights) and op in on_release)]
+    progress.plan(len(ops) + len(stored))
     checks = []
     for op, part in ops:
         progress.group(op)
         checks += check_op(op, part, spec.hidden_size, T, "torch_form")
         if OPS[op].kernel and OPS[op].resolve("kernel") is not None:
-            checks += _kernel_checks(op, part, spec.hidden_size, T)
+            checks += _kernel_checks(op, lambda which, op=op, part=part: check_op(op, part, spec.hidden_size, T, which))
+    for case in stored:
+        progress.group(f"{case.op} on {case.label}")
+        checks += with_scales(_stored_checks(case), case.scales)
     return checks
 
 
-def _kernel_checks(op: str, part: SpecPart, hidden: int, T: int) -> list[Check]:
+def _stored_checks(case) -> list[Check]:
+    label = f"{case.op}:{case.label}"
+    found = run_checks(case.op, "torch_form", case.make, label)
+    if OPS[case.op].kernel and OPS[case.op].resolve("kernel") is not None:
+        found += _kernel_checks(case.op, lambda which: run_checks(case.op, which, case.make, label), label)
+    return found
+
+
+def _kernel_checks(op: str, run, label: str | None = None) -> list[Check]:
+    """run(which): the op's checks through that path."""
     if kernel_runnable():
-        return check_op(op, part, hidden, T, "kernel")
-    return [Check(tier=0, name=f"{op}/kernel", metric="-", value=0.0, tolerance=0.0, verdict="skip",
+        return run("kernel")
+    return [Check(tier=0, name=f"{label or op}/kernel", metric="-", value=0.0, tolerance=0.0, verdict="skip",
                   op=op, detail="no CUDA here and TRITON_INTERPRET is not set")]

@@ -13,7 +13,10 @@ import torch
 from onboard.align.progress import Progress
 from onboard.align.reference import (Recorder, attention_module, decoder_layers, ffn_module, first_tensor, load_reference,
                                      load_runtime, random_tokens)
-from onboard.align.report import Check
+from onboard.align.report import Check, with_scales
+from onboard.align.stored import scales_read
+from onboard.align.tiers.stored_gain import gain_checks
+from onboard.release.manifest import read_manifest
 from runtime.model.own_modules import OwnModule
 from runtime.model.rotary import RotaryCache
 from runtime.spec import LayerSpec, ModelSpec
@@ -83,7 +86,12 @@ def tier1(spec: ModelSpec, weight_map: dict, source: Path, num_layers: int, T: i
           progress: Progress | None = None) -> list[Check]:
     progress = progress or Progress()
     layers = distinct_layers(spec, num_layers)
-    progress.plan(1 + len(layers))
+    manifest = read_manifest(source) if spec.stored_format is not None else None
+    progress.plan(1 + len(layers) + (manifest is not None))
+    checks = []
+    if manifest is not None:
+        progress.group("stored weights: the gain each decodes to")
+        checks += gain_checks(manifest, num_layers)
     progress.group("transformers reference run")
     ref = load_reference(source, spec.family, torch.float32, num_layers)
     ours = load_runtime(spec, weight_map, source, torch.float32, num_layers)
@@ -94,10 +102,10 @@ def tier1(spec: ModelSpec, weight_map: dict, source: Path, num_layers: int, T: i
     rotary = RotaryCache(torch.arange(T)[None])
     # a model run whole as transformers' own: its layers, as the runtime loaded them, take transformers' arguments
     our_layers = ours.own.decoder_layers() if ours.own is not None else ours.layers
-    checks = []
     for label, i in layers.items():
         progress.group(f"layer {i} ({label})")
-        checks += _layer_checks(decoder_layers(ref)[i], our_layers[i], recorder, i, label, rotary, seed)
+        found = _layer_checks(decoder_layers(ref)[i], our_layers[i], recorder, i, label, rotary, seed)
+        checks += with_scales(found, scales_read(weight_map, [i]))
     return checks
 
 

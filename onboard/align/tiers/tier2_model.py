@@ -12,7 +12,8 @@ import torch
 
 from onboard.align.progress import Progress
 from onboard.align.reference import Recorder, load_reference, load_runtime, random_tokens
-from onboard.align.report import Check, Divergence
+from onboard.align.report import Check, Divergence, with_scales
+from onboard.align.stored import scales_read
 from onboard.align.tiers import own_choices
 from runtime.model.own_modules import runs_own_code
 from runtime.model.rotary import RotaryCache
@@ -81,13 +82,15 @@ def tier2(spec: ModelSpec, weight_map: dict, source: Path, num_layers: int, T: i
         truth, logits = ref(input_ids=ids, use_cache=False).logits.float(), ours(ids)
     recorder.close()
     own_choices.remove(hooks)
-    checks = [logits_check("logits/float32", compare(logits, truth, tolerance_for("model_logits", torch.float32)), torch.float32),
-              _loss_check("float32", logits, truth, ids, torch.float32)]
+    scales = scales_read(weight_map, range(num_layers), outside=True)
+    checks = with_scales([logits_check("logits/float32", compare(logits, truth, tolerance_for("model_logits", torch.float32)),
+                                       torch.float32), _loss_check("float32", logits, truth, ids, torch.float32)], scales)
     checks += _routing_flips(ours, recorder, num_layers)
     if any(c.verdict == "fail" for c in checks):
         divergence = first_divergence(ours, recorder, num_layers, T)
     progress.group("bfloat16 logits and loss")
-    checks += _bf16_checks(spec, weight_map, source, num_layers, ids, truth, (_choices(ours), own_truth), tamper)
+    checks += with_scales(_bf16_checks(spec, weight_map, source, num_layers, ids, truth, (_choices(ours), own_truth), tamper),
+                          scales)
     return checks, divergence
 
 
@@ -162,8 +165,9 @@ def first_divergence(ours, recorder: Recorder, num_layers: int, T: int) -> Diver
             ffn = compare(layer.ffn(recorder.input("ffn", i)), recorder.output("ffn", i), tol)
             part, c = ("attention", attn) if not attn.passed or ffn.passed else ("ffn", ffn)
             layer_spec = ours.config.layers[i]
-            ops = [op for op, _ in ops_for_layer(layer_spec.attention, layer_spec.ffn)
-                   if (part == "attention") != op.startswith(("moe_", "swiglu_"))]
+            ops = [op for op, _ in ops_for_layer(layer_spec.attention, layer_spec.ffn, ours.config.stored_format)
+                   # a stored linear decodes projections of either part
+                   if op == "stored_linear" or (part == "attention") != op.startswith(("moe_", "swiglu_"))]
             kind = layer_spec.attention.kind if part == "attention" else layer_spec.ffn.kind
             return Divergence(layer=i, component=part, kind=kind, ops=ops, value=c.rel_rms, tolerance=c.tolerance.rel_rms)
     return None

@@ -18,7 +18,8 @@ import torch
 
 from onboard.align.progress import Progress
 from onboard.align.reference import load_reference, load_runtime
-from onboard.align.report import Check
+from onboard.align.report import Check, with_scales
+from onboard.align.stored import scales_read
 from onboard.align.tiers.tier2_model import logits_check
 from onboard.package.peft_format import adapter_file_state, key_pairs, peft_config
 from runtime.lora.factors import LoraConfig, apply_lora, lora_parameters, lora_state_dict
@@ -88,7 +89,7 @@ def _export_checks(ours, config, spec, weight_map, source: Path, num_layers: int
     from onboard.package.export import write_merged, write_peft
 
     state, family = lora_state_dict(ours), spec.family
-    held = set(dict(ours.named_parameters())) | set(dict(ours.named_buffers()))
+    held = set(dict(ours.named_parameters())) | set(dict(ours.named_buffers())) | _stored_held(ours, weight_map)
     with torch.no_grad():
         expected = ours(ids)
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,7 +121,17 @@ def training_checks(spec: ModelSpec, weight_map: dict, source: Path, lora_plan: 
     theirs_losses = _train([p for p in twin.parameters() if p.requires_grad],
                            lambda ids: twin(input_ids=ids, use_cache=False).logits, batches)
     checks = _loss_checks(ours_losses, theirs_losses)
-    return checks + _export_checks(ours, config, spec, weight_map, source, num_layers, batches[0])
+    checks += _export_checks(ours, config, spec, weight_map, source, num_layers, batches[0])
+    return with_scales(checks, scales_read(weight_map, range(num_layers), outside=True))
+
+
+def _stored_held(model, weight_map: dict) -> set[str]:
+    """The stored targets the (truncated) model holds: a stored weight is a holder module (codes and scale buffers
+    under it, runtime/model/stored.py), not a parameter of the target's name."""
+    from runtime.model.stored import stored_targets
+
+    modules = dict(model.named_modules())
+    return {t for t in stored_targets(weight_map) if t in modules or t.rpartition(".")[0] in modules}
 
 
 def _in_prefix(name: str, weight_map: dict, held: set[str]) -> bool:

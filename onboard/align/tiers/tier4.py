@@ -18,13 +18,13 @@ from onboard import package_io
 from onboard.align.progress import Progress
 from onboard.align.report import Check
 from onboard.errors import BadInput
-from onboard.gap.budget import DTYPE_BYTES, GIB
+from onboard.gap.budget import GIB, weight_bytes_per_param
 from onboard.plan.search import Cluster, Workload, search
 from runtime import defaults
 from runtime.model.decoder import HybridDecoder
 from runtime.spec import ModelSpec
-from runtime.parallel.placement import (MeshShape, loads_by_rank, model_targets, moe_layers, owned_experts,
-                                        shard_numel)
+from runtime.parallel.placement import (EXPERT_TARGET, MeshShape, loads_by_rank, model_targets, moe_layers,
+                                        owned_experts, shard_numel)
 from runtime.model.weights import shard_order
 
 TIER = 4
@@ -142,10 +142,12 @@ def _targets_filled(targets: dict, loads: dict) -> Check:
 
 
 def _memory(spec: ModelSpec, targets: dict, experts: dict, mesh: MeshShape, chosen) -> Check:
-    """The exact per-rank weight shard (padded, from the meta model) in place of the plan's estimate."""
-    b = DTYPE_BYTES.get(spec.dtype, 2)
-    shard = sum(shard_numel(shape, name, buf, experts, mesh) for name, (shape, buf) in targets.items()) * b
-    vision = (spec.vision.num_params if spec.vision else 0) * b
+    """The exact per-rank weight shard (padded, from the meta model) in place of the plan's estimate, at the bytes
+    per parameter the release stores each part in (a quantized release's codes and scales)."""
+    expert_b, vision_b, dense_b = weight_bytes_per_param(spec)
+    shard = sum(shard_numel(shape, name, buf, experts, mesh) * (expert_b if EXPERT_TARGET.match(name) else dense_b)
+                for name, (shape, buf) in targets.items())
+    vision = (spec.vision.num_params if spec.vision else 0) * vision_b
     m = chosen.memory
     total = m.total - m.weights + (shard + vision) / GIB
     return _check("memory_within_capacity", total, m.capacity, total <= m.capacity, "gib_per_rank",

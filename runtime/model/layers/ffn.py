@@ -2,7 +2,8 @@
 
 Shape legend: B batch, T tokens, D model width, E experts, F expert width, k experts per token.
 Experts are stored stacked ([E, 2F, D] gate rows then up rows, [E, D, F]) for grouped GEMMs; the
-weight map stacks the release's per-expert tensors into them.
+weight map stacks the release's per-expert tensors into them. Either is a Parameter, or a StoredWeight
+(runtime/formats/weight.py) when the release ships it quantized: decoded for the op one layer at a time.
 """
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from torch import nn
 
 from runtime.spec import MoEFFN
 from runtime.dispatch import op
+from runtime.formats.linear import decoded_for_op
+from runtime.formats.weight import StoredWeight
+from runtime.ops.stored_matmul.torch_form import format_kwargs
 from runtime.model.layers.lora_linear import weight_of
 from runtime.ops.moe.torch_form import SCORINGS, router_logits
 
@@ -103,9 +107,30 @@ class Experts(nn.Module):
         self.lora_scale, self.lora_merged = 0.0, False
 
     def forward(self, x_TD, weights_Tk, idx_Tk) -> torch.Tensor:
+        if self.stored_format() is not None:
+            return self.run_stored(x_TD, weights_Tk, idx_Tk)
         experts = op("moe_experts", x_TD.device)
-        return experts(x_TD, weights_Tk, idx_Tk, self.w_gate_up, self.w_down, b_gate_up_E2F=self.b_gate_up,
+        w_gate_up, w_down = self.op_weights(x_TD.dtype)
+        return experts(x_TD, weights_Tk, idx_Tk, w_gate_up, w_down, b_gate_up_E2F=self.b_gate_up,
                        b_down_ED=self.b_down, **self.options, **self._lora_args(x_TD.dtype))
+
+    def stored_format(self):
+        """The format both expert weights are stored in; None unless both are stored alike."""
+        w_gu, w_d = self.w_gate_up, self.w_down
+        stored = isinstance(w_gu, StoredWeight) and isinstance(w_d, StoredWeight) and w_gu.format == w_d.format
+        return w_gu.format if stored else None
+
+    def run_stored(self, x_TD, weights_Tk, idx_Tk, view=lambda t: t) -> torch.Tensor:
+        """The moe_experts_stored op on the stored codes and scales (view: to their local part under EP)."""
+        experts = op("moe_experts_stored", x_TD.device)
+        return experts(x_TD, weights_Tk, idx_Tk, *self.w_gate_up.operands(view), *self.w_down.operands(view),
+                       **format_kwargs(self.w_gate_up.format), b_gate_up_E2F=_maybe(view, self.b_gate_up),
+                       b_down_ED=_maybe(view, self.b_down), **self.options, **self._lora_args(x_TD.dtype, view))
+
+    def op_weights(self, dtype: torch.dtype, view=lambda t: t) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_gate_up, w_down) as the op takes them: the Parameters (view mapped), or stored ones decoded in dtype."""
+        return tuple(decoded_for_op(w, dtype, view) if isinstance(w, StoredWeight) else view(w)
+                     for w in (self.w_gate_up, self.w_down))
 
     def _lora_args(self, dtype: torch.dtype, view=lambda t: t) -> dict:
         """The op's LoRA arguments; view maps each factor first (expert parallelism: to its local part)."""
@@ -115,6 +140,10 @@ class Experts(nn.Module):
         factors = (self.lora_gate_up_A, self.lora_gate_up_B, self.lora_down_A, self.lora_down_B)
         A_gu, B_gu, A_d, B_d = (view(t).to(dtype) for t in factors)
         return dict(lora_gate_up=(A_gu, B_gu), lora_down=(A_d, B_d), lora_scale=self.lora_scale)
+
+
+def _maybe(view, t):
+    return None if t is None else view(t)
 
 
 class MoE(nn.Module):

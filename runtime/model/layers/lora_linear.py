@@ -1,7 +1,8 @@
 """A linear layer with a LoRA pair, and the weight layers read when they hand it to a fused op.
 
 LoraLinear keeps the base layer's own weight and bias Parameters (same objects, same names), so a
-model loads the release before or after LoRA is applied and checkpoints keep the base names.
+model loads the release before or after LoRA is applied and checkpoints keep the base names. Over a
+StoredLinear (runtime/formats/linear.py) the weight is its StoredWeight holder, decoded per call.
 Shape legend: O out width, I in width, r rank.
 """
 from __future__ import annotations
@@ -10,13 +11,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.formats.linear import StoredLinear, decoded_for_op, stored_linear
+from runtime.formats.saved import redecodable
+from runtime.formats.weight import StoredWeight
+
 
 class LoraLinear(nn.Linear):
     """y = x W^T + b + scale * dropout(x) A^T B^T. The factors are fp32 parameters (the optimizer's
     masters); the LoRA GEMMs run in the activations' dtype with fp32 accumulation, the second one adding
     into the base output in its epilogue, so no activation makes an fp32 round trip."""
 
-    def __init__(self, base: nn.Linear, rank: int, scale: float, dropout: float):
+    def __init__(self, base: nn.Linear | StoredLinear, rank: int, scale: float, dropout: float):
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
@@ -28,7 +33,10 @@ class LoraLinear(nn.Linear):
         self.lora_merged = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        if isinstance(self.weight, StoredWeight):
+            out = stored_linear(x, self.weight, self.bias)
+        else:
+            out = F.linear(x, self.weight, self.bias)
         if self.lora_merged:
             return out
         # cast per call, which is once per step: a module runs once per forward (again only under recompute)
@@ -48,11 +56,19 @@ class LoraLinear(nn.Linear):
             return self.weight
         if self.training and isinstance(self.dropout, nn.Dropout):
             raise ValueError("LoRA dropout is not available on a projection its layer reads as a weight (fused op)")
+        if isinstance(self.weight, StoredWeight):
+            # an op saving W + delta keeps how to rebuild it (decode again, same factors), not the tensor
+            dtype = self.weight.dtype
+            rebuild = lambda: self.weight.decode(dtype) + self.delta_weight().to(dtype)  # noqa: E731
+            return redecodable(rebuild(), rebuild)
         return self.weight + self.delta_weight().to(self.weight.dtype)
 
 
 def weight_of(linear: nn.Linear) -> torch.Tensor:
     """The weight a layer multiplies by when it passes it to an op rather than calling the module.
     With LoRA this materializes W + scale * B A (and autograd then forms the [O, I] weight gradient
-    to reach A and B): correct, at the cost of one dense weight gradient for that projection."""
-    return linear.effective_weight() if isinstance(linear, LoraLinear) else linear.weight
+    to reach A and B): correct, at the cost of one dense weight gradient for that projection.
+    A stored base weight is decoded here, in the dtype the model was cast to."""
+    if isinstance(linear, LoraLinear):
+        return linear.effective_weight()
+    return decoded_for_op(linear.weight) if isinstance(linear, StoredLinear) else linear.weight

@@ -28,6 +28,7 @@ from runtime.ops.moe.grouped_gemm import (
     MODE_GLU_FWD,
     Glu,
     LowRank,
+    Stored,
     Weight,
     grouped_gemm,
 )
@@ -35,6 +36,7 @@ from runtime.ops.moe.gluon import down_gemm as gluon_down, glu_gemm as gluon_glu
 from runtime.ops.moe.glu_backward import routed_glu_backward
 from runtime.ops.moe.grouped_wgrad import grouped_mm_takes, grouped_wgrad, sorted_rows_wgrad
 from runtime.ops.moe.schedule import Schedule, build_schedule
+from runtime.ops.stored_matmul.torch_form import stored_operands
 
 
 # Row tile of every grouped GEMM. Tiles are padded per expert, so smaller ones waste fewer rows, but 128 rows beat
@@ -52,6 +54,30 @@ class Rows:
 
 
 @dataclass(frozen=True)
+class BaseWeights:
+    """The experts' two base weights as the GEMMs read them: plain [E, 2F, D] and [E, D, F] tensors, or frozen codes
+    with their scales in a released format (`stored`: kind and block; then the Gluon kernels, which read bf16, stand
+    aside)."""
+
+    w_gu: torch.Tensor
+    w_d: torch.Tensor
+    s_gu: torch.Tensor | None = None
+    s_d: torch.Tensor | None = None
+    stored: tuple[str, tuple[int, int] | None] | None = None
+
+    def gate_up(self, transposed: bool = False) -> Weight:
+        return self._weight(self.w_gu, self.s_gu, transposed)
+
+    def down(self, transposed: bool = False) -> Weight:
+        return self._weight(self.w_d, self.s_d, transposed)
+
+    def _weight(self, data, scale, transposed: bool) -> Weight:
+        if self.stored is None:
+            return Weight(data, transposed)
+        return Weight(data, transposed, Stored(scale, *self.stored))
+
+
+@dataclass(frozen=True)
 class Lora:
     """LoRA pairs of the two projections (None when absent) and their common scale."""
 
@@ -62,89 +88,96 @@ class Lora:
     scale: float
 
 
-def _gate_up(x_TD, keep_x: bool, w_gu, b_gu, lora: Lora, sched: Schedule, glu: Glu):
+def _gate_up(x_TD, keep_x: bool, base: BaseWeights, b_gu, lora: Lora, sched: Schedule, glu: Glu):
     """-> (x's rows for the backward: a copy in expert order when keep_x, gate_up_S2F pre-activation, h_SF,
     xa_Sr or None)."""
+    w_gu = base.w_gu
     S, two_f, dtype, device = sched.pair_S.numel(), w_gu.shape[1], x_TD.dtype, x_TD.device
     gate_up = buffers.empty(S, two_f, dtype=dtype, device=device)
     h = buffers.empty(S, two_f // 2, dtype=dtype, device=device)
     # the Gluon kernel on Hopper where it takes the shapes, and compiles (gluon/glu_gemm.py): it writes the copy of x
     # from the rows it gathers
-    if b_gu is None and lora.A_gu_ErD is None and glu == Glu() and gluon_glu.fits(x_TD, w_gu, sched.block_m):
+    if (base.stored is None and b_gu is None and lora.A_gu_ErD is None and glu == Glu()
+            and gluon_glu.fits(x_TD, w_gu, sched.block_m)):
         x_sorted = buffers.empty(S, x_TD.shape[1], dtype=dtype, device=device) if keep_x else None
         if gluon_glu.glu_gemm(x_TD, w_gu, sched, gate_up, h, x_sorted):
             return (Rows(x_sorted, False) if keep_x else Rows(x_TD, True)), gate_up, h, None
     x = Rows(gather_tokens(x_TD, sched), False) if keep_x else Rows(x_TD, True)
     xa, low_rank = _low_rank(x, lora.A_gu_ErD, lora.B_gu_E2Fr, lora.scale, sched)
-    grouped_gemm(x.data, Weight(w_gu), sched, h, mode=MODE_GLU_FWD, gather_a=x.by_token, bias_EN=b_gu,
+    grouped_gemm(x.data, base.gate_up(), sched, h, mode=MODE_GLU_FWD, gather_a=x.by_token, bias_EN=b_gu,
                  low_rank=low_rank, gate_up=gate_up, glu=glu)
     return x, gate_up, h, xa
 
 
-def _down(h_SF, w_d, b_d, w_P, lora: Lora, sched: Schedule):
+def _down(h_SF, base: BaseWeights, b_d, w_P, lora: Lora, sched: Schedule):
     """-> (y_TD, ha_Sr or None): the weighted rows land in pair order, then sum over k."""
+    w_d = base.w_d
     S, D = h_SF.shape[0], w_d.shape[1]
     ha, low_rank = _low_rank(Rows(h_SF, False), lora.A_d_ErF, lora.B_d_EDr, lora.scale, sched)
     y_pairs = buffers.empty(S, D, dtype=h_SF.dtype, device=h_SF.device)
     # the Gluon kernel on Hopper where it takes the shapes, and compiles (gluon/down_gemm.py)
-    gluon_done = (b_d is None and low_rank is None and gluon_down.fits(h_SF, w_d, y_pairs, sched.block_m)
+    gluon_done = (base.stored is None and b_d is None and low_rank is None
+                  and gluon_down.fits(h_SF, w_d, y_pairs, sched.block_m)
                   and gluon_down.down_gemm(h_SF, w_d, sched, y_pairs, w_P))
     if not gluon_done:
-        grouped_gemm(h_SF, Weight(w_d), sched, y_pairs, scatter_out=True, row_scale_P=w_P, bias_EN=b_d,
+        grouped_gemm(h_SF, base.down(), sched, y_pairs, scatter_out=True, row_scale_P=w_P, bias_EN=b_d,
                      low_rank=low_rank)
     return sum_k(y_pairs, sched.top_k), ha
 
 
-_INPUTS = ["x", "weights", "idx", "w_gu", "w_d", "b_gu", "b_d", "A_gu", "B_gu", "A_d", "B_d"]
+# s_gu, s_d: the scales of stored base weights (None for plain ones), frozen as the codes in w_gu, w_d are
+_INPUTS = ["x", "weights", "idx", "w_gu", "w_d", "b_gu", "b_d", "A_gu", "B_gu", "A_d", "B_d", "s_gu", "s_d"]
 
 
 class _SwigluExperts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, scale, glu, *inputs):
-        x_TD, weights_Tk, idx_Tk, w_gu, w_d, b_gu, b_d, A_gu, B_gu, A_d, B_d = inputs
+    def forward(ctx, scale, glu, stored, *inputs):
+        x_TD, weights_Tk, idx_Tk, w_gu, w_d, b_gu, b_d, A_gu, B_gu, A_d, B_d, s_gu, s_d = inputs
+        base = BaseWeights(w_gu, w_d, s_gu, s_d, stored)
         T, k = idx_Tk.shape
         E = w_gu.shape[0]
         sched = build_schedule(idx_Tk, E, BLOCK_M)
         w_P = weights_Tk.reshape(-1).contiguous()
         lora = Lora(A_gu, B_gu, A_d, B_d, scale)
-        need = dict(zip(_INPUTS, ctx.needs_input_grad[2:]))
+        need = dict(zip(_INPUTS, ctx.needs_input_grad[3:]))
         # The gate/up GEMM gathers x's rows by token as fast as it reads a copy, but the gradients of
         # the gate/up weights and of LoRA's A there reduce over x's rows and run faster on a copy in
         # expert order: copy only for those readers, and not for the gate/up weights' where the Gluon
         # kernel gathers x's rows itself.
         wgu_by_token = need["w_gu"] and gluon_wgrad.takes(x_TD, w_gu.shape[1])
         keep_x = (need["w_gu"] and not wgu_by_token) or need["A_gu"]
-        x, gate_up, h, xa = _gate_up(x_TD, keep_x, w_gu, b_gu, lora, sched, glu)
-        y_TD, ha = _down(h, w_d, b_d, w_P, lora, sched)
+        x, gate_up, h, xa = _gate_up(x_TD, keep_x, base, b_gu, lora, sched, glu)
+        y_TD, ha = _down(h, base, b_d, w_P, lora, sched)
         # x's rows for the weight gradients: the copy, or x itself where they read it by token
         x_saved = x.data if need["w_gu"] or need["A_gu"] else None
-        ctx.save_for_backward(x_saved, w_P, idx_Tk, w_gu, w_d, b_d, A_gu, B_gu, A_d, B_d, gate_up, h, xa, ha)
-        ctx.sched, ctx.scale, ctx.glu, ctx.x_by_token = sched, scale, glu, x.by_token
+        ctx.save_for_backward(x_saved, w_P, idx_Tk, w_gu, w_d, b_d, A_gu, B_gu, A_d, B_d, gate_up, h, xa, ha, s_gu, s_d)
+        ctx.sched, ctx.scale, ctx.glu, ctx.x_by_token, ctx.stored = sched, scale, glu, x.by_token, stored
         ctx.dtypes = {n: t.dtype for n, t in zip(_INPUTS, inputs) if t is not None}
         return y_TD
 
     @staticmethod
     def backward(ctx, dy_TD):
-        x_data, w_P, idx_Tk, w_gu, w_d, b_d, A_gu, B_gu, A_d, B_d, gate_up, h, xa, ha = ctx.saved_tensors
-        need = dict(zip(_INPUTS, ctx.needs_input_grad[2:]))
+        x_data, w_P, idx_Tk, w_gu, w_d, b_d, A_gu, B_gu, A_d, B_d, gate_up, h, xa, ha, s_gu, s_d = ctx.saved_tensors
+        need = dict(zip(_INPUTS, ctx.needs_input_grad[3:]))
+        base = BaseWeights(w_gu, w_d, s_gu, s_d, ctx.stored)
         sched = ctx.sched
         x = Rows(x_data, ctx.x_by_token)
         dy = Rows(dy_TD.contiguous().to(ctx.dtypes["x"]), True)
         lora = Lora(A_gu, B_gu, A_d, B_d, ctx.scale)
         # the down weight gradient in Gluon reads dy by token against the rows w * h, which the GLU pass writes
         wh_for_wd = need["w_d"] and gluon_wgrad.fits(dy.data, h)
-        d_gate_up, dw_P, dyb, wh = _backward_glu(dy, w_d, w_P, gate_up, lora, sched, ctx.glu, need["weights"],
+        d_gate_up, dw_P, dyb, wh = _backward_glu(dy, base, w_P, gate_up, lora, sched, ctx.glu, need["weights"],
                                                  wh_for_wd)
         # d_gate_up @ B_gu per sorted row: the rank-r signal reaching A_gu and, through it, x
         lg, lg_term = _low_rank(Rows(d_gate_up, False), B_gu if need["x"] or need["A_gu"] else None, A_gu,
                                 ctx.scale, sched, transposed=True)
-        grads = _input_grads(d_gate_up, dw_P, w_gu, b_d, dy.data, idx_Tk, lg_term, sched, need)
+        grads = _input_grads(d_gate_up, dw_P, base, b_d, dy.data, idx_Tk, lg_term, sched, need)
         grads |= _weight_grads(x, dy, d_gate_up, w_P, idx_Tk, h, wh, xa, ha, dyb, lg, lora, sched, need)
         # each gradient in its input's dtype (the kernels accumulate some in fp32)
-        return None, None, *(grads[n].to(ctx.dtypes[n]) if n in grads else None for n in _INPUTS)
+        return None, None, None, *(grads[n].to(ctx.dtypes[n]) if n in grads else None for n in _INPUTS)
 
 
-def _backward_glu(dy: Rows, w_d, w_P, gate_up, lora: Lora, sched: Schedule, glu: Glu, want_dw: bool,
+def _backward_glu(dy: Rows, base: BaseWeights, w_P, gate_up, lora: Lora, sched: Schedule, glu: Glu, want_dw: bool,
                   want_wh: bool):
     """-> (d_gate_up_S2F, d(routing weight) in pair order [T * k] or None, dy @ B_d per row or None,
     w * h per row or None)."""
@@ -152,13 +185,13 @@ def _backward_glu(dy: Rows, w_d, w_P, gate_up, lora: Lora, sched: Schedule, glu:
     dyb, low_rank = _low_rank(dy, lora.B_d_EDr, lora.A_d_ErF, lora.scale, sched, transposed=True)
     # dh before the routing weight, which the GLU pass applies (it needs the unscaled rows for dw)
     dh_raw = buffers.empty(S, gate_up.shape[1] // 2, dtype=dtype, device=device)
-    grouped_gemm(dy.data, Weight(w_d, transposed=True), sched, dh_raw, gather_a=dy.by_token, low_rank=low_rank)
+    grouped_gemm(dy.data, base.down(transposed=True), sched, dh_raw, gather_a=dy.by_token, low_rank=low_rank)
     d_gate_up, dw_P, wh = routed_glu_backward(dh_raw, gate_up, w_P, sched, glu, want_dw, want_wh)
     return d_gate_up, dw_P, dyb, wh
 
 
-def _input_grads(d_gate_up, dw_P, w_gu, b_d, dy_TD, idx_Tk, low_rank: LowRank | None, sched: Schedule,
-                 need: dict) -> dict:
+def _input_grads(d_gate_up, dw_P, base: BaseWeights, b_d, dy_TD, idx_Tk, low_rank: LowRank | None,
+                 sched: Schedule, need: dict) -> dict:
     grads = {}
     k = sched.top_k
     if dw_P is not None:
@@ -168,8 +201,10 @@ def _input_grads(d_gate_up, dw_P, w_gu, b_d, dy_TD, idx_Tk, low_rank: LowRank | 
             dw_Tk = dw_Tk + (dy_TD.float() @ b_d.float().T).gather(1, idx_Tk)
         grads["weights"] = dw_Tk
     if need["x"]:
-        dx_pairs = buffers.empty(d_gate_up.shape[0], w_gu.shape[2], dtype=d_gate_up.dtype, device=d_gate_up.device)
-        grouped_gemm(d_gate_up, Weight(w_gu, transposed=True), sched, dx_pairs, scatter_out=True, low_rank=low_rank)
+        w_gu = base.gate_up(transposed=True)
+        dx_pairs = buffers.empty(d_gate_up.shape[0], w_gu.num_columns(), dtype=d_gate_up.dtype,
+                                 device=d_gate_up.device)
+        grouped_gemm(d_gate_up, w_gu, sched, dx_pairs, scatter_out=True, low_rank=low_rank)
         grads["x"] = sum_k(dx_pairs, k)
     return grads
 
@@ -278,5 +313,46 @@ def swiglu_experts(
     A_gu, B_gu = lora_gate_up if lora_gate_up is not None else (None, None)
     A_d, B_d = lora_down if lora_down is not None else (None, None)
     glu = Glu(interleaved_gate_up, clamp, glu_alpha)
-    return _SwigluExperts.apply(float(lora_scale), glu, x_TD.contiguous(), weights_Tk, idx_Tk, w_gate_up_E2FD,
-                                w_down_EDF, b_gate_up_E2F, b_down_ED, A_gu, B_gu, A_d, B_d)
+    return _SwigluExperts.apply(float(lora_scale), glu, None, x_TD.contiguous(), weights_Tk, idx_Tk, w_gate_up_E2FD,
+                                w_down_EDF, b_gate_up_E2F, b_down_ED, A_gu, B_gu, A_d, B_d, None, None)
+
+
+def stored_swiglu_experts(
+    x_TD: torch.Tensor,
+    weights_Tk: torch.Tensor,
+    idx_Tk: torch.Tensor,
+    gate_up_codes: torch.Tensor,
+    gate_up_scale: torch.Tensor,
+    down_codes: torch.Tensor,
+    down_scale: torch.Tensor,
+    *,
+    kind: str,
+    block: tuple[int, int] | None = None,
+    b_gate_up_E2F: torch.Tensor | None = None,
+    b_down_ED: torch.Tensor | None = None,
+    activation: str = "silu",
+    clamp: float | None = None,
+    glu_alpha: float | None = None,
+    interleaved_gate_up: bool = False,
+    lora_gate_up: tuple[torch.Tensor, torch.Tensor] | None = None,
+    lora_down: tuple[torch.Tensor, torch.Tensor] | None = None,
+    lora_scale: float = 1.0,
+) -> torch.Tensor:
+    """Routed experts over frozen base weights in their released format, decoded tile by tile inside the grouped
+    GEMMs (contract: runtime/ops/stored_matmul/README.md; truth: reference_ops/stored.py). Activations the kernels
+    do not fuse run through the torch form, as in swiglu_experts."""
+    gate_up_codes, gate_up_scale = stored_operands(gate_up_codes, gate_up_scale, kind)
+    down_codes, down_scale = stored_operands(down_codes, down_scale, kind)
+    if activation != "silu" and glu_alpha is None:
+        return torch_ops.stored_swiglu_experts(
+            x_TD, weights_Tk, idx_Tk, gate_up_codes, gate_up_scale, down_codes, down_scale, kind=kind, block=block,
+            b_gate_up_E2F=b_gate_up_E2F, b_down_ED=b_down_ED, activation=activation, clamp=clamp,
+            interleaved_gate_up=interleaved_gate_up, lora_gate_up=lora_gate_up, lora_down=lora_down,
+            lora_scale=lora_scale)
+    A_gu, B_gu = lora_gate_up if lora_gate_up is not None else (None, None)
+    A_d, B_d = lora_down if lora_down is not None else (None, None)
+    glu = Glu(interleaved_gate_up, clamp, glu_alpha)
+    stored = (kind, tuple(block) if block is not None else None)
+    return _SwigluExperts.apply(float(lora_scale), glu, stored, x_TD.contiguous(), weights_Tk, idx_Tk, gate_up_codes,
+                                down_codes, b_gate_up_E2F, b_down_ED, A_gu, B_gu, A_d, B_d, gate_up_scale, down_scale)
+

@@ -8,7 +8,10 @@ One kernel, two epilogues (MODE):
   the backward) and h = glu(gate, up), with no reshuffling of the accumulator.
 With GATHER_A row s of A is A[pair(s) // k], the sorted row's token (no copy of x or dy); the
 row scale (the routing weight) is read at pair(s). The low-rank term is LoRA: scale * L[s] @ R[e]^T.
-W[e] is addressed as [N, K] through its strides: nn.Linear layouts and their transposes alike.
+W[e] is addressed as [N, K] through its strides: nn.Linear layouts and their transposes alike. A frozen base weight
+kept in its released format (FP8 block-scaled, MXFP4) is decoded tile by tile in registers as the main loop reads it
+(runtime/ops/common/stored_tiles.py): its codes [E, O, I(/2)] are read as [N, K] = [O, I], or with TRANS_W as
+[I, O] (the input gradient dy @ W), and never exist decoded in memory.
 
 Shape legend: S sorted rows, N accumulator columns, K reduction width, E experts, r LoRA rank.
 """
@@ -21,6 +24,7 @@ import triton
 import triton.language as tl
 
 from runtime.ops.common.launch import fast, interpreting
+from runtime.ops.common.stored_tiles import FORMAT_DENSE, FORMAT_OF_KIND, MXFP4_GROUP, decode_tile, scale_mode
 from runtime.ops.moe.schedule import Schedule
 
 MODE_PLAIN, MODE_GLU_FWD = 0, 1
@@ -56,10 +60,28 @@ def glu_backward(gate0, up0, dh, CLAMP: tl.constexpr, limit, HAS_ALPHA: tl.const
 
 
 @triton.jit
+def _stored_tile(w_ptr, stride_wn, ws_ptr, stride_ws, w_rows, col_ok, n0, N, k0, K, block_o, block_i,
+                 FORMAT: tl.constexpr, TRANS_W: tl.constexpr, SCALE_E8M0: tl.constexpr, SCALE_MODE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The stored W's [BLOCK_K, BLOCK_N] tile at (k0, columns w_rows) decoded to fp32, cut along the codes' own
+    axes: [O, I] = [w_rows, k0 ..] transposed in registers, or with TRANS_W [k0 .., n0 ..] as it lies."""
+    if TRANS_W:
+        o_idx = k0 + tl.arange(0, BLOCK_K)
+        return decode_tile(w_ptr, stride_wn, ws_ptr, stride_ws, o_idx, o_idx < K, k0, n0, N, block_o, block_i,
+                           FORMAT, BLOCK_N, SCALE_E8M0, SCALE_MODE)
+    tile = decode_tile(w_ptr, stride_wn, ws_ptr, stride_ws, w_rows, col_ok, 0, k0, K, block_o, block_i,
+                       FORMAT, BLOCK_K, SCALE_E8M0, SCALE_MODE)
+    return tl.trans(tile)
+
+
+@triton.jit
 def _mainloop(a_ptr, stride_am, a_rows, row_ok, w_ptr, stride_wn, stride_wk, w_rows, col_ok, K, up_offset,
+              ws_ptr, stride_ws, n0, N, block_o, block_i,
               PAIR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-    """A[a_rows] @ W[w_rows]^T; with PAIR also A[a_rows] @ W[w_rows + up_offset]^T from the same A tile."""
+              EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FORMAT: tl.constexpr, TRANS_W: tl.constexpr,
+              SCALE_E8M0: tl.constexpr, SCALE_MODE: tl.constexpr):
+    """A[a_rows] @ W[w_rows]^T; with PAIR also A[a_rows] @ W[w_rows + up_offset]^T from the same A tile.
+    A stored W (FORMAT) is decoded tile by tile (_stored_tile); its GLU pair's up tile is its rows w_rows + up_offset."""
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None].to(tl.int64) * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + w_rows[None, :].to(tl.int64) * stride_wn + offs_k[:, None].to(tl.int64) * stride_wk
@@ -74,10 +96,18 @@ def _mainloop(a_ptr, stride_am, a_rows, row_ok, w_ptr, stride_wn, stride_wk, w_r
             a_mask = row_ok[:, None] & k_ok[None, :]
             w_mask = col_ok[None, :] & k_ok[:, None]
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        if FORMAT == 0:
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        else:
+            w = _stored_tile(w_ptr, stride_wn, ws_ptr, stride_ws, w_rows, col_ok, n0, N, k0, K, block_o, block_i,
+                             FORMAT, TRANS_W, SCALE_E8M0, SCALE_MODE, BLOCK_N, BLOCK_K)
         acc = tl.dot(a, w.to(a.dtype), acc, input_precision=PRECISION)
         if PAIR:
-            w_up = tl.load(w_ptrs + up_offset * stride_wn, mask=w_mask, other=0.0)
+            if FORMAT == 0:
+                w_up = tl.load(w_ptrs + up_offset * stride_wn, mask=w_mask, other=0.0)
+            else:
+                w_up = _stored_tile(w_ptr, stride_wn, ws_ptr, stride_ws, w_rows + up_offset, col_ok, n0, N, k0, K,
+                                    block_o, block_i, FORMAT, TRANS_W, SCALE_E8M0, SCALE_MODE, BLOCK_N, BLOCK_K)
             acc_up = tl.dot(a, w_up.to(a.dtype), acc_up, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
@@ -121,10 +151,12 @@ def grouped_gemm_kernel(
     gu_ptr, stride_gum,
     pair_ptr, tile_expert_ptr, tile_start_ptr, ends_ptr,
     N, K, num_experts, row_mult, up_offset, limit, alpha,
+    ws_ptr, stride_wse, stride_ws, block_o, block_i,
     TOP_K: tl.constexpr, MODE: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, ROW_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
     CLAMP: tl.constexpr, HAS_ALPHA: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    FORMAT: tl.constexpr, TRANS_W: tl.constexpr, SCALE_E8M0: tl.constexpr, SCALE_MODE: tl.constexpr,
 ):
     num_n = tl.cdiv(N, BLOCK_N)
     pid_tile = tl.program_id(0) // num_n
@@ -144,7 +176,9 @@ def grouped_gemm_kernel(
     col_ok = units < N
     e64 = e.to(tl.int64)
     acc, acc_up = _mainloop(a_ptr, stride_am, a_rows, row_ok, w_ptr + e64 * stride_we, stride_wn, stride_wk, w_rows,
-                            col_ok, K, up_offset, MODE == 1, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+                            col_ok, K, up_offset, ws_ptr + e64 * stride_wse, stride_ws, pid_n * BLOCK_N, N, block_o,
+                            block_i, MODE == 1, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, FORMAT, TRANS_W,
+                            SCALE_E8M0, SCALE_MODE)
     r_ptr += e64 * stride_re
     bias_ptr += e64 * stride_be
     acc = _extra_terms(acc, rows, row_ok, w_rows, col_ok, l_ptr, stride_lm, r_ptr, stride_rn, stride_rr, rank,
@@ -180,10 +214,22 @@ def _tuned_configs() -> list[triton.Config]:
     ]
 
 
-_even_k_kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(grouped_gemm_kernel)
+def _scale_mode(args: dict) -> int:
+    return scale_mode(args["FORMAT"], args["TRANS_W"], (args["block_o"], args["block_i"]), args["BLOCK_K"])
+
+
+_even_k_kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0,
+                                    "SCALE_MODE": _scale_mode})(grouped_gemm_kernel)
 _tuned_kernel = triton.autotune(
     configs=_tuned_configs(),
-    key=["N", "K", "MODE", "BLOCK_M", "HAS_LORA", "GATHER_A", "SCATTER_C"],
+    key=["N", "K", "MODE", "BLOCK_M", "HAS_LORA", "GATHER_A", "SCATTER_C", "FORMAT", "TRANS_W"],
+)(_even_k_kernel)
+# Stored weights (FORMAT) add a 32-long reduction chunk: their GLU forward decodes two weight tiles per step on top of
+# the two accumulators, and at 8 warps that chunk spills least (ptxas for sm_90a, bench/kernel_resources.py).
+_tuned_stored_kernel = triton.autotune(
+    configs=_tuned_configs() + ([] if interpreting() else [
+        triton.Config({"BLOCK_N": 128, "BLOCK_K": 32}, num_warps=8, num_stages=4)]),
+    key=["N", "K", "MODE", "BLOCK_M", "HAS_LORA", "GATHER_A", "SCATTER_C", "FORMAT", "TRANS_W"],
 )(_even_k_kernel)
 # The autotuner's choice per GEMM shape and flags, launched afterwards without the autotuner and the
 # EVEN_K heuristic in between (their per-call Python work is host time the GPU can wait on; see
@@ -207,15 +253,55 @@ class Glu:
 
 
 @dataclass(frozen=True)
+class Stored:
+    """How a Weight's data holds a frozen base weight in its released format (runtime/ops/stored_matmul/README.md):
+    codes [E, O, I] float8_e4m3fn with block scales [E, ceil(O/b0), ceil(I/b1)] (kind "fp8_block"), or [E, O, I/2]
+    uint8 with E8M0 scales [E, O, I/32] (kind "mxfp4")."""
+
+    scale: torch.Tensor
+    kind: str
+    block: tuple[int, int] | None = None
+
+    def scale_bytes(self) -> bool:
+        """Whether the scales are E8M0 bytes (MXFP4's always; FP8's when the release ships UE8M0 scales)."""
+        return self.kind == "mxfp4" or self.scale.dtype in (torch.uint8, torch.float8_e8m0fnu)
+
+    def launch_args(self) -> tuple:
+        """(scale, its expert stride, its row stride, block rows, block columns) as the kernel takes them."""
+        scale = self.scale.view(torch.uint8) if self.scale.dtype == torch.float8_e8m0fnu else self.scale
+        block_o, block_i = self.block if self.kind == "fp8_block" else (1, MXFP4_GROUP)
+        return scale, scale.stride(0), scale.stride(1), block_o, block_i
+
+
+
+@dataclass(frozen=True)
 class Weight:
-    """Per-expert matrix read as [N, K]: `data` is [E, N, K], or [E, K, N] with transposed=True."""
+    """Per-expert matrix read as [N, K]: `data` is [E, N, K], or [E, K, N] with transposed=True. With `stored`,
+    data holds the codes of [E, O, I] and the tile reads decode them: [N, K] = [O, I], transposed [I, O]."""
 
     data: torch.Tensor
     transposed: bool = False
+    stored: Stored | None = None
 
     def strides(self) -> tuple[int, int, int]:
         s0, s1, s2 = self.data.stride()
+        if self.stored is not None:
+            # decoded tiles are cut along the codes' own rows (stored_tiles.py): the row stride, whichever way read
+            return s0, s1, s2
         return (s0, s2, s1) if self.transposed else (s0, s1, s2)
+
+    def num_columns(self) -> int:
+        """N: the rows of the matrix read as [N, K] (the in width of a transposed stored weight, unpacked)."""
+        if self.stored is not None and self.transposed:
+            return self.data.shape[2] * (2 if self.stored.kind == "mxfp4" else 1)
+        return self.data.shape[2 if self.transposed else 1]
+
+    def format_args(self) -> tuple[tuple, dict]:
+        """The kernel's stored-weight arguments and flags (a plain weight: a dummy scale and FORMAT_DENSE)."""
+        if self.stored is None:
+            return (self.data, 0, 0, 1, 1), dict(FORMAT=FORMAT_DENSE, TRANS_W=False, SCALE_E8M0=False)
+        return self.stored.launch_args(), dict(FORMAT=FORMAT_OF_KIND[self.stored.kind], TRANS_W=self.transposed,
+                                               SCALE_E8M0=self.stored.scale_bytes())
 
 
 @dataclass(frozen=True)
@@ -243,10 +329,11 @@ def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, gath
     gather_a: A is [T, K], sorted row s reads A[pair(s) // k]; scatter_out: row s lands at out[pair(s)].
     row_scale_P is in pair order ([T * k], the router's)."""
     # Accumulator columns: W's N rows, or in GLU_FWD the F gate/up units (2F rows of W).
-    N, K = w.data.shape[2 if w.transposed else 1], a_SK.shape[1]
+    N, K = w.num_columns(), a_SK.shape[1]
     N = N // 2 if mode == MODE_GLU_FWD else N
     row_mult, up_offset = glu.layout(N)
     dummy = a_SK
+    format_args, format_flags = w.format_args()
     lr = low_rank or LowRank(dummy, Weight(w.data), 0.0)
     args = (
         a_SK, a_SK.stride(0),
@@ -259,12 +346,13 @@ def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, gath
         sched.pair_S, sched.tile_expert, sched.tile_start, sched.ends_E,
         N, K, sched.num_experts, row_mult, up_offset,
         glu.clamp if glu.clamp is not None else 0.0, glu.alpha if glu.alpha is not None else 1.0,
+        *format_args,
     )
     flags = dict(
         TOP_K=sched.top_k, MODE=mode, GATHER_A=gather_a, SCATTER_C=scatter_out, ROW_SCALE=row_scale_P is not None,
         HAS_BIAS=bias_EN is not None, HAS_LORA=low_rank is not None,
         CLAMP=glu.clamp is not None, HAS_ALPHA=glu.alpha is not None, PRECISION=dot_precision(a_SK.dtype),
-        BLOCK_M=sched.block_m, BLOCK_R=_small_block(lr.left_Sr.shape[1]),
+        BLOCK_M=sched.block_m, BLOCK_R=_small_block(lr.left_Sr.shape[1]), **format_flags,
     )
     config = dict(BLOCK_N=_small_block(N), BLOCK_K=32, num_warps=4) if N <= SMALL_N else None
     tuned_key = (N, K, a_SK.dtype, w.data.dtype, out.dtype, *flags.values())
@@ -272,8 +360,11 @@ def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, gath
         config = CHOSEN_CONFIGS[tuned_key].all_kwargs()
     if config is not None:
         grid = (sched.num_tiles * triton.cdiv(N, config["BLOCK_N"]),)
-        fast(grouped_gemm_kernel)[grid](*args, **flags, **config, EVEN_K=K % config["BLOCK_K"] == 0)
+        block = (format_args[3], format_args[4])
+        fast(grouped_gemm_kernel)[grid](*args, **flags, **config, EVEN_K=K % config["BLOCK_K"] == 0,
+                                        SCALE_MODE=scale_mode(flags["FORMAT"], flags["TRANS_W"], block, config["BLOCK_K"]))
     else:
-        _tuned_kernel[lambda meta: (sched.num_tiles * triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags)
-        CHOSEN_CONFIGS[tuned_key] = _tuned_kernel.best_config
+        tuner = _tuned_stored_kernel if flags["FORMAT"] != FORMAT_DENSE else _tuned_kernel
+        tuner[lambda meta: (sched.num_tiles * triton.cdiv(N, meta["BLOCK_N"]),)](*args, **flags)
+        CHOSEN_CONFIGS[tuned_key] = tuner.best_config
     return out

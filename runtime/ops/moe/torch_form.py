@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.ops.mlp.torch_form import ACTIVATIONS
+from runtime.ops.stored_matmul.torch_form import decode, saved_as_codes
 
 # By spec router `scoring` name: logits [T, E] -> scores [T, E]; a package's generated scorings are added when
 # it loads (runtime/package_ops.py), so the registry's predicate sees them.
@@ -197,3 +198,28 @@ def swiglu_experts(
     inverse_S = torch.empty_like(sort.pair_S)
     inverse_S[sort.pair_S] = torch.arange(T * k, device=idx_Tk.device)
     return y_SD[inverse_S].view(T, k, -1).sum(dim=1).to(x_TD.dtype)
+
+
+def stored_swiglu_experts(
+    x_TD: torch.Tensor,
+    weights_Tk: torch.Tensor,
+    idx_Tk: torch.Tensor,
+    gate_up_codes: torch.Tensor,
+    gate_up_scale: torch.Tensor,
+    down_codes: torch.Tensor,
+    down_scale: torch.Tensor,
+    *,
+    kind: str,
+    block: tuple[int, int] | None = None,
+    **experts_kwargs,
+) -> torch.Tensor:
+    """swiglu_experts over frozen base weights in their released format (runtime/ops/stored_matmul/README.md): each
+    decoded into x's dtype for this layer's matmuls and, where autograd would keep it for the backward, kept as its
+    codes and decoded again there. The keywords after `block` are swiglu_experts'."""
+    def decoder(codes, scale):
+        return lambda: decode(codes, scale, kind, block, x_TD.dtype)
+
+    redo_gu, redo_d = decoder(gate_up_codes, gate_up_scale), decoder(down_codes, down_scale)
+    w_gu, w_d = redo_gu(), redo_d()
+    with saved_as_codes([(w_gu, redo_gu), (w_d, redo_d)]):
+        return swiglu_experts(x_TD, weights_Tk, idx_Tk, w_gu, w_d, **experts_kwargs)

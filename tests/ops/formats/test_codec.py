@@ -26,6 +26,21 @@ def test_fp8_block_round_trip_matches_the_reference(shape, block, power_of_two):
     assert (reference - weight.double()).abs().max() <= weight.abs().max() / 16
 
 
+def test_fp8_block_encode_with_bf16_scales_stores_the_scale_it_divided_by():
+    """Qwen's FP8 releases store bf16 scales: each is rounded up to a bf16 value before the codes are computed, so
+    decoding the stored scale gives the encoded weight within e4m3's half step and no code passes 448."""
+    weight = torch.randn(192, 320, generator=torch.Generator().manual_seed(1))
+    codes, scale = fp8_block_encode(weight, (128, 128), scale_dtype=torch.bfloat16)
+    _, fp32_scale = fp8_block_encode(weight, (128, 128))
+    assert scale.dtype == torch.bfloat16 and (scale.float() >= fp32_scale).all()
+    assert (scale.float() <= fp32_scale * (1 + 2 ** -7)).all()  # the next bf16 up: within one bf16 step
+    assert codes.float().abs().max() <= 448
+    reference = dequantize_fp8_block(codes, scale, (128, 128))
+    assert (reference - weight.double()).abs().max() <= weight.abs().max() / 16
+    with pytest.raises(ValueError):
+        fp8_block_encode(weight, (128, 128), scale_dtype=torch.float16)
+
+
 def test_fp8_block_decode_uses_the_stated_block_not_the_grid():
     """A 192-row weight with 128-row blocks has a 2-row scale grid; read with 96-row blocks it would also tile.
     The decoder takes the block it is told, so row 100 takes block row 0's scale."""
