@@ -61,16 +61,46 @@ def example_release(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def kimi_k3_release(tmp_path_factory):
+    """weights ("bf16" | "mxfp4") -> the tiny Kimi K3-shaped custom-code release (2 shards), cached per session."""
+    from onboard.examples.kimi_k3.writer import write_kimi_k3_release
+
+    cache: dict[str, Path] = {}
+
+    def make(weights: str = "bf16") -> Path:
+        if weights not in cache:
+            cache[weights] = write_kimi_k3_release(tmp_path_factory.mktemp("kimi_k3") / weights, 2, weights=weights)
+        return cache[weights]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def stored_example_release(tmp_path_factory):
     """(family, weights) -> the example in the stored format its real release ships (`example-model --weights`:
-    fp8 for deepseek_v3 / deepseek_v32 / qwen3_next, mxfp4 for gpt_oss), 2 shards, seed 0 like example_release:
-    the same weights up to quantization."""
+    fp8 for deepseek_v3 / deepseek_v32 / qwen3_next, mxfp4 for gpt_oss), 2 shards, seed 0. The FP8 ones have
+    128-row expert and MLP widths (onboard/examples/stored.py FP8_WIDTHS): stored_example_twin is their bf16 twin."""
     cache: dict[tuple[str, str], Path] = {}
 
     def make(family: str, weights: str) -> Path:
         if (family, weights) not in cache:
             out = tmp_path_factory.mktemp("stored-releases") / f"{family}-{weights}"
             cache[family, weights] = write_example_model(family, out, num_shards=2, weights=weights)
+        return cache[family, weights]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def stored_example_twin(tmp_path_factory):
+    """(family, weights) -> the bf16 release stored_example_release(family, weights) is encoded from: its widths,
+    the same weights up to quantization (for mxfp4 the same as example_release)."""
+    cache: dict[tuple[str, str], Path] = {}
+
+    def make(family: str, weights: str) -> Path:
+        if (family, weights) not in cache:
+            out = tmp_path_factory.mktemp("stored-twins") / f"{family}-{weights}"
+            cache[family, weights] = write_example_model(family, out, num_shards=2, weights=weights, encoded=False)
         return cache[family, weights]
 
     return make

@@ -94,7 +94,7 @@ def _config_kwargs(family: str, num_layers: int) -> dict:
                     n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5,
                     norm_topk_prob=True, use_qk_norm=True, num_hidden_layers=num_layers,
                     rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
-    raise BadInput(None, "FAMILY", f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    raise BadInput(None, "FAMILY", f"unknown family {family!r}; known: {', '.join(FAMILIES)}, kimi_k3")
 
 
 FAMILIES = ("qwen3_next", "qwen3_5_moe", "kimi_linear", "deepseek_v32", "deepseek_v3", "qwen3_moe", "mixtral",
@@ -104,19 +104,21 @@ DEFAULT_LAYERS = {"qwen3_next": 4, "qwen3_5_moe": 4, "kimi_linear": 4, "minimax"
                   "deepseek_v3": 2, "deepseek_v32": 2, "glm4_moe": 2, "ernie4_5_moe": 3}
 
 
-def example_config(family: str, num_layers: int | None = None):
-    """The transformers config object of the tiny example."""
+def example_config(family: str, num_layers: int | None = None, widths: dict | None = None):
+    """The transformers config object of the tiny example (`widths`: overrides of its keys a family has)."""
     from transformers import AutoConfig
 
     num_layers = num_layers or DEFAULT_LAYERS.get(family, 2)
     if num_layers < 1 or num_layers > 64:
         raise BadInput(None, "--layers", f"expected 1..64 layers, got {num_layers}")
-    return AutoConfig.for_model(family, **_config_kwargs(family, num_layers))
+    kwargs = _config_kwargs(family, num_layers)
+    kwargs.update({k: v for k, v in (widths or {}).items() if k in kwargs})
+    return AutoConfig.for_model(family, **kwargs)
 
 
-def build_example(family: str, num_layers: int | None = None, seed: int = 0):
+def build_example(family: str, num_layers: int | None = None, seed: int = 0, widths: dict | None = None):
     """A randomly initialized transformers model of the tiny config, fp32, eval mode."""
-    config = example_config(family, num_layers)
+    config = example_config(family, num_layers, widths)
     torch.manual_seed(seed)
     model = model_class(family)(config)
     perturb(model, seed)
@@ -133,13 +135,16 @@ def perturb(model, seed: int) -> None:
 
 
 def write_example_model(family: str, out_dir: Path, num_layers: int | None = None, num_shards: int = 1,
-                        seed: int = 0, weights: str = "bf16") -> Path:
+                        seed: int = 0, weights: str = "bf16", encoded: bool = True) -> Path:
     """Write the release folder (config.json + safetensors, sharded when num_shards > 1) in bf16, or in the stored
-    format the family's real release ships (`weights` fp8 / mxfp4: the bf16 example's weights re-encoded)."""
+    format the family's real release ships (`weights` fp8 / mxfp4: the bf16 example re-encoded, at the widths that
+    format needs, onboard/examples/stored.py). `encoded` False: the bf16 release a stored example is encoded from
+    (its twin: the same weights up to quantization)."""
     release = None if weights == "bf16" else stored_release(_known(family), weights)
     _check_out_dir(Path(out_dir), num_shards)
-    out = save_release(build_example(family, num_layers, seed), Path(out_dir), num_shards)
-    if release is not None:
+    widths = dict(release.widths) if release is not None else None
+    out = save_release(build_example(family, num_layers, seed, widths), Path(out_dir), num_shards)
+    if release is not None and encoded:
         encode_release(out, release)
     return out
 

@@ -16,7 +16,8 @@ and stored examples of one seed hold the same weights up to quantization:
   `<m>.gate_up_proj_scales` [E, out, in/32] uint8 (E8M0), likewise down_proj; the blocks are stored (out, in) though
   the bf16 experts are (in, out); biases, attention, router, embedding and lm_head stay bf16 as
   quantization_config's modules_to_not_convert says.
-Tensors a release keeps unquantized are written as the bf16 example writes them.
+Tensors a release keeps unquantized are written as the bf16 example writes them. The FP8 examples are built with
+128-row expert and MLP widths (FP8_WIDTHS: gate and up halves of the runtime's fused weight fill whole scale blocks).
 """
 from __future__ import annotations
 
@@ -41,12 +42,14 @@ INDEX_FILE = "model.safetensors.index.json"
 
 @dataclass(frozen=True)
 class StoredRelease:
-    """How one family's real release stores its weights in one format."""
+    """How one family's real release stores its weights in one format. `widths`: config overrides the stored
+    example is built with, where the bf16 example's toy widths could not be stored as the release stores them."""
     fmt: str
     quantization_config: Callable[[dict], dict]  # config.json -> the release's quantization_config
     kept: Callable[[dict], list[str]]  # config.json -> modules the release leaves unquantized (patterns, `*` = a part)
     scale_dtype: torch.dtype = torch.float32  # FP8 only
     power_of_two: bool = False  # FP8 only: UE8M0 scales
+    widths: tuple[tuple[str, int], ...] = ()
 
     def quantized(self, name: str, tensor: torch.Tensor, config: dict) -> bool:
         """Whether the release stores this bf16-example tensor in its format: FP8 releases every linear weight,
@@ -69,6 +72,11 @@ def _matches(module: str, patterns) -> bool:
                for p in patterns for n in range(1, len(parts) + 1))
 
 
+# A fused gate/up weight (the runtime's w_gate_up) holds two released FP8 weights, each with its own 128-row scale
+# blocks: the halves must fill whole blocks, as real releases' widths do (DeepSeek-V3's experts 2048 rows, its dense
+# MLP 18432, Qwen3-Next's experts 512). The toy 32/96-row widths of the bf16 examples would split a block; the FP8
+# examples take one 128-row block instead (a split off the grid is a gap: onboard/package/weight_map.py).
+FP8_WIDTHS = (("intermediate_size", 128), ("moe_intermediate_size", 128), ("shared_expert_intermediate_size", 128))
 _FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(FP8_BLOCK)}
 # DeepSeek's FP8 releases list nothing: these are the linears their inference code builds in bf16/fp32 (a weight is
 # quantized exactly when it has a scale)
@@ -78,7 +86,7 @@ _DEEPSEEK_KEPT = ["model.embed_tokens", "lm_head", "model.layers.*.mlp.gate", "m
 def _deepseek(scale_fmt: str | None) -> StoredRelease:
     extra = {"scale_fmt": scale_fmt} if scale_fmt else {}
     return StoredRelease("fp8", lambda config: dict(_FP8_CONFIG, **extra), lambda config: _DEEPSEEK_KEPT,
-                         power_of_two=scale_fmt == "ue8m0")
+                         power_of_two=scale_fmt == "ue8m0", widths=FP8_WIDTHS)
 
 
 def _qwen3_next_skipped(config: dict) -> list[str]:
@@ -96,7 +104,8 @@ def _qwen3_next_skipped(config: dict) -> list[str]:
 def _qwen3_next() -> StoredRelease:
     # the list leaves out the embedding, which no FP8 loader converts
     return StoredRelease("fp8", lambda config: dict(_FP8_CONFIG, modules_to_not_convert=_qwen3_next_skipped(config)),
-                         lambda config: ["model.embed_tokens"] + _qwen3_next_skipped(config), scale_dtype=torch.bfloat16)
+                         lambda config: ["model.embed_tokens"] + _qwen3_next_skipped(config), scale_dtype=torch.bfloat16,
+                         widths=FP8_WIDTHS)
 
 
 _GPT_OSS_SKIPPED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]

@@ -87,9 +87,20 @@ def _merged(name: str, value: torch.Tensor, weight_map: dict, state, scale: floa
 def _merged_stored(weight: StoredWeight, codes: torch.Tensor, scale_t: torch.Tensor, state, scale: float,
                    dtype, requantize: bool) -> dict[str, torch.Tensor]:
     """A stored weight merged: decoded, the delta added in the codes' orientation, then written in bf16 under its
-    logical name or re-encoded under the release's names (a weight no factor acts on stays as released)."""
+    logical name or re-encoded under the release's names (a weight no factor acts on stays as released). A stacked
+    experts weight (gpt-oss's [E, O, ..]) goes one expert at a time: its fp32 copies are one expert's."""
     entry = weight.entry
-    delta = delta_for(state, scale, entry["target"], entry.get("expert")) if entry.get("target") else None
+    target = entry.get("target")
+    if target and entry.get("expert") is None and scale_t.dim() == 3:
+        parts = [_merged_one(weight, codes[e], scale_t[e], delta_for(state, scale, target, e), entry, dtype,
+                             requantize) for e in range(codes.shape[0])]
+        return {name: torch.stack([part[name] for part in parts]) for name in parts[0]}
+    delta = delta_for(state, scale, target, entry.get("expert")) if target else None
+    return _merged_one(weight, codes, scale_t, delta, entry, dtype, requantize)
+
+
+def _merged_one(weight: StoredWeight, codes: torch.Tensor, scale_t: torch.Tensor, delta: torch.Tensor | None,
+                entry: dict, dtype, requantize: bool) -> dict[str, torch.Tensor]:
     if requantize and delta is None:
         return {weight.stored.codes: codes, weight.stored.scale: scale_t}
     merged = decode(weight, codes, scale_t)

@@ -48,8 +48,8 @@ def _expected_quantized(family: str, name: str, tensor: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("family,weights", STORED, ids=IDS)
-def test_tensors_dtypes_and_config_are_the_real_releases(family, weights, example_release, stored_example_release):
-    bf16_dir, stored_dir = example_release(family), stored_example_release(family, weights)
+def test_tensors_dtypes_and_config_are_the_real_releases(family, weights, stored_example_twin, stored_example_release):
+    bf16_dir, stored_dir = stored_example_twin(family, weights), stored_example_release(family, weights)
     bf16, stored = _tensors(bf16_dir), _tensors(stored_dir)
     quantized = [n for n, t in bf16.items() if _expected_quantized(family, n, t)]
     assert quantized, "the example must hold quantized weights"
@@ -188,16 +188,16 @@ def test_transformers_known_fp8_limitation_is_exactly_the_block_from_the_scale_g
 
 
 @pytest.mark.parametrize("family,weights", STORED, ids=IDS)
-def test_logits_are_the_bf16_examples_up_to_quantization(family, weights, example_release, stored_example_release,
+def test_logits_are_the_bf16_examples_up_to_quantization(family, weights, stored_example_twin, stored_example_release,
                                                          tmp_path):
     """The stored example (decoded by our reference; transformers' own load is the test above) computes what the
     bf16 example of the same seed computes, up to the format's rounding: far closer than an example of another
     seed, whose logits share only the architecture."""
     from onboard.examples.models import write_example_model
 
-    bf16 = _logits(_load(example_release(family)))
+    bf16 = _logits(_load(stored_example_twin(family, weights)))
     stored = _logits(_load(write_decoded_release(stored_example_release(family, weights), tmp_path / "decoded")))
-    other_seed = _logits(_load(write_example_model(family, tmp_path / "seed1", seed=1)))
+    other_seed = _logits(_load(write_example_model(family, tmp_path / "seed1", seed=1, weights=weights, encoded=False)))
     print(family, _rel_rms(stored, bf16), _rel_rms(other_seed, bf16))
     assert _rel_rms(stored, bf16) < 0.25 * _rel_rms(other_seed, bf16)
 
@@ -214,3 +214,18 @@ def test_the_command_writes_the_stored_example_and_says_so(onboard_cli, tmp_path
     run = onboard_cli("example-model", "gpt_oss", "--out", tmp_path / "x", "--weights", "mxfp4")
     assert run.code == 0 and "mxfp4 weights" in run.out, run.err
     assert _config(tmp_path / "x")["quantization_config"]["quant_method"] == "mxfp4"
+
+
+@pytest.mark.parametrize("family,weights", STORED, ids=IDS)
+def test_the_package_weight_map_reads_every_stored_weight(family, weights, stored_example_release):
+    """The FP8 examples' expert and MLP widths fill whole 128-row scale blocks (the bf16 examples' 32 rows would not:
+    tests/onboard/formats), so recognition derives a weight map with a stored step on every quantized weight."""
+    from onboard.package.derivation import derive_weight_map
+    from onboard.recognize.recognizer import recognize
+    from onboard.release.manifest import read_manifest
+
+    manifest = read_manifest(stored_example_release(family, weights))
+    weight_map = derive_weight_map(recognize(manifest), manifest)
+    stored = {entry["stored"]["codes"] for entry in weight_map.values() if entry.get("stored")}
+    names = set(_tensors(stored_example_release(family, weights)))
+    assert stored == {n for n in names if f"{n}_scale_inv" in names or n.endswith("_blocks")}

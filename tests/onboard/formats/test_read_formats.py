@@ -168,8 +168,9 @@ def test_packed_scale_removed_exits_2(bf16_deepseek, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("family, weights", [("deepseek_v3", "fp8"), ("gpt_oss", "mxfp4")])
-def test_logical_view_counts_and_stored_bytes(family, weights, example_release, stored_example_release):
-    bf16, stored = read_manifest(example_release(family)), read_manifest(stored_example_release(family, weights))
+def test_logical_view_counts_and_stored_bytes(family, weights, stored_example_twin, stored_example_release):
+    bf16 = read_manifest(stored_example_twin(family, weights))
+    stored = read_manifest(stored_example_release(family, weights))
     spec, bf16_spec = recognize(stored), recognize(bf16)
     # recognition sees what a bf16 release has: the same names and shapes, the same counts
     assert {n: t.shape for n, t in stored.tensors.items()} == {n: t.shape for n, t in bf16.tensors.items()}
@@ -219,9 +220,14 @@ def test_weight_map_stored_entries(mxfp4_blocks, fp8_small_blocks):
     assert "stored" not in weight_map["model.layers.1.mlp.gate.weight"]
 
 
-def test_fp8_rows_off_the_block_grid_are_a_gap(stored_example_release):
-    """The example's experts are 32 rows wide: gate and up cannot share one w_gate_up in 128-row scale blocks."""
-    manifest = read_manifest(stored_example_release("deepseek_v3", "fp8"))
+def test_fp8_rows_off_the_block_grid_are_a_gap(example_release, tmp_path):
+    """The bf16 example's experts are 32 rows wide (the FP8 example's are 128): encoded as DeepSeek-V3's FP8 release
+    is, gate and up cannot share one w_gate_up in 128-row scale blocks."""
+    from onboard.examples.stored import encode_release, stored_release
+
+    release = shutil.copytree(example_release("deepseek_v3"), tmp_path / "release")
+    encode_release(release, stored_release("deepseek_v3", "fp8"))
+    manifest = read_manifest(release)
     with pytest.raises(NotRecognized, match="off the 128-row blocks"):
         derive_weight_map(recognize(manifest), manifest)
 
