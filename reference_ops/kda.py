@@ -24,3 +24,14 @@ def kda(
     return delta_rule_recurrence(
         q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale, initial_state_BHKV, use_qk_l2norm, cu_seqlens
     )
+
+
+def kda_log_decay(gate_in_BTHK: torch.Tensor, A_log_H: torch.Tensor, lower_bound: float | None = None) -> torch.Tensor:
+    """g_BTHK in fp64, the log decay KDA's state takes from the forget gate's output gate_in (f_b(f_a(x)) + dt_bias):
+    Kimi Linear's -exp(A_log) softplus(gate_in), or with lower_bound Kimi K3's lower_bound sigmoid(exp(A_log) gate_in),
+    in (lower_bound, 0). A_log_H: one per head."""
+    decay_H1 = A_log_H.double().exp()[:, None]
+    gate_in_BTHK = gate_in_BTHK.double()
+    if lower_bound is None:
+        return -decay_H1 * torch.nn.functional.softplus(gate_in_BTHK)
+    return lower_bound * torch.sigmoid(decay_H1 * gate_in_BTHK)

@@ -32,7 +32,9 @@ def mla_attention(
 ) -> torch.Tensor:
     """o_BTD. Each head's query is [nope N | rope P]; keys are [per-head nope N | one shared rope P];
     values per head V, all decompressed from one latent of width L. scale is the full softmax scale
-    (for yarn releases it already includes mscale^2, see runtime.ops.mla.mla_softmax_scale).
+    (for yarn releases it already includes mscale^2, see runtime.ops.mla.mla_softmax_scale). NoPE MLA (Kimi)
+    passes cos 1 and sin 0: the rope part used unrotated. With params["g_proj"] [H * V, D] (Kimi K3's output gate)
+    the heads' output is multiplied by sigmoid(x @ g_proj^T) before o_proj.
     """
     weight = {name: w.double() for name, w in params.items()}
     x_BTD = x_BTD.double()
@@ -51,7 +53,10 @@ def mla_attention(
     q_BTHK = torch.cat([q_nope_BTHN, q_rope_BTHP], dim=-1)
     k_BTHK = torch.cat([k_nope_BTHN, k_rope_BT1P.expand(-1, -1, num_heads, -1)], dim=-1)
     o_BTHV = softmax_attention(q_BTHK, k_BTHK, v_BTHV, scale, causal=True)
-    return o_BTHV.reshape(batch, num_tokens, num_heads * v_head_dim) @ weight["o_proj"].T
+    o_BTX = o_BTHV.reshape(batch, num_tokens, num_heads * v_head_dim)
+    if "g_proj" in weight:
+        o_BTX = o_BTX * torch.sigmoid(x_BTD @ weight["g_proj"].T)
+    return o_BTX @ weight["o_proj"].T
 
 
 def _queries(x_BTD, weight, num_heads, q_lora_rank, qk_head_dim, eps) -> torch.Tensor:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from reference_ops.mlp import ACTIVATIONS as _ACTIVATIONS
+from reference_ops.mlp import gated as _gated
+from reference_ops.norms import rms_norm
 
 # By router `scoring` name. Alignment adds the model's own function for a scoring a package generated
 # (onboard/recognize/model_references.py), so the candidate is compared with it.
@@ -73,14 +74,15 @@ def route(
     return weights_Tk * routed_scaling_factor, idx_Tk
 
 
-def _glu(gate: torch.Tensor, up: torch.Tensor, activation: str, clamp: float | None, glu_alpha: float | None) -> torch.Tensor:
-    """The gated activation of one expert; clamp and glu_alpha give the gpt-oss form."""
+def _glu(gate: torch.Tensor, up: torch.Tensor, activation: str, clamp: float | None, glu_alpha: float | None,
+         situ_betas: tuple[float, float | None] | None = None) -> torch.Tensor:
+    """The gated activation of one expert; clamp and glu_alpha give the gpt-oss form, situ_betas Kimi K3's SiTU."""
     if clamp is not None:
         gate = gate.clamp(max=clamp)
         up = up.clamp(-clamp, clamp)
     if glu_alpha is not None:
         return gate * torch.sigmoid(glu_alpha * gate) * (up + 1)
-    return _ACTIVATIONS[activation](gate) * up
+    return _gated(gate, up, activation, situ_betas)
 
 
 def _split_gate_up(gate_up_2F: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,12 +111,14 @@ def swiglu_experts(
     activation: str = "silu",
     clamp: float | None = None,
     glu_alpha: float | None = None,
+    situ_betas: tuple[float, float | None] | None = None,
     interleaved_gate_up: bool = False,
     lora_gate_up: tuple[torch.Tensor, torch.Tensor] | None = None,
     lora_down: tuple[torch.Tensor, torch.Tensor] | None = None,
     lora_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Routed experts: y[t] = sum_j weights[t, j] * expert_{idx[t, j]}(x[t]). Returns y_TD in fp64."""
+    """Routed experts: y[t] = sum_j weights[t, j] * expert_{idx[t, j]}(x[t]). Returns y_TD in fp64.
+    activation "situ" takes situ_betas = (beta, linear_beta) (reference_ops/mlp.py situ_glu)."""
     x_TD, weights_Tk = _f64(x_TD), _f64(weights_Tk)
     w_gu_E2FD = _with_lora(_f64(w_gate_up_E2FD), lora_gate_up, lora_scale)
     w_down_EDF = _with_lora(_f64(w_down_EDF), lora_down, lora_scale)
@@ -128,9 +132,31 @@ def swiglu_experts(
             if b_gu_E2F is not None:
                 gate_up_2F = gate_up_2F + b_gu_E2F[e]
             gate_F, up_F = _split_gate_up(gate_up_2F, interleaved_gate_up)
-            out_D = w_down_EDF[e] @ _glu(gate_F, up_F, activation, clamp, glu_alpha)
+            out_D = w_down_EDF[e] @ _glu(gate_F, up_F, activation, clamp, glu_alpha, situ_betas)
             if b_down_ED is not None:
                 out_D = out_D + b_down_ED[e]
             y_D = y_D + weights_Tk[t, j] * out_D
         rows.append(y_D)
     return torch.stack(rows)
+
+
+def latent_experts(
+    x_TD: torch.Tensor,
+    weights_Tk: torch.Tensor,
+    idx_Tk: torch.Tensor,
+    w_latent_down_LD: torch.Tensor,
+    w_latent_up_DL: torch.Tensor,
+    latent_norm_L: torch.Tensor | None,
+    eps: float,
+    w_gate_up_E2FL: torch.Tensor,
+    w_down_ELF: torch.Tensor,
+    **experts_kwargs,
+) -> torch.Tensor:
+    """Kimi K3's latent MoE, routed part: up(rms_norm(sum_j weights[t, j] expert_{idx[t, j]}(down(x[t])))) with the
+    experts in the latent width L (no norm when latent_norm_L is None). Returns y_TD in fp64; the shared experts
+    (full width, on x) are swiglu_mlp's, added by the caller."""
+    latent_TL = _f64(x_TD) @ _f64(w_latent_down_LD).T
+    mixed_TL = swiglu_experts(latent_TL, weights_Tk, idx_Tk, w_gate_up_E2FL, w_down_ELF, **experts_kwargs)
+    if latent_norm_L is not None:
+        mixed_TL = rms_norm(mixed_TL, latent_norm_L, eps)
+    return mixed_TL @ _f64(w_latent_up_DL).T

@@ -21,12 +21,12 @@ from typing import Callable, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict
 
 from runtime.formats.scheme import StoredFormat
-from runtime.spec import FFN, Attention, DenseFFN, GatedDeltaAttention, MLAAttention, MoEFFN, NormSpec, RopeSpec
+from runtime.spec import FFN, Attention, AttnResSpec, DenseFFN, GatedDeltaAttention, MLAAttention, MoEFFN, NormSpec, RopeSpec
 
 Support = Literal["exact", "variant", "unsupported"]
 # the part of a ModelSpec an op family's predicate judges: the model's norm, a layer's rope, attention or FFN, or
-# (StoredWeights, below) the release's stored format of a layer's frozen weights
-SpecPart = Union[NormSpec, RopeSpec, Attention, FFN, "StoredWeights"]
+# (StoredWeights, below) the release's stored format of a layer's frozen weights, or the model's attention residuals
+SpecPart = Union[NormSpec, RopeSpec, Attention, FFN, "StoredWeights", AttnResSpec]
 
 ROPE_TYPES = {"default", "linear", "yarn", "llama3", "dynamic"}
 
@@ -122,10 +122,14 @@ BUILTIN_ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh")
 
 
 def _activation(ffn: Union[DenseFFN, MoEFFN]) -> Support:
-    """silu is the path every kernel fuses; other activations the runtime has (or a package generated) run unfused."""
+    """silu (and SiTU-GLU with its betas) are the paths the kernels fuse; other activations the runtime has (or a
+    package generated) run unfused."""
     name = ffn.activation
     if name == "silu":
         return "exact"
+    if name == "situ":
+        # Kimi K3's SiTU-GLU: the experts' GEMM epilogue fuses it; without its beta it cannot be computed
+        return "exact" if ffn.situ_beta is not None else "unsupported"
     # generated activations are registered into runtime.ops.mlp.torch_form, so it is loaded whenever there are any
     mlp = sys.modules.get("runtime.ops.mlp.torch_form")
     known = mlp.ACTIVATIONS if mlp is not None else BUILTIN_ACTIVATIONS
@@ -182,6 +186,8 @@ OPS: dict[str, OpFamily] = {op.name: op for op in [
              "runtime.ops.moe.kernel:swiglu_experts", _activation),
     OpFamily("cross_entropy_rows", "head:loss", "reference_ops.loss:cross_entropy_rows",
              "runtime.ops.loss.torch_form:cross_entropy_rows", "runtime.ops.loss.kernel:cross_entropy_rows", _always),
+    OpFamily("attn_res_mix", "residual:attn_res", "reference_ops.attn_res:attn_res_mix",
+             "runtime.ops.attn_res.torch_form:attn_res_mix", None, _always),
     OpFamily("swiglu_mlp", "ffn:dense", "reference_ops.mlp:swiglu_mlp", "runtime.ops.mlp.torch_form:swiglu_mlp",
              "runtime.ops.mlp.kernel:swiglu_mlp", _activation),
     OpFamily("stored_linear", "weights:stored", "reference_ops.stored:stored_linear",
@@ -193,7 +199,8 @@ OPS: dict[str, OpFamily] = {op.name: op for op in [
 ]}
 
 
-def ops_for_layer(attention: Attention, ffn: FFN, stored: Optional[StoredFormat] = None) -> list[tuple[str, SpecPart]]:
+def ops_for_layer(attention: Attention, ffn: FFN, stored: Optional[StoredFormat] = None,
+                  attn_res: Optional[AttnResSpec] = None) -> list[tuple[str, SpecPart]]:
     """The op families one decoder layer uses, each with the spec part its predicate judges. With the release's
     stored format, the routed experts read their frozen weights stored (moe_experts_stored), and so do the layer's
     projections where the format stores them: FP8 releases quantize the linears, MXFP4 ones (gpt-oss, Kimi K3) only
@@ -223,4 +230,6 @@ def ops_for_layer(attention: Attention, ffn: FFN, stored: Optional[StoredFormat]
             used.append(("swiglu_mlp", ffn))
     elif ffn.kind == "dense":
         used.append(("swiglu_mlp", ffn))
+    if attn_res is not None:  # the model's (ModelSpec.attn_res): every layer mixes its sublayers' inputs
+        used.append(("attn_res_mix", attn_res))
     return used

@@ -8,9 +8,9 @@ counts in parameters (not bytes).
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
 from runtime.formats.scheme import StoredFormat
 
@@ -36,6 +36,17 @@ class WeightNaming(BaseModel):
 
 class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+    # fields added after packages were written: left out of the dump (spec.json, the spec hash) while they hold
+    # their default, so that a spec that does not use them reads and hashes as it did before they existed
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _without_late_defaults(self, handler):
+        data = handler(self)
+        for name in self._LATE_FIELDS:
+            if isinstance(data, dict) and name in data and getattr(self, name) == type(self).model_fields[name].default:
+                del data[name]
+        return data
 
 
 class RopeSpec(_Spec):
@@ -80,6 +91,9 @@ class MLAAttention(_Spec):
     rope: Optional[RopeSpec]
     indexer: Optional[DSAIndexer] = None  # DeepSeek sparse attention on top of MLA
     scale: Optional[float] = None
+    # Kimi K3 (mla_use_output_gate): the attention output times sigmoid(g_proj(x)) [H * V] before o_proj
+    output_gate: bool = False
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("output_gate",)
 
 
 class GatedDeltaAttention(_Spec):
@@ -102,6 +116,15 @@ class KDAAttention(_Spec):
     conv_kernel_size: int
     separate_convs: bool = True  # q/k/v_conv1d (Kimi Linear) vs one fused conv1d
     output_gate_activation: Literal["sigmoid", "silu"] = "sigmoid"  # Kimi's gated output norm uses sigmoid
+    # Kimi K3 (use_full_rank_gate): the output gate is one g_proj [H * K, D], not Kimi Linear's g_a_proj / g_b_proj
+    full_rank_gate: bool = False
+    # Kimi K3 (gate_lower_bound, e.g. -5): log decay lower_bound * sigmoid(exp(A_log) * (f + dt_bias)), bounded to
+    # (lower_bound, 0); None: Kimi Linear's -exp(A_log) * softplus(f + dt_bias)
+    gate_lower_bound: Optional[float] = None
+    # A_log stored flat with this many entries, the heads' first and the rest zero padding (Kimi K3: the head width,
+    # 128 for 96 heads); None: Kimi Linear's [1, 1, H, 1]
+    a_log_width: Optional[int] = None
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("full_rank_gate", "gate_lower_bound", "a_log_width")
 
 
 class LightningAttention(_Spec):
@@ -140,6 +163,16 @@ class DenseFFN(_Spec):
     intermediate_size: int
     activation: str = "silu"
     bias: bool = False
+    # activation "situ" (Kimi K3's SiTU-GLU): the gate's tanh cap (activation_situ_beta) and the up projection's
+    # (activation_situ_linear_beta; None: up not capped)
+    situ_beta: Optional[float] = None
+    situ_linear_beta: Optional[float] = None
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("situ_beta", "situ_linear_beta")
+
+    @property
+    def situ_betas(self) -> Optional[tuple[float, Optional[float]]]:
+        """(beta, linear_beta) as the ops take them, for activation "situ"; None otherwise."""
+        return _situ_betas(self)
 
 
 class RouterSpec(_Spec):
@@ -170,6 +203,24 @@ class MoEFFN(_Spec):
     swiglu_limit: Optional[float] = None  # gpt-oss clamp
     swiglu_alpha: Optional[float] = None
     interleaved_gate_up: bool = False
+    situ_beta: Optional[float] = None  # activation "situ": as DenseFFN's (experts and shared experts alike)
+    situ_linear_beta: Optional[float] = None
+    # Kimi K3's latent MoE (routed_expert_hidden_size): the routed experts run at this width, between a shared
+    # down-projection D -> latent and an up-projection latent -> D (RMSNorm'd in the latent space first with
+    # latent_norm, latent_moe_use_norm); the router and the shared experts read x at full width
+    latent_size: Optional[int] = None
+    latent_norm: bool = False
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("situ_beta", "situ_linear_beta", "latent_size", "latent_norm")
+
+    @property
+    def situ_betas(self) -> Optional[tuple[float, Optional[float]]]:
+        return _situ_betas(self)
+
+
+def _situ_betas(ffn) -> Optional[tuple[float, Optional[float]]]:
+    if ffn.activation != "situ" or ffn.situ_beta is None:
+        return None
+    return ffn.situ_beta, ffn.situ_linear_beta
 
 
 FFN = Annotated[Union[DenseFFN, MoEFFN, OwnModule], Field(discriminator="kind")]
@@ -195,6 +246,15 @@ class ResidualSpec(_Spec):
     ffn_alpha: float = 1.0
     ffn_beta: float = 1.0
     mixing: str = "weighted_sum"  # skip * alpha + sublayer * beta; another name is a generated op
+
+
+class AttnResSpec(_Spec):
+    """Block attention residuals (Kimi's Attention Residuals, arXiv 2603.15031; Kimi K3): each sublayer's input, and
+    the final norm's, is a softmax mix over the completed blocks' sums and the current block's partial sum
+    (runtime/ops/attn_res), scored by a learned query [D] per sublayer against the sources RMSNorm'd by a norm of its
+    own; the embedding is the first block. block_size counts sublayers (attention and FFN alike), as Kimi K3's
+    modeling code reads attn_res_block_size: a block spans block_size / 2 layers."""
+    block_size: int = Field(ge=2)
 
 
 class LayerSpec(_Spec):
@@ -277,6 +337,9 @@ class ModelSpec(_Spec):
     # the same release per tensor group (ParamCounts category -> StoredGroup): the gap report names the formats and
     # the memory budget and plan count these bytes; None when the release is not quantized
     stored_groups: Optional[dict[str, StoredGroup]] = None
+    # Kimi K3's block attention residuals in place of the plain residual stream; None: the layers' ResidualSpec
+    attn_res: Optional[AttnResSpec] = None
+    _LATE_FIELDS: ClassVar[tuple[str, ...]] = ("attn_res",)
 
     def layer_kinds(self) -> list[str]:
         return [layer_kind_name(layer) for layer in self.layers]

@@ -62,6 +62,21 @@ def example_release(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def kimi_k3_release(tmp_path_factory):
+    """weights ("bf16" | "mxfp4") -> the tiny Kimi K3-shaped custom-code release (2 shards), cached per session."""
+    from onboard.examples.kimi_k3.writer import write_kimi_k3_release
+
+    cache: dict[str, Path] = {}
+
+    def make(weights: str = "bf16") -> Path:
+        if weights not in cache:
+            cache[weights] = write_kimi_k3_release(tmp_path_factory.mktemp("kimi_k3") / weights, 2, weights=weights)
+        return cache[weights]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def stored_example_release(tmp_path_factory):
     """(family, weights) -> the example in the stored format its real release ships (`example-model --weights`:
     fp8 for deepseek_v3 / deepseek_v32 / qwen3_next, mxfp4 for gpt_oss), 2 shards, seed 0. The FP8 ones have

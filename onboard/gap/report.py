@@ -1,6 +1,7 @@
 """GapReport: each component of a ModelSpec against the operator registry, the weight check, the memory budget."""
 from __future__ import annotations
 
+import math
 import re
 from typing import Literal, Optional, get_args
 
@@ -8,13 +9,17 @@ from pydantic import BaseModel, field_validator
 
 from onboard.gap.budget import MemoryBudget, budget, stored_as
 from onboard.recognize.meta_check import MetaCheck, meta_check
+from onboard.recognize.recognizer import LINEAR_ATTENTION_TENSORS, declared_activation
 from onboard.recognize.weight_layout import expected_tensors
 from onboard.release.manifest import Manifest
+from onboard.release.key_kinds import generation_keys
+from onboard.release.naming import outside_text, text_tensors
+from onboard.recognize.experts import declared_routing, experts_per_layer
 from onboard.release.transformers_classes import transformers_knows
 from runtime import defaults
 from runtime.ops.common.available import kernels_available
 from runtime.registry import OPS, ops_for_layer
-from runtime.spec import ModelSpec, Unrecognized
+from runtime.spec import DenseFFN, ModelSpec, Unrecognized
 
 # own: runs through the model's own module (transformers' class for the layer, or the release's code): trainable, slow
 Status = Literal["covered", "variant", "generated", "own", "missing"]
@@ -95,7 +100,7 @@ def op_gaps(spec: ModelSpec) -> list[OpGap]:
     found: dict[tuple[str, str], set[int]] = {}
     own: dict[str, tuple[list[int], str]] = {}
     for layer in spec.layers:
-        for name, part in [("rms_norm", spec.norm)] + ops_for_layer(layer.attention, layer.ffn):
+        for name, part in [("rms_norm", spec.norm)] + ops_for_layer(layer.attention, layer.ffn, attn_res=spec.attn_res):
             support = OPS[name].supports(part)
             found.setdefault((name, support), set()).add(layer.index)
         for part, reason in _own_parts(layer):
@@ -118,7 +123,7 @@ def _own_gap(part: str, layers: list[int], reason: str, knows: bool) -> OpGap:
     detail = ("runs through the model's own transformers module (slow): " if knows
               else "not recognized and transformers does not know the family: ") + reason
     return OpGap(op=f"own:{part}", covers=f"{part}:own_module", status=status, layers=layers, runtime_op=None,
-                 kernel=None, reference_op="transformers", detail=detail)
+                 kernel=None, reference_op="transformers" if knows else "-", detail=detail)
 
 
 def _op_gap(name: str, support: str, layers: list[int], knows: bool) -> OpGap:
@@ -144,8 +149,7 @@ def check_weights(spec: ModelSpec, manifest: Manifest) -> WeightCheck:
     """Expected tensors vs the release (recognize_weights has turned disagreements inside layers into
     own modules, so mismatches left here are outside them: a gap, like missing tensors)."""
     expected = expected_tensors(spec)
-    vision_prefix = spec.naming.vision_prefix or "\0"
-    present = {n: t for n, t in manifest.tensors.items() if not n.startswith(vision_prefix)}
+    present = text_tensors(manifest, spec.naming)
     if spec.own_model:
         # transformers' model loads every tensor by name; its meta model checked their shapes (recognize_weights)
         expected = {n: tuple(t.shape or ()) for n, t in present.items()}
@@ -192,27 +196,55 @@ def model_summary(spec: ModelSpec, manifest: Manifest) -> dict:
         kinds.setdefault(kind, []).append(layer.index)
     moe = [layer.ffn for layer in spec.layers if layer.ffn.kind == "moe"]
     first = moe[0] if moe else None
+    experts = experts_per_layer(spec)
+    # MoE layers run as own modules: their experts counted from their tensors, routing as the config declares it
+    top_k, shared = (first.top_k, first.num_shared_experts) if first else declared_routing(manifest) if experts else (0, 0)
     return {
         "source": str(manifest.root), "family": spec.family, "architecture": spec.architecture,
         "num_layers": spec.num_layers, "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size,
         "layer_kinds": {k: len(v) for k, v in kinds.items()}, "layers_by_kind": kinds,
         "attention_kinds": _attention_counts(spec),
-        "num_experts": first.num_experts if first else 0, "top_k": first.top_k if first else 0,
-        "num_shared_experts": first.num_shared_experts if first else 0,
-        "moe_layers": len(moe), "vision": spec.vision.model_dump() if spec.vision else None,
+        "num_experts": max(experts.values(), default=0), "top_k": top_k, "num_shared_experts": shared,
+        "moe_layers": len(experts), "moe_layers_own": len(experts) - len(moe),
+        "vision": spec.vision.model_dump() if spec.vision else None, "vision_not_supported": _vision_gap(spec),
+        "generation_keys": generation_keys(manifest.config, _text_key(manifest)),
+        "activation": activation_summary(manifest.text_config, spec),
         "params_total": spec.params.total, "params_active": spec.params.active,
-        "manifest_params": manifest.total_params, "params": spec.params.model_dump(), "spec_hash": spec.spec_hash(),
+        "manifest_params": manifest.total_params, "params_other_towers": _other_tower_params(spec, manifest),
+        "params": spec.params.model_dump(), "spec_hash": spec.spec_hash(),
         # the formats the base ships in per tensor group ("" for a bf16/fp32 release); the counts above are logical
         "stored_as": stored_as(spec),
     }
 
 
+def activation_summary(text_config: dict, spec: ModelSpec | None = None) -> dict:
+    """The FFNs' activation as the config names it, its parameters, and whether the runtime's FFN ops compute it
+    (built in, or generated by this package), judged on a recognized FFN of the spec where there is one: it carries
+    the activation's parameters (SiTU-GLU's betas)."""
+    name, params = declared_activation(text_config)
+    ffns = [layer.ffn for layer in (spec.layers if spec else []) if layer.ffn.kind in ("dense", "moe")]
+    part = ffns[0] if ffns and ffns[0].activation == name else DenseFFN(intermediate_size=1, activation=name)
+    computed = OPS["swiglu_mlp"].supports(part) != "unsupported"
+    return {"name": name, "parameters": params, "computed": computed}
+
+
+def _vision_gap(spec: ModelSpec) -> Optional[str]:
+    """Why a vision tower the release has is not supported (the recognizer's note), None when there is none."""
+    return next((u.detail for u in spec.unrecognized if u.item == "vision tower not understood"), None)
+
+
+def _text_key(manifest: Manifest) -> Optional[str]:
+    return next((k for k, v in manifest.config.items() if v is manifest.text_config), None)
+
+
 def _attention_counts(spec: ModelSpec) -> dict[str, int]:
-    """Linear vs softmax-style counts: gated_delta/kda/lightning are linear; MLA with an indexer is sparse."""
+    """Linear vs softmax-style counts: gated_delta/kda/lightning are linear; MLA with an indexer is sparse. An
+    attention run as its own module counts as linear when its tensors are a linear attention's (a decay, short
+    convolutions), as recognition judged it."""
     counts = {"linear": 0, "sparse": 0, "full": 0, "sliding": 0}
     for layer in spec.layers:
         a = layer.attention
-        if a.kind in ("gated_delta", "kda", "lightning"):
+        if a.kind in ("gated_delta", "kda", "lightning") or _linear_own(a):
             counts["linear"] += 1
         elif a.kind == "mla" and a.indexer is not None:
             counts["sparse"] += 1
@@ -221,3 +253,14 @@ def _attention_counts(spec: ModelSpec) -> dict[str, int]:
         else:
             counts["full"] += 1
     return counts
+
+
+def _other_tower_params(spec: ModelSpec, manifest: Manifest) -> Optional[int]:
+    """Parameters of the tensors outside the text model (vision tower, projector); None when shapes are unknown."""
+    names = outside_text(manifest.tensors, spec.naming)
+    shapes = [manifest.tensors[n].shape for n in names]
+    return sum(math.prod(s) for s in shapes) if all(s is not None for s in shapes) else None
+
+
+def _linear_own(attention) -> bool:
+    return attention.kind == "own_module" and any(re.search(LINEAR_ATTENTION_TENSORS, n) for n in attention.tensors)

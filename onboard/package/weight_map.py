@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import re
 
-from onboard.recognize.weight_layout import attention_tensors, ffn_tensors
+from onboard.recognize.weight_layout import attention_tensors, attn_res_tensors, ffn_tensors, latent_tensors
 from onboard.release.config_view import NotRecognized
+from onboard.release.naming import head_name
 from runtime.formats.scheme import FP8Block, StoredEntry
 from runtime.spec import ModelSpec, MoEFFN
 
@@ -61,7 +62,7 @@ def _mapped(spec: ModelSpec) -> dict[str, dict]:
     n, d = spec.naming, spec.hidden_size
     out = {f"{n.prefix}{n.embedding}.weight": _entry("embed_tokens.weight"), f"{n.prefix}{n.final_norm}.weight": _entry("norm.weight")}
     if not spec.tie_word_embeddings:
-        out["lm_head.weight"] = _entry("lm_head.weight")
+        out[head_name(n)] = _entry("lm_head.weight")
     for layer in spec.layers:
         out |= _own_module_entries(layer, n.prefix)
         if layer.own_layer:
@@ -74,7 +75,7 @@ def _mapped(spec: ModelSpec) -> dict[str, dict]:
             out[f"{src}{attn_module}.{leaf}"] = _entry(f"{dst}attn.{leaf.removeprefix(n.kda_gate_prefix)}")
         for leaf in ffn_tensors(layer.ffn, d, n):
             out[f"{src}{n.ffn_module}.{leaf}"] = _ffn_entry(leaf, layer.ffn, spec, dst + "ffn.")
-    return out
+    return out | {name: _entry(runtime) for name, (runtime, _) in attn_res_tensors(spec).items()}
 
 
 def _own_module_entries(layer, prefix: str) -> dict[str, dict]:
@@ -120,4 +121,6 @@ def _ffn_entry(leaf: str, ffn, spec: ModelSpec, dst: str) -> dict:
         return _entry(dst + "shared." + leaf.removeprefix(n.shared_module + "."))
     if leaf == "shared_expert_gate.weight":
         return _entry(dst + "shared_gate.weight")
+    if leaf in latent_tensors(ffn, spec.hidden_size):
+        return _entry(dst + latent_tensors(ffn, spec.hidden_size)[leaf][0])
     raise ValueError(f"no runtime home for FFN tensor {leaf!r}")

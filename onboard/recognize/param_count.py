@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from math import prod
 
-from onboard.recognize.weight_layout import attention_tensors, ffn_tensors
+from onboard.recognize.weight_layout import attention_tensors, attn_res_tensors, ffn_tensors
 from runtime.spec import ModelSpec, MoEFFN, ParamCounts, VisionSpec, own_tensors
 
 LIGHTNING_BUFFERS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
@@ -72,4 +72,4 @@ def tensor_categories(spec: ModelSpec) -> dict[str, tuple[str, tuple[int, ...]]]
             out[f"{base}{attn_module}.{leaf}"] = ("buffers" if leaf in LIGHTNING_BUFFERS else "attention", shape)
         for leaf, shape in ffn_tensors(layer.ffn, d, n).items():
             out[f"{base}{n.ffn_module}.{leaf}"] = (ffn_category(leaf, layer.ffn, spec), shape)
-    return out
+    return out | {name: ("norms", shape) for name, (_, shape) in attn_res_tensors(spec).items()}

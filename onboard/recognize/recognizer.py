@@ -15,7 +15,7 @@ from onboard.recognize.meta_check import rope_pairs_interleaved, transformers_la
 from onboard.release.config_view import ConfigView, NotRecognized
 from onboard.release.manifest import Manifest
 from onboard.release.naming import detect_naming, scan_layers
-from runtime.spec import (WeightNaming, DenseFFN, DSAIndexer, GatedDeltaAttention, KDAAttention, LayerSpec,
+from runtime.spec import (WeightNaming, AttnResSpec, DenseFFN, DSAIndexer, GatedDeltaAttention, KDAAttention, LayerSpec,
                           LightningAttention, MLAAttention, ModelSpec, MoEFFN, NormSpec, OwnModule, ResidualSpec,
                           RopeSpec, RouterSpec, SoftmaxAttention, Unrecognized)
 from onboard.recognize import param_count, vision as recognize_vision
@@ -40,12 +40,21 @@ ATTN_TYPE_FLAGS = {1: "full_attention", 0: "linear_attention"}
 
 KNOWN_TOPK_METHODS = {None, "greedy", "group_limited_greedy", "noaux_tc"}
 
+# tensors only a linear attention (a decay and short convolutions) holds
+LINEAR_ATTENTION_TENSORS = r"\.(A_log|dt_bias)$|conv1d\.weight$"
+
 LAYER_KIND_ALIASES = {
     "full_attention": "full", "attention": "full", "global_attention": "full",
     "sliding_attention": "sliding", "local_attention": "sliding",
     "linear_attention": "linear",
     "sparse_attention": "sparse", "indexed_attention": "sparse",
 }
+
+
+def declared_activation(text_config: dict) -> tuple[str, dict]:
+    """(hidden_act, its parameters: the `activation_<name>_*` keys, e.g. SiTU's activation_situ_beta)."""
+    name = str(text_config.get("hidden_act") or "silu")
+    return name, {k: v for k, v in text_config.items() if k.startswith(f"activation_{name}_")}
 
 
 class Recognizer:
@@ -82,11 +91,12 @@ class Recognizer:
                             ffn=self._component(i, "ffn", self.ffn, i, moe_layers[i]),
                             residual=self.residual(kinds[i])) for i in range(num_layers)]
         vision = self.vision()
+        attn_res = self.attention_residuals()
         tie = bool(self.cfg.get("tie_word_embeddings", default=self.top.get("tie_word_embeddings", default=False)))
         fields = dict(family=self.family, architecture=self._architecture(), hidden_size=hidden,
                       vocab_size=self.cfg.positive_int("vocab_size"), num_layers=num_layers, layers=layers,
                       norm=self.norm(), tie_word_embeddings=tie, final_logit_softcapping=self.logit_softcap(),
-                      naming=self.naming, vision=vision,
+                      naming=self.naming, vision=vision, attn_res=attn_res,
                       dtype=str(self.manifest.config.get("torch_dtype") or self.manifest.config.get("dtype") or "bfloat16"))
         counts = param_count.count(ModelSpec.model_construct(**fields, params=None), vision)
         self.collect_unrecognized()
@@ -99,9 +109,27 @@ class Recognizer:
         try:
             return recognize_vision.recognize(self.manifest, self.top, self.naming)
         except NotRecognized as gap:
+            # the image token belongs to the tower that is not supported
+            self.top.mark_used(*recognize_vision.IMAGE_TOKEN_KEYS)
             self.unrecognized.append(Unrecognized(source=f"config.json:{gap.key}", item="vision tower not understood",
                                                   detail=f"{gap}: image inputs not supported, the text path only"))
             return None
+
+    def attention_residuals(self) -> AttnResSpec | None:
+        """Block attention residuals (Kimi's AttnRes, attn_res_block_size): the spec's attn_res; None without them.
+        Pseudo-query tensors without the key are a release we cannot read the block size of: named, not guessed."""
+        size = self.cfg.positive_int("attn_res_block_size", default=None)
+        found = sorted({s for layer in self.suffixes.values() for s in layer if re.search(r"_res_(proj|norm)\.weight$", s)})
+        if size is None and not found:
+            return None
+        if size is None or size < 2:
+            self.unrecognized.append(Unrecognized(
+                source=self.config_source("attn_res_block_size"), item="block attention residuals",
+                detail=f"attn_res_block_size={size}: each sublayer's input is a softmax mix over the sums of earlier "
+                       f"blocks, scored by per-layer pseudo-queries ({', '.join(found) or 'no tensors found'}); without "
+                       "a block size of at least 2 the blocks are not known"))
+            return None
+        return AttnResSpec(block_size=size)
 
     def num_layers(self) -> int:
         keys = ("num_hidden_layers", "num_layers", "n_layer")
@@ -139,10 +167,19 @@ class Recognizer:
             key = "attn_type_list"
             types = [ATTN_TYPE_FLAGS.get(t, f"attn_type_list={t}") for t in self.cfg.get(key)]
         if types is None:
-            return ["full"] * num_layers
+            return self._kinds_without_types(num_layers)
         self._check_per_layer(key, types, num_layers)
         # a layer type we do not know is judged per layer (attention below), never refused
         return [LAYER_KIND_ALIASES.get(t, f"unknown:{t}") for t in types]
+
+    def _kinds_without_types(self, num_layers: int) -> list[str]:
+        """No layer_types: linear_attn_config's 1-based `kda_layers` (Kimi's way) say which layers are linear;
+        else a layer holding a linear attention's own tensors (decay A_log, dt_bias, short convs) is linear."""
+        lin = self.cfg.get("linear_attn_config", default=None)
+        listed = lin.get("kda_layers") if isinstance(lin, dict) else None
+        if isinstance(listed, list) and all(type(i) is int for i in listed):
+            return ["linear" if i + 1 in listed else "full" for i in range(num_layers)]
+        return ["linear" if self._layer_has(i, LINEAR_ATTENTION_TENSORS) else "full" for i in range(num_layers)]
 
     def _check_per_layer(self, key: str, values, num_layers: int) -> None:
         """A per-layer list the file sizes otherwise than its layer count contradicts the file itself
@@ -158,7 +195,7 @@ class Recognizer:
         if kind == "linear":
             return self.linear_attention(index)
         if self.cfg.has("kv_lora_rank") and self._layer_has(index, r"(kv_a_proj_with_mqa)"):
-            return self.mla(sparse=(kind == "sparse"))
+            return self.mla(index, sparse=(kind == "sparse"))
         if kind == "sparse":
             raise NotRecognized(self.cfg._dotted("layer_types"), "sparse attention without MLA weights")
         return self.softmax(index, window=(kind == "sliding"))
@@ -218,7 +255,7 @@ class Recognizer:
             qkv_bias=self._layer_has(index, r"\.q_proj\.bias$"), o_bias=self._layer_has(index, r"\.o_proj\.bias$"),
             qk_norm=qk_norm, sliding_window=sliding, sinks=self._layer_has(index, r"\.sinks$"), output_gate=gated)
 
-    def mla(self, sparse: bool) -> MLAAttention:
+    def mla(self, index: int, sparse: bool) -> MLAAttention:
         rope_dim = self.cfg.positive_int("qk_rope_head_dim")
         indexer = None
         if sparse:
@@ -230,23 +267,28 @@ class Recognizer:
             raise NotRecognized(self.cfg._dotted("qk_head_dim"), f"recognized as qk_nope_head_dim + qk_rope_head_dim, got {qk}")
         # MLA has one latent kv; head_dim / kv heads keys are the unabsorbed view's bookkeeping
         self.cfg.mark_used("head_dim", "num_key_value_heads", "attention_bias", "mlp_bias")
-        nope = self.family in NOPE_MLA_FAMILIES
+        # mla_use_nope: the key Kimi's releases say it with (the rope part of the key is used unrotated)
+        nope = self.family in NOPE_MLA_FAMILIES or bool(self.cfg.get("mla_use_nope", default=False))
         # without the key: the family's known layout, else what transformers' own rotary function does
         known = self.family in ("deepseek_v3", "deepseek_v32") or rope_pairs_interleaved(self.manifest)
         interleaved = bool(self.cfg.get("rope_interleave", default=known))
-        return MLAAttention(
+        mla = MLAAttention(
             num_heads=self.cfg.positive_int("num_attention_heads"),
             q_lora_rank=self.cfg.positive_int("q_lora_rank", default=None),
             kv_lora_rank=self.cfg.positive_int("kv_lora_rank"),
             qk_nope_head_dim=self.cfg.positive_int("qk_nope_head_dim"), qk_rope_head_dim=rope_dim,
             v_head_dim=self.cfg.positive_int("v_head_dim"),
             rope=None if nope else self.rope(rope_dim, interleaved=interleaved), indexer=indexer)
+        # Kimi K3 (mla_use_output_gate): the heads' output times sigmoid(g_proj(x)) before o_proj
+        gated = bool(self.cfg.get("mla_use_output_gate", default=False)) \
+            or self._layer_has(index, r"^[a-z_]+\.g_proj\.weight$")
+        return mla.model_copy(update={"output_gate": gated}) if gated else mla
 
     def linear_attention(self, index: int):
         lin = ConfigView(self.cfg.get("linear_attn_config", default=None) or {}, self.cfg.path,
                          self.cfg._dotted("linear_attn_config"))
         kernel = lin.get("kernel", default=None)
-        if kernel == "kda" or self.family == "kimi_linear" or self._layer_has(index, r"f_a_proj"):
+        if kernel == "kda" or lin.has("kda_layers") or self.family == "kimi_linear" or self._layer_has(index, r"f_a_proj"):
             return self._kda(index, lin)
         if self.family == "minimax" or self._layer_has(index, r"\.slope_rate$|\.qkv_proj\.weight$"):
             heads = self.cfg.positive_int("num_attention_heads")
@@ -260,9 +302,26 @@ class Recognizer:
         heads = lin.positive_int("num_heads", default=None) or self.cfg.positive_int("linear_num_heads", "num_attention_heads")
         head_dim = lin.positive_int("head_dim", default=None) or self.cfg.positive_int("linear_head_dim", "head_dim")
         conv = lin.positive_int("short_conv_kernel_size", default=None) or self.cfg.positive_int("linear_conv_kernel_dim", default=4)
+        lin.mark_used("kda_layers", "full_attn_layers")
+        variant = self._kda_variant(index, lin)
         self._report_unused(lin)
         return KDAAttention(num_heads=heads, head_dim=head_dim, conv_kernel_size=conv,
-                            separate_convs=self._layer_has(index, r"\.q_conv1d\.weight$"))
+                            separate_convs=self._layer_has(index, r"\.q_conv1d\.weight$"), **variant)
+
+    def _kda_variant(self, index: int, lin: ConfigView) -> dict:
+        """Kimi K3's KDA: a lower-bounded decay (gate_lower_bound: log decay gate_lower_bound * sigmoid(exp(A_log) *
+        (f + dt_bias))), a full-rank output gate (use_full_rank_gate: g_proj) and A_log stored flat, zero-padded
+        (its shape read from the release); {} for Kimi Linear's KDA."""
+        out = {}
+        if lin.has("gate_lower_bound"):
+            out["gate_lower_bound"] = lin.number("gate_lower_bound")
+        if lin.get("use_full_rank_gate", default=False) or self._layer_has(index, r"\.g_proj\.weight$"):
+            out["full_rank_gate"] = True
+        a_log = [info.shape for name, info in self.manifest.tensors.items()
+                 if re.search(rf"layers\.{index}\..*A_log$", name) and info.shape is not None]
+        if a_log and len(a_log[0]) == 1:
+            out["a_log_width"] = a_log[0][0]
+        return out
 
     def _gated_delta(self, index: int) -> GatedDeltaAttention:
         fused = "qkvz_ba" if self._layer_has(index, r"in_proj_qkvz") else "qkv_z_b_a"
@@ -303,9 +362,41 @@ class Recognizer:
             raise NotRecognized(self.cfg._dotted("mlp_layer_types"), f"FFN type {is_moe.removeprefix('unknown:')!r}")
         if not is_moe:
             width = self.cfg.positive_int("intermediate_size", "ffn_hidden_size")
-            return DenseFFN(intermediate_size=width, activation=str(self.cfg.get("hidden_act", default="silu")),
-                            bias=self._layer_has(index, r"mlp\.up_proj\.bias$"))
+            return DenseFFN(intermediate_size=width, activation=self.activation(),
+                            bias=self._layer_has(index, r"mlp\.up_proj\.bias$"), **self.activation_params())
         return self.moe(index)
+
+    def activation(self) -> str:
+        """hidden_act, with its parameters (`activation_<name>_*` keys: the gap report names them beside it); the
+        registry's predicate judges whether the FFN ops compute it."""
+        name, params = declared_activation(self.cfg.data)
+        self.cfg.get("hidden_act", default=None)
+        self.cfg.mark_used(*params)
+        return name
+
+    def activation_params(self) -> dict:
+        """The spec fields of a parametrized activation: SiTU-GLU's two tanh caps (Kimi K3); none for the others.
+        Without activation_situ_beta the spec holds no beta and the registry calls the activation unsupported."""
+        if self.activation() != "situ":
+            return {}
+        return {field: self.cfg.number(key) if self.cfg.has(key) else None
+                for field, key in (("situ_beta", "activation_situ_beta"),
+                                   ("situ_linear_beta", "activation_situ_linear_beta"))}
+
+    def config_source(self, key: str) -> str:
+        return f"config.json:{self.cfg._dotted(key)}"
+
+    def _latent_moe(self, index: int) -> dict:
+        """Kimi K3's latent MoE (routed experts in a narrower latent space, between a shared down-projection and an
+        up-projection, RMSNorm'd there with latent_moe_use_norm): MoEFFN's latent fields; {} for a plain MoE."""
+        latent = self.cfg.positive_int("routed_expert_hidden_size", default=None)
+        tensors = self._layer_has(index, r"routed_expert_(down|up)_proj")
+        if latent is None and not tensors:
+            return {}
+        if latent is None:
+            raise NotRecognized(self.cfg._dotted("routed_expert_hidden_size"), "missing: the release has a latent MoE "
+                                "(routed_expert_down_proj / routed_expert_up_proj) without its latent width")
+        return dict(latent_size=latent, latent_norm=bool(self.cfg.get("latent_moe_use_norm", default=False)))
 
     def moe(self, index: int) -> MoEFFN:
         experts = self.cfg.positive_int("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
@@ -321,18 +412,20 @@ class Recognizer:
         if shared and not shared_width:
             shared_width = width * shared
         limit = self.cfg.get("swiglu_limit", default=None)
-        return MoEFFN(
+        moe = MoEFFN(
             num_experts=experts, top_k=top_k, expert_intermediate_size=width, router=self.router(index),
             num_shared_experts=shared if has_shared else 0, shared_intermediate_size=shared_width if has_shared else 0,
             shared_expert_gate=self._layer_has(index, r"shared_expert_gate\.weight$"),
-            activation=str(self.cfg.get("hidden_act", default="silu")),
+            activation=self.activation(),
             expert_bias=self._layer_has(index, r"experts\.(gate_up_proj_bias|N\.up_proj\.bias)"),
             swiglu_limit=float(limit) if limit is not None else None,
             swiglu_alpha=float(self.cfg.get("swiglu_alpha", default=1.702)) if limit is not None else None,
-            interleaved_gate_up=limit is not None and self.naming.expert_style == "fused_gate_up")
+            interleaved_gate_up=limit is not None and self.naming.expert_style == "fused_gate_up",
+            **self.activation_params(), **self._latent_moe(index))
+        return moe
 
     def router(self, index: int) -> RouterSpec:
-        scoring = self.cfg.get("scoring_func", default=None)
+        scoring = self.cfg.get("scoring_func", "moe_router_activation_func", default=None)
         correction = self._layer_has(index, r"e_score_correction_bias$")
         if scoring is None:
             # DeepSeek-style releases (bias-corrected, group-limited) score with sigmoid without saying so
@@ -342,6 +435,8 @@ class Recognizer:
         # any other value is left unread, so it is reported as unrecognized
         if self.cfg.get("topk_method", default=None) not in KNOWN_TOPK_METHODS:
             self.cfg.used.discard("topk_method")
+        # use_grouped_topk only switches on what num_expert_group / topk_group say
+        self.cfg.mark_used("use_grouped_topk")
         topk_first = self.family in ("mixtral", "minimax", "gpt_oss")
         norm_default = topk_first or self.family in ("qwen3_5_moe", "qwen3_5_moe_text") or self.cfg.has("moe_norm_min")
         norm = bool(self.cfg.get("norm_topk_prob", "moe_renormalize", default=norm_default))

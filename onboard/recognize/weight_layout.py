@@ -5,6 +5,7 @@ how each attention and FFN kind lays out its released weights.
 """
 from __future__ import annotations
 
+from onboard.release.naming import head_name
 from runtime.spec import (DenseFFN, GatedDeltaAttention, KDAAttention, LightningAttention, MLAAttention, ModelSpec,
                           MoEFFN, OwnModule, SoftmaxAttention, own_tensors)
 
@@ -16,7 +17,7 @@ def expected_tensors(spec: ModelSpec) -> Shapes:
     n, d = spec.naming, spec.hidden_size
     out: Shapes = {f"{n.prefix}{n.embedding}.weight": (spec.vocab_size, d), f"{n.prefix}{n.final_norm}.weight": (d,)}
     if not spec.tie_word_embeddings:
-        out["lm_head.weight"] = (spec.vocab_size, d)
+        out[head_name(n)] = (spec.vocab_size, d)
     for layer in spec.layers:
         out |= own_module_tensors(layer)
         if layer.own_layer:
@@ -29,6 +30,32 @@ def expected_tensors(spec: ModelSpec) -> Shapes:
             out[f"{base}{attn_module}.{name}"] = shape
         for name, shape in ffn_tensors(layer.ffn, d, n).items():
             out[f"{base}{n.ffn_module}.{name}"] = shape
+    return out | {name: shape for name, (_, shape) in attn_res_tensors(spec).items()}
+
+
+# Block attention residuals (Kimi K3): released leaf -> runtime leaf, per layer (under the layer) and for the model's
+# output mix (under the text prefix); each mix is a [1, D] pseudo-query and the [D] RMSNorm its scores read through
+ATTN_RES_LAYER = {"self_attention_res_proj.weight": "attn_mix.query.weight",
+                  "self_attention_res_norm.weight": "attn_mix.norm.weight",
+                  "mlp_res_proj.weight": "ffn_mix.query.weight", "mlp_res_norm.weight": "ffn_mix.norm.weight"}
+ATTN_RES_MODEL = {"output_attn_res_proj.weight": "output_mix.query.weight",
+                  "output_attn_res_norm.weight": "output_mix.norm.weight"}
+
+
+def attn_res_shape(leaf: str, d: int) -> tuple[int, ...]:
+    return (1, d) if leaf.endswith("_proj.weight") else (d,)
+
+
+def attn_res_tensors(spec: ModelSpec) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Released name -> (runtime name, shape) of the block attention residuals' tensors; {} without them."""
+    if spec.attn_res is None:
+        return {}
+    n, d = spec.naming, spec.hidden_size
+    out = {f"{n.prefix}{leaf}": (runtime, attn_res_shape(leaf, d)) for leaf, runtime in ATTN_RES_MODEL.items()}
+    for layer in spec.layers:
+        if not layer.own_layer:
+            out |= {f"{n.prefix}layers.{layer.index}.{leaf}": (f"layers.{layer.index}.{runtime}", attn_res_shape(leaf, d))
+                    for leaf, runtime in ATTN_RES_LAYER.items()}
     return out
 
 
@@ -93,6 +120,8 @@ def _mla(a: MLAAttention, d: int) -> Shapes:
             "kv_a_layernorm.weight": (a.kv_lora_rank,),
             "kv_b_proj.weight": (a.num_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank),
             "o_proj.weight": (d, a.num_heads * a.v_head_dim)}
+    if a.output_gate:
+        out["g_proj.weight"] = (a.num_heads * a.v_head_dim, d)
     if a.indexer:
         ix = a.indexer
         q_in = a.q_lora_rank or d
@@ -118,12 +147,15 @@ def _gated_delta(a: GatedDeltaAttention, d: int) -> Shapes:
 def _kda(a: KDAAttention, d: int, gate_prefix: str) -> Shapes:
     width = a.num_heads * a.head_dim
     out: Shapes = {"q_proj.weight": (width, d), "k_proj.weight": (width, d), "v_proj.weight": (width, d),
-                   "b_proj.weight": (a.num_heads, d), "g_a_proj.weight": (a.head_dim, d),
-                   "g_b_proj.weight": (width, a.head_dim), "o_norm.weight": (a.head_dim,),
-                   "o_proj.weight": (d, width),
-                   gate_prefix + "A_log": (1, 1, a.num_heads, 1), gate_prefix + "dt_bias": (width,),
+                   "b_proj.weight": (a.num_heads, d), "o_norm.weight": (a.head_dim,), "o_proj.weight": (d, width),
+                   gate_prefix + "A_log": (1, 1, a.num_heads, 1) if a.a_log_width is None else (a.a_log_width,),
+                   gate_prefix + "dt_bias": (width,),
                    gate_prefix + "f_a_proj.weight": (a.head_dim, d),
                    gate_prefix + "f_b_proj.weight": (width, a.head_dim)}
+    if a.full_rank_gate:
+        out["g_proj.weight"] = (width, d)
+    else:
+        out |= {"g_a_proj.weight": (a.head_dim, d), "g_b_proj.weight": (width, a.head_dim)}
     if a.separate_convs:
         out |= {f"{p}_conv1d.weight": (width, 1, a.conv_kernel_size) for p in "qkv"}
     else:
@@ -162,11 +194,25 @@ def _moe(f: MoEFFN, d: int, naming) -> Shapes:
         out[f"{naming.router_module}.bias"] = (e,)
     if f.router.correction_bias and naming.correction_bias:
         out[naming.correction_bias] = (1, e) if naming.correction_bias.startswith("moe_statics") else (e,)
-    out |= _experts(f, d, naming.expert_style)
+    # a latent MoE's routed experts read and write the latent width, between its two projections
+    out |= _experts(f, f.latent_size or d, naming.expert_style)
+    if f.latent_size:
+        out |= {name: shape for name, (_, shape) in latent_tensors(f, d).items()}
     if f.num_shared_experts:
         out |= _mlp(f"{naming.shared_module}.", f.shared_intermediate_size, d)
     if f.shared_expert_gate:
         out["shared_expert_gate.weight"] = (1, d)
+    return out
+
+
+def latent_tensors(f: MoEFFN, d: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A latent MoE's projections (Kimi K3), released leaf under the FFN module -> (runtime leaf under the MoE, shape)."""
+    if not f.latent_size:
+        return {}
+    out = {"routed_expert_down_proj.weight": ("latent_down.weight", (f.latent_size, d)),
+           "routed_expert_up_proj.weight": ("latent_up.weight", (d, f.latent_size))}
+    if f.latent_norm:
+        out["routed_expert_norm.weight"] = ("latent_norm.weight", (f.latent_size,))
     return out
 
 

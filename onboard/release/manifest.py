@@ -79,7 +79,8 @@ class Manifest:
         out = {}
         for logical, entry in self.stored.items():
             shape = entry.codes.rsplit(".", 1)[0] + PACKED_SHAPE
-            companions = (entry.codes, entry.scale) + ((shape,) if shape in self.quantization.hidden else ())
+            # compressed-tensors' mxfp4 pack may carry no weight_shape (Kimi K3's does not): counted where stored
+            companions = (entry.codes, entry.scale) + ((shape,) if shape in self.released else ())
             out[logical] = sum(_nbytes(self.released[n]) for n in companions)
         return out
 

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.spec import LayerSpec, ModelSpec, NormSpec, read_spec
+from runtime.spec import AttnResSpec, LayerSpec, ModelSpec, NormSpec, read_spec
+from runtime.model.layers.attn_res import AttnResMix, starts_block
 from runtime.model.layers.ffn import GatedMLP, MoE
 from runtime.model.layers.linear_attention import GatedDeltaNet, KimiDeltaAttention, LightningAttention
 from runtime.model.layers.lora_linear import weight_of
@@ -34,14 +35,15 @@ def _attention(attention, index: int, d: int, eps: float, offset: float) -> nn.M
     return ATTENTION_CLASSES[attention.kind](attention, d, eps)
 
 
-def _ffn(ffn, index: int, d: int) -> nn.Module:
+def _ffn(ffn, index: int, d: int, eps: float) -> nn.Module:
     if ffn.kind == "own_module":
         return OwnModule(index, "ffn", ffn.path)
-    return MoE(ffn, d) if ffn.kind == "moe" else GatedMLP(d, ffn.intermediate_size, ffn.activation)
+    return MoE(ffn, d, eps) if ffn.kind == "moe" else GatedMLP(d, ffn.intermediate_size, ffn.activation, ffn.situ_betas)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, layer: LayerSpec, hidden_size: int, norm: NormSpec, index: int = 0):
+    def __init__(self, layer: LayerSpec, hidden_size: int, norm: NormSpec, index: int = 0,
+                 attn_res: AttnResSpec | None = None):
         super().__init__()
         d, eps, offset = hidden_size, norm.eps, norm.offset
         # a layer not understood as a whole is transformers' decoder layer, norms and residuals included
@@ -52,10 +54,22 @@ class DecoderLayer(nn.Module):
             self.input_layernorm = make_norm(d, norm)
             self.post_attention_layernorm = make_norm(d, norm)
             self.attn = _attention(layer.attention, index, d, eps, offset)
-            self.ffn = _ffn(layer.ffn, index, d)
+            self.ffn = _ffn(layer.ffn, index, d, eps)
         self.residual = layer.residual
+        # block attention residuals (Kimi K3): the sublayers read a mix of the stream's sources (attn_res.py)
+        self.attn_mix = self.ffn_mix = None
+        self.starts_block = False
+        if attn_res is not None:
+            if self.own is not None:
+                raise NotImplementedError("block attention residuals around a layer of the model's own")
+            self.attn_mix, self.ffn_mix = AttnResMix(d, norm), AttnResMix(d, norm)
+            self.starts_block = starts_block(attn_res, index)
 
-    def forward(self, h_BTD: torch.Tensor, rotary: RotaryCache, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, h_BTD, rotary: RotaryCache, cu_seqlens: torch.Tensor | None = None):
+        """h_BTD: the hidden state; with block attention residuals, the stream's sources (completed blocks, then the
+        partial sum) as a tuple, and the layer returns the new tuple."""
+        if self.attn_mix is not None:
+            return self._forward_attn_res(h_BTD, rotary, cu_seqlens)
         if self.own is not None:
             return self.own(h_BTD, rotary, cu_seqlens)
         r = self.residual
@@ -65,6 +79,15 @@ class DecoderLayer(nn.Module):
         normed_BTD = self.post_attention_layernorm(h_BTD)
         skip_BTD = normed_BTD if r.skip_from_normed else h_BTD
         return mix(r.mixing, skip_BTD, self.ffn(normed_BTD), r.ffn_alpha, r.ffn_beta)
+
+    def _forward_attn_res(self, sources: tuple[torch.Tensor, ...], rotary: RotaryCache, cu_seqlens):
+        blocks, partial = sources[:-1], sources[-1]
+        h_BTD = self.attn_mix(sources)
+        attn = self.attn(self.input_layernorm(h_BTD), rotary, cu_seqlens)
+        # a layer that starts a block closes the partial sum into the blocks; its attention starts the next one
+        blocks, partial = ((*blocks, partial), attn) if self.starts_block else (blocks, partial + attn)
+        h_BTD = self.ffn_mix((*blocks, partial))
+        return (*blocks, partial + self.ffn(self.post_attention_layernorm(h_BTD)))
 
 
 class HybridDecoder(nn.Module):
@@ -85,8 +108,11 @@ class HybridDecoder(nn.Module):
             self.layers, self.embed_tokens, self.lm_head = nn.ModuleList(), None, None
             return
         self.embed_tokens = nn.Embedding(vocab, d)
-        self.layers = nn.ModuleList(DecoderLayer(layer, d, norm, i) for i, layer in enumerate(config.layers[:num_layers]))
+        self.layers = nn.ModuleList(DecoderLayer(layer, d, norm, i, config.attn_res)
+                                    for i, layer in enumerate(config.layers[:num_layers]))
         self.norm = make_norm(d, norm)
+        # block attention residuals: the final norm reads a mix of the stream's sources too
+        self.output_mix = AttnResMix(d, norm) if config.attn_res is not None else None
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(d, vocab, bias=False)
 
     def hidden_states(self, input_ids_BT: torch.Tensor | None = None, positions: torch.Tensor | None = None,
@@ -99,9 +125,11 @@ class HybridDecoder(nn.Module):
         if positions is None:
             positions = torch.arange(h_BTD.shape[1], device=h_BTD.device).expand(h_BTD.shape[0], -1)
         rotary = RotaryCache(positions)
+        # with block attention residuals the stream is its sources, the embedding the first partial sum
+        h = (h_BTD,) if self.output_mix is not None else h_BTD
         for layer in self.layers:
-            h_BTD = layer(h_BTD, rotary, cu_seqlens)
-        return self.norm(h_BTD)
+            h = layer(h, rotary, cu_seqlens)
+        return self.norm(self.output_mix(h) if self.output_mix is not None else h)
 
     def head_weight(self) -> torch.Tensor:
         """w_XD of the LM head (the embedding when tied)."""

@@ -185,3 +185,23 @@ def test_a_multimodal_rope_without_mrope_section_takes_the_split_transformers_ap
     checks = vision_checks(read_spec(inputs.spec), inputs.weight_map, inputs.source, inputs.vision_config,
                            inputs.spec["num_layers"])
     assert all(c.verdict == "pass" for c in checks), [(c.name, c.value) for c in checks]
+
+
+def test_situ_activation_carries_its_betas_into_the_spec(example_release, tmp_path):
+    """Kimi K3 names SiTU-GLU by `hidden_act: "situ"` with activation_situ_beta / activation_situ_linear_beta:
+    the spec's FFNs (dense, experts and shared experts) carry both, and the registry covers it exactly."""
+    import shutil
+
+    from onboard.recognize.recognizer import recognize
+    from onboard.release.manifest import read_manifest
+    from runtime.registry import OPS
+
+    release = shutil.copytree(example_release("deepseek_v3"), tmp_path / "release")
+    config = json.loads((release / "config.json").read_text())
+    config.update(hidden_act="situ", activation_situ_beta=4, activation_situ_linear_beta=25)
+    (release / "config.json").write_text(json.dumps(config))
+    spec = recognize(read_manifest(release))
+    ffns = [layer.ffn for layer in spec.layers]
+    assert {ffn.kind for ffn in ffns} == {"dense", "moe"}
+    assert all(ffn.activation == "situ" and ffn.situ_betas == (4.0, 25.0) for ffn in ffns)
+    assert {OPS["moe_experts" if f.kind == "moe" else "swiglu_mlp"].supports(f) for f in ffns} == {"exact"}

@@ -29,3 +29,25 @@ def test_the_registry_names_the_activations_and_scorings_the_runtime_has():
              "sys.exit(0 if set(r.BUILTIN_ACTIVATIONS) == set(m.ACTIVATIONS) "
              "and set(r.BUILTIN_SCORINGS) == set(moe.SCORINGS) else 1)")
     assert subprocess.run([sys.executable, "-c", probe]).returncode == 0
+
+
+def test_situ_is_exact_with_its_betas_and_unsupported_without():
+    """Kimi K3's SiTU-GLU: the experts' epilogue fuses it, given the betas the spec carries."""
+    from runtime.spec import DenseFFN, MoEFFN, RouterSpec
+
+    judge = OPS["swiglu_mlp"].supports
+    assert judge(DenseFFN(intermediate_size=8, activation="situ", situ_beta=4.0, situ_linear_beta=25.0)) == "exact"
+    assert judge(DenseFFN(intermediate_size=8, activation="situ")) == "unsupported"
+    moe = MoEFFN(num_experts=4, top_k=2, expert_intermediate_size=8, activation="situ", situ_beta=4.0,
+                 router=RouterSpec(scoring="sigmoid", norm_topk_prob=True))
+    assert moe.situ_betas == (4.0, None)
+    assert OPS["moe_experts"].supports(moe) == "exact"
+
+
+def test_situ_fields_stay_out_of_specs_that_do_not_use_them():
+    """Fields added late are dumped only when set, so earlier packages' spec.json and hash read as they did."""
+    from runtime.spec import DenseFFN
+
+    assert "situ_beta" not in DenseFFN(intermediate_size=8).model_dump()
+    situ = DenseFFN(intermediate_size=8, activation="situ", situ_beta=4.0, situ_linear_beta=25.0)
+    assert DenseFFN.model_validate_json(situ.model_dump_json()) == situ

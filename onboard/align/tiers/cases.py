@@ -92,6 +92,8 @@ def _mla(c: Case, p: dict, d: int, T: int):
               "kv_a_layernorm": (p["kv_lora_rank"],),
               "kv_b_proj": (H * (p["qk_nope_head_dim"] + p["v_head_dim"]), p["kv_lora_rank"]),
               "o_proj": (d, H * p["v_head_dim"])}
+    if p.get("output_gate"):
+        shapes["g_proj"] = (H * p["v_head_dim"], d)
     if p["q_lora_rank"]:
         shapes |= {"q_a_proj": (p["q_lora_rank"], d), "q_a_layernorm": (p["q_lora_rank"],), "q_b_proj": (H * qk, p["q_lora_rank"])}
     else:
@@ -181,6 +183,7 @@ def _router(c: Case, p: dict, d: int, T: int):
 
 def _experts(c: Case, p: dict, d: int, T: int):
     E, F_ = min(p["num_experts"], MAX_EXPERTS), p["expert_intermediate_size"]
+    d = p.get("latent_size") or d  # a latent MoE's experts run at the latent width (Kimi K3)
     k = min(p["top_k"], E)
     c.rand("x_TD", T, d)
     scores = torch.rand(T, E, generator=c.gen, dtype=torch.float64)
@@ -192,8 +195,15 @@ def _experts(c: Case, p: dict, d: int, T: int):
     if p["expert_bias"]:
         c.rand("b_gate_up_E2F", E, 2 * F_, scale=0.1)
         c.rand("b_down_ED", E, d, scale=0.1)
-    c.kwargs.update(activation=p["activation"], clamp=p["swiglu_limit"], glu_alpha=p["swiglu_alpha"],
-                    interleaved_gate_up=p["interleaved_gate_up"])
+    c.kwargs.update(clamp=p["swiglu_limit"], glu_alpha=p["swiglu_alpha"], interleaved_gate_up=p["interleaved_gate_up"],
+                    **activation_kwargs(p))
+
+
+def activation_kwargs(p: dict) -> dict:
+    """The FFN ops' activation keywords: its name, and SiTU-GLU's (beta, linear_beta) where the spec holds them."""
+    if p["activation"] == "situ" and p.get("situ_beta") is not None:
+        return dict(activation="situ", situ_betas=(p["situ_beta"], p.get("situ_linear_beta")))
+    return dict(activation=p["activation"])
 
 
 def _mlp(c: Case, p: dict, d: int, T: int):
@@ -202,7 +212,21 @@ def _mlp(c: Case, p: dict, d: int, T: int):
     c.rand("w_gate_FD", width, d, scale=d ** -0.5)
     c.rand("w_up_FD", width, d, scale=d ** -0.5)
     c.rand("w_down_DF", d, width, scale=width ** -0.5)
-    c.set("activation", p["activation"])
+    c.kwargs.update(activation_kwargs(p))
+
+
+# sources of a tier-0 attention-residual mix: two completed blocks and the partial sum (a real model's count grows
+# with depth; the mix is the same function of each)
+ATTN_RES_SOURCES = 3
+
+
+def _attn_res(c: Case, p: dict, d: int, T: int):
+    for n in range(ATTN_RES_SOURCES):
+        # block sums grow with the sublayers summed into them: sources of unequal scale, as in a real stream
+        c.rand(f"sources.{n}", 1, T, d, scale=1.0 + n)
+    c.rand("query_D", d, scale=d ** -0.5)
+    c.rand("norm_weight_D", d, scale=0.1, offset=1.0)
+    c.set("eps", 1e-6)
 
 
 def _encoded(c: Case, shape: tuple[int, ...], fmt: dict, scale: float):
@@ -239,6 +263,7 @@ def _stored_experts(c: Case, p: dict, d: int, T: int):
 
 
 BUILDERS = {
+    "attn_res_mix": _attn_res,
     "rms_norm": _norm, "gated_rms_norm": _gated_norm, "rope": _rope, "softmax_attention": _softmax,
     "mla_attention": _mla, "dsa_indexer": _indexer, "dsa_attention": _sparse, "causal_conv1d": _conv,
     "gated_delta_rule": _delta, "kda": _delta, "lightning_attention": _lightning, "moe_router": _router,

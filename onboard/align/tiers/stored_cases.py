@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from onboard.align.stored import ReleaseReader, fold_experts
-from onboard.align.tiers.cases import MAX_EXPERTS, Case
+from onboard.align.tiers.cases import MAX_EXPERTS, Case, activation_kwargs
 from runtime.formats.scheme import StoredEntry
 from runtime.spec import ModelSpec, MoEFFN
 
@@ -177,8 +177,9 @@ def _experts_case(label: str, pair: tuple[StoredTensors, StoredTensors], ffn: Mo
         for name, t in (("gate_up", gate_up), ("down", down)):
             _frozen(c, f"{name}_codes", t.codes)
             _frozen(c, f"{name}_scale", t.scale)
-        c.kwargs.update(gate_up.format_kwargs(), activation=ffn.activation, clamp=ffn.swiglu_limit,
-                        glu_alpha=ffn.swiglu_alpha, interleaved_gate_up=ffn.interleaved_gate_up, lora_scale=LORA_SCALE)
+        c.kwargs.update(gate_up.format_kwargs(), clamp=ffn.swiglu_limit, glu_alpha=ffn.swiglu_alpha,
+                        interleaved_gate_up=ffn.interleaved_gate_up, lora_scale=LORA_SCALE,
+                        **activation_kwargs(ffn.model_dump(mode="json")))
         if ffn.expert_bias:
             c.rand("b_gate_up_E2F", E, 2 * F_, scale=0.1)
             c.rand("b_down_ED", E, D, scale=0.1)

@@ -167,7 +167,8 @@ def distinct_ops(spec: ModelSpec) -> list[tuple[str, SpecPart]]:
     """Every (op, spec part) the spec uses, once each (equal parts are one), in layer order."""
     seen, out = set(), []
     for layer in spec.layers:
-        for op, part in [("rms_norm", spec.norm)] + ops_for_layer(layer.attention, layer.ffn, spec.stored_format):
+        for op, part in [("rms_norm", spec.norm)] + ops_for_layer(layer.attention, layer.ffn, spec.stored_format,
+                                                                   spec.attn_res):
             key = (op, part.model_dump_json())  # a part holding a dict (rope scaling) has no hash
             if key not in seen:
                 seen.add(key)

@@ -16,16 +16,20 @@ from runtime.formats.linear import decoded_for_op
 from runtime.formats.weight import StoredWeight
 from runtime.ops.stored_matmul.torch_form import format_kwargs
 from runtime.model.layers.lora_linear import weight_of
+from runtime.model.layers.norm import RMSNorm
 from runtime.ops.moe.torch_form import SCORINGS, router_logits
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, width: int, activation: str = "silu"):
+    def __init__(self, hidden_size: int, width: int, activation: str = "silu",
+                 situ_betas: tuple[float, float | None] | None = None):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, width, bias=False)
         self.up_proj = nn.Linear(hidden_size, width, bias=False)
         self.down_proj = nn.Linear(width, hidden_size, bias=False)
         self.activation = activation
+        # SiTU-GLU's (beta, linear_beta), passed only where set so that other ops' signatures stay as they are
+        self.options = dict(situ_betas=situ_betas) if situ_betas is not None else {}
 
     def forward(self, x_BTD: torch.Tensor, gate_1D: torch.Tensor | None = None,
                 residual_BTD: torch.Tensor | None = None) -> torch.Tensor:
@@ -33,7 +37,7 @@ class GatedMLP(nn.Module):
         (the shared expert: the kernel folds both into its passes; it may write residual_BTD in place)."""
         mlp = op("swiglu_mlp", x_BTD.device)
         return mlp(x_BTD, weight_of(self.gate_proj), weight_of(self.up_proj), weight_of(self.down_proj), self.activation,
-                   gate_1D=gate_1D, residual_TD=residual_BTD)
+                   gate_1D=gate_1D, residual_TD=residual_BTD, **self.options)
 
 
 class Router(nn.Module):
@@ -98,6 +102,8 @@ class Experts(nn.Module):
         self.b_down = nn.Parameter(torch.zeros(E, hidden_size)) if config.expert_bias else None
         self.options = dict(activation=config.activation, clamp=config.swiglu_limit, glu_alpha=config.swiglu_alpha,
                             interleaved_gate_up=config.interleaved_gate_up)
+        if config.situ_betas is not None:
+            self.options["situ_betas"] = config.situ_betas
         # LoRA on the routed experts (runtime/lora/factors.py): stacked fp32 factors for the grouped GEMMs,
         # A_gu [E, r, D], B_gu [E, 2F, r], A_d [E, r, F], B_d [E, D, r]
         self.lora_gate_up_A: nn.Parameter | None = None
@@ -147,11 +153,16 @@ def _maybe(view, t):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: MoEFFN, hidden_size: int):
+    def __init__(self, config: MoEFFN, hidden_size: int, norm_eps: float = 1e-6):
         super().__init__()
         self.router = Router(config, hidden_size)
-        self.experts = Experts(config, hidden_size)
-        self.shared = GatedMLP(hidden_size, config.shared_intermediate_size, config.activation) \
+        # Kimi K3's latent MoE: the routed experts between a down- and an up-projection (and a latent RMSNorm)
+        latent = config.latent_size
+        self.latent_down = nn.Linear(hidden_size, latent, bias=False) if latent else None
+        self.latent_norm = RMSNorm(latent, norm_eps) if latent and config.latent_norm else None
+        self.latent_up = nn.Linear(latent, hidden_size, bias=False) if latent else None
+        self.experts = Experts(config, latent or hidden_size)
+        self.shared = GatedMLP(hidden_size, config.shared_intermediate_size, config.activation, config.situ_betas) \
             if config.num_shared_experts else None
         self.shared_gate = nn.Linear(hidden_size, 1, bias=False) if config.shared_expert_gate else None
         self.last_routing: torch.Tensor | None = None  # idx_Tk of the last forward, for routing-flip counts
@@ -161,8 +172,15 @@ class MoE(nn.Module):
         x_TD = x_BTD.reshape(B * T, D)
         weights_Tk, idx_Tk = self.router(x_TD)
         self.last_routing = idx_Tk.detach()
-        y_TD = self.experts(x_TD, weights_Tk, idx_Tk)
+        y_TD = self.routed(x_TD, weights_Tk, idx_Tk)
         return self.add_shared(x_TD, y_TD).view(B, T, D)
+
+    def routed(self, x_TD: torch.Tensor, weights_Tk: torch.Tensor, idx_Tk: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum; in a latent MoE, run on down(x) and brought back by up(norm(.))."""
+        if self.latent_down is None:
+            return self.experts(x_TD, weights_Tk, idx_Tk)
+        y_TL = self.experts(self.latent_down(x_TD), weights_Tk, idx_Tk)
+        return self.latent_up(self.latent_norm(y_TL) if self.latent_norm is not None else y_TL)
 
     def add_shared(self, x_TD: torch.Tensor, routed_TD: torch.Tensor) -> torch.Tensor:
         """routed + (sigmoid-gated) shared expert of x; routed_TD may be overwritten with the sum.

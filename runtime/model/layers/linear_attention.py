@@ -13,6 +13,7 @@ from torch import nn
 from runtime.spec import GatedDeltaAttention, KDAAttention, LightningAttention as LightningAttentionSpec
 from runtime.dispatch import op
 from runtime.model.layers.norm import GatedRMSNorm, RMSNorm, Weight
+from runtime.ops.gated_delta.kda_torch_form import kda_log_decay
 from runtime.ops.gated_delta.torch_form import DECAYS
 from runtime.model.segments import per_segment
 
@@ -78,7 +79,8 @@ class GatedDeltaNet(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
-    """KDA: per-channel decay from a low-rank forget gate; output gate through a low-rank projection."""
+    """KDA: per-channel decay from a low-rank forget gate; output gate through a low-rank projection (Kimi Linear) or
+    a full-rank one with a lower-bounded decay (Kimi K3)."""
 
     def __init__(self, config: KDAAttention, hidden_size: int, norm_eps: float):
         super().__init__()
@@ -93,10 +95,17 @@ class KimiDeltaAttention(nn.Module):
         self.f_a_proj = nn.Linear(hidden_size, self.K, bias=False)
         self.f_b_proj = nn.Linear(self.K, width, bias=False)
         self.dt_bias = nn.Parameter(torch.zeros(width))
-        self.A_log = nn.Parameter(torch.zeros(1, 1, self.H, 1))
+        # as released: Kimi Linear's [1, 1, H, 1], or Kimi K3's flat vector zero-padded past the H heads' entries
+        self.A_log = nn.Parameter(torch.zeros(1, 1, self.H, 1) if config.a_log_width is None
+                                  else torch.zeros(config.a_log_width))
+        self.lower_bound = config.gate_lower_bound
         self.b_proj = nn.Linear(hidden_size, self.H, bias=False)
-        self.g_a_proj = nn.Linear(hidden_size, self.K, bias=False)
-        self.g_b_proj = nn.Linear(self.K, width, bias=False)
+        if config.full_rank_gate:
+            self.g_proj = nn.Linear(hidden_size, width, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(hidden_size, self.K, bias=False)
+            self.g_b_proj = nn.Linear(self.K, width, bias=False)
+        self.full_rank_gate = config.full_rank_gate
         self.o_norm = GatedRMSNorm(self.K, norm_eps, config.output_gate_activation)
         self.o_proj = nn.Linear(width, hidden_size, bias=False)
 
@@ -111,11 +120,12 @@ class KimiDeltaAttention(nn.Module):
         qkv = _conv(qkv, self._conv_weight(), cu_seqlens)
         q_BTHK, k_BTHK, v_BTHK = (t.view(B, T, self.H, self.K) for t in qkv.chunk(3, dim=-1))
         gate_in = self.f_b_proj(self.f_a_proj(x_BTD)).float() + self.dt_bias.float()
-        g_BTHK = -self.A_log.float().exp() * F.softplus(gate_in.view(B, T, self.H, self.K))
+        g_BTHK = kda_log_decay(gate_in.view(B, T, self.H, self.K), self.A_log.flatten()[: self.H], self.lower_bound)
         beta_BTH = torch.sigmoid(self.b_proj(x_BTD))
         o_BTHK, _ = op("kda", x_BTD.device)(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, use_qk_l2norm=True,
                                             cu_seqlens=cu_seqlens)
-        gate_BTHK = self.g_b_proj(self.g_a_proj(x_BTD)).view(B, T, self.H, self.K)
+        gate = self.g_proj(x_BTD) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x_BTD))
+        gate_BTHK = gate.view(B, T, self.H, self.K)
         return self.o_proj(self.o_norm(o_BTHK, gate_BTHK).reshape(B, T, -1))
 
 

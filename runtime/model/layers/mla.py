@@ -63,6 +63,8 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.L, norm_eps)
         self.kv_b_proj = nn.Linear(self.L, self.H * (self.N + self.V), bias=False)
         self.o_proj = nn.Linear(self.H * self.V, hidden_size, bias=False)
+        # Kimi K3's output gate: sigmoid(g_proj(x)) times the heads' output, before o_proj
+        self.g_proj = nn.Linear(hidden_size, self.H * self.V, bias=False) if config.output_gate else None
         self.scale = config.scale or mla_softmax_scale(qk, self.rope.scaling if self.rope else None)
         self.indexer = DSAIndexer(config.indexer, hidden_size, self.q_lora_rank or hidden_size) if config.indexer else None
 
@@ -73,8 +75,8 @@ class MLAAttention(nn.Module):
         return rotary.get(self.rope)
 
     def _weights(self) -> dict[str, torch.Tensor]:
-        names = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
-        params = {n: weight_of(getattr(self, n)) for n in names if hasattr(self, n)}
+        names = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "g_proj")
+        params = {n: weight_of(getattr(self, n)) for n in names if getattr(self, n, None) is not None}
         params["kv_a_layernorm"] = self.kv_a_layernorm.weight
         if self.q_lora_rank:
             params["q_a_layernorm"] = self.q_a_layernorm.weight
@@ -108,4 +110,7 @@ class MLAAttention(nn.Module):
         idx_BTS = self.indexer(x_BTD, q_resid_BTQ, cos, sin, self.R)
         o_lat_BTHL = op("dsa_attention", x_BTD.device)(q_abs_BTHK, kv_abs_BTK, idx_BTS, self.scale, self.L)
         o_BTHV = torch.einsum("bthl,hvl->bthv", o_lat_BTHL, w_kv_HXL[:, self.N:])
-        return self.o_proj(o_BTHV.reshape(B, T, self.H * self.V))
+        o_BTX = o_BTHV.reshape(B, T, self.H * self.V)
+        if self.g_proj is not None:
+            o_BTX = o_BTX * torch.sigmoid(self.g_proj(x_BTD))
+        return self.o_proj(o_BTX)

@@ -16,3 +16,12 @@ def kda(
     """(o_BTHV in q's dtype, final_state_BHKV in fp32) of KDA: GDN with a per-channel decay g_BTHK."""
     return chunked_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale, initial_state_BHKV, use_qk_l2norm,
                               cu_seqlens)
+
+
+def kda_log_decay(gate_in_BTHK: torch.Tensor, A_log_H: torch.Tensor, lower_bound: float | None = None) -> torch.Tensor:
+    """g_BTHK in fp32 (contract: reference_ops/kda.py): -exp(A_log) softplus(gate_in) (Kimi Linear), or Kimi K3's
+    lower-bounded lower_bound * sigmoid(exp(A_log) gate_in)."""
+    decay_H1 = A_log_H.float().exp()[:, None]
+    if lower_bound is None:
+        return -decay_H1 * torch.nn.functional.softplus(gate_in_BTHK.float())
+    return lower_bound * torch.sigmoid(decay_H1 * gate_in_BTHK.float())

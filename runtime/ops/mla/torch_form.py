@@ -40,7 +40,8 @@ def mla_attention(
     eps: float,
     interleaved_rope: bool,
 ) -> torch.Tensor:
-    """o_BTD in x's dtype; causal. scale is the full softmax scale (see mla_softmax_scale)."""
+    """o_BTD in x's dtype; causal. scale is the full softmax scale (see mla_softmax_scale). params["g_proj"], when
+    given: Kimi K3's output gate, sigmoid(x @ g_proj^T) times the heads' output before o_proj."""
     batch, num_tokens = x_BTD.shape[:2]
     q_BTHK = _queries(x_BTD, params, num_heads, q_lora_rank, qk_nope_head_dim + qk_rope_head_dim, eps)
     q_nope_BTHN, q_rope_BTHP = q_BTHK.split([qk_nope_head_dim, qk_rope_head_dim], dim=-1)
@@ -57,7 +58,14 @@ def mla_attention(
     q_BTHK = torch.cat([q_nope_BTHN, q_rope_BTHP], dim=-1)
     k_BTHK = torch.cat([k_nope_BTHN, k_rope_BT1P.expand(-1, -1, num_heads, -1)], dim=-1)
     o_BTHV = softmax_attention(q_BTHK, k_BTHK, v_BTHV, scale, causal=True)
-    return F.linear(o_BTHV.reshape(batch, num_tokens, num_heads * v_head_dim), params["o_proj"])
+    return F.linear(output_gated(o_BTHV.reshape(batch, num_tokens, num_heads * v_head_dim), x_BTD, params),
+                    params["o_proj"])
+
+
+def output_gated(o_BTX: torch.Tensor, x_BTD: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+    """o * sigmoid(x @ g_proj^T) where the release has Kimi K3's MLA output gate; o as it is otherwise."""
+    gate = params.get("g_proj")
+    return o_BTX if gate is None else o_BTX * torch.sigmoid(F.linear(x_BTD, gate))
 
 
 def _queries(x_BTD, params, num_heads, q_lora_rank, qk_head_dim, eps) -> torch.Tensor:

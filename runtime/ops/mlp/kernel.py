@@ -169,14 +169,15 @@ def swiglu_mlp(
     *,
     gate_1D: torch.Tensor | None = None,
     residual_TD: torch.Tensor | None = None,
+    situ_betas: tuple[float, float | None] | None = None,
 ) -> torch.Tensor:
     """residual + sigmoid(x @ gate^T) * down(silu(gate(x)) * up(x)); x [..., D] -> [..., D].
     gate_1D (the shared-expert gate) and residual_TD are optional; residual_TD is overwritten with
     the result (autograd-safe: it is marked dirty) and returned. Contract of reference_ops/mlp.py's
-    swiglu_mlp composed with the gate and the add; other activations, mixed dtypes and residuals that
+    swiglu_mlp composed with the gate and the add; other activations (SiTU-GLU too), mixed dtypes and residuals that
     cannot be written in place use runtime.ops.mlp."""
     weights = [w_gate_FD, w_up_FD, w_down_DF] + ([gate_1D] if gate_1D is not None else [])
     if activation != "silu" or not _fusable(x_TD, weights, residual_TD):
         return torch_ops.swiglu_mlp(x_TD, w_gate_FD, w_up_FD, w_down_DF, activation, gate_1D=gate_1D,
-                                    residual_TD=residual_TD)
+                                    residual_TD=residual_TD, situ_betas=situ_betas)
     return _SwigluMlp.apply(x_TD, w_gate_FD, w_up_FD, w_down_DF, gate_1D, residual_TD)

@@ -16,6 +16,28 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
 
+# Gated activations with parameters of their own act on gate and up together, so they are not in ACTIVATIONS
+# (one function of the gate): Kimi K3's SiTU-GLU, its (beta, linear_beta) carried by the spec (runtime/spec.py).
+SITU = "situ"
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """beta tanh(gate / beta) sigmoid(gate) * linear_beta tanh(up / linear_beta) (up as is when linear_beta is None)."""
+    activated = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
+    if linear_beta is not None:
+        up = linear_beta * torch.tanh(up / linear_beta)
+    return activated * up
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor, activation: str,
+          situ_betas: tuple[float, float | None] | None = None) -> torch.Tensor:
+    """act(gate) * up for an ACTIVATIONS name; SiTU-GLU with its (beta, linear_beta) for "situ"."""
+    if activation == SITU:
+        if situ_betas is None:
+            raise ValueError("the situ activation needs its (beta, linear_beta)")
+        return situ_glu(gate, up, *situ_betas)
+    return ACTIVATIONS[activation](gate) * up
+
 
 def swiglu_mlp(
     x_TD: torch.Tensor,
@@ -26,10 +48,12 @@ def swiglu_mlp(
     *,
     gate_1D: torch.Tensor | None = None,
     residual_TD: torch.Tensor | None = None,
+    situ_betas: tuple[float, float | None] | None = None,
 ) -> torch.Tensor:
-    """Dense gated MLP (also the shared expert): down(act(gate(x)) * up(x)); with the shared-expert
-    gate gate_1D [1, D] times sigmoid(x @ gate_1D^T), plus residual_TD (the routed experts' output)."""
-    out_TD = F.linear(ACTIVATIONS[activation](F.linear(x_TD, w_gate_FD)) * F.linear(x_TD, w_up_FD), w_down_DF)
+    """Dense gated MLP (also the shared expert): down(act(gate(x)) * up(x)) (SiTU-GLU for activation "situ", with
+    situ_betas); with the shared-expert gate gate_1D [1, D] times sigmoid(x @ gate_1D^T), plus residual_TD (the
+    routed experts' output)."""
+    out_TD = F.linear(gated(F.linear(x_TD, w_gate_FD), F.linear(x_TD, w_up_FD), activation, situ_betas), w_down_DF)
     if gate_1D is not None:
         out_TD = out_TD * torch.sigmoid(F.linear(x_TD, gate_1D))
     return out_TD if residual_TD is None else residual_TD + out_TD

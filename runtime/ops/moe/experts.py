@@ -33,6 +33,7 @@ from runtime.ops.moe.grouped_gemm import (
     grouped_gemm,
 )
 from runtime.ops.moe.gluon import down_gemm as gluon_down, glu_gemm as gluon_glu, weight_grad as gluon_wgrad
+from runtime.ops.mlp.torch_form import SITU
 from runtime.ops.moe.glu_backward import routed_glu_backward
 from runtime.ops.moe.grouped_wgrad import grouped_mm_takes, grouped_wgrad, sorted_rows_wgrad
 from runtime.ops.moe.schedule import Schedule, build_schedule
@@ -285,6 +286,18 @@ def _routed_sum(rows_TN: torch.Tensor, w_P: torch.Tensor, idx_Tk: torch.Tensor, 
     return route_TE.T @ rows_TN
 
 
+def _fused_activation(activation: str, glu_alpha: float | None, situ_betas) -> bool:
+    """The GLUs the kernels' epilogues compute: silu, the gpt-oss form, and Kimi K3's SiTU-GLU."""
+    return activation == "silu" or glu_alpha is not None or (activation == SITU and situ_betas is not None)
+
+
+def _situ(activation: str, situ_betas) -> tuple[float, float | None] | None:
+    if activation != SITU:
+        return None
+    beta, linear_beta = situ_betas
+    return float(beta), float(linear_beta) if linear_beta is not None else None
+
+
 def swiglu_experts(
     x_TD: torch.Tensor,
     weights_Tk: torch.Tensor,
@@ -297,22 +310,23 @@ def swiglu_experts(
     activation: str = "silu",
     clamp: float | None = None,
     glu_alpha: float | None = None,
+    situ_betas: tuple[float, float | None] | None = None,
     interleaved_gate_up: bool = False,
     lora_gate_up: tuple[torch.Tensor, torch.Tensor] | None = None,
     lora_down: tuple[torch.Tensor, torch.Tensor] | None = None,
     lora_scale: float = 1.0,
 ) -> torch.Tensor:
     """Routed experts, y_TD = sum_j weights[t, j] * expert_{idx[t, j]}(x[t]), in x's dtype.
-    Contract of reference_ops/moe.py; the kernels implement silu and the gpt-oss GLU, other activations
+    Contract of reference_ops/moe.py; the kernels implement silu, the gpt-oss GLU and SiTU-GLU, other activations
     (a package's generated ones too) run through the torch form, as the dense MLP kernel does."""
-    if activation != "silu" and glu_alpha is None:
+    if not _fused_activation(activation, glu_alpha, situ_betas):
         return torch_ops.swiglu_experts(
             x_TD, weights_Tk, idx_Tk, w_gate_up_E2FD, w_down_EDF, b_gate_up_E2F=b_gate_up_E2F, b_down_ED=b_down_ED,
-            activation=activation, clamp=clamp, interleaved_gate_up=interleaved_gate_up, lora_gate_up=lora_gate_up,
-            lora_down=lora_down, lora_scale=lora_scale)
+            activation=activation, clamp=clamp, situ_betas=situ_betas, interleaved_gate_up=interleaved_gate_up,
+            lora_gate_up=lora_gate_up, lora_down=lora_down, lora_scale=lora_scale)
     A_gu, B_gu = lora_gate_up if lora_gate_up is not None else (None, None)
     A_d, B_d = lora_down if lora_down is not None else (None, None)
-    glu = Glu(interleaved_gate_up, clamp, glu_alpha)
+    glu = Glu(interleaved_gate_up, clamp, glu_alpha, _situ(activation, situ_betas))
     return _SwigluExperts.apply(float(lora_scale), glu, None, x_TD.contiguous(), weights_Tk, idx_Tk, w_gate_up_E2FD,
                                 w_down_EDF, b_gate_up_E2F, b_down_ED, A_gu, B_gu, A_d, B_d, None, None)
 
@@ -333,6 +347,7 @@ def stored_swiglu_experts(
     activation: str = "silu",
     clamp: float | None = None,
     glu_alpha: float | None = None,
+    situ_betas: tuple[float, float | None] | None = None,
     interleaved_gate_up: bool = False,
     lora_gate_up: tuple[torch.Tensor, torch.Tensor] | None = None,
     lora_down: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -343,15 +358,15 @@ def stored_swiglu_experts(
     do not fuse run through the torch form, as in swiglu_experts."""
     gate_up_codes, gate_up_scale = stored_operands(gate_up_codes, gate_up_scale, kind)
     down_codes, down_scale = stored_operands(down_codes, down_scale, kind)
-    if activation != "silu" and glu_alpha is None:
+    if not _fused_activation(activation, glu_alpha, situ_betas):
         return torch_ops.stored_swiglu_experts(
             x_TD, weights_Tk, idx_Tk, gate_up_codes, gate_up_scale, down_codes, down_scale, kind=kind, block=block,
             b_gate_up_E2F=b_gate_up_E2F, b_down_ED=b_down_ED, activation=activation, clamp=clamp,
-            interleaved_gate_up=interleaved_gate_up, lora_gate_up=lora_gate_up, lora_down=lora_down,
-            lora_scale=lora_scale)
+            situ_betas=situ_betas, interleaved_gate_up=interleaved_gate_up, lora_gate_up=lora_gate_up,
+            lora_down=lora_down, lora_scale=lora_scale)
     A_gu, B_gu = lora_gate_up if lora_gate_up is not None else (None, None)
     A_d, B_d = lora_down if lora_down is not None else (None, None)
-    glu = Glu(interleaved_gate_up, clamp, glu_alpha)
+    glu = Glu(interleaved_gate_up, clamp, glu_alpha, _situ(activation, situ_betas))
     stored = (kind, tuple(block) if block is not None else None)
     return _SwigluExperts.apply(float(lora_scale), glu, stored, x_TD.contiguous(), weights_Tk, idx_Tk, gate_up_codes,
                                 down_codes, b_gate_up_E2F, b_down_ED, A_gu, B_gu, A_d, B_d, gate_up_scale, down_scale)

@@ -26,7 +26,8 @@ BLOCK_S, MAX_BLOCK_F, NUM_WARPS = 16, 128, 8
 
 @triton.jit
 def routed_glu_backward_kernel(dh_ptr, gu_ptr, scale_ptr, pair_ptr, dgu_ptr, dw_ptr, wh_ptr, S, F, row_mult,
-                               up_offset, limit, alpha, CLAMP: tl.constexpr, HAS_ALPHA: tl.constexpr,
+                               up_offset, limit, alpha, situ_beta, situ_linear_beta, CLAMP: tl.constexpr,
+                               HAS_ALPHA: tl.constexpr, SITU: tl.constexpr, CAP_UP: tl.constexpr,
                                WANT_DW: tl.constexpr, WANT_WH: tl.constexpr, BLOCK_S: tl.constexpr,
                                BLOCK_F: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -42,7 +43,8 @@ def routed_glu_backward_kernel(dh_ptr, gu_ptr, scale_ptr, pair_ptr, dgu_ptr, dw_
         gu_at = row64 * (2 * F) + (units * row_mult)[None, :]
         gate0 = tl.load(gu_ptr + gu_at, mask=mask, other=0.0).to(tl.float32)
         up0 = tl.load(gu_ptr + gu_at + up_offset, mask=mask, other=0.0).to(tl.float32)
-        h, d_gate, d_up = glu_backward(gate0, up0, dh_raw * w, CLAMP, limit, HAS_ALPHA, alpha)
+        h, d_gate, d_up = glu_backward(gate0, up0, dh_raw * w, CLAMP, limit, HAS_ALPHA, alpha, SITU, CAP_UP, situ_beta,
+                                       situ_linear_beta)
         if WANT_DW:
             dw += tl.sum(dh_raw * h, axis=1)
         if WANT_WH:
@@ -65,7 +67,6 @@ def routed_glu_backward(dh_raw_SF, gate_up_S2F, w_P, sched: Schedule, glu: Glu, 
     fast(routed_glu_backward_kernel)[(triton.cdiv(S, BLOCK_S),)](
         dh_raw_SF, gate_up_S2F, w_P, sched.pair_S, d_gate_up, dw_P if want_dw else w_P,
         wh if want_wh else d_gate_up, S, F, row_mult, up_offset,
-        glu.clamp if glu.clamp is not None else 0.0, glu.alpha if glu.alpha is not None else 1.0,
-        CLAMP=glu.clamp is not None, HAS_ALPHA=glu.alpha is not None, WANT_DW=want_dw, WANT_WH=want_wh,
+        *glu.launch_args(), **glu.flags(), WANT_DW=want_dw, WANT_WH=want_wh,
         BLOCK_S=BLOCK_S, BLOCK_F=min(MAX_BLOCK_F, triton.next_power_of_2(F)), num_warps=NUM_WARPS)
     return d_gate_up, dw_P, wh

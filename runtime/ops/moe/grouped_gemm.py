@@ -45,8 +45,43 @@ def _glu_parts(gate, up, CLAMP: tl.constexpr, limit, HAS_ALPHA: tl.constexpr, al
 
 
 @triton.jit
-def glu_backward(gate0, up0, dh, CLAMP: tl.constexpr, limit, HAS_ALPHA: tl.constexpr, alpha):
+def _tanh(x):
+    # tanh through the sigmoid: one exp, and no libdevice call for the interpreter to lack
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _situ_parts(gate, up, CAP_UP: tl.constexpr, beta, linear_beta):
+    """Kimi K3's SiTU-GLU pieces: (act = beta tanh(gate / beta) sigmoid(gate), its derivative, the capped up
+    linear_beta tanh(up / linear_beta) (up itself without CAP_UP), the capped up's derivative)."""
+    t = _tanh(gate / beta)
+    sig = tl.sigmoid(gate)
+    act = beta * t * sig
+    d_act = (1.0 - t * t) * sig + act * (1.0 - sig)
+    if CAP_UP:
+        tu = _tanh(up / linear_beta)
+        return act, d_act, linear_beta * tu, 1.0 - tu * tu
+    return act, d_act, up, 1.0
+
+
+@triton.jit
+def glu_forward(gate0, up0, CLAMP: tl.constexpr, limit, HAS_ALPHA: tl.constexpr, alpha, SITU: tl.constexpr,
+                CAP_UP: tl.constexpr, beta, linear_beta):
+    """h = glu(gate, up): silu(gate) * up, the gpt-oss form (CLAMP / HAS_ALPHA) or SiTU-GLU (SITU)."""
+    if SITU:
+        act, d_act, up, d_up = _situ_parts(gate0, up0, CAP_UP, beta, linear_beta)
+        return act * up
+    gate, up, sig = _glu_parts(gate0, up0, CLAMP, limit, HAS_ALPHA, alpha)
+    return gate * sig * up
+
+
+@triton.jit
+def glu_backward(gate0, up0, dh, CLAMP: tl.constexpr, limit, HAS_ALPHA: tl.constexpr, alpha, SITU: tl.constexpr,
+                 CAP_UP: tl.constexpr, beta, linear_beta):
     """h and the gradients wrt the pre-clamp gate and up, given dh (the GLU backward pass of glu_backward.py)."""
+    if SITU:
+        act, d_act, up, d_capped = _situ_parts(gate0, up0, CAP_UP, beta, linear_beta)
+        return act * up, dh * up * d_act, dh * act * d_capped
     gate, up, sig = _glu_parts(gate0, up0, CLAMP, limit, HAS_ALPHA, alpha)
     a = alpha if HAS_ALPHA else 1.0
     act = gate * sig
@@ -150,12 +185,12 @@ def grouped_gemm_kernel(
     l_ptr, stride_lm, r_ptr, stride_re, stride_rn, stride_rr, rank, lora_scale,
     gu_ptr, stride_gum,
     pair_ptr, tile_expert_ptr, tile_start_ptr, ends_ptr,
-    N, K, num_experts, row_mult, up_offset, limit, alpha,
+    N, K, num_experts, row_mult, up_offset, limit, alpha, situ_beta, situ_linear_beta,
     ws_ptr, stride_wse, stride_ws, block_o, block_i,
     TOP_K: tl.constexpr, MODE: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, ROW_SCALE: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr,
-    CLAMP: tl.constexpr, HAS_ALPHA: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    CLAMP: tl.constexpr, HAS_ALPHA: tl.constexpr, SITU: tl.constexpr, CAP_UP: tl.constexpr,
+    PRECISION: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
     FORMAT: tl.constexpr, TRANS_W: tl.constexpr, SCALE_E8M0: tl.constexpr, SCALE_MODE: tl.constexpr,
 ):
     num_n = tl.cdiv(N, BLOCK_N)
@@ -195,8 +230,7 @@ def grouped_gemm_kernel(
         acc_up = _extra_terms(acc_up, rows, row_ok, w_rows + up_offset, col_ok, l_ptr, stride_lm, r_ptr, stride_rn,
                               stride_rr, rank, lora_scale, bias_ptr, HAS_LORA, HAS_BIAS, BLOCK_R, PRECISION)
         _store_pair(gu_ptr, stride_gum, rows, w_rows, up_offset, mask, acc, acc_up)
-        gate, up, sig = _glu_parts(acc, acc_up, CLAMP, limit, HAS_ALPHA, alpha)
-        h = gate * sig * up
+        h = glu_forward(acc, acc_up, CLAMP, limit, HAS_ALPHA, alpha, SITU, CAP_UP, situ_beta, situ_linear_beta)
         tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_cm + units[None, :], h.to(c_ptr.dtype.element_ty), mask=mask)
 
 
@@ -246,6 +280,17 @@ class Glu:
     interleaved: bool = False
     clamp: float | None = None
     alpha: float | None = None
+    situ: tuple[float, float | None] | None = None  # Kimi K3's SiTU-GLU: (beta, linear_beta)
+
+    def launch_args(self) -> tuple:
+        """(limit, alpha, situ beta, situ linear_beta) as the kernels take them (1.0 where unused)."""
+        beta, linear_beta = self.situ if self.situ is not None else (1.0, None)
+        return (self.clamp if self.clamp is not None else 0.0, self.alpha if self.alpha is not None else 1.0,
+                float(beta), float(linear_beta) if linear_beta is not None else 1.0)
+
+    def flags(self) -> dict:
+        return dict(CLAMP=self.clamp is not None, HAS_ALPHA=self.alpha is not None, SITU=self.situ is not None,
+                    CAP_UP=self.situ is not None and self.situ[1] is not None)
 
     def layout(self, num_units: int) -> tuple[int, int]:
         """(row multiplier, offset of the up row) for unit f: gate at f*m, up at f*m + offset."""
@@ -345,13 +390,13 @@ def grouped_gemm(a_SK, w: Weight, sched: Schedule, out, *, mode=MODE_PLAIN, gath
         gate_up if gate_up is not None else dummy, gate_up.stride(0) if gate_up is not None else 0,
         sched.pair_S, sched.tile_expert, sched.tile_start, sched.ends_E,
         N, K, sched.num_experts, row_mult, up_offset,
-        glu.clamp if glu.clamp is not None else 0.0, glu.alpha if glu.alpha is not None else 1.0,
+        *glu.launch_args(),
         *format_args,
     )
     flags = dict(
         TOP_K=sched.top_k, MODE=mode, GATHER_A=gather_a, SCATTER_C=scatter_out, ROW_SCALE=row_scale_P is not None,
         HAS_BIAS=bias_EN is not None, HAS_LORA=low_rank is not None,
-        CLAMP=glu.clamp is not None, HAS_ALPHA=glu.alpha is not None, PRECISION=dot_precision(a_SK.dtype),
+        **glu.flags(), PRECISION=dot_precision(a_SK.dtype),
         BLOCK_M=sched.block_m, BLOCK_R=_small_block(lr.left_Sr.shape[1]), **format_flags,
     )
     config = dict(BLOCK_N=_small_block(N), BLOCK_K=32, num_warps=4) if N <= SMALL_N else None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from runtime.ops.mlp.torch_form import ACTIVATIONS
+from runtime.ops.mlp.torch_form import gated
 from runtime.ops.stored_matmul.torch_form import decode, saved_as_codes
 
 # By spec router `scoring` name: logits [T, E] -> scores [T, E]; a package's generated scorings are added when
@@ -151,14 +151,14 @@ def _lora_linear(a_SK, w_ENK, lora, scale, sort):
     return out_SN + scale * grouped_linear(grouped_linear(a_SK, A_ErK, sort), B_ENr, sort)
 
 
-def glu(gate, up, activation: str, clamp: float | None, glu_alpha: float | None):
-    """The expert's gated activation; clamp and glu_alpha give the gpt-oss form."""
+def glu(gate, up, activation: str, clamp: float | None, glu_alpha: float | None, situ_betas=None):
+    """The expert's gated activation; clamp and glu_alpha give the gpt-oss form, situ_betas Kimi K3's SiTU."""
     if clamp is not None:
         gate = gate.clamp(max=clamp)
         up = up.clamp(-clamp, clamp)
     if glu_alpha is not None:
         return gate * torch.sigmoid(glu_alpha * gate) * (up + 1)
-    return ACTIVATIONS[activation](gate) * up
+    return gated(gate, up, activation, situ_betas)
 
 
 def swiglu_experts(
@@ -173,6 +173,7 @@ def swiglu_experts(
     activation: str = "silu",
     clamp: float | None = None,
     glu_alpha: float | None = None,
+    situ_betas: tuple[float, float | None] | None = None,
     interleaved_gate_up: bool = False,
     lora_gate_up: tuple[torch.Tensor, torch.Tensor] | None = None,
     lora_down: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -189,7 +190,7 @@ def swiglu_experts(
         gate_SF, up_SF = gate_up_S2F[:, 0::2], gate_up_S2F[:, 1::2]
     else:
         gate_SF, up_SF = gate_up_S2F.chunk(2, dim=-1)
-    h_SF = glu(gate_SF, up_SF, activation, clamp, glu_alpha)
+    h_SF = glu(gate_SF, up_SF, activation, clamp, glu_alpha, situ_betas)
     y_SD = _lora_linear(h_SF, w_down_EDF, lora_down, lora_scale, sort)
     if b_down_ED is not None:
         y_SD = y_SD + b_down_ED[sort.expert_S]

@@ -144,3 +144,57 @@ def test_mla_reference_equals_deepseek_v3_attention(q_lora_rank, interleaved):
 def test_softmax_scale_without_scaling_is_plain():
     assert run.mla_softmax_scale(192, None) == pytest.approx(192**-0.5)
     assert run.mla_softmax_scale(192, {"rope_type": "yarn", "factor": 40.0}) == pytest.approx(192**-0.5)
+
+
+def _nope_tables(batch: int, num_tokens: int, rope_dim: int):
+    """NoPE MLA (Kimi): the rope part used unrotated, i.e. cos 1 and sin 0."""
+    return torch.ones(batch, num_tokens, rope_dim, dtype=torch.float64), torch.zeros(batch, num_tokens, rope_dim,
+                                                                                    dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_nope_mla_matches_reference(dtype):
+    """Kimi K3's MLA: no positions, and the heads' output times sigmoid(g_proj(x)) before o_proj; forward and the
+    gradients of x and every weight, g_proj's included."""
+    hidden, dims, batch, num_tokens = 40, _dims(24, False), 2, 63
+    params = _random_params(dims, hidden, seed=3) | {"g_proj": _init((dims["num_heads"] * dims["v_head_dim"], hidden))}
+    cos_BTR, sin_BTR = _nope_tables(batch, num_tokens, dims["qk_rope_head_dim"])
+    x_run = torch.randn(batch, num_tokens, hidden).to(dtype).requires_grad_()
+    params_run = {name: w.to(dtype).requires_grad_() for name, w in params.items()}
+    x_ref = x_run.detach().double().requires_grad_()
+    params_ref = {name: w.detach().double().requires_grad_() for name, w in params_run.items()}
+    static = dict(dims, scale=(dims["qk_nope_head_dim"] + dims["qk_rope_head_dim"]) ** -0.5, eps=LATENT_EPS)
+    out_run = run.mla_attention(x_run, params_run, cos_BTR=cos_BTR.float(), sin_BTR=sin_BTR.float(), **static)
+    out_ref = ref.mla_attention(x_ref, params_ref, cos_BTR=cos_BTR, sin_BTR=sin_BTR, **static)
+    assert_close(out_run, out_ref, "mla_attention", dtype, "out")
+    cotangent = torch.randn_like(out_ref)
+    out_run.backward(cotangent.to(dtype))
+    out_ref.backward(cotangent)
+    assert_close(x_run.grad, x_ref.grad, "mla_attention", dtype, "grad", "x")
+    for name in params:
+        assert_close(params_run[name].grad, params_ref[name].grad, "mla_attention", dtype, "grad", name)
+
+
+def test_gated_nope_mla_reference_is_the_k3_formula():
+    """The reference with g_proj and cos 1 / sin 0 equals Kimi K3's gated MLA written out plainly: the shared rope
+    part of the key unrotated, softmax scale (nope + rope) ** -0.5, o * sigmoid(g_proj(x)) then o_proj."""
+    hidden, dims, T = 40, _dims(24, False), 17
+    H, N, R, V, L = (dims[k] for k in ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                        "kv_lora_rank"))
+    w = {n: t.double() for n, t in _random_params(dims, hidden, seed=4).items()}
+    w["g_proj"] = _init((H * V, hidden)).double()
+    x = torch.randn(1, T, hidden, dtype=torch.float64)
+
+    def norm(t, weight):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + LATENT_EPS) * weight
+
+    q = (norm(x @ w["q_a_proj"].T, w["q_a_layernorm"]) @ w["q_b_proj"].T).view(1, T, H, N + R)
+    latent, k_shared = (x @ w["kv_a_proj_with_mqa"].T).split([L, R], dim=-1)
+    k_nope, v = (norm(latent, w["kv_a_layernorm"]) @ w["kv_b_proj"].T).view(1, T, H, N + V).split([N, V], dim=-1)
+    k = torch.cat([k_nope, k_shared[:, :, None].expand(1, T, H, R)], dim=-1)
+    o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                         is_causal=True, scale=(N + R) ** -0.5)
+    expected = (o.transpose(1, 2).reshape(1, T, H * V) * torch.sigmoid(x @ w["g_proj"].T)) @ w["o_proj"].T
+    cos, sin = _nope_tables(1, T, R)
+    ours = ref.mla_attention(x, w, cos_BTR=cos, sin_BTR=sin, scale=(N + R) ** -0.5, eps=LATENT_EPS, **dims)
+    torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-12)

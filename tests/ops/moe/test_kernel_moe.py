@@ -95,6 +95,27 @@ def test_gpt_oss_glu_with_biases_and_transposed_weights():
     check_experts(leaves, idx, clamp=1.5, glu_alpha=1.702, interleaved_gate_up=True)
 
 
+SITU_CASES = {
+    # Kimi K3's released betas; caps the pre-activations here (std ~1.7) saturate, with LoRA and an empty expert;
+    # the up projection left uncapped (no linear_beta)
+    "k3-betas": dict(problem=dict(seed=9), betas=(4.0, 25.0)),
+    "saturating-lora-empty-expert": dict(problem=dict(E=7, k=3, empty_expert=4, lora_rank=3, seed=10),
+                                         betas=(1.0, 0.5), static=dict(lora_scale=0.5)),
+    "up-uncapped-frozen": dict(problem=dict(E=5, seed=11), betas=(0.7, None),
+                               frozen=("w_gate_up_E2FD", "w_down_EDF")),
+}
+
+
+@pytest.mark.parametrize("case", list(SITU_CASES))
+def test_situ_glu_in_the_epilogue_matches_reference(case, monkeypatch):
+    """SiTU-GLU runs in the grouped GEMM's epilogue and the GLU backward pass, not through the torch form."""
+    spec = SITU_CASES[case]
+    leaves, idx = _problem(**spec["problem"])
+    monkeypatch.setattr(experts.torch_ops, "swiglu_experts", None)
+    check_experts(leaves, idx, frozen=spec.get("frozen", ()), activation="situ", situ_betas=spec["betas"],
+                  **spec.get("static", {}))
+
+
 def test_silu_with_clamp_only():
     leaves, idx = _problem(seed=4)
     check_experts(leaves, idx, clamp=1.0)

@@ -51,11 +51,12 @@ import json
 from bench.kernel_resources import resources
 from runtime.ops.moe.grouped_gemm import grouped_gemm_kernel
 sig = {"pair_ptr": "*i64", "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32", "ends_ptr": "*i32",
-       "lora_scale": "fp32", "limit": "fp32", "alpha": "fp32", "scale_ptr": "*fp32"}
+       "lora_scale": "fp32", "limit": "fp32", "alpha": "fp32", "situ_beta": "fp32",
+       "situ_linear_beta": "fp32", "scale_ptr": "*fp32"}
 used = []
 for fmt, codes, trans in ((2, "*u8", True), (1, "*fp8e4nv", False)):
     flags = dict(TOP_K=4, MODE=0, GATHER_A=True, SCATTER_C=True, ROW_SCALE=True, HAS_BIAS=False, HAS_LORA=True,
-                 CLAMP=False, HAS_ALPHA=False, PRECISION="tf32", EVEN_K=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
+                 CLAMP=False, HAS_ALPHA=False, SITU=False, CAP_UP=False, PRECISION="tf32", EVEN_K=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
                  BLOCK_R=16, FORMAT=fmt, TRANS_W=trans, SCALE_E8M0=True, SCALE_MODE=0)
     used.append(resources(grouped_gemm_kernel, sig | {"w_ptr": codes, "ws_ptr": "*u8"}, flags, num_warps=8,
                           num_stages=3))

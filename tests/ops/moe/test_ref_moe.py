@@ -228,6 +228,11 @@ EXPERT_CASES = {
     "silu-clamp-only": dict(E=6, k=2, static=dict(clamp=1.0)),
     "gelu-tanh": dict(E=6, k=2, static=dict(activation="gelu_pytorch_tanh")),
     "lora-r4": dict(E=6, k=2, lora_rank=4, static=dict(lora_scale=0.5)),
+    # Kimi K3's SiTU-GLU at its released betas, and at caps the pre-activations here (std ~1.7) saturate
+    "situ-k3-betas": dict(E=6, k=2, static=dict(activation="situ", situ_betas=(4.0, 25.0))),
+    "situ-saturating-lora": dict(E=7, k=3, empty_expert=4, lora_rank=3,
+                                 static=dict(activation="situ", situ_betas=(1.0, 0.5), lora_scale=0.5)),
+    "situ-up-uncapped": dict(E=6, k=2, static=dict(activation="situ", situ_betas=(0.7, None))),
 }
 
 
