@@ -77,6 +77,21 @@ def stored_example_release(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def kimi_k3_release(tmp_path_factory):
+    """weights ("bf16" | "mxfp4") -> the tiny Kimi K3-shaped custom-code release (2 shards), cached per session."""
+    from onboard.examples.kimi_k3.writer import write_kimi_k3_release
+
+    cache: dict[str, Path] = {}
+
+    def make(weights: str = "bf16") -> Path:
+        if weights not in cache:
+            cache[weights] = write_kimi_k3_release(tmp_path_factory.mktemp("kimi_k3") / weights, 2, weights=weights)
+        return cache[weights]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def example_spec(example_release):
     """family -> the dict a package's spec.json holds for that family's example release (recognized once)."""
     from onboard.recognize.recognizer import recognize

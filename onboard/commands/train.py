@@ -84,7 +84,8 @@ def _plan(args, world: int, policy):
 
 def run(args) -> Exit:
     """0 trained; 1 aborted (non-finite steps, or a failed rank); 3 the release's chat template cannot mask
-    assistant turns, or --bias-update-rate on routers without a correction bias. With --nproc > 1 (outside torchrun) the job is relaunched under torchrun."""
+    assistant turns, --bias-update-rate on routers without a correction bias, or a part of the model nothing here
+    computes (a missing op of the gap report). With --nproc > 1 (outside torchrun) the job is relaunched under torchrun."""
     from onboard.package.approved_ops import require_approved
 
     # the package's op files run in this process (and every rank's): refused before anything else runs
@@ -114,6 +115,11 @@ def _train(args) -> Exit:
     pkg = Path(args.pkg)
     package = read_package(pkg, Path(args.model_dir) if args.model_dir else None)
     load_package_ops(pkg, approved_hashes())
+    # judged with the package's generated ops registered: an op they close is no longer missing
+    missing = untrainable(package.spec)
+    if missing:
+        print(f"onboard: gap: {pkg}: cannot train: {missing}", file=sys.stderr)
+        return Exit.GAPS
     # each generated op compares its first call (the first step's real inputs) with the model's own function
     arm_spot_checks(package_references(pkg))
     spec, weight_map, release = package.spec, package.weight_map, package.source
@@ -154,6 +160,17 @@ def _train(args) -> Exit:
               f"best {state['best_eval_loss']:.4f} at step {state['best_step']}")
     finish()
     return Exit.OK
+
+
+def untrainable(spec: dict) -> str | None:
+    """Why the package's model cannot be built: the gap report's missing parts (nothing here computes them: a
+    runtime op that does not compute their parameters, or an own module of a family transformers does not know);
+    None when every part has something to run it."""
+    from onboard.gap.report import op_gaps
+    from runtime.spec import ModelSpec
+
+    missing = [gap for gap in op_gaps(ModelSpec.model_validate(spec)) if gap.status == "missing"]
+    return "; ".join(f"{gap.op} in {len(gap.layers)} layer(s): {gap.detail}" for gap in missing) or None
 
 
 def run_folder(pkg: Path, out: str | None) -> Path:

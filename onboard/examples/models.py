@@ -94,7 +94,7 @@ def _config_kwargs(family: str, num_layers: int) -> dict:
                     n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5,
                     norm_topk_prob=True, use_qk_norm=True, num_hidden_layers=num_layers,
                     rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
-    raise BadInput(None, "FAMILY", f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    raise BadInput(None, "FAMILY", f"unknown family {family!r}; known: {', '.join(FAMILIES)}, kimi_k3")
 
 
 FAMILIES = ("qwen3_next", "qwen3_5_moe", "kimi_linear", "deepseek_v32", "deepseek_v3", "qwen3_moe", "mixtral",

@@ -54,9 +54,13 @@ def print_gap_report(report: GapReport, console: Console | None = None) -> None:
     m, mem = report.model, report.memory
     console.print(f"[bold]{_t(m['architecture'])}[/] ({_t(m['family'])}): {m['num_layers']} layers "
                   + ", ".join(f"{n} x {_t(k)}" for k, n in m["layer_kinds"].items()))
+    own = f" ({m['moe_layers_own']} run as own modules)" if m.get("moe_layers_own") else ""
+    attention = ", ".join(f"{n} {k}" for k, n in m["attention_kinds"].items() if n)
+    vision = "yes" if m["vision"] else f"not supported ({_t(m['vision_not_supported'])})" \
+        if m.get("vision_not_supported") else "no"
     console.print(f"params {m['params_total']:.4g} total, {m['params_active']:.4g} active; experts "
-                  f"{m['num_experts']} routed top-{m['top_k']}, {m['num_shared_experts']} shared; "
-                  f"vision: {'yes' if m['vision'] else 'no'}")
+                  f"{m['num_experts']} routed top-{m['top_k']}, {m['num_shared_experts']} shared, {m['moe_layers']} MoE "
+                  f"layers{own}; attention: {attention}; vision: {vision}")
     if m.get("stored_as"):
         console.print(f"stored as: {_t(m['stored_as'])}")
     table = Table(title="operators")
@@ -69,7 +73,8 @@ def print_gap_report(report: GapReport, console: Console | None = None) -> None:
     k = report.kernels
     console.print(f"fused kernels here: {'[green]yes[/]' if k.available else '[yellow]no[/]'}, {_t(k.reason)}")
     w = report.weights
-    vision = f" (+ {w.vision_tensors} vision tensors, for the vision tower)" if w.vision_tensors else ""
+    use = "for the vision tower" if m["vision"] else "not used: the vision tower is not supported"
+    vision = f" (+ {w.vision_tensors} vision tensors, {use})" if w.vision_tensors else ""
     console.print(f"weights: {w.present} present / {w.expected} expected{vision}, {len(w.missing)} missing, "
                   f"{len(w.unexpected)} unexpected, shapes {'checked' if w.shapes_checked else 'not checked (index only)'}")
     console.print(f"memory: weights {mem.weights_gib:.1f} GiB{' as stored' if mem.weights_stored_as else ''}, LoRA r{mem.lora_rank} {mem.lora_params:,} params, "
@@ -79,5 +84,11 @@ def print_gap_report(report: GapReport, console: Console | None = None) -> None:
         c = report.meta_check
         verdict = "[green]agrees[/]" if c.agrees else f"[red]disagrees[/] {_t(c.layer_disagreements[:3])}"
         console.print(f"transformers {_t(c.model_class)} on meta: {c.params:,} params, {verdict}")
+    act = m.get("activation")
+    if act and not act["computed"]:
+        said = ", ".join(f"{k}={v}" for k, v in act["parameters"].items())
+        console.print(f"activation {_t(act['name'])}{f' ({_t(said)})' if said else ''}: not an activation the runtime computes")
+    if m.get("generation_keys"):
+        console.print(f"generation settings (no architecture; not used): {_t(', '.join(m['generation_keys']))}")
     for u in report.unrecognized:
         console.print(f"[yellow]unrecognized[/] {_t(u.item)} ({_t(u.source)}) {_t(u.detail)}")

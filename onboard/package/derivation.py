@@ -15,6 +15,7 @@ from typing import Annotated, Any, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
 
 from onboard.release.manifest import Manifest
+from onboard.release.naming import outside_text
 from runtime.spec import ModelSpec
 
 
@@ -87,7 +88,10 @@ def derive_weight_map(spec: ModelSpec, manifest: Manifest) -> dict[str, dict]:
     from onboard.package.weight_map import build_weight_map
 
     own_names = _own_model_names(manifest) if spec.own_model else None
-    return build_weight_map(spec, check_weights(spec, manifest).unexpected, own_names, manifest.stored)
+    # other towers' tensors the vision prefix does not hold (a projector beside the tower) are loaded by nothing
+    vision = spec.naming.vision_prefix or "\0"
+    others = [n for n in outside_text(manifest.tensors, spec.naming) if not n.startswith(vision)]
+    return build_weight_map(spec, check_weights(spec, manifest).unexpected + others, own_names, manifest.stored)
 
 
 def _own_model_names(manifest: Manifest) -> dict[str, str | None]:

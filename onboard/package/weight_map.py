@@ -21,6 +21,7 @@ import re
 from onboard.recognize.weight_layout import attention_tensors, ffn_tensors
 from onboard.release.config_view import NotRecognized
 from runtime.formats.scheme import FP8Block, StoredEntry
+from onboard.release.naming import head_name
 from runtime.spec import ModelSpec, MoEFFN
 
 # the runtime module holding transformers' whole model, when the model runs as its own
@@ -61,7 +62,7 @@ def _mapped(spec: ModelSpec) -> dict[str, dict]:
     n, d = spec.naming, spec.hidden_size
     out = {f"{n.prefix}{n.embedding}.weight": _entry("embed_tokens.weight"), f"{n.prefix}{n.final_norm}.weight": _entry("norm.weight")}
     if not spec.tie_word_embeddings:
-        out["lm_head.weight"] = _entry("lm_head.weight")
+        out[head_name(n)] = _entry("lm_head.weight")
     for layer in spec.layers:
         out |= _own_module_entries(layer, n.prefix)
         if layer.own_layer:

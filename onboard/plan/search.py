@@ -14,6 +14,7 @@ from onboard.errors import BadInput
 from onboard.gap.budget import GIB, POLICIES, USABLE_FRACTION, WORKSPACE_GIB, activations, stored_as
 from onboard.plan.cost import (ASSUMPTIONS, Cluster, Memory, ModelSummary, StepTime, estimate_memory,
                                estimate_time)
+from onboard.recognize.experts import experts_per_layer
 from runtime.parallel.placement import MeshShape, PlacementError, experts_per_rank
 from runtime.spec import ModelSpec
 
@@ -96,7 +97,7 @@ def mesh_candidates(m: ModelSummary, mesh: MeshShape, cluster: Cluster, workload
             if layer.num_experts:
                 experts_per_rank(layer.num_experts, mesh.ep)
         if mesh.ep > 1 and not any(layer.num_experts for layer in m.layers):
-            raise PlacementError(f"ep={mesh.ep} needs routed experts; the model has none")
+            raise PlacementError(_no_placed_experts(m.spec, mesh.ep))
     except PlacementError as error:
         return [PlanCandidate(dp_shard=mesh.dp_shard, ep=mesh.ep, experts_per_rank=0, policy="-", micro_batch=0,
                           fits=False, reason=str(error))]
@@ -165,3 +166,13 @@ def _all_experts(m: ModelSummary) -> list[int]:
     return [layer.num_experts * layer.expert for layer in m.layers]
 
 
+
+
+def _no_placed_experts(spec: ModelSpec, ep: int) -> str:
+    """Why expert parallelism has nothing to place: no experts, or experts only inside own modules (which run whole
+    on every rank: expert parallelism splits the runtime's MoE op)."""
+    own = experts_per_layer(spec)
+    if own:
+        return (f"ep={ep} splits the experts of the runtime's MoE op; this model's {len(own)} MoE layers "
+                f"({max(own.values())} routed experts each) run as own modules, whole on every rank")
+    return f"ep={ep} needs routed experts; the model has none"

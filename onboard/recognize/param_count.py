@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from math import prod
 
+from onboard.recognize.packed import tensor_params
 from onboard.recognize.weight_layout import attention_tensors, ffn_tensors
 from runtime.spec import ModelSpec, MoEFFN, ParamCounts, VisionSpec, own_tensors
 
@@ -18,7 +19,7 @@ def count(spec: ModelSpec, vision: VisionSpec | None) -> ParamCounts:
     for layer in spec.layers:
         # own modules: counted whole under their part (which of their tensors are experts is not known)
         for part, name in ((layer.attention, "attention"), (layer.ffn, "ffn_dense")):
-            c[name] += sum(prod(s) for s in own_tensors(part).values())
+            c[name] += sum(tensor_params(n, s) for n, s in own_tensors(part).items())
         c["norms"] += 0 if layer.own_layer else 2 * d
         attn = attention_tensors(layer.attention, d, spec.naming)
         buffers = sum(prod(s) for k, s in attn.items() if k in LIGHTNING_BUFFERS)

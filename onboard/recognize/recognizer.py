@@ -40,12 +40,22 @@ ATTN_TYPE_FLAGS = {1: "full_attention", 0: "linear_attention"}
 
 KNOWN_TOPK_METHODS = {None, "greedy", "group_limited_greedy", "noaux_tc"}
 
+INDEX_RE = re.compile(r"\.\d+\.")
+# tensors only a linear attention (a decay and short convolutions) holds
+LINEAR_ATTENTION_TENSORS = r"\.(A_log|dt_bias)$|conv1d\.weight$"
+
 LAYER_KIND_ALIASES = {
     "full_attention": "full", "attention": "full", "global_attention": "full",
     "sliding_attention": "sliding", "local_attention": "sliding",
     "linear_attention": "linear",
     "sparse_attention": "sparse", "indexed_attention": "sparse",
 }
+
+
+def declared_activation(text_config: dict) -> tuple[str, dict]:
+    """(hidden_act, its parameters: the `activation_<name>_*` keys, e.g. SiTU's activation_situ_beta)."""
+    name = str(text_config.get("hidden_act") or "silu")
+    return name, {k: v for k, v in text_config.items() if k.startswith(f"activation_{name}_")}
 
 
 class Recognizer:
@@ -82,6 +92,8 @@ class Recognizer:
                             ffn=self._component(i, "ffn", self.ffn, i, moe_layers[i]),
                             residual=self.residual(kinds[i])) for i in range(num_layers)]
         vision = self.vision()
+        self.attention_residuals()
+        self.stored_format()
         tie = bool(self.cfg.get("tie_word_embeddings", default=self.top.get("tie_word_embeddings", default=False)))
         fields = dict(family=self.family, architecture=self._architecture(), hidden_size=hidden,
                       vocab_size=self.cfg.positive_int("vocab_size"), num_layers=num_layers, layers=layers,
@@ -99,9 +111,39 @@ class Recognizer:
         try:
             return recognize_vision.recognize(self.manifest, self.top, self.naming)
         except NotRecognized as gap:
+            # the image token belongs to the tower that is not supported
+            self.top.mark_used(*recognize_vision.IMAGE_TOKEN_KEYS)
             self.unrecognized.append(Unrecognized(source=f"config.json:{gap.key}", item="vision tower not understood",
                                                   detail=f"{gap}: image inputs not supported, the text path only"))
             return None
+
+    def attention_residuals(self) -> None:
+        """Block attention residuals (Kimi's AttnRes): named where a key or the layers' pseudo-query tensors show them.
+        The runtime's decoder layers add into one residual stream; these tensors then make each layer its own."""
+        size = self.cfg.positive_int("attn_res_block_size", default=None)
+        found = sorted({s for layer in self.suffixes.values() for s in layer if re.search(r"_res_(proj|norm)\.weight$", s)})
+        if size is None and not found:
+            return
+        self.unrecognized.append(Unrecognized(
+            source=self.config_source("attn_res_block_size"), item="block attention residuals",
+            detail=f"attn_res_block_size={size}: each sublayer's input is a softmax mix over the sums of earlier blocks "
+                   f"of layers, scored by per-layer pseudo-queries ({', '.join(found) or 'no tensors found'}), not one "
+                   "residual stream; the runtime's decoder layers add into one residual stream"))
+
+    def stored_format(self) -> None:
+        """quantization_config named as the format it says (parsed in full by the released-formats work), with the
+        tensors holding its packed codes and scales: the runtime keeps no packed format yet."""
+        quant = self.manifest.config.get("quantization_config")
+        if not isinstance(quant, dict):
+            return
+        formats = {str(g.get("format")) for g in (quant.get("config_groups") or {}).values()
+                   if isinstance(g, dict) and g.get("format")} or {str(quant.get("format") or quant.get("fmt"))}
+        packed = sorted({INDEX_RE.sub(".N.", n) for n in self.names if n.endswith(("_packed", "_scale", "_blocks"))})
+        self.unrecognized.append(Unrecognized(
+            source="config.json:quantization_config", item=f"stored format {', '.join(sorted(formats))}",
+            detail=f"quantization_config (quant_method {quant.get('quant_method')!r}) stores weights packed: "
+                   f"{len(packed)} tensor pattern(s) of codes and scales ({', '.join(packed[:6])}); the runtime does "
+                   "not keep a packed format yet"))
 
     def num_layers(self) -> int:
         keys = ("num_hidden_layers", "num_layers", "n_layer")
@@ -139,10 +181,19 @@ class Recognizer:
             key = "attn_type_list"
             types = [ATTN_TYPE_FLAGS.get(t, f"attn_type_list={t}") for t in self.cfg.get(key)]
         if types is None:
-            return ["full"] * num_layers
+            return self._kinds_without_types(num_layers)
         self._check_per_layer(key, types, num_layers)
         # a layer type we do not know is judged per layer (attention below), never refused
         return [LAYER_KIND_ALIASES.get(t, f"unknown:{t}") for t in types]
+
+    def _kinds_without_types(self, num_layers: int) -> list[str]:
+        """No layer_types: linear_attn_config's 1-based `kda_layers` (Kimi's way) say which layers are linear;
+        else a layer holding a linear attention's own tensors (decay A_log, dt_bias, short convs) is linear."""
+        lin = self.cfg.get("linear_attn_config", default=None)
+        listed = lin.get("kda_layers") if isinstance(lin, dict) else None
+        if isinstance(listed, list) and all(type(i) is int for i in listed):
+            return ["linear" if i + 1 in listed else "full" for i in range(num_layers)]
+        return ["linear" if self._layer_has(i, LINEAR_ATTENTION_TENSORS) else "full" for i in range(num_layers)]
 
     def _check_per_layer(self, key: str, values, num_layers: int) -> None:
         """A per-layer list the file sizes otherwise than its layer count contradicts the file itself
@@ -158,7 +209,7 @@ class Recognizer:
         if kind == "linear":
             return self.linear_attention(index)
         if self.cfg.has("kv_lora_rank") and self._layer_has(index, r"(kv_a_proj_with_mqa)"):
-            return self.mla(sparse=(kind == "sparse"))
+            return self.mla(index, sparse=(kind == "sparse"))
         if kind == "sparse":
             raise NotRecognized(self.cfg._dotted("layer_types"), "sparse attention without MLA weights")
         return self.softmax(index, window=(kind == "sliding"))
@@ -218,7 +269,7 @@ class Recognizer:
             qkv_bias=self._layer_has(index, r"\.q_proj\.bias$"), o_bias=self._layer_has(index, r"\.o_proj\.bias$"),
             qk_norm=qk_norm, sliding_window=sliding, sinks=self._layer_has(index, r"\.sinks$"), output_gate=gated)
 
-    def mla(self, sparse: bool) -> MLAAttention:
+    def mla(self, index: int, sparse: bool) -> MLAAttention:
         rope_dim = self.cfg.positive_int("qk_rope_head_dim")
         indexer = None
         if sparse:
@@ -230,23 +281,29 @@ class Recognizer:
             raise NotRecognized(self.cfg._dotted("qk_head_dim"), f"recognized as qk_nope_head_dim + qk_rope_head_dim, got {qk}")
         # MLA has one latent kv; head_dim / kv heads keys are the unabsorbed view's bookkeeping
         self.cfg.mark_used("head_dim", "num_key_value_heads", "attention_bias", "mlp_bias")
-        nope = self.family in NOPE_MLA_FAMILIES
+        # mla_use_nope: the key Kimi's releases say it with (the rope part of the key is used unrotated)
+        nope = self.family in NOPE_MLA_FAMILIES or bool(self.cfg.get("mla_use_nope", default=False))
         # without the key: the family's known layout, else what transformers' own rotary function does
         known = self.family in ("deepseek_v3", "deepseek_v32") or rope_pairs_interleaved(self.manifest)
         interleaved = bool(self.cfg.get("rope_interleave", default=known))
-        return MLAAttention(
+        mla = MLAAttention(
             num_heads=self.cfg.positive_int("num_attention_heads"),
             q_lora_rank=self.cfg.positive_int("q_lora_rank", default=None),
             kv_lora_rank=self.cfg.positive_int("kv_lora_rank"),
             qk_nope_head_dim=self.cfg.positive_int("qk_nope_head_dim"), qk_rope_head_dim=rope_dim,
             v_head_dim=self.cfg.positive_int("v_head_dim"),
             rope=None if nope else self.rope(rope_dim, interleaved=interleaved), indexer=indexer)
+        # read after the widths, so that they count as understood: only the gate is not
+        if self.cfg.get("mla_use_output_gate", default=False) or self._layer_has(index, r"^[a-z_]+\.g_proj\.weight$"):
+            raise NotRecognized(self.cfg._dotted("mla_use_output_gate"), "MLA with a sigmoid output gate (g_proj: the "
+                                "attention output times sigmoid(g_proj(x)) before o_proj); the mla op has no output gate")
+        return mla
 
     def linear_attention(self, index: int):
         lin = ConfigView(self.cfg.get("linear_attn_config", default=None) or {}, self.cfg.path,
                          self.cfg._dotted("linear_attn_config"))
         kernel = lin.get("kernel", default=None)
-        if kernel == "kda" or self.family == "kimi_linear" or self._layer_has(index, r"f_a_proj"):
+        if kernel == "kda" or lin.has("kda_layers") or self.family == "kimi_linear" or self._layer_has(index, r"f_a_proj"):
             return self._kda(index, lin)
         if self.family == "minimax" or self._layer_has(index, r"\.slope_rate$|\.qkv_proj\.weight$"):
             heads = self.cfg.positive_int("num_attention_heads")
@@ -260,9 +317,24 @@ class Recognizer:
         heads = lin.positive_int("num_heads", default=None) or self.cfg.positive_int("linear_num_heads", "num_attention_heads")
         head_dim = lin.positive_int("head_dim", default=None) or self.cfg.positive_int("linear_head_dim", "head_dim")
         conv = lin.positive_int("short_conv_kernel_size", default=None) or self.cfg.positive_int("linear_conv_kernel_dim", default=4)
+        lin.mark_used("kda_layers", "full_attn_layers")
+        self._kda_variant(lin)
         self._report_unused(lin)
         return KDAAttention(num_heads=heads, head_dim=head_dim, conv_kernel_size=conv,
                             separate_convs=self._layer_has(index, r"\.q_conv1d\.weight$"))
+
+    def _kda_variant(self, lin: ConfigView) -> None:
+        """Kimi K3's KDA computes its decay and output gate otherwise than the kda op: named, not guessed."""
+        features = []
+        bound = lin.get("gate_lower_bound", default=None)
+        if bound is not None:
+            features.append(f"a lower-bounded (safe) gate, gate_lower_bound={bound!r}: log-decay = gate_lower_bound * "
+                            "sigmoid(exp(A_log) * (f + dt_bias)), not the kda op's -exp(A_log) * softplus(f + dt_bias)")
+        if lin.get("use_full_rank_gate", default=False):
+            features.append("a full-rank output gate (use_full_rank_gate: g_proj), not the low-rank g_a/g_b pair")
+        if features:
+            raise NotRecognized(lin._dotted("gate_lower_bound" if bound is not None else "use_full_rank_gate"),
+                                "KDA with " + "; and ".join(features))
 
     def _gated_delta(self, index: int) -> GatedDeltaAttention:
         fused = "qkvz_ba" if self._layer_has(index, r"in_proj_qkvz") else "qkv_z_b_a"
@@ -303,9 +375,34 @@ class Recognizer:
             raise NotRecognized(self.cfg._dotted("mlp_layer_types"), f"FFN type {is_moe.removeprefix('unknown:')!r}")
         if not is_moe:
             width = self.cfg.positive_int("intermediate_size", "ffn_hidden_size")
-            return DenseFFN(intermediate_size=width, activation=str(self.cfg.get("hidden_act", default="silu")),
+            return DenseFFN(intermediate_size=width, activation=self.activation(),
                             bias=self._layer_has(index, r"mlp\.up_proj\.bias$"))
         return self.moe(index)
+
+    def activation(self) -> str:
+        """hidden_act, with its parameters (`activation_<name>_*` keys: the gap report names them beside it); the
+        registry's predicate judges whether the FFN ops compute it."""
+        name, params = declared_activation(self.cfg.data)
+        self.cfg.get("hidden_act", default=None)
+        self.cfg.mark_used(*params)
+        return name
+
+    def config_source(self, key: str) -> str:
+        return f"config.json:{self.cfg._dotted(key)}"
+
+    def _latent_moe(self, index: int) -> None:
+        """Experts that run in a latent space narrower than the hidden width (a shared down-projection before them,
+        a norm and an up-projection after): the moe op runs experts at the hidden width."""
+        latent = self.cfg.positive_int("routed_expert_hidden_size", default=None)
+        tensors = self._layer_has(index, r"routed_expert_(down|up)_proj")
+        if latent is None and not tensors:
+            return
+        norm = self.cfg.get("latent_moe_use_norm", default=None)
+        raise NotRecognized(self.cfg._dotted("routed_expert_hidden_size"),
+                            f"latent MoE: routed experts run in a latent space of width {latent} (routed_expert_hidden_size:"
+                            f" a shared down-projection routed_expert_down_proj before them, latent RMSNorm "
+                            f"latent_moe_use_norm={norm!r}, up-projection routed_expert_up_proj after); shared experts at "
+                            "full width; the moe op runs experts at the hidden width")
 
     def moe(self, index: int) -> MoEFFN:
         experts = self.cfg.positive_int("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
@@ -321,18 +418,21 @@ class Recognizer:
         if shared and not shared_width:
             shared_width = width * shared
         limit = self.cfg.get("swiglu_limit", default=None)
-        return MoEFFN(
+        moe = MoEFFN(
             num_experts=experts, top_k=top_k, expert_intermediate_size=width, router=self.router(index),
             num_shared_experts=shared if has_shared else 0, shared_intermediate_size=shared_width if has_shared else 0,
             shared_expert_gate=self._layer_has(index, r"shared_expert_gate\.weight$"),
-            activation=str(self.cfg.get("hidden_act", default="silu")),
+            activation=self.activation(),
             expert_bias=self._layer_has(index, r"experts\.(gate_up_proj_bias|N\.up_proj\.bias)"),
             swiglu_limit=float(limit) if limit is not None else None,
             swiglu_alpha=float(self.cfg.get("swiglu_alpha", default=1.702)) if limit is not None else None,
             interleaved_gate_up=limit is not None and self.naming.expert_style == "fused_gate_up")
+        # read after the widths and the router, so that they count as understood: only the latent space is not
+        self._latent_moe(index)
+        return moe
 
     def router(self, index: int) -> RouterSpec:
-        scoring = self.cfg.get("scoring_func", default=None)
+        scoring = self.cfg.get("scoring_func", "moe_router_activation_func", default=None)
         correction = self._layer_has(index, r"e_score_correction_bias$")
         if scoring is None:
             # DeepSeek-style releases (bias-corrected, group-limited) score with sigmoid without saying so
@@ -342,6 +442,8 @@ class Recognizer:
         # any other value is left unread, so it is reported as unrecognized
         if self.cfg.get("topk_method", default=None) not in KNOWN_TOPK_METHODS:
             self.cfg.used.discard("topk_method")
+        # use_grouped_topk only switches on what num_expert_group / topk_group say
+        self.cfg.mark_used("use_grouped_topk")
         topk_first = self.family in ("mixtral", "minimax", "gpt_oss")
         norm_default = topk_first or self.family in ("qwen3_5_moe", "qwen3_5_moe_text") or self.cfg.has("moe_norm_min")
         norm = bool(self.cfg.get("norm_topk_prob", "moe_renormalize", default=norm_default))

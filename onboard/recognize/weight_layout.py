@@ -5,6 +5,7 @@ how each attention and FFN kind lays out its released weights.
 """
 from __future__ import annotations
 
+from onboard.release.naming import head_name
 from runtime.spec import (DenseFFN, GatedDeltaAttention, KDAAttention, LightningAttention, MLAAttention, ModelSpec,
                           MoEFFN, OwnModule, SoftmaxAttention, own_tensors)
 
@@ -16,7 +17,7 @@ def expected_tensors(spec: ModelSpec) -> Shapes:
     n, d = spec.naming, spec.hidden_size
     out: Shapes = {f"{n.prefix}{n.embedding}.weight": (spec.vocab_size, d), f"{n.prefix}{n.final_norm}.weight": (d,)}
     if not spec.tie_word_embeddings:
-        out["lm_head.weight"] = (spec.vocab_size, d)
+        out[head_name(n)] = (spec.vocab_size, d)
     for layer in spec.layers:
         out |= own_module_tensors(layer)
         if layer.own_layer:

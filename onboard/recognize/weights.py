@@ -16,6 +16,7 @@ from typing import Optional
 
 from onboard.errors import BadInput
 from onboard.release.manifest import Manifest
+from onboard.release.naming import text_tensors
 from onboard.recognize.meta_check import (glue_reshapes, transformers_attention_linears, transformers_decoder_layers,
                                 transformers_parameter_names, transformers_reshaped, transformers_tensors)
 from onboard.recognize.weight_layout import expected_tensors
@@ -34,7 +35,8 @@ def _where(name: str, spec: ModelSpec) -> Optional[tuple[int, str]]:
     if not index.isdigit() or int(index) >= spec.num_layers:
         return None
     module = rest.split(".")[0]
-    if module == spec.naming.ffn_module:
+    # `mlp`: the dense layers' FFN where the MoE layers' has another name (Kimi's block_sparse_moe)
+    if module in (spec.naming.ffn_module, "mlp"):
         return int(index), "ffn"
     if module in LAYER_NORMS:
         return int(index), "norm"
@@ -165,8 +167,7 @@ def _notes(why: dict) -> list[Unrecognized]:
 
 def apply(spec: ModelSpec, manifest: Manifest) -> ModelSpec:
     """The spec with every component the weights contradict turned into an OwnModule."""
-    vision_prefix = spec.naming.vision_prefix or "\0"
-    present = {n: t for n, t in manifest.tensors.items() if not n.startswith(vision_prefix)}
+    present = text_tensors(manifest, spec.naming)
     oracle = transformers_tensors(manifest)
     if oracle is not None:
         _contradictions(manifest, present, oracle, spec.family)
@@ -186,8 +187,7 @@ def run_own(spec: ModelSpec, manifest: Manifest, why: dict[tuple[int, str], str]
     "norm" makes the whole decoder layer its own. `knows`: transformers knows the family (its names are used)."""
     from onboard.recognize import param_count
 
-    vision_prefix = spec.naming.vision_prefix or "\0"
-    present = {n: t for n, t in manifest.tensors.items() if not n.startswith(vision_prefix)}
+    present = text_tensors(manifest, spec.naming)
     by_layer: dict[int, dict[str, str]] = {}
     for (index, part), reason in why.items():
         by_layer.setdefault(index, {})[part] = reason

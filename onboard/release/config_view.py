@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from onboard.release.key_kinds import GENERATION_KEYS
+
 _MISSING = object()
 
 
@@ -72,8 +74,9 @@ class ConfigView:
         return float(value)
 
     def unused(self) -> list[str]:
+        """Architecture keys recognition never read (generation settings are listed apart: key_kinds.py)."""
         return [self._dotted(k) for k, v in self.data.items()
-                if k not in self.used and k not in IGNORED_KEYS and v is not None]
+                if k not in self.used and k not in IGNORED_KEYS and k not in GENERATION_KEYS and v is not None]
 
     def mark_used(self, *keys: str) -> None:
         """Keys whose meaning recognition takes from elsewhere (the weights, a derived width)."""

@@ -38,6 +38,31 @@ def scan_layers(names) -> tuple[str, dict[int, set[str]]]:
     return prefix, by_prefix[prefix]
 
 
+def text_root(prefix: str) -> str:
+    """The text model's own root when its decoder sits at `<root>.model.` (a multimodal release's
+    `language_model.model.`): its head is `<root>.lm_head`, and tensors outside the root belong to other towers
+    (vision, projector). '' when the decoder prefix is not of that form (`model.`, `model.language_model.`)."""
+    parts = prefix.rstrip(".").split(".")
+    return ".".join(parts[:-1]) + "." if len(parts) > 1 and parts[-1] == "model" else ""
+
+
+def head_name(naming: WeightNaming) -> str:
+    """The released name of the untied LM head."""
+    return f"{text_root(naming.prefix)}lm_head.weight"
+
+
+def outside_text(names, naming: WeightNaming) -> list[str]:
+    """Tensors of other towers: under the vision prefix, or outside the text model's root when it has one."""
+    root, vision = text_root(naming.prefix), naming.vision_prefix or "\0"
+    return [n for n in names if n.startswith(vision) or (root and not n.startswith(root))]
+
+
+def text_tensors(manifest, naming: WeightNaming) -> dict:
+    """The manifest's tensors of the text model: all but those of other towers (outside_text)."""
+    other = set(outside_text(manifest.tensors, naming))
+    return {n: t for n, t in manifest.tensors.items() if n not in other}
+
+
 def _holds_embedding(names, prefix: str) -> bool:
     """Whether a token embedding sits beside the layers under prefix: the text decoder's, where another
     tower's layers (an audio encoder's) may be more."""

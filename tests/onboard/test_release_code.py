@@ -5,7 +5,9 @@ config.json and tokenizer_config.json naming configuration, modeling and tokeniz
 weights; each writes a marker file when imported. Every command runs on it as a user runs it (a subprocess of
 the `onboard` entry point): none may leave the marker or a traceback. A control first shows that transformers
 does import those files when told to trust them, so a missing marker means the code was refused, not broken.
-The guard below keeps every transformers loader call in onboard/, runtime/ and agents/ explicit about it.
+The Kimi K3-shaped example (a design only its own code builds) gets the same treatment: inspect, new-model,
+align, train and export with no flag leave no marker. The guard below keeps every transformers loader call in
+onboard/, runtime/, agents/, bench/ and reference_ops/ explicit about it.
 """
 from __future__ import annotations
 
@@ -61,6 +63,22 @@ def own_design_release(example_release, tmp_path_factory) -> Path:
     as for a release of a new design (the K3 shape); without trust its layers cannot be checked against it."""
     release = Path(shutil.copytree(example_release(FAMILY), tmp_path_factory.mktemp("own") / "release"))
     return _with_code(release, model_type="acme_moe")
+
+
+@pytest.fixture(scope="module")
+def k3_marked_release(kimi_k3_release, tmp_path_factory) -> Path:
+    """The Kimi K3-shaped example (onboard/examples/kimi_k3: a design transformers has no class for, whose own
+    configuration and modeling files auto_map names) with those files writing the marker when imported, and a
+    tokenizer class of its own as well."""
+    release = Path(shutil.copytree(kimi_k3_release("bf16"), tmp_path_factory.mktemp("k3") / "release"))
+    for name in ("configuration_kimi_k3.py", "modeling_kimi_k3.py"):
+        source = (release / name).read_text()
+        # after the module docstring and its __future__ import, which must stay first
+        head, future, rest = source.partition("from __future__ import annotations\n")
+        (release / name).write_text(head + future + MARKER_LINES + rest)
+    (release / "tokenization_evil.py").write_text(MARKER_LINES + RELEASE_CODE["tokenization_evil.py"])
+    _edit_json(release / "tokenizer_config.json", auto_map={"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]})
+    return release
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +149,32 @@ def test_a_release_only_its_own_code_could_build_is_a_gap(own_design_release, en
     _run_all(env, steps)
 
 
+def test_k3_shaped_release_code_runs_when_trusted(k3_marked_release, env):
+    """The control: the marked files are the ones transformers runs when trusted."""
+    loads = ("from transformers import AutoConfig; import sys; "
+             "AutoConfig.from_pretrained(sys.argv[1], trust_remote_code=True)")
+    done = subprocess.run([sys.executable, "-c", loads, str(k3_marked_release)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _marker(env).exists()
+    _marker(env).unlink()
+
+
+def test_no_command_runs_a_k3_shaped_release_code(k3_marked_release, env, tmp_path):
+    """inspect, new-model, align, train and export with no flag, on a release only its own code could build: no
+    marker, no traceback, each with the exit it has today (gaps: 3; export of the run train refused to make: 2)."""
+    pkg, run, data = tmp_path / "pkg", tmp_path / "run", tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"The mill number {i} turns by the river."}) + "\n" for i in range(8)))
+    steps = [
+        (("inspect", k3_marked_release), (3,)),
+        (("new-model", k3_marked_release, "--out", pkg), (3,)),
+        (("align", pkg), (3,)),
+        (("train", pkg, "--data", data, "--steps", "1", "--seq-len", "16", "--out", run, "--no-progress"), (3,)),
+        (("export", run, "--peft", tmp_path / "peft"), (2,)),
+    ]
+    _run_all(env, steps)
+
+
 # Loader calls that read only weights and JSON, never code: they take no trust_remote_code.
 NO_CODE_LOADERS = {"PeftModel"}
 LOADER_METHODS = {"from_pretrained", "from_config"}
@@ -158,7 +202,7 @@ def _loader_calls_without_the_flag(source: str) -> list[int]:
 
 def test_every_loader_call_says_trust_remote_code():
     missing = [f"{path.relative_to(ROOT)}:{line}"
-               for folder in ("onboard", "runtime", "agents", "bench") for path in sorted((ROOT / folder).rglob("*.py"))
+               for folder in ("onboard", "runtime", "agents", "bench", "reference_ops") for path in sorted((ROOT / folder).rglob("*.py"))
                for line in _loader_calls_without_the_flag(path.read_text())]
     assert not missing, f"transformers loader calls without an explicit trust_remote_code=: {missing}"
 
