@@ -1,0 +1,108 @@
+"""Inside the sandbox only (onboard/align/release_code.py starts it): load the release with its own code
+(transformers' `trust_remote_code=True`, the one place onboard passes it) and compute what tiers 1 and 2 ask,
+from the token ids in inputs.safetensors into outputs.safetensors beside the request, result.json saying which
+module of each layer is its attention and its FFN; error.json with the reason when anything fails."""
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+from onboard.align.reference import Recorder, attention_module, decoder_layers, ffn_module
+from onboard.align.release_code import ERROR, INPUTS, MODEL_ENTRIES, OUTPUTS, RESULT
+from runtime.model.own_modules import truncated_config
+
+
+def load_release_model(source: str, dtype: torch.dtype, num_layers: int | None):
+    """The release's own model class (auto_map), eval mode; the first num_layers decoder layers when given."""
+    import transformers
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(source, trust_remote_code=True)
+    auto_map = getattr(config, "auto_map", None) or {}
+    entry = next(key for key in MODEL_ENTRIES if key in auto_map)
+    config = truncated_config(config, num_layers)
+    model = getattr(transformers, entry).from_pretrained(source, config=config, dtype=dtype, trust_remote_code=True)
+    return model.eval()
+
+
+def run_logits(model, ids: torch.Tensor, tag: str, record: bool, out: dict) -> None:
+    recorder = Recorder(model) if record else None
+    with torch.no_grad():
+        out[f"{tag}/logits"] = model(input_ids=ids, use_cache=False).logits.float()
+    if recorder is None:
+        return
+    recorder.close()
+    for (part, index), (args, kwargs, output) in recorder.calls.items():
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        # a layer whose input is no tensor (a list of block sums) cannot be fed alone: left out, the parent says so
+        if isinstance(hidden, torch.Tensor) and isinstance(output, torch.Tensor):
+            out[f"{tag}/{part}/{index}/in"], out[f"{tag}/{part}/{index}/out"] = hidden.float(), output.float()
+
+
+def run_layers(model, ids: torch.Tensor, tag: str, layers: list[int], seed: int, out: dict, info: dict) -> None:
+    """Each layer rerun on the input the whole model fed it: output, input gradient, LoRA-target gradients."""
+    from onboard.align.tiers.tier1_layers import LORA_TARGETS, cotangent, hf_rerun
+
+    recorder = Recorder(model)
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    recorder.close()
+    hf_layers = decoder_layers(model)
+    for i in layers:
+        args, kwargs, _ = recorder.calls[("layer", i)]
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(hidden, torch.Tensor):
+            raise TypeError(f"layer {i} of the release's code takes {type(hidden).__name__}, not hidden states: "
+                            "it cannot be checked alone")
+        h = hidden.detach().clone().requires_grad_(True)
+        layer_out = hf_rerun(hf_layers[i], recorder.calls[("layer", i)], h)
+        (layer_out.double() * cotangent(layer_out.shape, seed)).sum().backward()
+        out[f"{tag}/{i}/in"], out[f"{tag}/{i}/out"], out[f"{tag}/{i}/grad_input"] = (
+            hidden.detach().float(), layer_out.detach().float(), h.grad.float())
+        for name, p in hf_layers[i].named_parameters():
+            if LORA_TARGETS.search(name) and p.grad is not None:
+                out[f"{tag}/{i}/grad/{name}"] = p.grad.float()
+        info[f"{tag}/{i}"] = _part_names(hf_layers[i])
+
+
+def _part_names(layer) -> dict[str, str | None]:
+    """The attribute names of the layer's attention and FFN modules (how their parameters are named in it)."""
+    names = {id(module): name for name, module in layer.named_children()}
+    return {part: names.get(id(module)) if module is not None else None
+            for part, module in (("attention", attention_module(layer)), ("ffn", ffn_module(layer)))}
+
+
+def worker_main(request_path: Path) -> int:
+    work = request_path.parent
+    try:
+        from safetensors.torch import load_file, save_file
+
+        request = json.loads(request_path.read_text())
+        inputs, out, info, models = load_file(str(work / INPUTS)), {}, {}, {}
+        for task in request["tasks"]:
+            dtype = getattr(torch, task["dtype"])
+            if dtype not in models:
+                models[dtype] = load_release_model(request["source"], dtype, request["num_layers"])
+            ids = inputs[task["ids"]]
+            if task["kind"] == "logits":
+                run_logits(models[dtype], ids, task["tag"], task["record"], out)
+            else:
+                run_layers(models[dtype], ids, task["tag"], task["layers"], task["seed"], out, info)
+        # one tensor may be recorded twice (a layer's output is the next one's input): each saved as its own copy
+        save_file({k: v.detach().clone().contiguous() for k, v in out.items()}, str(work / OUTPUTS))
+        (work / RESULT).write_text(json.dumps(info))
+        return 0
+    except Exception as err:  # the parent reads the reason; the check fails, nothing crashes
+        frame = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
+        at = f" at {Path(frame.filename).name}:{frame.lineno}" if frame else ""
+        (work / ERROR).write_text(json.dumps({"error": f"{type(err).__name__}: {str(err)[:300]}{at}"}))
+        traceback.print_exc()
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(Path(sys.argv[1])))
