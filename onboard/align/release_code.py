@@ -22,12 +22,11 @@ import torch
 
 from onboard import package_io
 from onboard.errors import BadInput, printable
+from onboard.release.model_source import MODEL_ENTRIES, model_entry
 
 WORKER_MODULE = "onboard.align.release_worker"
 REQUEST, INPUTS, OUTPUTS, RESULT, ERROR = ("request.json", "inputs.safetensors", "outputs.safetensors", "result.json",
                                            "error.json")
-# the model classes a worker may load, in the order it looks for them in auto_map
-MODEL_ENTRIES = ("AutoModelForCausalLM", "AutoModel")
 # what the child may know of the user's environment: the thread count, nothing else (it runs on the CPU)
 PASSED_ENV = ("OMP_NUM_THREADS",)
 # logits of the largest vocabularies over a few short sequences, plus a few layers' activations and gradients
@@ -36,16 +35,6 @@ MAX_OUTPUT_BYTES = 4 << 30
 
 class ReferenceFailed(RuntimeError):
     """The release's code gave no usable reference (failed, timed out, refused, or wrote something else)."""
-
-
-def model_entry(config: dict) -> str | None:
-    """The auto_map entry naming the release's own model class (`modeling_x.Class`), None when it ships none."""
-    auto_map = config.get("auto_map")
-    if not isinstance(auto_map, dict):
-        return None
-    entry = next((auto_map[key] for key in MODEL_ENTRIES if key in auto_map), None)
-    # a tokenizer-style [slow, fast] pair is not a model class
-    return entry if isinstance(entry, str) else None
 
 
 def ships_code(source: Path) -> bool:
@@ -196,3 +185,17 @@ def whole_model_truth(source: Path, num_layers: int | None, ids: torch.Tensor, r
             raise ReferenceFailed(f"the release's code gave logits of shape {tuple(value.shape)} for token ids of "
                                   f"shape {tuple(ids.shape)}")
     return logits[0], RecordedCalls(tensors, "float32"), logits[1]
+
+
+def require_runnable_here(spec, reference_ran: str) -> None:
+    """Our side of the comparison builds nothing from the release's code: parts of a family transformers does not
+    know, which only that code implements, stop here with what ran and what is missing."""
+    from onboard.release.transformers_classes import transformers_knows
+
+    own = [layer.index for layer in spec.layers
+           if layer.own_layer or "own_module" in (layer.attention.kind, layer.ffn.kind)]
+    if (own or spec.own_model) and not transformers_knows(spec.family):
+        raise ReferenceFailed(f"the release's code ran confined ({reference_ran}); our side needs layers "
+                              f"{own or 'all'} as its own modules (transformers does not know the family): that runs "
+                              "its code in this process, which needs --trust-remote-code (not offered yet), or "
+                              "registry ops for them")

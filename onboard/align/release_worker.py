@@ -25,8 +25,30 @@ def load_release_model(source: str, dtype: torch.dtype, num_layers: int | None):
     auto_map = getattr(config, "auto_map", None) or {}
     entry = next(key for key in MODEL_ENTRIES if key in auto_map)
     config = truncated_config(config, num_layers)
-    model = getattr(transformers, entry).from_pretrained(source, config=config, dtype=dtype, trust_remote_code=True)
+    cls = getattr(transformers, entry)
+    if getattr(config, "quantization_config", None) is None:
+        return cls.from_pretrained(source, config=config, dtype=dtype, trust_remote_code=True).eval()
+    # a quantized release: its own modules hold the stored tensors and decode them (their dequantization is the
+    # reference), without the quantizer transformers would hand the config to
+    del config.quantization_config
+    model = cls.from_config(config, trust_remote_code=True).to(dtype)
+    _load_stored(model, Path(source), dtype, truncated=num_layers is not None)
     return model.eval()
+
+
+def _load_stored(model, source: Path, dtype: torch.dtype, truncated: bool) -> None:
+    """The release's tensors as stored (floating ones in `dtype`) into its own model; every tensor the model has
+    must come from the release, and (unless cut to fewer layers) every released tensor must have a place."""
+    from safetensors.torch import load_file
+
+    state = {k: v.to(dtype) if v.is_floating_point() else v
+             for f in sorted(source.glob("*.safetensors")) for k, v in load_file(f).items()}
+    own = model.state_dict()
+    result = model.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
+    unexpected = [k for k in state if k not in own]
+    if result.missing_keys or (unexpected and not truncated):
+        raise KeyError(f"the release's own model and its tensors disagree: missing {result.missing_keys[:5]}, "
+                       f"unexpected {unexpected[:5]}")
 
 
 def run_logits(model, ids: torch.Tensor, tag: str, record: bool, out: dict) -> None:
@@ -56,8 +78,9 @@ def run_layers(model, ids: torch.Tensor, tag: str, layers: list[int], seed: int,
         args, kwargs, _ = recorder.calls[("layer", i)]
         hidden = args[0] if args else kwargs.get("hidden_states")
         if not isinstance(hidden, torch.Tensor):
-            raise TypeError(f"layer {i} of the release's code takes {type(hidden).__name__}, not hidden states: "
-                            "it cannot be checked alone")
+            info[f"{tag}/{i}"] = {"unchecked": f"layer {i} of the release's code takes {type(hidden).__name__}, not "
+                                               "hidden states: it cannot be rerun alone on them"}
+            continue
         h = hidden.detach().clone().requires_grad_(True)
         layer_out = hf_rerun(hf_layers[i], recorder.calls[("layer", i)], h)
         (layer_out.double() * cotangent(layer_out.shape, seed)).sum().backward()

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from onboard.align.reference import load_runtime, random_tokens
-from onboard.align.release_code import ReferenceFailed, SandboxedReference, Task, expect
+from onboard.align.release_code import ReferenceFailed, SandboxedReference, Task, expect, require_runnable_here
 from onboard.align.report import Check, with_scales
 from onboard.align.stored import scales_read
 from onboard.align.tiers.tier1_layers import LORA_TARGETS, _own_or_ours, cotangent
@@ -25,6 +25,9 @@ def release_layer_checks(spec: ModelSpec, weight_map: dict, source: Path, num_la
     reference = reference or SandboxedReference(source, num_layers)
     task = Task(kind="layers", tag=TAG, dtype="float32", ids="ids", layers=tuple(layers.values()), seed=seed)
     truth, info = reference.run([task], {"ids": random_tokens(spec, 1, T, seed)})
+    ran = [i for i in layers.values() if f"{TAG}/{i}/out" in truth]
+    require_runnable_here(spec, f"reran layers {ran} forward and backward" if ran else "no layer reran alone: none takes "
+                                "hidden states")
     ours = load_runtime(spec, weight_map, source, torch.float32, num_layers)
     if ours.own is not None:
         raise ReferenceFailed("our model runs whole as transformers' own model: its layers take transformers' "
@@ -32,7 +35,12 @@ def release_layer_checks(spec: ModelSpec, weight_map: dict, source: Path, num_la
     rotary = RotaryCache(torch.arange(T)[None])
     checks = []
     for label, i in layers.items():
-        found = _layer_checks(ours.layers[i], truth, info.get(f"{TAG}/{i}") or {}, i, label, rotary, seed)
+        parts = info.get(f"{TAG}/{i}") or {}
+        if "unchecked" in parts:
+            checks.append(Check(tier=1, name=f"layer{i}:{label}/out", metric="-", value=float("inf"), tolerance=0.0,
+                                verdict="fail", layer=i, op=label, detail=str(parts["unchecked"])[:300]))
+            continue
+        found = _layer_checks(ours.layers[i], truth, parts, i, label, rotary, seed)
         checks += with_scales(found, scales_read(weight_map, [i]))
     return checks
 

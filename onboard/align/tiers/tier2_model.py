@@ -12,7 +12,7 @@ import torch
 
 from onboard.align.progress import Progress
 from onboard.align.reference import Recorder, load_reference, load_runtime, random_tokens
-from onboard.align.release_code import ReferenceFailed, ships_code, whole_model_truth
+from onboard.align.release_code import ReferenceFailed, require_runnable_here, ships_code, whole_model_truth
 from onboard.align.report import Check, Divergence, with_scales
 from onboard.align.stored import scales_read
 from onboard.align.tiers import own_choices
@@ -76,6 +76,7 @@ def tier2(spec: ModelSpec, weight_map: dict, source: Path, num_layers: int, T: i
     if ships_code(source):
         # the release's own code is the reference, run confined
         truth, recorder, their_bf16 = whole_model_truth(source, num_layers, ids)
+        require_runnable_here(spec, f"gave logits of shape {tuple(truth.shape)}")
     else:
         ref = load_reference(source, spec.family, torch.float32, num_layers)
         recorder = Recorder(ref)
