@@ -138,7 +138,9 @@ class Recognizer:
             return
         formats = {str(g.get("format")) for g in (quant.get("config_groups") or {}).values()
                    if isinstance(g, dict) and g.get("format")} or {str(quant.get("format") or quant.get("fmt"))}
-        packed = sorted({INDEX_RE.sub(".N.", n) for n in self.names if n.endswith(("_packed", "_scale", "_blocks"))})
+        # the tensors as released: the manifest's logical view hides codes and scales under the weights' names
+        released = self.manifest.released or self.manifest.tensors
+        packed = sorted({INDEX_RE.sub(".N.", n) for n in released if n.endswith(("_packed", "_scale", "_blocks"))})
         self.unrecognized.append(Unrecognized(
             source="config.json:quantization_config", item=f"stored format {', '.join(sorted(formats))}",
             detail=f"quantization_config (quant_method {quant.get('quant_method')!r}) stores weights packed: "

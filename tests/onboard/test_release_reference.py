@@ -172,3 +172,16 @@ def test_only_the_sandboxed_worker_trusts_release_code():
                         not (isinstance(node.value, ast.Constant) and node.value.value is False):
                     trusting.append(str(path.relative_to(ROOT)))
     assert set(trusting) == {"onboard/align/release_worker.py"}, trusting
+
+
+def test_the_gap_report_says_which_parts_need_trust(kimi_k3_release):
+    """The K3-shaped release: its layers run only as its own code's modules, which runs here only confined; the gap
+    names the file and the flag that running it in the user's process needs."""
+    from onboard.gap.report import analyze
+    from onboard.recognize.recognizer import recognize
+    from onboard.release.manifest import read_manifest
+
+    manifest = read_manifest(kimi_k3_release("bf16"))
+    own = [o for o in analyze(recognize(manifest), manifest).ops if o.covers.endswith(":own_module")]
+    assert own and all(o.status == "missing" for o in own)
+    assert all("modeling_kimi_k3.py" in o.detail and "--trust-remote-code" in o.detail for o in own), own

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from onboard.align.progress import Progress
 from onboard.align.reference import load_runtime, random_tokens
 from onboard.align.release_code import ReferenceFailed, SandboxedReference, Task, expect, require_runnable_here
 from onboard.align.report import Check, with_scales
@@ -21,7 +22,9 @@ TAG = "tier1"
 
 
 def release_layer_checks(spec: ModelSpec, weight_map: dict, source: Path, num_layers: int, layers: dict[str, int],
-                         T: int, seed: int, reference: SandboxedReference | None = None) -> list[Check]:
+                         T: int, seed: int, progress: Progress | None = None,
+                         reference: SandboxedReference | None = None) -> list[Check]:
+    progress = progress or Progress()
     reference = reference or SandboxedReference(source, num_layers)
     task = Task(kind="layers", tag=TAG, dtype="float32", ids="ids", layers=tuple(layers.values()), seed=seed)
     truth, info = reference.run([task], {"ids": random_tokens(spec, 1, T, seed)})
@@ -35,6 +38,7 @@ def release_layer_checks(spec: ModelSpec, weight_map: dict, source: Path, num_la
     rotary = RotaryCache(torch.arange(T)[None])
     checks = []
     for label, i in layers.items():
+        progress.group(f"layer {i} ({label})")
         parts = info.get(f"{TAG}/{i}") or {}
         if "unchecked" in parts:
             checks.append(Check(tier=1, name=f"layer{i}:{label}/out", metric="-", value=float("inf"), tolerance=0.0,

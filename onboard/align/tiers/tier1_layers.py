@@ -104,7 +104,7 @@ def tier1(spec: ModelSpec, weight_map: dict, source: Path, num_layers: int, T: i
         from onboard.align.tiers.release_layers import release_layer_checks
 
         progress.group("the release's own code, confined")
-        return checks + release_layer_checks(spec, weight_map, source, num_layers, layers, T, seed)
+        return checks + release_layer_checks(spec, weight_map, source, num_layers, layers, T, seed, progress)
     progress.group("transformers reference run")
     ref = load_reference(source, spec.family, torch.float32, num_layers)
     ours = load_runtime(spec, weight_map, source, torch.float32, num_layers)
