@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,7 @@ REQUEST, INPUTS, OUTPUTS, RESULT, ERROR = ("request.json", "inputs.safetensors",
                                            "error.json")
 # what the child may know of the user's environment: the thread count, nothing else (it runs on the CPU)
 PASSED_ENV = ("OMP_NUM_THREADS",)
+MIB = 2**20
 # logits of the largest vocabularies over a few short sequences, plus a few layers' activations and gradients
 MAX_OUTPUT_BYTES = 4 << 30
 
@@ -52,8 +55,16 @@ def reference_limits():
 
     wall_s = int(os.environ.get("ONBOARD_REFERENCE_WALL_S", 3600))
     memory_mib = (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 20) // 2
-    return Limits(wall_s=wall_s, memory_mib=memory_mib, cpu_s=wall_s * (os.cpu_count() or 1), file_mib=8192,
-                  open_files=4096, processes=512, shm_mib=512, tmp_mib=1024)
+    # never above what this process is held to (inside the confined alignment a limit cannot be raised)
+    return Limits(wall_s=wall_s, memory_mib=_within(resource.RLIMIT_DATA, memory_mib, MIB),
+                  cpu_s=_within(resource.RLIMIT_CPU, wall_s * (os.cpu_count() or 1)),
+                  file_mib=_within(resource.RLIMIT_FSIZE, 8192, MIB), open_files=_within(resource.RLIMIT_NOFILE, 4096),
+                  processes=512, shm_mib=512, tmp_mib=1024)
+
+
+def _within(limit: int, value: int, unit: int = 1) -> int:
+    hard = resource.getrlimit(limit)[1]
+    return value if hard == resource.RLIM_INFINITY else min(value, hard // unit)
 
 
 @dataclass
@@ -101,8 +112,11 @@ class SandboxedReference:
         # offline, and transformers' copy of the release's modules inside the work folder
         env |= {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HOME": str(work / ".hf"),
                 "CUDA_VISIBLE_DEVICES": ""}
-        result = run_project_module(WORKER_MODULE, [str(work / REQUEST)], work, readable=_readable(self.source),
-                                    limits=self.limits or reference_limits(), env=env)
+        try:
+            result = run_project_module(WORKER_MODULE, [str(work / REQUEST)], work, readable=_readable(self.source),
+                                        limits=self.limits or reference_limits(), env=env)
+        except (OSError, subprocess.SubprocessError) as err:
+            raise ReferenceFailed(f"the sandbox for the release's code did not start: {printable(str(err))[:200]}")
         return _outcome(work, result)
 
 
