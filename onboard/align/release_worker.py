@@ -37,13 +37,20 @@ def load_release_model(source: str, dtype: torch.dtype, num_layers: int | None):
 
 
 def _load_stored(model, source: Path, dtype: torch.dtype, truncated: bool) -> None:
-    """The release's tensors as stored (floating ones in `dtype`) into its own model; every tensor the model has
-    must come from the release, and (unless cut to fewer layers) every released tensor must have a place."""
+    """The release's tensors as stored (floating ones in `dtype`) into its own model when its modules hold them
+    (their dequantization is the reference); else, for a model of plain weights, the stored weights decoded by our
+    fp64 decoders (onboard/align/stored.py) under their logical names. Every tensor the model has must come from the
+    release, and (unless cut to fewer layers) every released tensor must have a place."""
     from safetensors.torch import load_file
 
     state = {k: v.to(dtype) if v.is_floating_point() else v
              for f in sorted(source.glob("*.safetensors")) for k, v in load_file(f).items()}
     own = model.state_dict()
+    if not set(own) <= set(state):
+        from onboard.align.stored import reference_state_dict
+        from onboard.release.manifest import read_manifest
+
+        state = reference_state_dict(read_manifest(source), dtype)
     result = model.load_state_dict({k: v for k, v in state.items() if k in own}, strict=False)
     unexpected = [k for k in state if k not in own]
     if result.missing_keys or (unexpected and not truncated):

@@ -185,3 +185,19 @@ def test_the_gap_report_says_which_parts_need_trust(kimi_k3_release):
     own = [o for o in analyze(recognize(manifest), manifest).ops if o.covers.endswith(":own_module")]
     assert own and all(o.status == "missing" for o in own)
     assert all("modeling_kimi_k3.py" in o.detail and "--trust-remote-code" in o.detail for o in own), own
+
+
+def test_a_quantized_release_with_plain_code_is_decoded_for_it(stored_example_release, tmp_path):
+    """gpt-oss in MXFP4 shipping code of plain weights (transformers' classes, unchanged): the worker builds its
+    class without the quantizer and loads the stored weights decoded by our fp64 decoders; tier 2 passes."""
+    release = Path(shutil.copytree(stored_example_release("gpt_oss", "mxfp4"), tmp_path / "release"))
+    (release / "configuration_acme.py").write_text("from transformers import GptOssConfig\n\n\n"
+                                                   "class AcmeConfig(GptOssConfig):\n    model_type = 'gpt_oss'\n")
+    (release / "modeling_acme.py").write_text("from transformers import GptOssForCausalLM\n\n"
+                                              "from .configuration_acme import AcmeConfig\n\n\n"
+                                              "class AcmeForCausalLM(GptOssForCausalLM):\n    config_class = AcmeConfig\n")
+    config = json.loads((release / "config.json").read_text())
+    (release / "config.json").write_text(json.dumps({**config, "auto_map": AUTO_MAP}))
+    report = run_alignment(write_package(release, tmp_path / "pkg")[0], [2])
+    assert report.passed, _failed(report)
+    assert any(c.name == "training/not-aligned" for t in report.tiers for c in t.checks)
