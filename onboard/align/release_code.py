@@ -24,7 +24,7 @@ import torch
 
 from onboard import package_io
 from onboard.errors import BadInput, printable
-from onboard.release.model_source import MODEL_ENTRIES, model_entry
+from onboard.release.model_source import model_entry
 
 WORKER_MODULE = "onboard.align.release_worker"
 REQUEST, INPUTS, OUTPUTS, RESULT, ERROR = ("request.json", "inputs.safetensors", "outputs.safetensors", "result.json",

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from onboard.align.reference import Recorder, attention_module, decoder_layers, ffn_module
-from onboard.align.release_code import ERROR, INPUTS, MODEL_ENTRIES, OUTPUTS, RESULT
+from onboard.align.release_code import ERROR, INPUTS, OUTPUTS, RESULT
+from onboard.release.model_source import MODEL_ENTRIES
 from runtime.model.own_modules import truncated_config
 
 
@@ -74,7 +75,8 @@ def run_logits(model, ids: torch.Tensor, tag: str, record: bool, out: dict) -> N
 
 def run_layers(model, ids: torch.Tensor, tag: str, layers: list[int], seed: int, out: dict, info: dict) -> None:
     """Each layer rerun on the input the whole model fed it: output, input gradient, LoRA-target gradients."""
-    from onboard.align.tiers.tier1_layers import LORA_TARGETS, cotangent, hf_rerun
+    from onboard.align.tiers.layer_grads import LORA_TARGETS, cotangent
+    from onboard.align.tiers.tier1_layers import hf_rerun
 
     recorder = Recorder(model)
     with torch.no_grad():

@@ -13,7 +13,7 @@ from onboard.align.reference import load_runtime, random_tokens
 from onboard.align.release_code import ReferenceFailed, SandboxedReference, Task, expect, require_runnable_here
 from onboard.align.report import Check, with_scales
 from onboard.align.stored import scales_read
-from onboard.align.tiers.tier1_layers import LORA_TARGETS, _own_or_ours, cotangent
+from onboard.align.tiers.layer_grads import LORA_TARGETS, cotangent, own_or_ours
 from runtime.model.rotary import RotaryCache
 from runtime.spec import ModelSpec
 from runtime.tolerances import compare, tolerance_for
@@ -68,7 +68,7 @@ def _lora_grad_checks(our_layer, truth: dict, parts: dict, i: int, name: str) ->
     if our_layer.own is not None:
         pairs = (("", our_layer.own.module),)
     else:
-        pairs = ((parts.get("attention"), _own_or_ours(our_layer.attn)), (parts.get("ffn"), _own_or_ours(our_layer.ffn)))
+        pairs = ((parts.get("attention"), own_or_ours(our_layer.attn)), (parts.get("ffn"), own_or_ours(our_layer.ffn)))
     checks = []
     for prefix, our_part in pairs:
         if prefix is None:

@@ -5,7 +5,6 @@ gradient and the gradients of LoRA-targetable weights are compared in fp32.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
@@ -16,15 +15,13 @@ from onboard.align.reference import (Recorder, attention_module, decoder_layers,
 from onboard.align.report import Check, with_scales
 from onboard.align.release_code import ships_code
 from onboard.align.stored import scales_read
+from onboard.align.tiers.layer_grads import LORA_TARGETS, cotangent, own_or_ours
+from onboard.align.tiers.release_layers import release_layer_checks
 from onboard.align.tiers.stored_gain import gain_checks
 from onboard.release.manifest import read_manifest
-from runtime.model.own_modules import OwnModule
 from runtime.model.rotary import RotaryCache
 from runtime.spec import LayerSpec, ModelSpec
 from runtime.tolerances import compare, tolerance_for
-
-LORA_TARGETS = re.compile(r"(?:^|\.)(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|in_proj_\w+|"
-                          r"out_proj|qkv_proj|gate_proj|up_proj|down_proj)\.weight$")
 
 
 def layer_label(layer: LayerSpec) -> str:
@@ -50,21 +47,10 @@ def hf_rerun(layer, recorded, h):
     return first_tensor(layer(**{**kwargs, "hidden_states": h}))
 
 
-def cotangent(shape, seed: int) -> torch.Tensor:
-    """The gradient both sides' layer outputs get (the sandboxed reference draws the same one)."""
-    # a stream apart from the token seed, so the cotangent is unrelated to the inputs
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed + 7919), dtype=torch.float64)
-
-
 def _backward_both(hf_out, our_out, seed: int) -> None:
     grad = cotangent(hf_out.shape, seed)
     (hf_out.double() * grad).sum().backward()
     (our_out.double() * grad).sum().backward()
-
-
-def _own_or_ours(part):
-    """An own module's LoRA targets are transformers' module's own parameters, named as there."""
-    return part.module if isinstance(part, OwnModule) else part
 
 
 def _lora_grad_checks(hf_layer, our_layer, index: int, name: str) -> list[Check]:
@@ -74,8 +60,8 @@ def _lora_grad_checks(hf_layer, our_layer, index: int, name: str) -> list[Check]
     elif our_layer.own is not None:
         pairs = ((hf_layer, our_layer.own.module),)
     else:
-        pairs = ((attention_module(hf_layer), _own_or_ours(our_layer.attn)),
-                 (ffn_module(hf_layer), _own_or_ours(our_layer.ffn)))
+        pairs = ((attention_module(hf_layer), own_or_ours(our_layer.attn)),
+                 (ffn_module(hf_layer), own_or_ours(our_layer.ffn)))
     for hf_part, our_part in pairs:
         if hf_part is None:
             continue  # transformers' layer names this part otherwise: its gradients are in the layer's checks
@@ -100,9 +86,7 @@ def tier1(spec: ModelSpec, weight_map: dict, source: Path, num_layers: int, T: i
         progress.group("stored weights: the gain each decodes to")
         checks += gain_checks(manifest, num_layers)
     if ships_code(source):
-        # its own code is the reference, run confined (a module apart: it reads this one's helpers)
-        from onboard.align.tiers.release_layers import release_layer_checks
-
+        # its own code is the reference, run confined
         progress.group("the release's own code, confined")
         return checks + release_layer_checks(spec, weight_map, source, num_layers, layers, T, seed, progress)
     progress.group("transformers reference run")
