@@ -107,7 +107,9 @@ class Recorder:
 
     def _hook(self, part: str, index: int):
         def record(module, args, kwargs, output):
-            self.calls[(part, index)] = (args, kwargs, first_tensor(output).detach())
+            # a release's own layer may give something else than hidden states (a list of block sums): kept as is
+            out = first_tensor(output)
+            self.calls[(part, index)] = (args, kwargs, out.detach() if isinstance(out, torch.Tensor) else out)
         return record
 
     def input(self, part: str, index: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--weights", choices=WEIGHT_FORMATS, default="bf16",
                    help="stored format, as the family's real release ships it: fp8 (deepseek_v3, deepseek_v32, "
-                        "qwen3_next), mxfp4 (gpt_oss, kimi_k3); default bf16")
+                        "qwen3_next), mxfp4 (gpt_oss; kimi_k3's routed experts); default bf16")
 
 
 def run(args) -> Exit:

@@ -12,6 +12,7 @@ from onboard.recognize.meta_check import MetaCheck, meta_check
 from onboard.recognize.recognizer import LINEAR_ATTENTION_TENSORS, declared_activation
 from onboard.recognize.weight_layout import expected_tensors
 from onboard.release.manifest import Manifest
+from onboard.release.model_source import model_entry
 from onboard.release.key_kinds import generation_keys
 from onboard.release.naming import outside_text, text_tensors
 from onboard.recognize.experts import declared_routing, experts_per_layer
@@ -93,7 +94,8 @@ def _pattern(name: str) -> str:
     return re.sub(r"\.\d+\.", ".N.", re.sub(r"\.\d+\.", ".N.", name))
 
 
-def op_gaps(spec: ModelSpec) -> list[OpGap]:
+def op_gaps(spec: ModelSpec, release_code: str | None = None) -> list[OpGap]:
+    """release_code: the auto_map entry of the release's own model class (`modeling_x.Class`), when it ships one."""
     if spec.own_model:
         # transformers' model computes everything, no registry op runs
         return [_own_gap("model", [layer.index for layer in spec.layers], spec.own_model, True)]
@@ -107,7 +109,7 @@ def op_gaps(spec: ModelSpec) -> list[OpGap]:
             own.setdefault(part, ([], reason))[0].append(layer.index)
     knows = transformers_knows(spec.family)
     gaps = [_op_gap(name, support, sorted(layers), knows) for (name, support), layers in sorted(found.items())]
-    return gaps + [_own_gap(name, layers, reason, knows) for name, (layers, reason) in sorted(own.items())]
+    return gaps + [_own_gap(name, layers, reason, knows, release_code) for name, (layers, reason) in sorted(own.items())]
 
 
 def _own_parts(layer) -> list[tuple[str, str]]:
@@ -118,12 +120,22 @@ def _own_parts(layer) -> list[tuple[str, str]]:
             if module.kind == "own_module"]
 
 
-def _own_gap(part: str, layers: list[int], reason: str, knows: bool) -> OpGap:
+def _own_gap(part: str, layers: list[int], reason: str, knows: bool, release_code: str | None = None) -> OpGap:
     status = "own" if knows else "missing"
     detail = ("runs through the model's own transformers module (slow): " if knows
-              else "not recognized and transformers does not know the family: ") + reason
+              else _unknown_family(release_code)) + reason
     return OpGap(op=f"own:{part}", covers=f"{part}:own_module", status=status, layers=layers, runtime_op=None,
                  kernel=None, reference_op="transformers" if knows else "-", detail=detail)
+
+
+def _unknown_family(release_code: str | None) -> str:
+    if release_code is None:
+        return "not recognized and transformers does not know the family: "
+    # the release's code is untrusted: confined it is only a reference, never a part of the model we train
+    return (f"not recognized and transformers does not know the family; only the release's own code "
+            f"({release_code.rsplit('.', 1)[0]}.py) builds it, and that code runs here only confined, as tiers 1-2's "
+            "reference: as a module of the trained model it would run in your process, which needs "
+            "--trust-remote-code (not offered yet): ")
 
 
 def _op_gap(name: str, support: str, layers: list[int], knows: bool) -> OpGap:
@@ -172,7 +184,7 @@ def unexpected_as_unrecognized(unexpected: list[str]) -> list[Unrecognized]:
 
 def analyze(spec: ModelSpec, manifest: Manifest, gpu_mem_gib: float = defaults.GPU_MEM_GIB,
             lora_rank: int = defaults.LORA_RANK, seq_len: int = defaults.SEQ_LEN) -> GapReport:
-    ops = op_gaps(spec)
+    ops = op_gaps(spec, model_entry(manifest.config))
     weights = check_weights(spec, manifest)
     meta = meta_check(spec, manifest) if transformers_knows(spec.family) else None
     available, reason = kernels_available()

@@ -41,6 +41,20 @@ def module_source(model_dir: Path, family: str, op: str) -> Optional[ModelSource
     return fenced(found.pop("__module__"), found) if found else None
 
 
+# the auto_map entries naming a release's own model class, in the order they are looked for
+MODEL_ENTRIES = ("AutoModelForCausalLM", "AutoModel")
+
+
+def model_entry(config: dict) -> Optional[str]:
+    """The auto_map entry naming the release's own model class (`modeling_x.Class`), None when it ships none."""
+    auto_map = config.get("auto_map")
+    if not isinstance(auto_map, dict):
+        return None
+    entry = next((auto_map[key] for key in MODEL_ENTRIES if key in auto_map), None)
+    # a tokenizer-style [slow, fast] pair is not a model class
+    return entry if isinstance(entry, str) else None
+
+
 def auto_map_file(model_dir: Path) -> Optional[Path]:
     """The release's modeling file that config.json's auto_map names (a local `module.Class` entry)."""
     config = json.loads((model_dir / "config.json").read_text())

@@ -279,7 +279,8 @@ def _pair_mxfp4_packed(fmt: MXFP4, tensors: dict, root: Path):
             raise _missing(root, name, scale, tensors, "MXFP4 packed codes without their scale")
         shapes[module + ".weight"] = _check_packed(tensors[name], tensors[scale], root)
         stored[module + ".weight"] = StoredEntry(format=fmt, codes=name, scale=scale)
-        hidden |= {name, scale, module + PACKED_SHAPE}
+        # compressed-tensors writes a weight_shape beside the codes; a release without one hides none
+        hidden |= {name, scale} | ({module + PACKED_SHAPE} & tensors.keys())
     return stored, hidden, shapes
 
 

@@ -5,7 +5,6 @@ gradient and the gradients of LoRA-targetable weights are compared in fp32.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
@@ -14,16 +13,15 @@ from onboard.align.progress import Progress
 from onboard.align.reference import (Recorder, attention_module, decoder_layers, ffn_module, first_tensor, load_reference,
                                      load_runtime, random_tokens)
 from onboard.align.report import Check, with_scales
+from onboard.align.release_code import ships_code
 from onboard.align.stored import scales_read
+from onboard.align.tiers.layer_grads import LORA_TARGETS, cotangent, own_or_ours
+from onboard.align.tiers.release_layers import release_layer_checks
 from onboard.align.tiers.stored_gain import gain_checks
 from onboard.release.manifest import read_manifest
-from runtime.model.own_modules import OwnModule
 from runtime.model.rotary import RotaryCache
 from runtime.spec import LayerSpec, ModelSpec
 from runtime.tolerances import compare, tolerance_for
-
-LORA_TARGETS = re.compile(r"(?:^|\.)(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|in_proj_\w+|"
-                          r"out_proj|qkv_proj|gate_proj|up_proj|down_proj)\.weight$")
 
 
 def layer_label(layer: LayerSpec) -> str:
@@ -41,7 +39,8 @@ def distinct_layers(spec: ModelSpec, num_layers: int) -> dict[str, int]:
     return first
 
 
-def _hf_rerun(layer, recorded, h):
+def hf_rerun(layer, recorded, h):
+    """The model's own layer rerun on `h` with the other arguments its model passed it."""
     args, kwargs, _ = recorded
     if args:
         return first_tensor(layer(h, *args[1:], **kwargs))
@@ -49,15 +48,9 @@ def _hf_rerun(layer, recorded, h):
 
 
 def _backward_both(hf_out, our_out, seed: int) -> None:
-    # a stream apart from the token seed, so the cotangent is unrelated to the inputs
-    cotangent = torch.randn(hf_out.shape, generator=torch.Generator().manual_seed(seed + 7919), dtype=torch.float64)
-    (hf_out.double() * cotangent).sum().backward()
-    (our_out.double() * cotangent).sum().backward()
-
-
-def _own_or_ours(part):
-    """An own module's LoRA targets are transformers' module's own parameters, named as there."""
-    return part.module if isinstance(part, OwnModule) else part
+    grad = cotangent(hf_out.shape, seed)
+    (hf_out.double() * grad).sum().backward()
+    (our_out.double() * grad).sum().backward()
 
 
 def _lora_grad_checks(hf_layer, our_layer, index: int, name: str) -> list[Check]:
@@ -67,8 +60,8 @@ def _lora_grad_checks(hf_layer, our_layer, index: int, name: str) -> list[Check]
     elif our_layer.own is not None:
         pairs = ((hf_layer, our_layer.own.module),)
     else:
-        pairs = ((attention_module(hf_layer), _own_or_ours(our_layer.attn)),
-                 (ffn_module(hf_layer), _own_or_ours(our_layer.ffn)))
+        pairs = ((attention_module(hf_layer), own_or_ours(our_layer.attn)),
+                 (ffn_module(hf_layer), own_or_ours(our_layer.ffn)))
     for hf_part, our_part in pairs:
         if hf_part is None:
             continue  # transformers' layer names this part otherwise: its gradients are in the layer's checks
@@ -92,6 +85,10 @@ def tier1(spec: ModelSpec, weight_map: dict, source: Path, num_layers: int, T: i
     if manifest is not None:
         progress.group("stored weights: the gain each decodes to")
         checks += gain_checks(manifest, num_layers)
+    if ships_code(source):
+        # its own code is the reference, run confined
+        progress.group("the release's own code, confined")
+        return checks + release_layer_checks(spec, weight_map, source, num_layers, layers, T, seed, progress)
     progress.group("transformers reference run")
     ref = load_reference(source, spec.family, torch.float32, num_layers)
     ours = load_runtime(spec, weight_map, source, torch.float32, num_layers)
@@ -114,8 +111,8 @@ def _layer_checks(hf_layer, our_layer, recorder: Recorder, i: int, label: str, r
     h_hf = recorder.input("layer", i).clone().requires_grad_(True)
     h_ours = h_hf.detach().clone().requires_grad_(True)
     recorded = recorder.calls[("layer", i)]
-    hf_out = _hf_rerun(hf_layer, recorded, h_hf)
-    our_out = our_layer(h_ours, rotary) if hasattr(our_layer, "own") else _hf_rerun(our_layer, recorded, h_ours)
+    hf_out = hf_rerun(hf_layer, recorded, h_hf)
+    our_out = our_layer(h_ours, rotary) if hasattr(our_layer, "own") else hf_rerun(our_layer, recorded, h_ours)
     name = f"layer{i}:{label}"
     out = compare(our_out, hf_out, tolerance_for("layer", torch.float32))
     checks = [Check.from_comparison(1, f"{name}/out", out, layer=i, op=label)]
@@ -123,5 +120,4 @@ def _layer_checks(hf_layer, our_layer, recorder: Recorder, i: int, label: str, r
     grad = compare(h_ours.grad, h_hf.grad, tolerance_for("layer", torch.float32, "grad"))
     checks.append(Check.from_comparison(1, f"{name}/grad:input", grad, layer=i, op=label))
     return checks + _lora_grad_checks(hf_layer, our_layer, i, name)
-
 

@@ -12,6 +12,7 @@ import torch
 
 from onboard.align.progress import Progress
 from onboard.align.reference import Recorder, load_reference, load_runtime, random_tokens
+from onboard.align.release_code import ReferenceFailed, require_runnable_here, ships_code, whole_model_truth
 from onboard.align.report import Check, Divergence, with_scales
 from onboard.align.stored import scales_read
 from onboard.align.tiers import own_choices
@@ -71,31 +72,49 @@ def tier2(spec: ModelSpec, weight_map: dict, source: Path, num_layers: int, T: i
     progress = progress or Progress()
     progress.plan(2)
     progress.group("float32 logits and loss")
-    ids, divergence = random_tokens(spec, 2, T, seed), None
-    ref = load_reference(source, spec.family, torch.float32, num_layers)
+    ids, divergence, their_bf16 = random_tokens(spec, 2, T, seed), None, None
+    if ships_code(source):
+        # the release's own code is the reference, run confined
+        truth, recorder, their_bf16 = whole_model_truth(source, num_layers, ids)
+        require_runnable_here(spec, f"gave logits of shape {tuple(truth.shape)}")
+    else:
+        ref = load_reference(source, spec.family, torch.float32, num_layers)
+        recorder = Recorder(ref)
     ours = load_runtime(spec, weight_map, source, torch.float32, num_layers)
     if tamper is not None:
         tamper(ours)
-    recorder, own_truth = Recorder(ref), {}
+    own_truth = {}
     hooks = own_choices.record(ours, own_truth)
     with torch.no_grad():
-        truth, logits = ref(input_ids=ids, use_cache=False).logits.float(), ours(ids)
+        if their_bf16 is None:
+            truth = ref(input_ids=ids, use_cache=False).logits.float()
+        logits = ours(ids)
     recorder.close()
     own_choices.remove(hooks)
     scales = scales_read(weight_map, range(num_layers), outside=True)
     checks = with_scales([logits_check("logits/float32", compare(logits, truth, tolerance_for("model_logits", torch.float32)),
                                        torch.float32), _loss_check("float32", logits, truth, ids, torch.float32)], scales)
-    checks += _routing_flips(ours, recorder, num_layers)
+    checks += _recorded(lambda: _routing_flips(ours, recorder, num_layers), [])
     if any(c.verdict == "fail" for c in checks):
-        divergence = first_divergence(ours, recorder, num_layers, T)
+        divergence = _recorded(lambda: first_divergence(ours, recorder, num_layers, T), None)
     progress.group("bfloat16 logits and loss")
-    checks += with_scales(_bf16_checks(spec, weight_map, source, num_layers, ids, truth, (_choices(ours), own_truth), tamper),
-                          scales)
+    checks += with_scales(_bf16_checks(spec, weight_map, source, num_layers, ids, truth, (_choices(ours), own_truth), tamper,
+                                       their_bf16), scales)
     return checks, divergence
 
 
-def _bf16_checks(spec, weight_map, source, num_layers, ids, truth, choices, tamper) -> list[Check]:
-    """choices: (registry modules' choices, own modules' expert choices) of the fp32 run."""
+def _recorded(find, otherwise):
+    """What needs the reference's per-layer recording; `otherwise` where the release's code gave none (its layers
+    take something else than hidden states)."""
+    try:
+        return find()
+    except ReferenceFailed:
+        return otherwise
+
+
+def _bf16_checks(spec, weight_map, source, num_layers, ids, truth, choices, tamper, theirs_bf16=None) -> list[Check]:
+    """choices: (registry modules' choices, own modules' expert choices) of the fp32 run; theirs_bf16: the
+    reference's bf16 logits when already computed (the release's code, run confined)."""
     ours = load_runtime(spec, weight_map, source, torch.bfloat16, num_layers)
     if tamper is not None:
         tamper(ours)
@@ -111,8 +130,9 @@ def _bf16_checks(spec, weight_map, source, num_layers, ids, truth, choices, tamp
         pinned = ours(ids)
         own_choices.remove(hooks)
         _pin(ours, None)
-        theirs_bf16 = load_reference(source, spec.family, torch.bfloat16, num_layers)
-        theirs_bf16 = theirs_bf16(input_ids=ids, use_cache=False).logits.float()
+        if theirs_bf16 is None:
+            theirs_bf16 = load_reference(source, spec.family, torch.bfloat16, num_layers)
+            theirs_bf16 = theirs_bf16(input_ids=ids, use_cache=False).logits.float()
     floor, note = tolerance_for("model_logits", torch.bfloat16), "expert/key choices pinned to fp32's"
     free_c, own_c = compare(free, truth, floor), compare(theirs_bf16, truth, floor)
     tol = bf16_logits_bar(own_c.rel_rms)

@@ -18,6 +18,7 @@ import torch
 
 from onboard.align.progress import Progress
 from onboard.align.reference import load_reference, load_runtime
+from onboard.align.release_code import ships_code
 from onboard.align.report import Check, with_scales
 from onboard.align.stored import scales_read
 from onboard.align.tiers.tier2_model import logits_check
@@ -112,6 +113,12 @@ def training_checks(spec: ModelSpec, weight_map: dict, source: Path, lora_plan: 
     """lora_plan: the package's lora.yaml."""
     progress = progress or Progress()
     progress.group(f"training: {STEPS} LoRA steps vs transformers + PEFT, then the exports")
+    if ships_code(source):
+        # transformers' class of the family is not the release's model; PEFT on the release's code, confined,
+        # is not built yet (issue 51): said, never compared against the wrong model
+        return [Check(tier=2, name="training/not-aligned", metric="none", value=0.0, tolerance=0.0, verdict="info",
+                      detail="the release ships its own code: the LoRA training curve and the exports are not "
+                             "compared with it yet (tiers 1-2's forward and gradient checks are)")]
     config = alignment_lora_config(Path(lora_plan), weight_map, spec)
     ours = load_runtime(spec, weight_map, source, torch.float32, num_layers)
     apply_lora(ours, config)

@@ -8,6 +8,7 @@ import torch
 
 from onboard.align.progress import Progress
 from onboard.align.reference import load_reference, load_runtime
+from onboard.align.release_code import ships_code
 from onboard.align.report import Check
 from onboard.align.tiers.tier2_model import logits_check
 from runtime.model.vision import VisionTower, multimodal_embeddings, multimodal_positions
@@ -38,6 +39,11 @@ def vision_checks(spec: ModelSpec, weight_map: dict, source: Path, vision_config
         return [Check(tier=2, name="vision/not-aligned", metric="none", value=0.0, tolerance=0.0, verdict="info",
                       detail="the model runs whole as transformers' own; the runtime trains its text path only, "
                              "the vision tower is loaded frozen and not compared")]
+    if ships_code(source):
+        # transformers' class of the family is not the release's model: never compared against it instead
+        return [Check(tier=2, name="vision/not-aligned", metric="none", value=0.0, tolerance=0.0, verdict="info",
+                      detail="the release ships its own code: the vision path is not compared with it yet (the "
+                             "text path's tiers 1-2 are)")]
     ids, pixels, grid, token_types = _image_input(spec, vision_config, seed)
     ref = load_reference(source, spec.family, torch.float32, num_layers)
     ours = load_runtime(spec, weight_map, source, torch.float32, num_layers)
