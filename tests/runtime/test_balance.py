@@ -201,10 +201,13 @@ def test_train_defaults_are_off(example_spec):
 
 
 def test_a_bias_rate_on_routers_without_a_correction_bias_is_a_gap(example_package, tmp_path, capsys):
-    """The release is valid; the option has nothing to act on: exit 3 with one gap line, before any data is read."""
+    """The release is valid; the option has nothing to act on: exit 3 with one gap line, before any step (the data,
+    read and checked first, is fine)."""
     from onboard import cli
 
-    code = cli.main(["train", str(example_package("qwen3_moe")), "--data", str(tmp_path / "absent.jsonl"),
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "a few words to train on"}\n' * 4)
+    code = cli.main(["train", str(example_package("qwen3_moe")), "--data", str(data),
                      "--bias-update-rate", "1e-3", "--no-progress"])
     err = capsys.readouterr().err
     assert code == 3 and "onboard: gap:" in err and "--bias-update-rate" in err and "no correction bias" in err
