@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 FAMILY = "qwen3_moe"
@@ -133,12 +134,24 @@ def test_no_command_runs_the_release_code(code_release, env, tmp_path):
         # tiers 1 and 2 run the release's code, confined (tests/onboard/test_release_reference.py): the sandbox's
         # environment has no ONBOARD_TEST_MARKER, so its import fails there and the tier fails (exit 3)
         (("align", pkg, "--tiers", "1,2"), (0, 3)),
+    ]
+    _run_all(env, steps)
+    # the sandboxed reference cannot import the marked code (above), so the package is not `trainable` and train
+    # and bench would refuse it at once; what is tested here is which code they run, so the status alignment
+    # records for this release where its code imports is set by hand
+    _edit_status(pkg / "package.yaml", "trainable")
+    steps = [
         (("train", pkg, "--data", data, "--steps", "1", "--seq-len", "16", "--out", run, "--no-progress",
           "--no-cuda-graph"), (0,)),
         (("export", run, "--peft", tmp_path / "peft"), (0,)),
         (("bench", pkg, "--seq-len", "16", "--steps", "1"), (0,)),
     ]
     _run_all(env, steps)
+
+
+def _edit_status(package_yaml, status: str) -> None:
+    manifest = yaml.safe_load(package_yaml.read_text())
+    package_yaml.write_text(yaml.safe_dump({**manifest, "status": status, "reasons": []}, sort_keys=False))
 
 
 def test_a_release_only_its_own_code_could_build_is_a_gap(own_design_release, env, tmp_path):
