@@ -31,6 +31,7 @@ from runtime.train.data import Document, pack
 from runtime.train.loop import TrainConfig, TrainData, train
 from runtime.train.metrics import expert_counts, moe_layers, read_metrics
 from runtime.train.run_folder import read_biases
+from runtime.parallel.process import exit_without_teardown, finish
 
 LORA = LoraConfig(rank=4, alpha=8, targets=("layers.*.attn.q_proj",), experts=True)
 T = 48
@@ -165,7 +166,10 @@ def _ep2_worker(rank: int, port: int, package: tuple, run_dir: Path) -> None:
                                 torch.device("cpu"), torch.float32)
     # each rank one row per micro-batch: the expert GEMMs and the aux loss see the one process's 2 rows
     train(model, _data(spec["vocab_size"]), dataclasses.replace(CONFIG, batch_size=1), run_dir, progress=False)
-    dist.destroy_process_group()
+    # the runtime's own end of a rank (runtime/parallel/process.py): leave the group, then exit without the
+    # interpreter's teardown, which a gloo thread's late release can abort
+    finish()
+    exit_without_teardown()
 
 
 def test_correction_bias_and_aux_loss_under_expert_parallelism(example_package, tmp_path, monkeypatch):

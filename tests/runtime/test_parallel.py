@@ -29,6 +29,7 @@ from runtime.parallel.placement import MeshShape, PlacementError
 from runtime.spec import read_spec
 from runtime.train.loop import loss_sum
 from runtime.train.metrics import read_metrics
+from runtime.parallel.process import exit_without_teardown, finish
 
 LORA = LoraConfig(rank=4, alpha=8, targets=("layers.*.attn.q_proj",), experts=True)
 ROWS, T = 4, 32
@@ -78,7 +79,10 @@ def _worker(rank, world, port, mesh, package, out):
     dist.all_reduce(loss)
     if rank == 0:
         torch.save((loss, grads), out)
-    dist.destroy_process_group()
+    # the runtime's own end of a rank (runtime/parallel/process.py): leave the group, then exit without the
+    # interpreter's teardown, which a gloo thread's late release can abort
+    finish()
+    exit_without_teardown()
 
 
 def _free_port() -> int:
