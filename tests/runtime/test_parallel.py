@@ -61,7 +61,8 @@ def _loss_and_grads(model, rows: list[int]) -> tuple[torch.Tensor, dict]:
     return loss.detach(), grads
 
 
-def _worker(rank, world, port, mesh, package, out):
+def _worker(rank, world, port, mesh, package, out, stored: bool = False):
+    """One rank of an ep/dp step with MoE recompute; `stored`: the model must hold stored base weights."""
     import runtime.parallel.load as sharded
     from runtime.parallel.parallelize import device_mesh
 
@@ -75,6 +76,10 @@ def _worker(rank, world, port, mesh, package, out):
     plan = ParallelConfig(mesh, MemoryPolicy(recompute=("moe",)))
     model = sharded.build_sharded_model(spec, weight_map, source, LORA, plan,
                                         device_mesh(mesh, "cpu"), rank, torch.device("cpu"), torch.float32)
+    if stored:
+        from runtime.formats.weight import StoredWeight
+
+        assert any(isinstance(m, StoredWeight) for m in model.modules())
     loss, grads = _loss_and_grads(model, [r for r in range(ROWS) if r % world == rank])
     dist.all_reduce(loss)
     if rank == 0:
